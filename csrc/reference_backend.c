@@ -1,0 +1,66 @@
+/* The built-in deterministic reference backend: a stand-in model whose "next token" is a hash of
+ * (request_id, position, token_id), cheap enough that a benchmark through it measures the
+ * scheduler, and with fault injection so tests can exercise every DecodeRoundError. */
+#include "qualia.h"
+
+uint32_t qualia_reference_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
+                                     uint32_t vocab)
+{
+    uint64_t x = request_id * 0x9E3779B97F4A7C15ull + (uint64_t)position * 0xBF58476D1CE4E5B9ull
+                 + (uint64_t)token_id;
+    x ^= x >> 30;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 27;
+    x *= 0x94D049BB133111EBull;
+    x ^= x >> 31;
+    return (uint32_t)(x % (uint64_t)(vocab ? vocab : 1u));
+}
+
+int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *items,
+                                        uint32_t n_items, const uint32_t *block_table,
+                                        uint32_t n_table, qualia_batch_output *outputs,
+                                        qualia_batch_receipt *receipt)
+{
+    qualia_reference_backend *self = (qualia_reference_backend *)ctx;
+    (void)block_table;
+    (void)n_table;
+    self->calls += 1;
+    if (self->fault == QUALIA_FAULT_ERROR) {
+        return self->code;
+    }
+    for (uint32_t i = 0; i < n_items; i++) {
+        outputs[i].request_id = items[i].request_id;
+        outputs[i].slot = items[i].slot;
+        outputs[i].next_token_id = qualia_reference_next_token(
+            items[i].request_id, items[i].position, items[i].token_id, self->vocab);
+    }
+    self->items += n_items;
+    receipt->batch_size = n_items;
+    receipt->backend_launches = 1;
+    if (self->fault == QUALIA_FAULT_BATCH_SIZE) {
+        receipt->batch_size = n_items + 1;
+    } else if (self->fault == QUALIA_FAULT_LAUNCHES) {
+        receipt->backend_launches = 2;
+    } else if (self->fault == QUALIA_FAULT_SWAP && n_items > 0) {
+        if (n_items > 1) {
+            uint64_t request_id = outputs[0].request_id;
+            uint32_t slot = outputs[0].slot;
+            outputs[0].request_id = outputs[1].request_id;
+            outputs[0].slot = outputs[1].slot;
+            outputs[1].request_id = request_id;
+            outputs[1].slot = slot;
+        } else {
+            outputs[0].slot += 1;
+        }
+    }
+    return 0;
+}
+
+int32_t qualia_reference_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
+{
+    qualia_reference_backend *self = (qualia_reference_backend *)ctx;
+    (void)ops;
+    self->copy_calls += 1;
+    self->pages_copied += n_ops;
+    return 0;
+}

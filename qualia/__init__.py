@@ -1,0 +1,58 @@
+"""qualia: an LLM-serving request scheduler core in Cython over C structs.
+
+The compiled core (`qualia._core`) holds the paged KV block pool, copy-on-write block tables, the
+prefix KV store and the seed's request scheduler; `qualia.Scheduler` is the admit/decode/finish
+facade over them.  `qualia.reference` is the same semantics in plain Python.
+"""
+
+import os as _os
+
+from . import errors
+from ._core import (
+    BACKEND_ABI_VERSION,
+    BACKEND_CAPSULE_NAME,
+    COPY_OP,
+    RAGGED_BATCH_ITEM,
+    RAGGED_BATCH_OUTPUT,
+    RAGGED_BATCH_RECEIPT,
+    REQUEST_VIEW,
+    BlockPool,
+    PrefixIdentity,
+    PrefixKvStore,
+    ReferenceBackend,
+    RequestScheduler,
+    Scheduler,
+    SequenceBlockTable,
+    reference_next_token,
+)
+from ._types import Admission, CopyOnWrite, RaggedBatchReceipt, RequestState
+from .backend import CopyPagesBackend, RaggedBackend
+from .errors import (
+    BackendAbiError,
+    BusyError,
+    DecodeRoundError,
+    PoolError,
+    PrefixKvError,
+    QualiaError,
+    RaggedBackendError,
+    SchedulerError,
+    TableError,
+)
+
+__version__ = "0.1.0"
+
+
+def get_include() -> str:
+    """The folder holding ``qualia.h`` (the C ABI) for C/C++/Cython backends."""
+    return _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "include")
+
+
+__all__ = [
+    "Admission", "BACKEND_ABI_VERSION", "BACKEND_CAPSULE_NAME", "BackendAbiError", "BlockPool",
+    "BusyError", "COPY_OP", "CopyOnWrite", "CopyPagesBackend", "DecodeRoundError", "PoolError",
+    "PrefixIdentity", "PrefixKvError", "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM",
+    "RAGGED_BATCH_OUTPUT", "RAGGED_BATCH_RECEIPT", "REQUEST_VIEW", "RaggedBackend",
+    "RaggedBackendError", "RaggedBatchReceipt", "ReferenceBackend", "RequestScheduler",
+    "RequestState", "Scheduler", "SchedulerError", "SequenceBlockTable", "TableError", "errors",
+    "get_include", "reference_next_token",
+]

@@ -1,0 +1,79 @@
+# Cython view of csrc/qualia.h: the structs shared with decode backends.  Cython users
+# `cimport qualia._abi` with `include_dirs=[qualia.get_include()]`.
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+
+cdef extern from "qualia.h" nogil:
+    ctypedef struct qualia_batch_item:
+        uint64_t request_id
+        uint32_t slot
+        uint32_t token_id
+        uint32_t position
+        uint32_t block_table_offset
+        uint32_t logical_pages
+        uint32_t _reserved
+
+    ctypedef struct qualia_batch_output:
+        uint64_t request_id
+        uint32_t slot
+        uint32_t next_token_id
+
+    ctypedef struct qualia_batch_receipt:
+        uint32_t batch_size
+        uint32_t backend_launches
+
+    ctypedef struct qualia_request_view:
+        uint64_t request_id
+        uint16_t slot
+        uint8_t state
+        uint32_t token_count
+        uint32_t prefix_tokens
+
+    ctypedef struct qualia_copy_op:
+        uint32_t src_page
+        uint32_t dst_page
+
+    enum:
+        QUALIA_STATE_EMPTY
+        QUALIA_STATE_PREFILL
+        QUALIA_STATE_DECODE
+
+    unsigned int QUALIA_BACKEND_ABI_VERSION
+    const char *QUALIA_BACKEND_CAPSULE_NAME
+
+    ctypedef int32_t (*qualia_execute_ragged_fn)(void *ctx,
+                                                 const qualia_batch_item *items, uint32_t n_items,
+                                                 const uint32_t *block_table, uint32_t n_table,
+                                                 qualia_batch_output *outputs,
+                                                 qualia_batch_receipt *receipt)
+    ctypedef int32_t (*qualia_copy_pages_fn)(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
+
+    ctypedef struct qualia_backend:
+        uint32_t abi_version
+        uint32_t struct_size
+        void *ctx
+        qualia_execute_ragged_fn execute_ragged
+        qualia_copy_pages_fn copy_pages
+
+    enum:
+        QUALIA_FAULT_NONE
+        QUALIA_FAULT_ERROR
+        QUALIA_FAULT_BATCH_SIZE
+        QUALIA_FAULT_LAUNCHES
+        QUALIA_FAULT_SWAP
+
+    ctypedef struct qualia_reference_backend:
+        uint32_t vocab
+        int32_t fault
+        int32_t code
+        uint64_t calls
+        uint64_t items
+        uint64_t pages_copied
+        uint64_t copy_calls
+
+    uint32_t qualia_reference_next_token(uint64_t request_id, uint32_t position,
+                                         uint32_t token_id, uint32_t vocab)
+    int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *items,
+                                            uint32_t n_items, const uint32_t *block_table,
+                                            uint32_t n_table, qualia_batch_output *outputs,
+                                            qualia_batch_receipt *receipt)
+    int32_t qualia_reference_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)

@@ -1,0 +1,1 @@
+"""C headers of the qualia ABI (see qualia.get_include())."""
