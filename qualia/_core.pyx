@@ -485,6 +485,8 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
         if pages.dtype.kind == "b" or pages.dtype.kind not in "iu":
             raise TypeError(f"{what} must hold integers, got dtype {pages.dtype}")
         seq = pages.ravel().tolist()
+    elif isinstance(pages, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be a sequence of page ids, not {type(pages).__name__}")
     else:
         try:
             seq = list(pages)

@@ -885,15 +885,9 @@ class Engine:
         return CheckResult(ok, n, mismatched, against)
 
     def pages_copied(self) -> int:
-        """Copy-on-write page copies handed to the backend (prefill and decode)."""
-        if self.is_model:
-            return self.backend.pages_copied
-        facade = self.scheduler.stats().get("pages_copied")
-        if facade is None:
-            return self.c["pages_copied_prefill"]
-        return int(facade) + (0 if self._facade_counts_reserve else self.c["pages_copied_prefill"])
-
-    _facade_counts_reserve = True
+        """Copy-on-write page copies handed to the backend (prefill and decode), as counted by
+        the facade."""
+        return int(self.scheduler.stats().get("pages_copied", self.c["pages_copied_prefill"]))
 
     def stats(self) -> Dict[str, object]:
         s, c = self.scheduler, self.c
