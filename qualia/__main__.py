@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["main", "build_parser", "format_summary"]
@@ -211,7 +212,8 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
     if check_message is not None:
-        rows.append(("check", check_message))
+        took = f"  ({s['check_s']:.2f} s)" if "check_s" in s else ""
+        rows.append(("check", check_message + took))
     width = max(len(k) for k, _ in rows)
     lines = ["qualia simulate summary", "-" * (width + 2 + max(len(v) for _, v in rows))]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
@@ -285,14 +287,16 @@ def _simulate(args, out=None, err=None) -> int:
               "--prompt-len/--output-len)", file=err)
         return 2
     try:
-        if bar is not None:
-            bar.set_postfix_str("serving")
         result = engine.run()
         if args.check:
             if bar is not None:
-                bar.set_postfix_str("checking")
-            result.check = engine.check()
+                bar.reset(total=len(engine.outputs))
+                bar.set_description("check")
+                bar.set_postfix_str("dense reference" if engine.is_model else "reference rule")
+            t1 = time.perf_counter()
+            result.check = engine.check(on_checked=lambda rid: bar.update(1) if bar else None)
             result.stats["check_ok"] = result.check.ok
+            result.stats["check_s"] = time.perf_counter() - t1
     finally:
         if bar is not None:
             bar.close()

@@ -533,8 +533,10 @@ class Engine:
         self.verify_end_state()
         result = EngineResult(self.stats(), dict(self.outputs))
         if check:
+            t1 = time.perf_counter()
             result.check = self.check()
             result.stats["check_ok"] = result.check.ok
+            result.stats["check_s"] = time.perf_counter() - t1
         return result
 
     def step(self) -> None:
@@ -552,8 +554,11 @@ class Engine:
             return
         self._sched_s = 0.0
         self._backend_s = 0.0
+        b0 = self.backend.seconds if self.is_model else 0.0
         self._admit_waiting()
         self._decode_round()
+        if self.is_model:  # prefill, copies and the round, all through the timing proxy
+            self._backend_s = self.backend.seconds - b0
         self.round_sched_s.append(self._sched_s)
         self.round_backend_s.append(self._backend_s)
         self.step_no += 1
@@ -622,21 +627,19 @@ class Engine:
         if live.generated:
             self.c["recomputes"] += 1
 
-        if start >= len(ctx):  # the prefix covers the whole context: recompute its last token
-            token = self._recompute_last(live, ctx)
-            if token is None:
-                return False
-        else:
-            n = len(ctx) - start
-            copies = self._reserve_for_prefill(live, n)
-            if copies is None:
-                return False
-            self._copy(copies)
-            token = self._first_token(rid, ctx[start:], start, ctx)
-            self._call(s.advance, rid, n)
-            self.c["tokens_prefilled"] += n
-            if live.generated:
-                self.c["tokens_recomputed"] += n
+        # _prefix_len() caps the looked-up prefix at len(prompt) - 1, so a hit always leaves
+        # at least the last prompt token to prefill (its logits give the first token)
+        assert start < len(ctx), "prefix hit covers the whole context"
+        n = len(ctx) - start
+        copies = self._reserve_for_prefill(live, n)
+        if copies is None:
+            return False
+        self._copy(copies)
+        token = self._first_token(rid, ctx[start:], start, ctx)
+        self._call(s.advance, rid, n)
+        self.c["tokens_prefilled"] += n
+        if live.generated:
+            self.c["tokens_recomputed"] += n
 
         if live.generated:  # recompute: the pending token is the one generated before
             if token != live.generated[-1]:
@@ -689,34 +692,6 @@ class Engine:
                 continue
             raise RuntimeError(f"engine stuck: cannot reserve {n} pages for request {rid} alone")
 
-    def _recompute_last(self, live: _Live, ctx: List[int]):
-        """A prefix hit covering the whole context: make the last position's page writable
-        (copying it out of the store) and recompute that token to get the logits."""
-        s, rid, pt = self.scheduler, live.req.request_id, self.page_tokens
-        pos = len(ctx) - 1
-        while True:
-            try:
-                cow = self._call(s.requests.ensure_writable, rid, pos // pt, s.pool)
-                break
-            except Exception as err:
-                if not is_exhausted(err):
-                    raise
-            if self._call(s.evict_unused_lru) is not None:
-                self.c["evictions"] += 1
-                self.c["evictions_for_pages"] += 1
-                continue
-            if len(self._running) > 1:
-                self._rollback(live)
-                return None
-            if self._call(s.evict_lru) is None:
-                raise RuntimeError(f"engine stuck: no page to recompute request {rid}")
-            self.c["evictions"] += 1
-            self.c["evictions_for_pages"] += 1
-        if cow.kind == "copy":
-            self._copy(np.array([(cow.src, cow.page)], dtype=_copy_dtype()))
-        self.c["tokens_prefilled"] += 1
-        return self._first_token(rid, [ctx[-1]], pos, ctx)
-
     def _rollback(self, live: _Live) -> None:
         """Undo an admission that could not get its pages: back to the front of the queue."""
         self._call(self.scheduler.finish, live.req.request_id)
@@ -762,9 +737,7 @@ class Engine:
                 failed = err
             dt = time.perf_counter() - t0
             if self.is_model:
-                inside = self.backend.seconds - b0
-                self._sched_s += dt - inside
-                self._backend_s += inside
+                self._sched_s += dt - (self.backend.seconds - b0)
             else:
                 self._backend_s += dt
             if failed is None:
@@ -855,10 +828,10 @@ class Engine:
         if problems:
             raise RuntimeError("engine end state is wrong: " + "; ".join(problems))
 
-    def check(self) -> CheckResult:
+    def check(self, on_checked: Optional[Callable[[int], None]] = None) -> CheckResult:
         """Compare every completed request's tokens with an independent reference: the dense
         (unpaged) model for a model backend, the pure-Python decode rule for the reference
-        backend."""
+        backend.  ``on_checked(request_id)`` is called after each request."""
         mismatched = []
         if self.is_model:
             from .model import DenseModel
@@ -872,6 +845,8 @@ class Engine:
                 want = dense.generate(req.prompt, req.max_new_tokens, self.end_token)
                 if want != self.outputs[rid]:
                     mismatched.append(rid)
+                if on_checked is not None:
+                    on_checked(rid)
         else:
             against = "pure-Python reference decode rule"
             for rid in sorted(self.outputs):
@@ -880,6 +855,8 @@ class Engine:
                                           self.vocab)
                 if want != self.outputs[rid]:
                     mismatched.append(rid)
+                if on_checked is not None:
+                    on_checked(rid)
         n = len(self.outputs)
         ok = not mismatched and n == len(self._requests)
         return CheckResult(ok, n, mismatched, against)
@@ -943,12 +920,3 @@ class Engine:
             "wall_s": self.wall_s,
         }
         return out
-
-
-def _copy_dtype():
-    import qualia
-
-    dt = getattr(qualia, "COPY_OP", None)
-    if dt is None:
-        from .reference import COPY_OP as dt
-    return dt

@@ -1,0 +1,351 @@
+"""C backends (capsule ABI, an out-of-tree consumer compiled at test time), the built-in
+reference C backend, the Python protocol, and concurrency while a round runs without the GIL."""
+
+import ctypes
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import qualia
+from qualia import reference as ref
+from qualia.errors import BackendAbiError, BusyError, DecodeRoundError, RaggedBackendError
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "examples", "c_backend")
+
+
+@pytest.fixture(scope="session")
+def example_backend(tmp_path_factory):
+    """Compile examples/c_backend against the *installed* qualia headers, then import it."""
+    sys.path.insert(0, EXAMPLES)
+    try:
+        import build as example_build
+    finally:
+        sys.path.remove(EXAMPLES)
+    out = str(tmp_path_factory.mktemp("example_backend"))
+    example_build.build(out)
+    sys.path.insert(0, out)
+    try:
+        import example_backend
+    finally:
+        sys.path.remove(out)
+    return example_backend
+
+
+def example_next(item, table, vocab):
+    pages = table[item["block_table_offset"]: item["block_table_offset"] + item["logical_pages"]]
+    return (31 * int(item["token_id"]) + int(item["position"]) + int(pages.astype(np.uint64).sum())) % vocab
+
+
+class PyExample:
+    """The example C backend's rule in Python, for comparison."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def execute_ragged(self, items, block_table, outputs):
+        for i, it in enumerate(items):
+            outputs[i] = (it["request_id"], it["slot"], example_next(it, block_table, self.vocab))
+        return (len(items), 1)
+
+    def copy_pages(self, copies):
+        pass
+
+
+def scratch(n, pages):
+    return (np.zeros(n, qualia.RAGGED_BATCH_ITEM), np.zeros(n * pages, np.uint32),
+            np.zeros(n, qualia.RAGGED_BATCH_OUTPUT))
+
+
+def make_world(n_requests=5, pages_each=3, max_requests=8, logical_pages=6):
+    pool = qualia.BlockPool(64)
+    store = qualia.PrefixKvStore(4, 4)
+    sched = qualia.RequestScheduler(max_requests, logical_pages)
+    for rid in range(n_requests):
+        sched.admit_with_prefix(rid * 7 + 1, None, store, pool)
+        for lp in range(pages_each - (rid % 2)):
+            sched.ensure_writable(rid * 7 + 1, lp, pool)
+        for _ in range(rid * 3):
+            sched.record_token(rid * 7 + 1)
+        sched.mark_prefill_complete(rid * 7 + 1)
+        sched.seed_decode_token(rid * 7 + 1, 100 + rid)
+    return pool, store, sched
+
+
+def test_compiled_consumer_sees_the_same_layout(example_backend):
+    c_layout = example_backend.layout()
+    for name, dtype in (("item", qualia.RAGGED_BATCH_ITEM), ("output", qualia.RAGGED_BATCH_OUTPUT),
+                        ("receipt", qualia.RAGGED_BATCH_RECEIPT),
+                        ("request_view", qualia.REQUEST_VIEW), ("copy_op", qualia.COPY_OP)):
+        size, align, fields = c_layout[name]
+        assert size == dtype.itemsize and align == dtype.alignment
+        assert {f: dtype.fields[f][1] for f in dtype.names} == fields
+    assert c_layout["backend"][0] == qualia._core.BACKEND_STRUCT_SIZE
+
+
+@pytest.mark.parametrize("handover", ["capsule", "attribute", "method"])
+def test_out_of_tree_c_backend_drives_full_rounds(example_backend, handover):
+    cap = example_backend.new(1000)
+    if handover == "capsule":
+        backend = cap
+    elif handover == "attribute":
+        backend = type("B", (), {"__qualia_backend__": cap})()
+    else:
+        backend = type("B", (), {"__qualia_backend__": lambda self: cap})()
+    pool, store, sched = make_world()
+    pool2, store2, sched2 = make_world()
+    bufs, bufs2 = scratch(8, 6), scratch(8, 6)
+    for round_no in range(20):
+        r = sched.execute_decode_round(backend, *bufs)
+        r2 = sched2.execute_decode_round(PyExample(1000), *bufs2)
+        assert r == r2 == (5, 1)
+        assert np.array_equal(bufs[2][:5], bufs2[2][:5])
+        assert np.array_equal(sched.runnable(), sched2.runnable())
+        for rid in range(5):
+            assert sched.pending_token(rid * 7 + 1) == sched2.pending_token(rid * 7 + 1)
+    assert example_backend.stats(cap)[:2] == (20, 100)
+
+
+def test_facade_with_c_and_python_backends_gives_identical_outputs(example_backend):
+    def run(backend):
+        s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=12)
+        prompt = list(range(50, 60))
+        outs = {}
+        for rid in range(4):
+            p = prompt + [rid] * (rid + 1)
+            adm = s.admit(rid, p, prefix_len=len(prompt))
+            start = adm.prefix_tokens
+            copies = s.reserve(rid, len(p) - start)
+            backend_copy(backend, copies)
+            s.advance(rid, len(p) - start)
+            s.complete_prefill(rid, p[-1])
+            if not adm.prefix_hit:
+                s.publish_prefix(rid, p, prefix_len=len(prompt))
+            outs[rid] = []
+        for _ in range(30):
+            receipt, out = s.decode(backend)
+            assert receipt.backend_launches == 1
+            for o in out:
+                outs[int(o["request_id"])].append(int(o["next_token_id"]))
+        stats = s.stats()
+        for rid in range(4):
+            s.finish(rid)
+        held = sum(len(s.prefixes.pages_of(i)) for i in s.prefixes.identities())
+        assert s.free_pages == s.num_blocks - held
+        return outs, stats
+
+    def backend_copy(backend, copies):
+        if len(copies) and hasattr(backend, "copy_pages"):
+            backend.copy_pages(copies)
+
+    c_outs, c_stats = run(example_backend.new(997))
+    py_outs, py_stats = run(PyExample(997))
+    assert c_outs == py_outs
+    assert c_stats == py_stats
+    assert c_stats["prefix_hits"] == 3 and c_stats["pages_copied"] > 0
+
+
+def test_reference_backend_matches_its_python_twin():
+    pool, store, sched = make_world()
+    pool2, store2, sched2 = make_world()
+    rpool, rstore, rsched = qualia.BlockPool(64), qualia.PrefixKvStore(4, 4), None
+    b1, b2 = scratch(8, 6), scratch(8, 6)
+    for _ in range(10):
+        assert sched.execute_decode_round(qualia.ReferenceBackend(), *b1) == \
+            sched2.execute_decode_round(ref.PyReferenceBackend(), *b2)
+        assert np.array_equal(b1[2], b2[2])
+    # the C backend's Python methods compute the same as its capsule
+    be = qualia.ReferenceBackend(vocab=50)
+    items, table, outs = b1[0][:5].copy(), b1[1].copy(), np.zeros(5, qualia.RAGGED_BATCH_OUTPUT)
+    assert be.execute_ragged(items, table, outs) == (5, 1)
+    for it, o in zip(items, outs):
+        assert o["next_token_id"] == qualia.reference_next_token(
+            int(it["request_id"]), int(it["position"]), int(it["token_id"]), 50)
+        assert o["next_token_id"] == ref.PyReferenceBackend.next_token(
+            int(it["request_id"]), int(it["position"]), int(it["token_id"]), 50)
+
+
+def test_c_backend_status_becomes_backend_failed_with_code():
+    pool, store, sched = make_world()
+    before = sched.runnable()
+    with pytest.raises(DecodeRoundError.Backend) as info:
+        sched.execute_decode_round(qualia.ReferenceBackend(fault="error", code=42), *scratch(8, 6))
+    assert isinstance(info.value.cause, RaggedBackendError.Failed)
+    assert info.value.cause.code == 42
+    assert info.value.chain == ("DecodeRoundError.Backend", "RaggedBackendError.Failed")
+    assert np.array_equal(before, sched.runnable())
+
+
+@pytest.mark.parametrize("fault,err", [("batch_size", DecodeRoundError.OutputIdentityMismatch),
+                                       ("launches", DecodeRoundError.BackendLaunchCount),
+                                       ("swap", DecodeRoundError.OutputIdentityMismatch)])
+def test_c_backend_faults_change_nothing(fault, err):
+    pool, store, sched = make_world()
+    before = (sched.runnable(), [sched.pending_token(r * 7 + 1) for r in range(5)])
+    with pytest.raises(err):
+        sched.execute_decode_round(qualia.ReferenceBackend(fault=fault), *scratch(8, 6))
+    after = (sched.runnable(), [sched.pending_token(r * 7 + 1) for r in range(5)])
+    assert np.array_equal(before[0], after[0]) and before[1] == after[1]
+
+
+class _CBackend(ctypes.Structure):
+    _fields_ = [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
+                ("ctx", ctypes.c_void_p), ("execute_ragged", ctypes.c_void_p),
+                ("copy_pages", ctypes.c_void_p)]
+
+
+def _capsule(struct, name):
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(struct), name, None)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("name", b"other.backend", "named 'other.backend'"),
+    ("abi_version", 2, "ABI version 2"),
+    ("struct_size", 8, "struct_size 8"),
+    ("execute_ragged", None, "NULL"),
+])
+def test_capsule_validation_names_what_it_expected(field, value, needle):
+    good = ctypes.cast(ctypes.pythonapi.Py_IncRef, ctypes.c_void_p).value  # never called
+    s = _CBackend(1, 32, None, good, None)
+    name = qualia.BACKEND_CAPSULE_NAME.encode()
+    if field == "name":
+        name = value
+    else:
+        setattr(s, field, value)
+    cap = _capsule(s, name)
+    pool, store, sched = make_world()
+    before = sched.runnable()
+    with pytest.raises(BackendAbiError, match=needle) as info:
+        sched.execute_decode_round(cap, *scratch(8, 6))
+    assert isinstance(info.value, TypeError) and isinstance(info.value, qualia.QualiaError)
+    assert np.array_equal(before, sched.runnable())
+
+
+def test_non_capsule_attribute_is_rejected():
+    pool, store, sched = make_world()
+    with pytest.raises(BackendAbiError, match="PyCapsule"):
+        sched.execute_decode_round(type("B", (), {"__qualia_backend__": 3})(), *scratch(8, 6))
+
+
+def test_reference_backend_capsule_outlives_its_object():
+    be = qualia.ReferenceBackend(vocab=10)
+    cap = be.__qualia_backend__
+    del be
+    pool, store, sched = make_world()
+    assert sched.execute_decode_round(cap, *scratch(8, 6)) == (5, 1)
+
+
+def test_python_protocol_is_runtime_checkable():
+    assert isinstance(PyExample(3), qualia.RaggedBackend)
+    assert isinstance(PyExample(3), qualia.CopyPagesBackend)
+    assert isinstance(qualia.ReferenceBackend(), qualia.CopyPagesBackend)
+    assert not isinstance(object(), qualia.RaggedBackend)
+
+
+def test_round_runs_without_the_gil_and_other_threads_get_busy(example_backend):
+    """While a slow C backend runs (GIL released), another thread's mutating calls on the same
+    scheduler, pool or store raise BusyError and change nothing; reads still work."""
+    cap = example_backend.new(1000, 300_000)  # 0.3 s inside each call
+    s = qualia.Scheduler(max_requests=4, num_blocks=32, page_tokens=4, logical_pages=8)
+    for rid in range(3):
+        s.admit(rid)
+        s.reserve(rid, 5)
+        s.advance(rid, 5)
+        s.complete_prefill(rid, 7)
+    result = {}
+
+    def worker():
+        result["r"] = s.decode(cap)
+
+    before = (s.stats(), s.pool.refcounts())
+    t = threading.Thread(target=worker)
+    t.start()
+    deadline = time.monotonic() + 5
+    while example_backend.stats(cap)[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)  # the backend has been entered, with the GIL released
+    assert t.is_alive()
+    busy_calls = [
+        lambda: s.finish(0), lambda: s.admit(9), lambda: s.reserve(1, 1),
+        lambda: s.advance(1, 1), lambda: s.decode(cap), lambda: s.pool.allocate(),
+        lambda: s.pool.release(0), lambda: s.evict_lru(), lambda: s.requests.record_token(1),
+        lambda: s.requests.finish(2, s.pool),
+        lambda: s.prefixes.publish(qualia.PrefixIdentity.of_tokens([1]), [0], 1, s.pool),
+    ]
+    for call in busy_calls:
+        with pytest.raises(BusyError):
+            call()
+    assert s.active_count == 3 and len(s.runnable()) == 3  # reads are fine mid-round
+    t.join()
+    receipt, out = result["r"]
+    assert receipt == (3, 1) and len(out) == 3
+    assert s.stats()["decode_rounds"] == before[0]["decode_rounds"] + 1
+    # and afterwards everything works again
+    s.finish(0)
+    assert s.active_count == 2
+
+
+def test_hammering_threads_never_corrupt_state(example_backend):
+    cap = example_backend.new(1000, 2_000)
+    s = qualia.Scheduler(max_requests=8, num_blocks=512, page_tokens=4, logical_pages=64)
+    for rid in range(6):
+        s.admit(rid)
+        s.reserve(rid, 3)
+        s.advance(rid, 3)
+        s.complete_prefill(rid, 1)
+    stop = threading.Event()
+    errors = []
+
+    def decoder():
+        for _ in range(150):  # stays inside logical_pages * page_tokens
+            if stop.is_set():
+                break
+            try:
+                s.decode(cap)
+            except BusyError:
+                pass
+            except Exception as exc:  # pragma: no cover - would be a bug
+                errors.append(exc)
+
+    def churner():
+        rid = 100
+        while not stop.is_set():
+            try:
+                s.admit(rid)
+                s.reserve(rid, 2)
+                s.advance(rid, 2)
+                s.complete_prefill(rid, 3)
+                s.finish(rid)
+                rid += 1
+            except BusyError:
+                try:
+                    s.finish(rid)
+                except (BusyError, qualia.SchedulerError.UnknownRequest):
+                    pass
+            except Exception as exc:  # pragma: no cover
+                errors.append(exc)
+
+    threads = [threading.Thread(target=decoder), threading.Thread(target=churner)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    while True:
+        try:
+            for view in s.runnable():
+                s.finish(int(view["request_id"]))
+            break
+        except BusyError:  # pragma: no cover
+            continue
+    assert s.active_count == 0
+    assert s.free_pages == s.num_blocks
+    assert (s.pool.refcounts() == 0).all()
