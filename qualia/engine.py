@@ -41,6 +41,7 @@ cannot deadlock: with nothing else running, the head of the queue always fits.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -385,8 +386,8 @@ class Engine:
         self,
         backend="model",
         *,
-        max_requests: int = 16,
-        num_blocks: int = 128,
+        max_requests: int = 24,
+        num_blocks: int = 96,
         page_tokens: int = 16,
         logical_pages: int = 16,
         prefix_entries: int = 6,
@@ -419,11 +420,21 @@ class Engine:
         self.is_model = callable(getattr(backend, "prefill", None))
         if self.is_model:
             self.weights = getattr(backend, "weights", self.weights)
+            bt = getattr(backend, "page_tokens", self.page_tokens)
+            bn = getattr(backend, "num_blocks", self.scheduler.num_blocks)
+            if bt != self.page_tokens or bn < self.scheduler.num_blocks:
+                raise ValueError(
+                    f"the model backend has {bn} pages of {bt} tokens; the scheduler needs "
+                    f"{self.scheduler.num_blocks} pages of {self.page_tokens} tokens")
             self.backend = TimedBackend(backend)
+            # prompt token ids must be in the model's vocabulary
             self.vocab = int(getattr(getattr(backend, "config", None), "vocab", 0) or 0) or None
+            self._prompt_vocab = self.vocab
         else:
             self.backend = backend
+            # the decode rule's vocabulary; any u32 prompt token id is fine
             self.vocab = int(vocab if vocab is not None else getattr(backend, "vocab", 32000))
+            self._prompt_vocab = None
         self._can_copy = callable(getattr(self.backend, "copy_pages", None))
         self.on_complete = on_complete
 
@@ -472,8 +483,10 @@ class Engine:
             raise ValueError(f"request {rid}: the prompt is empty")
         if int(request.max_new_tokens) < 1:
             raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
-        if self.vocab is not None and any(not 0 <= t < self.vocab for t in prompt):
-            raise ValueError(f"request {rid}: prompt token ids must be in [0, {self.vocab})")
+        if self._prompt_vocab is not None and any(not 0 <= t < self._prompt_vocab
+                                                  for t in prompt):
+            raise ValueError(
+                f"request {rid}: prompt token ids must be in [0, {self._prompt_vocab})")
         if any(not 0 <= t < 2**32 for t in prompt):
             raise ValueError(f"request {rid}: prompt token ids must be u32")
         if not 0 <= int(request.shared_prefix_len) <= len(prompt):
@@ -490,6 +503,10 @@ class Engine:
                 f"request {rid} can never be served: prompt of {len(prompt)} tokens + "
                 f"max_new_tokens={request.max_new_tokens} needs {need} pages of "
                 f"{self.page_tokens} tokens, but " + " and ".join(limits))
+        request = dataclasses.replace(request, request_id=rid, prompt=prompt,
+                                      shared_prefix_len=int(request.shared_prefix_len),
+                                      max_new_tokens=int(request.max_new_tokens),
+                                      arrival_step=int(request.arrival_step))
         self._requests[rid] = request
         if self._arrivals and request.arrival_step < self._arrivals[-1].req.arrival_step:
             self._sorted = False
@@ -574,7 +591,7 @@ class Engine:
         allocates (less the full pages a prefix hit would share), plus one of headroom, capped
         at what the request needs at its peak."""
         s, pt = self.scheduler, self.page_tokens
-        ctx = len(live.context())
+        ctx = len(live.req.prompt) + max(0, len(live.generated) - 1)
         shared = 0
         plen = self._prefix_len(live.req)
         if plen:

@@ -23,14 +23,18 @@ def _qualia_dir() -> pathlib.Path:
 
 
 def pytest_sessionstart(session):
-    """With QUALIA_TEST_INSTALLED=1 (set by CI) the tests must exercise the installed wheel, not
-    the source tree that `python -m pytest` or PYTHONPATH would put first on sys.path."""
-    if os.environ.get("QUALIA_TEST_INSTALLED") != "1":
+    """The tests exercise the installed package, not the source tree that `python -m pytest` or
+    PYTHONPATH would put first on sys.path (QUALIA_TEST_SOURCE=1 allows an in-place build)."""
+    if os.environ.get("QUALIA_TEST_SOURCE") == "1":
         return
-    where = _qualia_dir()
+    try:
+        where = _qualia_dir()
+    except ImportError as exc:
+        pytest.exit(f"qualia is not installed ({exc}); run `pip install '.[test]'` first",
+                    returncode=4)
     if where == SOURCE_PACKAGE:
         pytest.exit(
-            f"QUALIA_TEST_INSTALLED=1 but `import qualia` resolved to the source tree {where}; "
+            f"`import qualia` resolved to the source tree {where}; "
             "run the tests from outside the checkout (or with `python -P` / without PYTHONPATH) "
             "so that the installed package is tested.",
             returncode=4,

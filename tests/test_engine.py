@@ -7,12 +7,9 @@ import json
 
 import pytest
 
-qualia = pytest.importorskip("qualia")
-if not hasattr(qualia, "Scheduler"):  # pragma: no cover
-    pytest.skip("qualia.Scheduler (compiled core) is not available", allow_module_level=True)
-
-from qualia.__main__ import main  # noqa: E402
-from qualia.engine import (  # noqa: E402
+import qualia
+from qualia.__main__ import main
+from qualia.engine import (
     Engine,
     Request,
     Workload,
@@ -21,7 +18,7 @@ from qualia.engine import (  # noqa: E402
     reference_generate,
     reference_next_token,
 )
-from qualia.reference import PyReferenceBackend  # noqa: E402
+from qualia.reference import PyReferenceBackend
 
 # A pool small enough that prefix eviction, preemption and copy-on-write all happen.
 SMALL_WORKLOAD = dict(requests=24, seed=1, prompt_len=(16, 48), output_len=(8, 24),
@@ -283,3 +280,36 @@ def test_cli_quiet_and_demo(capsys):
     assert capsys.readouterr().out == ""
     assert main(["demo", "--no-progress", "--backend", "c"]) == 0
     assert "all 12 requests match" in capsys.readouterr().out
+
+
+class _OffByOne(PyReferenceBackend):
+    """Deviates from the reference rule for request 3 only."""
+
+    def execute_ragged(self, items, block_table, outputs):
+        receipt = super().execute_ragged(items, block_table, outputs)
+        for i in range(len(items)):
+            if items["request_id"][i] == 3:
+                outputs["next_token_id"][i] = (outputs["next_token_id"][i] + 1) % self.vocab
+        return receipt
+
+
+def test_check_reports_a_mismatch():
+    requests = Workload(requests=6, prompt_len=(4, 8), output_len=(3, 5)).generate()
+    engine = Engine(_OffByOne(), num_blocks=16, max_requests=4, page_tokens=4, logical_pages=4)
+    result = engine.run(requests, check=True)
+    assert not result.check.ok and result.check.mismatched == [3]
+    assert "1 of 6 requests DIFFER" in result.check.describe()
+    assert result.stats["check_ok"] is False
+
+
+def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
+    from qualia import engine as engine_mod
+
+    def bad_check(self, on_checked=None):
+        return engine_mod.CheckResult(False, len(self.outputs), [0], "dense reference")
+
+    monkeypatch.setattr(engine_mod.Engine, "check", bad_check)
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--check"]) == 1
+    assert "DIFFER" in capsys.readouterr().out
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--check", "--quiet"]) == 1
+    assert "check FAILED" in capsys.readouterr().err
