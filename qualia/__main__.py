@@ -238,18 +238,10 @@ def _simulate(args, out=None, err=None) -> int:
             prompt_len=args.prompt_len, output_len=args.output_len,
             system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
             share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
-            vocab=512 if args.backend == "model" else 32000)
+            vocab=512 if args.backend == "model" else 32000, end_token=args.end_token)
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return 2
-    if args.backend == "model":
-        from .model import ModelConfig
-
-        if args.end_token is not None and args.end_token >= ModelConfig().vocab:
-            print(f"error: --end-token must be < the model's vocab ({ModelConfig().vocab})",
-                  file=err)
-            return 2
-
     quiet = args.quiet
     show_progress = not (quiet or args.no_progress) and err.isatty()
     bar = None

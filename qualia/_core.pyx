@@ -1263,8 +1263,8 @@ cdef class RequestScheduler:
         return Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
 
     def ensure_writable(self, request_id, logical_page, BlockPool pool not None):
-        cdef int32_t index = self._find(request_id)
         cdef uint32_t lp = _u32(logical_page, "logical_page")
+        cdef int32_t index = self._find(request_id)
         cdef Cow c
         _check_busy(self.busy, "scheduler")
         _check_busy(pool.busy, "pool")
@@ -1279,8 +1279,8 @@ cdef class RequestScheduler:
         self.s.slots[index].state = QUALIA_STATE_DECODE
 
     def seed_decode_token(self, request_id, token_id):
-        cdef int32_t index = self._find(request_id)
         cdef uint32_t tok = _u32(token_id, "token_id")
+        cdef int32_t index = self._find(request_id)
         _check_busy(self.busy, "scheduler")
         self.s.slots[index].next_token_id = tok
         self.s.slots[index].token_ready = 1
@@ -1762,8 +1762,8 @@ cdef class Scheduler:
 
     def reserve(self, request_id, num_tokens):
         """Make writable every page of the next ``num_tokens`` positions; return the copies."""
-        cdef int32_t index = self.requests._find(request_id)
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
+        cdef int32_t index = self.requests._find(request_id)
         cdef Sched *s = &self.requests.s
         cdef uint64_t start = s.slots[index].token_count
         cdef Py_ssize_t n_undo = 0, n_copies = 0
@@ -1787,8 +1787,8 @@ cdef class Scheduler:
 
     def advance(self, request_id, num_tokens):
         """``record_token`` ``num_tokens`` times (saturating); returns the new token count."""
-        cdef int32_t index = self.requests._find(request_id)
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
+        cdef int32_t index = self.requests._find(request_id)
         self._check_idle()
         cdef Slot *sl = &self.requests.s.slots[index]
         cdef uint64_t t = <uint64_t>sl.token_count + n
@@ -1797,8 +1797,8 @@ cdef class Scheduler:
 
     def complete_prefill(self, request_id, first_token):
         """The prompt is prefilled: go to Decode with ``first_token`` as the next input."""
-        cdef int32_t index = self.requests._find(request_id)
         cdef uint32_t tok = _u32(first_token, "first_token")
+        cdef int32_t index = self.requests._find(request_id)
         self._check_idle()
         self.requests.s.slots[index].state = QUALIA_STATE_DECODE
         self.requests.s.slots[index].next_token_id = tok
@@ -1806,10 +1806,10 @@ cdef class Scheduler:
 
     def publish_prefix(self, request_id, prompt_tokens, prefix_len=None, namespace=b""):
         """Publish the request's pages covering ``prompt_tokens[:prefix_len]`` to the store."""
-        cdef int32_t index = self.requests._find(request_id)
         cdef bytes ns = _namespace_bytes(namespace)
         cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
         cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
+        cdef int32_t index = self.requests._find(request_id)
         cdef Slot *sl = &self.requests.s.slots[index]
         cdef uint32_t pages
         self._check_idle()

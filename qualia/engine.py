@@ -114,7 +114,8 @@ class Workload:
 
     ``prompt_len`` and ``output_len`` are inclusive ``(min, max)`` ranges; ``length_dist`` is
     ``"uniform"`` or ``"lognormal"`` (median at the geometric mean of the range, ``sigma`` 0.5,
-    clipped to the range).  A shared prompt is one of the ``system_prompts`` system prompts
+    clipped to the range).  ``end_token`` (optional) is the id that ends a generation; it never
+    appears in a prompt (pass the same id to :class:`Engine`).  A shared prompt is one of the ``system_prompts`` system prompts
     (each ``system_prompt_len`` tokens, the same token ids for every tenant) followed by the
     user's part; its total length is drawn like any other prompt but is at least
     ``system_prompt_len + 1``.  Token ids are drawn uniformly from ``[0, vocab)``."""
@@ -131,6 +132,7 @@ class Workload:
     vocab: int = 512
     length_dist: str = "uniform"
     first_request_id: int = 0
+    end_token: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.prompt_len = _length_range(self.prompt_len, "prompt_len")
@@ -147,6 +149,16 @@ class Workload:
             raise ValueError("system_prompt_len must be >= 1")
         if self.length_dist not in ("uniform", "lognormal"):
             raise ValueError("length_dist must be 'uniform' or 'lognormal'")
+        if self.end_token is not None and not 0 <= self.end_token < self.vocab:
+            raise ValueError(f"end_token must be in [0, {self.vocab}), got {self.end_token}")
+        if self.end_token is not None and self.vocab < 2:
+            raise ValueError("an end token needs vocab >= 2")
+
+    def _tokens(self, rng: np.random.Generator, n: int) -> List[int]:
+        toks = rng.integers(0, self.vocab, size=n)
+        if self.end_token is not None:  # prompts never hold the end token
+            toks[toks == self.end_token] = (self.end_token + 1) % self.vocab
+        return toks.tolist()
 
     def _lengths(self, rng: np.random.Generator, rng_range: Tuple[int, int], n: int) -> np.ndarray:
         lo, hi = rng_range
@@ -159,8 +171,7 @@ class Workload:
     def system_prompt_tokens(self) -> List[List[int]]:
         """The ``K`` system prompts (drawn from their own stream of the seed)."""
         rng = np.random.default_rng([self.seed, 1])
-        return [rng.integers(0, self.vocab, size=self.system_prompt_len).tolist()
-                for _ in range(self.system_prompts)]
+        return [self._tokens(rng, self.system_prompt_len) for _ in range(self.system_prompts)]
 
     def generate(self) -> List[Request]:
         n = self.requests
@@ -183,11 +194,11 @@ class Workload:
                 sp = int(which[i])
                 system = systems[sp]
                 length = max(length, len(system) + 1)
-                user = rng.integers(0, self.vocab, size=length - len(system)).tolist()
+                user = self._tokens(rng, length - len(system))
                 prompt, prefix = system + user, len(system)
             else:
                 sp = None
-                prompt, prefix = rng.integers(0, self.vocab, size=length).tolist(), 0
+                prompt, prefix = self._tokens(rng, length), 0
             out.append(Request(
                 request_id=self.first_request_id + i,
                 tenant=int(tenants[i]),

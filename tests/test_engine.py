@@ -68,6 +68,9 @@ def test_workload_is_seeded_and_well_formed():
     assert {r.tenant for r in a} == {0, 1, 2, 3}
     lognormal = Workload(requests=300, length_dist="lognormal", prompt_len=(10, 90)).generate()
     assert all(10 <= len(r.prompt) <= 90 for r in lognormal if r.system_prompt is None)
+    no_end = Workload(requests=50, vocab=8, end_token=5, system_prompts=2, system_prompt_len=6)
+    assert all(5 not in r.prompt for r in no_end.generate())
+    assert any(5 in r.prompt for r in Workload(requests=50, vocab=8).generate())
     with pytest.raises(ValueError):
         Workload(prompt_len=(5, 2))
     with pytest.raises(ValueError):
@@ -294,7 +297,8 @@ class _OffByOne(PyReferenceBackend):
 
 
 def test_check_reports_a_mismatch():
-    requests = Workload(requests=6, prompt_len=(4, 8), output_len=(3, 5)).generate()
+    requests = Workload(requests=6, prompt_len=(4, 8), output_len=(3, 5),
+                        system_prompts=0).generate()
     engine = Engine(_OffByOne(), num_blocks=16, max_requests=4, page_tokens=4, logical_pages=4)
     result = engine.run(requests, check=True)
     assert not result.check.ok and result.check.mismatched == [3]
