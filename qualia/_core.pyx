@@ -137,7 +137,8 @@ for _name, _dt in (("item", RAGGED_BATCH_ITEM), ("output", RAGGED_BATCH_OUTPUT),
                    ("request_view", REQUEST_VIEW), ("copy_op", COPY_OP),
                    ("u32", np.dtype(np.uint32))):
     _FORMATS[_name] = (memoryview(np.zeros(1, _dt)).format,
-                       _normalize_format(memoryview(np.zeros(1, _dt)).format), _dt)
+                       _normalize_format(memoryview(np.zeros(1, _dt)).format), _dt,
+                       memoryview(np.zeros(1, _dt)).format.encode("ascii"))
 del _name, _dt
 
 # ---------------------------------------------------------------------------------------------
@@ -187,30 +188,45 @@ cdef class _Buffer:
             self.held = False
 
 
-cdef _Buffer _acquire(object obj, str what, str kind, Py_ssize_t itemsize, size_t align,
-                      bint writable):
-    cdef _Buffer b = _Buffer.__new__(_Buffer)
-    fmt, norm, dt = _FORMATS[kind]
+cdef int _get_buffer(object obj, Py_buffer *view, str what, str kind, Py_ssize_t itemsize,
+                     size_t align, bint writable) except -1:
+    # Acquire and check `obj` as a 1-D C-contiguous aligned buffer of one ABI dtype.  On success
+    # the caller owns `view` (PyBuffer_Release); on failure nothing is held.  The success path
+    # creates no Python object, so a steady-state decode round allocates nothing.
+    cdef tuple spec = <tuple>_FORMATS[kind]
     try:
-        PyObject_GetBuffer(obj, &b.view, PyBUF_STRIDES | PyBUF_FORMAT)
+        PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT)
     except (TypeError, BufferError, ValueError) as exc:
         raise TypeError(f"{what} must be a 1-D numpy array of dtype {_dtype_name(kind)}, "
                         f"got {type(obj).__name__}") from exc
+    try:
+        if (view.format == NULL or strcmp(view.format, <const char *><bytes>spec[3]) != 0
+                or view.itemsize != itemsize):
+            got = (<bytes>view.format).decode("ascii", "replace") if view.format != NULL else "B"
+            if _normalize_format(got) != spec[1] or view.itemsize != itemsize:
+                raise TypeError(f"{what} must have dtype {_dtype_name(kind)} (buffer format "
+                                f"{spec[0]!r}), got format {got!r} with itemsize {view.itemsize}")
+        if view.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got {view.ndim} dimensions")
+        if view.shape[0] > 1 and view.strides[0] != itemsize:
+            raise ValueError(f"{what} must be C-contiguous (stride {itemsize}), "
+                             f"got stride {view.strides[0]}")
+        if view.shape[0] > 0 and (<uintptr_t>view.buf) % align != 0:
+            raise ValueError(f"{what} is misaligned: its data must be {align}-byte aligned")
+        if writable and view.readonly:
+            raise ValueError(f"{what} must be writable, got a read-only buffer")
+    except BaseException:
+        PyBuffer_Release(view)
+        raise
+    return 0
+
+
+cdef _Buffer _acquire(object obj, str what, str kind, Py_ssize_t itemsize, size_t align,
+                      bint writable):
+    cdef _Buffer b = _Buffer.__new__(_Buffer)
+    _get_buffer(obj, &b.view, what, kind, itemsize, align, writable)
     b.held = True
-    got = (<bytes>b.view.format).decode("ascii", "replace") if b.view.format != NULL else "B"
-    if got != fmt and _normalize_format(got) != norm or b.view.itemsize != itemsize:
-        raise TypeError(f"{what} must have dtype {_dtype_name(kind)} (buffer format {fmt!r}), "
-                        f"got format {got!r} with itemsize {b.view.itemsize}")
-    if b.view.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got {b.view.ndim} dimensions")
     b.length = b.view.shape[0]
-    if b.length > 1 and b.view.strides[0] != itemsize:
-        raise ValueError(f"{what} must be C-contiguous (stride {itemsize}), "
-                         f"got stride {b.view.strides[0]}")
-    if b.length > 0 and (<uintptr_t>b.view.buf) % align != 0:
-        raise ValueError(f"{what} is misaligned: its data must be {align}-byte aligned")
-    if writable and b.view.readonly:
-        raise ValueError(f"{what} must be writable, got a read-only buffer")
     b.ptr = b.view.buf
     return b
 
@@ -1440,17 +1456,26 @@ cdef class RequestScheduler:
     def execute_decode_round(self, backend, item_scratch, block_table_scratch, output_scratch):
         """Lower every decoding request into the scratch buffers and call the backend once."""
         _check_busy(self.busy, "scheduler")
-        cdef _Buffer bi = _acquire(item_scratch, "item_scratch", "item",
-                                   sizeof(qualia_batch_item), QUALIA_ALIGN_ITEM,
-                                   True)
-        cdef _Buffer bt = _acquire(block_table_scratch, "block_table_scratch", "u32",
-                                   sizeof(uint32_t), sizeof(uint32_t), True)
-        cdef _Buffer bo = _acquire(output_scratch, "output_scratch", "output",
-                                   sizeof(qualia_batch_output),
-                                   QUALIA_ALIGN_OUTPUT, True)
-        return self._round(backend, <qualia_batch_item *>bi.ptr, bi.length, item_scratch,
-                           <uint32_t *>bt.ptr, bt.length, block_table_scratch,
-                           <qualia_batch_output *>bo.ptr, bo.length, output_scratch)
+        cdef Py_buffer bi, bt, bo
+        _get_buffer(item_scratch, &bi, "item_scratch", "item", sizeof(qualia_batch_item),
+                    QUALIA_ALIGN_ITEM, True)
+        try:
+            _get_buffer(block_table_scratch, &bt, "block_table_scratch", "u32",
+                        sizeof(uint32_t), sizeof(uint32_t), True)
+            try:
+                _get_buffer(output_scratch, &bo, "output_scratch", "output",
+                            sizeof(qualia_batch_output), QUALIA_ALIGN_OUTPUT, True)
+                try:
+                    return self._round(backend, <qualia_batch_item *>bi.buf, bi.shape[0],
+                                       item_scratch, <uint32_t *>bt.buf, bt.shape[0],
+                                       block_table_scratch, <qualia_batch_output *>bo.buf,
+                                       bo.shape[0], output_scratch)
+                finally:
+                    PyBuffer_Release(&bo)
+            finally:
+                PyBuffer_Release(&bt)
+        finally:
+            PyBuffer_Release(&bi)
 
     def __repr__(self):
         return (f"RequestScheduler(max_requests={self.s.max_requests}, "
