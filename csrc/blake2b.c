@@ -54,17 +54,31 @@ static void blake2b_compress(qualia_blake2b *s, int last)
     v[13] ^= s->t[1];
     if (last) v[14] = ~v[14];
     for (int i = 0; i < 16; i++) m[i] = load64_le(s->buf + 8 * i);
-    for (int r = 0; r < 12; r++) {
-        const uint8_t *sg = blake2b_sigma[r];
-        B2B_G(0, 4, 8, 12, m[sg[0]], m[sg[1]]);
-        B2B_G(1, 5, 9, 13, m[sg[2]], m[sg[3]]);
-        B2B_G(2, 6, 10, 14, m[sg[4]], m[sg[5]]);
-        B2B_G(3, 7, 11, 15, m[sg[6]], m[sg[7]]);
-        B2B_G(0, 5, 10, 15, m[sg[8]], m[sg[9]]);
-        B2B_G(1, 6, 11, 12, m[sg[10]], m[sg[11]]);
-        B2B_G(2, 7, 8, 13, m[sg[12]], m[sg[13]]);
-        B2B_G(3, 4, 9, 14, m[sg[14]], m[sg[15]]);
-    }
+    /* the twelve rounds written out, so every message index is a compile-time constant */
+#define B2B_ROUND(r)                                                              \
+    do {                                                                          \
+        B2B_G(0, 4, 8, 12, m[blake2b_sigma[r][0]], m[blake2b_sigma[r][1]]);       \
+        B2B_G(1, 5, 9, 13, m[blake2b_sigma[r][2]], m[blake2b_sigma[r][3]]);       \
+        B2B_G(2, 6, 10, 14, m[blake2b_sigma[r][4]], m[blake2b_sigma[r][5]]);      \
+        B2B_G(3, 7, 11, 15, m[blake2b_sigma[r][6]], m[blake2b_sigma[r][7]]);      \
+        B2B_G(0, 5, 10, 15, m[blake2b_sigma[r][8]], m[blake2b_sigma[r][9]]);      \
+        B2B_G(1, 6, 11, 12, m[blake2b_sigma[r][10]], m[blake2b_sigma[r][11]]);    \
+        B2B_G(2, 7, 8, 13, m[blake2b_sigma[r][12]], m[blake2b_sigma[r][13]]);     \
+        B2B_G(3, 4, 9, 14, m[blake2b_sigma[r][14]], m[blake2b_sigma[r][15]]);     \
+    } while (0)
+    B2B_ROUND(0);
+    B2B_ROUND(1);
+    B2B_ROUND(2);
+    B2B_ROUND(3);
+    B2B_ROUND(4);
+    B2B_ROUND(5);
+    B2B_ROUND(6);
+    B2B_ROUND(7);
+    B2B_ROUND(8);
+    B2B_ROUND(9);
+    B2B_ROUND(10);
+    B2B_ROUND(11);
+#undef B2B_ROUND
     for (int i = 0; i < 8; i++) s->h[i] ^= v[i] ^ v[i + 8];
 }
 

@@ -84,6 +84,8 @@ cdef struct Sched:
     int32_t *index
     uint32_t index_mask
     uint64_t *free_bits
+    uint64_t *decode_bits
+    uint32_t n_decode
     uint32_t n_words
     uint32_t max_requests
     uint32_t logical_pages
@@ -145,6 +147,9 @@ cdef class Scheduler:
     cdef object _outputs
     cdef object _table
     cdef object _copies
+    cdef object _items_ro
+    cdef object _table_ro
+    cdef object _copies_ro
     cdef object _tokens
     cdef qualia_batch_item *items_p
     cdef qualia_batch_output *outs_p

@@ -23,6 +23,10 @@ import operator
 
 import numpy as np
 
+cimport numpy as cnp
+
+cnp.import_array()
+
 from qualia._types import Admission, CopyOnWrite, RaggedBatchReceipt, RequestState
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
                            PrefixKvError, QualiaError, RaggedBackendError, SchedulerError,
@@ -140,6 +144,35 @@ for _name, _dt in (("item", RAGGED_BATCH_ITEM), ("output", RAGGED_BATCH_OUTPUT),
                        _normalize_format(memoryview(np.zeros(1, _dt)).format), _dt,
                        memoryview(np.zeros(1, _dt)).format.encode("ascii"))
 del _name, _dt
+
+cdef object _DT_ITEM = RAGGED_BATCH_ITEM
+cdef object _DT_OUTPUT = RAGGED_BATCH_OUTPUT
+cdef object _DT_VIEW = REQUEST_VIEW
+cdef object _DT_COPY = COPY_OP
+cdef object _DT_U32 = np.dtype(np.uint32)
+
+
+cdef inline bint _fast_array(object obj, object dtype, size_t align, bint writable,
+                             void **ptr, Py_ssize_t *n) noexcept:
+    # A plain 1-D C-contiguous ndarray of exactly our dtype object: read its data pointer
+    # directly.  numpy builds a format string on every buffer export of a structured dtype,
+    # which would cost a microsecond and several allocations per decode round.  Anything else
+    # takes the checked buffer-protocol path.
+    if not cnp.PyArray_CheckExact(obj):
+        return False
+    cdef cnp.ndarray a = <cnp.ndarray>obj
+    if <void *>cnp.PyArray_DESCR(a) != <void *>dtype or cnp.PyArray_NDIM(a) != 1:
+        return False
+    cdef int flags = cnp.PyArray_FLAGS(a)
+    if not (flags & cnp.NPY_ARRAY_C_CONTIGUOUS):
+        return False
+    if writable and not (flags & cnp.NPY_ARRAY_WRITEABLE):
+        return False
+    if (<uintptr_t>cnp.PyArray_DATA(a)) % align != 0:
+        return False
+    ptr[0] = cnp.PyArray_DATA(a)
+    n[0] = cnp.PyArray_DIMS(a)[0]
+    return True
 
 # ---------------------------------------------------------------------------------------------
 # Argument checking: ints only (bools rejected), range checked, clear messages.
@@ -650,9 +683,54 @@ cdef PrefixIdentity _identity_of(const uint32_t *tokens, size_t n, bytes ns):
     cdef Py_ssize_t nsl = len(ns)
     if nsl > U32_MAX:
         raise OverflowError("namespace longer than 2**32-1 bytes")
-    with nogil:
+    if n > 4096:  # long prompts: let other threads run while we hash
+        with nogil:
+            qualia_prefix_digest(nsp, <uint32_t>nsl, tokens, n, d)
+    else:
         qualia_prefix_digest(nsp, <uint32_t>nsl, tokens, n, d)
     return _identity_from_digest(d)
+
+
+cdef Py_ssize_t _tokens_into(object tokens, uint32_t *dst, Py_ssize_t cap) except -1:
+    # Copy token ids into dst[0..cap) (range-checked); returns the count, or cap + 1 without
+    # copying when there are more than cap tokens.
+    cdef void *ptr
+    cdef Py_ssize_t i, n
+    if _fast_array(tokens, _DT_U32, sizeof(uint32_t), False, &ptr, &n):
+        if n > cap:
+            return cap + 1
+        if n:
+            memcpy(dst, ptr, n * sizeof(uint32_t))
+        return n
+    if type(tokens) is list or type(tokens) is tuple:
+        n = len(tokens)
+        if n > cap:
+            return cap + 1
+        for i in range(n):
+            dst[i] = _u32(tokens[i], "token id")
+        return n
+    arr = _token_array(tokens)
+    n = arr.shape[0]
+    if n > cap:
+        return cap + 1
+    cdef const uint32_t[::1] v = arr
+    if n:
+        memcpy(dst, &v[0], n * sizeof(uint32_t))
+    return n
+
+
+cdef PrefixIdentity _identity_of_tokens(object tokens, bytes ns):
+    cdef uint32_t stack[256]
+    cdef void *ptr
+    cdef Py_ssize_t n
+    if _fast_array(tokens, _DT_U32, sizeof(uint32_t), False, &ptr, &n):
+        return _identity_of(<uint32_t *>ptr, n, ns)
+    n = _tokens_into(tokens, stack, 256)
+    if n <= 256:
+        return _identity_of(stack, n, ns)
+    arr = _token_array(tokens)
+    cdef const uint32_t[::1] v = arr
+    return _identity_of(&v[0], v.shape[0], ns)
 
 
 cdef class PrefixIdentity:
@@ -674,11 +752,7 @@ cdef class PrefixIdentity:
     @classmethod
     def of_tokens(cls, tokens, namespace=b""):
         """BLAKE2b-128 of ``u32le(len(ns)) || ns || u32le(token) ...``."""
-        cdef bytes ns = _namespace_bytes(namespace)
-        arr = _token_array(tokens)
-        cdef const uint32_t[::1] v = arr
-        cdef uint32_t dummy = 0
-        return _identity_of(&v[0] if v.shape[0] else &dummy, v.shape[0], ns)
+        return _identity_of_tokens(tokens, _namespace_bytes(namespace))
 
     @classmethod
     def fromhex(cls, s):
@@ -1096,7 +1170,9 @@ cdef int sched_admit(Sched *s, uint64_t rid, bint has_identity, uint64_t hi, uin
             return rc
     slot = &s.slots[index]
     slot.request_id = rid
-    slot.state = QUALIA_STATE_PREFILL if prefix_tokens == 0 else QUALIA_STATE_DECODE
+    slot.state = QUALIA_STATE_PREFILL
+    if prefix_tokens != 0:
+        slot_set_decode(s, index)
     slot.token_count = prefix_tokens
     slot.prefix_tokens = prefix_tokens
     sched_index_insert(s, index)
@@ -1107,9 +1183,20 @@ cdef int sched_admit(Sched *s, uint64_t rid, bint has_identity, uint64_t hi, uin
     return Q_OK
 
 
+cdef inline void slot_set_decode(Sched *s, uint32_t index) noexcept nogil:
+    # every decoding slot has its bit set, so a round visits decoding slots only
+    if s.slots[index].state != QUALIA_STATE_DECODE:
+        s.slots[index].state = QUALIA_STATE_DECODE
+        s.decode_bits[index >> 6] |= (<uint64_t>1) << (index & 63)
+        s.n_decode += 1
+
+
 cdef void slot_clear(Sched *s, int32_t index) noexcept nogil:
     cdef Slot *slot = &s.slots[index]
     sched_index_remove(s, index)
+    if slot.state == QUALIA_STATE_DECODE:
+        s.decode_bits[index >> 6] &= ~((<uint64_t>1) << (index & 63))
+        s.n_decode -= 1
     slot.request_id = 0
     slot.state = QUALIA_STATE_EMPTY
     slot.token_count = 0
@@ -1178,8 +1265,11 @@ cdef object _c_backend(object backend, qualia_backend **out):
 
 
 cdef object _readonly_view(object arr, Py_ssize_t n):
+    if cnp.PyArray_CheckExact(arr) and not (cnp.PyArray_FLAGS(<cnp.ndarray>arr)
+                                             & cnp.NPY_ARRAY_WRITEABLE):
+        return arr[:n]  # already a read-only base (the facade's buffers)
     v = np.asarray(arr)[:n]
-    v.flags.writeable = False
+    v.setflags(write=False)
     return v
 
 
@@ -1215,9 +1305,11 @@ cdef class RequestScheduler:
         self.s.index = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
         self.s.n_words = (mr + 63) // 64
         self.s.free_bits = <uint64_t *>PyMem_Calloc(self.s.n_words, sizeof(uint64_t))
+        self.s.decode_bits = <uint64_t *>PyMem_Calloc(self.s.n_words, sizeof(uint64_t))
         self.s.lowered = <uint32_t *>PyMem_Malloc(mr * sizeof(uint32_t))
         if (self.s.slots == NULL or self.s.table_storage == NULL or self.s.index == NULL
-                or self.s.free_bits == NULL or self.s.lowered == NULL):
+                or self.s.free_bits == NULL or self.s.decode_bits == NULL
+                or self.s.lowered == NULL):
             raise MemoryError(f"cannot allocate a scheduler of {mr} x {lp} pages")
         for i in range(size):
             self.s.index[i] = -1
@@ -1235,6 +1327,7 @@ cdef class RequestScheduler:
         PyMem_Free(self.s.table_storage)
         PyMem_Free(self.s.index)
         PyMem_Free(self.s.free_bits)
+        PyMem_Free(self.s.decode_bits)
         PyMem_Free(self.s.lowered)
 
     @property
@@ -1292,7 +1385,7 @@ cdef class RequestScheduler:
     def mark_prefill_complete(self, request_id):
         cdef int32_t index = self._find(request_id)
         _check_busy(self.busy, "scheduler")
-        self.s.slots[index].state = QUALIA_STATE_DECODE
+        slot_set_decode(&self.s, index)
 
     def seed_decode_token(self, request_id, token_id):
         cdef uint32_t tok = _u32(token_id, "token_id")
@@ -1373,41 +1466,45 @@ cdef class RequestScheduler:
                        qualia_batch_output *outs, Py_ssize_t outs_cap, object outs_obj):
         # One ragged decode round, the seed's checks in the seed's order.
         cdef Sched *s = &self.s
-        cdef uint32_t i, j, n = 0, decode_count = 0
+        cdef uint32_t i, j, w, n = 0, decode_count = s.n_decode
+        cdef uint64_t bits
         cdef size_t need = 0, off = 0
         cdef Slot *sl
         cdef qualia_backend *cb = NULL
         cdef qualia_batch_receipt rec
         cdef int32_t status = 0
         cdef object holder = None
-        for i in range(s.max_requests):
-            if s.slots[i].state == QUALIA_STATE_DECODE:
-                decode_count += 1
-                need += s.slots[i].blocks.len
+        for w in range(s.n_words):
+            bits = s.decode_bits[w]
+            while bits:
+                need += s.slots[w * 64 + __builtin_ctzll(bits)].blocks.len
+                bits &= bits - 1
         if items_cap < decode_count:
             raise DecodeRoundError.ItemBufferTooSmall()
         if outs_cap < decode_count:
             raise DecodeRoundError.OutputBufferTooSmall()
         if <size_t>table_cap < need:
             raise DecodeRoundError.BlockTableBufferTooSmall()
-        for i in range(s.max_requests):
-            sl = &s.slots[i]
-            if sl.state != QUALIA_STATE_DECODE:
-                continue
-            if not sl.token_ready:
-                raise DecodeRoundError.MissingInputToken()
-            if sl.blocks.len:
-                memcpy(&table[off], sl.blocks.entries, sl.blocks.len * sizeof(uint32_t))
-            items[n].request_id = sl.request_id
-            items[n].slot = i
-            items[n].token_id = sl.next_token_id
-            items[n].position = sl.token_count
-            items[n].block_table_offset = <uint32_t>off
-            items[n].logical_pages = sl.blocks.len
-            items[n]._reserved = 0
-            s.lowered[n] = i
-            n += 1
-            off += sl.blocks.len
+        for w in range(s.n_words):
+            bits = s.decode_bits[w]
+            while bits:
+                i = w * 64 + __builtin_ctzll(bits)
+                bits &= bits - 1
+                sl = &s.slots[i]
+                if not sl.token_ready:
+                    raise DecodeRoundError.MissingInputToken()
+                if sl.blocks.len:
+                    memcpy(&table[off], sl.blocks.entries, sl.blocks.len * sizeof(uint32_t))
+                items[n].request_id = sl.request_id
+                items[n].slot = i
+                items[n].token_id = sl.next_token_id
+                items[n].position = sl.token_count
+                items[n].block_table_offset = <uint32_t>off
+                items[n].logical_pages = sl.blocks.len
+                items[n]._reserved = 0
+                s.lowered[n] = i
+                n += 1
+                off += sl.blocks.len
         if n == 0:
             return _ZERO_RECEIPT
         if off > U32_MAX:
@@ -1457,25 +1554,40 @@ cdef class RequestScheduler:
         """Lower every decoding request into the scratch buffers and call the backend once."""
         _check_busy(self.busy, "scheduler")
         cdef Py_buffer bi, bt, bo
-        _get_buffer(item_scratch, &bi, "item_scratch", "item", sizeof(qualia_batch_item),
-                    QUALIA_ALIGN_ITEM, True)
+        cdef int held = 0
+        cdef void *pi = NULL
+        cdef void *pt = NULL
+        cdef void *po = NULL
+        cdef Py_ssize_t ni = 0, nt = 0, no = 0
         try:
-            _get_buffer(block_table_scratch, &bt, "block_table_scratch", "u32",
-                        sizeof(uint32_t), sizeof(uint32_t), True)
-            try:
+            if not _fast_array(item_scratch, _DT_ITEM, QUALIA_ALIGN_ITEM, True, &pi, &ni):
+                _get_buffer(item_scratch, &bi, "item_scratch", "item", sizeof(qualia_batch_item),
+                            QUALIA_ALIGN_ITEM, True)
+                held |= 1
+                pi = bi.buf
+                ni = bi.shape[0]
+            if not _fast_array(block_table_scratch, _DT_U32, sizeof(uint32_t), True, &pt, &nt):
+                _get_buffer(block_table_scratch, &bt, "block_table_scratch", "u32",
+                            sizeof(uint32_t), sizeof(uint32_t), True)
+                held |= 2
+                pt = bt.buf
+                nt = bt.shape[0]
+            if not _fast_array(output_scratch, _DT_OUTPUT, QUALIA_ALIGN_OUTPUT, True, &po, &no):
                 _get_buffer(output_scratch, &bo, "output_scratch", "output",
                             sizeof(qualia_batch_output), QUALIA_ALIGN_OUTPUT, True)
-                try:
-                    return self._round(backend, <qualia_batch_item *>bi.buf, bi.shape[0],
-                                       item_scratch, <uint32_t *>bt.buf, bt.shape[0],
-                                       block_table_scratch, <qualia_batch_output *>bo.buf,
-                                       bo.shape[0], output_scratch)
-                finally:
-                    PyBuffer_Release(&bo)
-            finally:
-                PyBuffer_Release(&bt)
+                held |= 4
+                po = bo.buf
+                no = bo.shape[0]
+            return self._round(backend, <qualia_batch_item *>pi, ni, item_scratch,
+                               <uint32_t *>pt, nt, block_table_scratch,
+                               <qualia_batch_output *>po, no, output_scratch)
         finally:
-            PyBuffer_Release(&bi)
+            if held & 4:
+                PyBuffer_Release(&bo)
+            if held & 2:
+                PyBuffer_Release(&bt)
+            if held & 1:
+                PyBuffer_Release(&bi)
 
     def __repr__(self):
         return (f"RequestScheduler(max_requests={self.s.max_requests}, "
@@ -1655,6 +1767,12 @@ cdef class Scheduler:
         self._table = np.zeros(max(mr * lp, 1), dtype=np.uint32)
         self.undo_cap = max(mr, lp, 1)
         self._copies = np.zeros(self.undo_cap, dtype=COPY_OP)
+        self._items_ro = self._items.view()
+        self._items_ro.setflags(write=False)
+        self._table_ro = self._table.view()
+        self._table_ro.setflags(write=False)
+        self._copies_ro = self._copies.view()
+        self._copies_ro.setflags(write=False)
         self.tokens_cap = max(<Py_ssize_t>lp * pt, 1)
         self._tokens = np.zeros(self.tokens_cap, dtype=np.uint32)
         self.items_cap = mr
@@ -1721,14 +1839,10 @@ cdef class Scheduler:
 
     # -- identities ----------------------------------------------------------------------------
     cdef Py_ssize_t _load_tokens(self, object prompt_tokens) except -1:
-        arr = _token_array(prompt_tokens)
-        cdef Py_ssize_t n = arr.shape[0]
-        cdef const uint32_t[::1] v = arr
+        cdef Py_ssize_t n = _tokens_into(prompt_tokens, self.tokens_p, self.tokens_cap)
         if n > self.tokens_cap:
-            raise ValueError(f"the prompt has {n} tokens, more than logical_pages x page_tokens "
-                             f"= {self.tokens_cap}")
-        if n:
-            memcpy(self.tokens_p, &v[0], n * sizeof(uint32_t))
+            raise ValueError(f"the prompt has {len(prompt_tokens)} tokens, more than "
+                             f"logical_pages x page_tokens = {self.tokens_cap}")
         return n
 
     cdef Py_ssize_t _prefix_len(self, object prefix_len, Py_ssize_t n) except -1:
@@ -1825,7 +1939,7 @@ cdef class Scheduler:
         cdef uint32_t tok = _u32(first_token, "first_token")
         cdef int32_t index = self.requests._find(request_id)
         self._check_idle()
-        self.requests.s.slots[index].state = QUALIA_STATE_DECODE
+        slot_set_decode(&self.requests.s, index)
         self.requests.s.slots[index].next_token_id = tok
         self.requests.s.slots[index].token_ready = 1
 
@@ -1858,20 +1972,23 @@ cdef class Scheduler:
         one round.  Returns ``(receipt, outputs)``; on any failure nothing changed."""
         cdef Sched *s = &self.requests.s
         cdef Py_ssize_t n_undo = 0, n_copies = 0
-        cdef uint32_t i, lp
+        cdef uint32_t i, w, lp
+        cdef uint64_t bits
         cdef int rc
         cdef int32_t status = 0
         cdef qualia_backend *cb = NULL
         cdef object holder = None
         self._check_idle()
-        for i in range(s.max_requests):
-            if s.slots[i].state != QUALIA_STATE_DECODE:
-                continue
-            lp = s.slots[i].token_count // self.page_tokens
-            rc = self._make_writable(i, lp, lp, &n_undo, &n_copies)
-            if rc:
-                _undo(s, &self.pool.pool, self.undo, n_undo)
-                raise DecodeRoundError.Scheduler(SchedulerError.Table(_table_error(rc)))
+        for w in range(s.n_words):
+            bits = s.decode_bits[w]
+            while bits:
+                i = w * 64 + __builtin_ctzll(bits)
+                bits &= bits - 1
+                lp = s.slots[i].token_count // self.page_tokens
+                rc = self._make_writable(i, lp, lp, &n_undo, &n_copies)
+                if rc:
+                    _undo(s, &self.pool.pool, self.undo, n_undo)
+                    raise DecodeRoundError.Scheduler(SchedulerError.Table(_table_error(rc)))
         try:
             if n_copies:
                 holder = _c_backend(backend, &cb)
@@ -1891,7 +2008,7 @@ cdef class Scheduler:
                                         f"{type(backend).__name__} has no copy_pages")
                     self._set_busy(1)
                     try:
-                        fn(_readonly_view(self._copies, n_copies))
+                        fn(self._copies_ro[:n_copies])
                     except Exception as exc:
                         raise DecodeRoundError.Backend(exc) from exc
                     finally:
@@ -1900,8 +2017,9 @@ cdef class Scheduler:
             self.pool.busy = 1
             self.prefixes.busy = 1
             try:
-                receipt = self.requests._round(backend, self.items_p, self.items_cap, self._items,
-                                               self.table_p, self.table_cap, self._table,
+                receipt = self.requests._round(backend, self.items_p, self.items_cap,
+                                               self._items_ro, self.table_p, self.table_cap,
+                                               self._table_ro,
                                                self.outs_p, self.items_cap, self._outputs)
             finally:
                 self.pool.busy = 0

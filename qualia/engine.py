@@ -62,7 +62,6 @@ __all__ = [
     "pages_needed",
 ]
 
-_MASK64 = 2**64 - 1
 _U64_MAX = 2**64 - 1
 
 
@@ -222,15 +221,10 @@ class Workload:
 
 
 def reference_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
-    """DESIGN.md "Reference decode backend": splitmix64 of the (request, position, token)."""
-    x = (int(request_id) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9
-         + int(token_id)) & _MASK64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 31
-    return x % int(vocab)
+    """DESIGN.md "Reference decode backend" (one definition, in qualia.reference)."""
+    from .reference import PyReferenceBackend
+
+    return PyReferenceBackend.next_token(request_id, position, token_id, vocab)
 
 
 def reference_generate(request_id: int, prompt: Sequence[int], max_new_tokens: int,

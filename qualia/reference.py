@@ -856,7 +856,7 @@ class PyReferenceBackend:
         x ^= x >> 27
         x = (x * 0x94D049BB133111EB) & _MASK64
         x ^= x >> 31
-        return x % int(vocab)
+        return (x * int(vocab)) >> 64  # multiply-high range reduction, as the C backend
 
     def execute_ragged(self, items, block_table, outputs):
         self.calls += 1

@@ -152,7 +152,6 @@ def test_facade_with_c_and_python_backends_gives_identical_outputs(example_backe
 def test_reference_backend_matches_its_python_twin():
     pool, store, sched = make_world()
     pool2, store2, sched2 = make_world()
-    rpool, rstore, rsched = qualia.BlockPool(64), qualia.PrefixKvStore(4, 4), None
     b1, b2 = scratch(8, 6), scratch(8, 6)
     for _ in range(10):
         assert sched.execute_decode_round(qualia.ReferenceBackend(), *b1) == \

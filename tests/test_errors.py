@@ -225,7 +225,7 @@ def splitmix_token(request_id, position, token_id, vocab=32000):
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & m
     x ^= x >> 31
-    return x % vocab
+    return (x * vocab) >> 64
 
 
 @pytest.mark.parametrize("args", [(0, 0, 0), (1, 2, 3), (2**64 - 1, 2**32 - 1, 2**32 - 1),

@@ -1,6 +1,5 @@
 """The admit/decode/finish facade: sizing, prefill helpers, copy-on-write hand-off, atomicity."""
 
-import numpy as np
 import pytest
 
 import qualia
