@@ -127,6 +127,7 @@ cdef class RequestScheduler:
     cdef int busy
     cdef list _receipts
     cdef int32_t _find(self, object request_id) except -2
+    cdef int32_t _find_idle(self, object request_id) except -2
     cdef Py_ssize_t _runnable_into(self, qualia_request_view *out, Py_ssize_t cap) except -1
     cdef object _round(self, object backend,
                        qualia_batch_item *items, Py_ssize_t items_cap, object items_obj,

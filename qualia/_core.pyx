@@ -20,6 +20,7 @@ from libc.string cimport memcpy, memset, strcmp
 from qualia._abi cimport *
 
 import operator
+from collections.abc import Sequence as _AbcSequence
 
 import numpy as np
 
@@ -533,7 +534,9 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
     if isinstance(pages, np.ndarray):
         if pages.dtype.kind == "b" or pages.dtype.kind not in "iu":
             raise TypeError(f"{what} must hold integers, got dtype {pages.dtype}")
-        seq = pages.ravel().tolist()
+        if pages.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got {pages.ndim} dimensions")
+        seq = pages.tolist()
     elif isinstance(pages, (str, bytes, bytearray)):
         raise TypeError(f"{what} must be a sequence of page ids, not {type(pages).__name__}")
     else:
@@ -1274,11 +1277,26 @@ cdef object _readonly_view(object arr, Py_ssize_t n):
 
 
 cdef int _parse_receipt(object result, qualia_batch_receipt *rec) except -1:
+    # A RaggedBatchReceipt, any 2-sequence of u32 ints, or a RAGGED_BATCH_RECEIPT record; not an
+    # iterator, mapping or bytes (whose items happen to be ints).
+    if type(result) is RaggedBatchReceipt:
+        try:
+            rec.batch_size = _u32(result[0], "receipt batch_size")
+            rec.backend_launches = _u32(result[1], "receipt backend_launches")
+            return 0
+        except Exception:
+            pass
     try:
-        batch_size, launches = result
-        rec.batch_size = _u32(batch_size, "receipt batch_size")
-        rec.backend_launches = _u32(launches, "receipt backend_launches")
-    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(result, np.void) and result.dtype.names:
+            result = result.item()
+        elif isinstance(result, np.ndarray) and result.ndim == 1:
+            result = result.tolist()
+        if (not isinstance(result, _AbcSequence) or isinstance(result, (str, bytes, bytearray))
+                or len(result) != 2):
+            raise TypeError("not a 2-sequence")
+        rec.batch_size = _u32(result[0], "receipt batch_size")
+        rec.backend_launches = _u32(result[1], "receipt backend_launches")
+    except Exception as exc:
         err = TypeError(f"execute_ragged must return a RaggedBatchReceipt or a "
                         f"(batch_size, backend_launches) pair of u32, got {result!r:.80}")
         err.__cause__ = exc
@@ -1348,6 +1366,16 @@ cdef class RequestScheduler:
             raise SchedulerError.UnknownRequest()
         return index
 
+    cdef int32_t _find_idle(self, object request_id) except -2:
+        # mutating methods: arguments first, then Busy, then the lookup, so a backend calling
+        # back mid-round gets BusyError whatever id it passes
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        _check_busy(self.busy, "scheduler")
+        cdef int32_t index = sched_find(&self.s, rid)
+        if index < 0:
+            raise SchedulerError.UnknownRequest()
+        return index
+
     def admit_with_prefix(self, request_id, identity, PrefixKvStore prefixes not None,
                           BlockPool pool not None):
         """Admit a request, attaching the prefix's pages on a hit (seed ``admit_with_prefix``)."""
@@ -1373,9 +1401,8 @@ cdef class RequestScheduler:
 
     def ensure_writable(self, request_id, logical_page, BlockPool pool not None):
         cdef uint32_t lp = _u32(logical_page, "logical_page")
-        cdef int32_t index = self._find(request_id)
+        cdef int32_t index = self._find_idle(request_id)
         cdef Cow c
-        _check_busy(self.busy, "scheduler")
         _check_busy(pool.busy, "pool")
         cdef int rc = table_ensure_writable(&self.s.slots[index].blocks, lp, &pool.pool, &c)
         if rc:
@@ -1383,27 +1410,23 @@ cdef class RequestScheduler:
         return _cow(&c)
 
     def mark_prefill_complete(self, request_id):
-        cdef int32_t index = self._find(request_id)
-        _check_busy(self.busy, "scheduler")
+        cdef int32_t index = self._find_idle(request_id)
         slot_set_decode(&self.s, index)
 
     def seed_decode_token(self, request_id, token_id):
         cdef uint32_t tok = _u32(token_id, "token_id")
-        cdef int32_t index = self._find(request_id)
-        _check_busy(self.busy, "scheduler")
+        cdef int32_t index = self._find_idle(request_id)
         self.s.slots[index].next_token_id = tok
         self.s.slots[index].token_ready = 1
 
     def record_token(self, request_id):
-        cdef int32_t index = self._find(request_id)
-        _check_busy(self.busy, "scheduler")
+        cdef int32_t index = self._find_idle(request_id)
         self.s.slots[index].token_count = sat_add1(self.s.slots[index].token_count)
         return self.s.slots[index].token_count
 
     def finish(self, request_id, BlockPool pool not None):
         """Release the request's pages and free its slot (completion and cancellation alike)."""
-        cdef int32_t index = self._find(request_id)
-        _check_busy(self.busy, "scheduler")
+        cdef int32_t index = self._find_idle(request_id)
         _check_busy(pool.busy, "pool")
         cdef int rc = sched_finish(&self.s, index, &pool.pool)
         if rc:
@@ -1474,6 +1497,15 @@ cdef class RequestScheduler:
         cdef qualia_batch_receipt rec
         cdef int32_t status = 0
         cdef object holder = None
+        cdef object fn = None
+        # the backend is resolved first: a wrong one fails every round, empty or not
+        holder = _c_backend(backend, &cb)
+        if holder is None:
+            fn = getattr(backend, "execute_ragged", None)
+            if not callable(fn):
+                raise TypeError(f"backend must be a C backend (__qualia_backend__ capsule) or have "
+                                f"an execute_ragged(items, block_table, outputs) method, not "
+                                f"{type(backend).__name__}")
         for w in range(s.n_words):
             bits = s.decode_bits[w]
             while bits:
@@ -1511,7 +1543,6 @@ cdef class RequestScheduler:
             raise OverflowError("the lowered block table exceeds 2**32-1 entries")
         rec.batch_size = 0
         rec.backend_launches = 0
-        holder = _c_backend(backend, &cb)
         self.busy = 1
         try:
             if holder is not None:
@@ -1520,11 +1551,6 @@ cdef class RequestScheduler:
                 if status != 0:
                     raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
             else:
-                try:
-                    fn = backend.execute_ragged
-                except AttributeError:
-                    raise TypeError(f"backend {type(backend).__name__} has neither "
-                                    f"__qualia_backend__ nor execute_ragged") from None
                 try:
                     result = fn(_readonly_view(items_obj, n), _readonly_view(table_obj, off),
                                 np.asarray(outs_obj)[:n])
@@ -1902,12 +1928,12 @@ cdef class Scheduler:
     def reserve(self, request_id, num_tokens):
         """Make writable every page of the next ``num_tokens`` positions; return the copies."""
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
+        self._check_idle()
         cdef int32_t index = self.requests._find(request_id)
         cdef Sched *s = &self.requests.s
         cdef uint64_t start = s.slots[index].token_count
         cdef Py_ssize_t n_undo = 0, n_copies = 0
         cdef int rc
-        self._check_idle()
         if n == 0:
             return np.zeros(0, dtype=COPY_OP)
         if start + n - 1 > U32_MAX:
@@ -1927,8 +1953,8 @@ cdef class Scheduler:
     def advance(self, request_id, num_tokens):
         """``record_token`` ``num_tokens`` times (saturating); returns the new token count."""
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
-        cdef int32_t index = self.requests._find(request_id)
         self._check_idle()
+        cdef int32_t index = self.requests._find(request_id)
         cdef Slot *sl = &self.requests.s.slots[index]
         cdef uint64_t t = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(t if t <= U32_MAX else U32_MAX)
@@ -1937,8 +1963,8 @@ cdef class Scheduler:
     def complete_prefill(self, request_id, first_token):
         """The prompt is prefilled: go to Decode with ``first_token`` as the next input."""
         cdef uint32_t tok = _u32(first_token, "first_token")
-        cdef int32_t index = self.requests._find(request_id)
         self._check_idle()
+        cdef int32_t index = self.requests._find(request_id)
         slot_set_decode(&self.requests.s, index)
         self.requests.s.slots[index].next_token_id = tok
         self.requests.s.slots[index].token_ready = 1
@@ -1948,10 +1974,10 @@ cdef class Scheduler:
         cdef bytes ns = _namespace_bytes(namespace)
         cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
         cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
+        self._check_idle()
         cdef int32_t index = self.requests._find(request_id)
         cdef Slot *sl = &self.requests.s.slots[index]
         cdef uint32_t pages
-        self._check_idle()
         if L == 0:
             raise PrefixKvError.EmptyPrefix()
         pages = <uint32_t>((L + self.page_tokens - 1) // self.page_tokens)

@@ -820,8 +820,8 @@ def _receipt(result):
     for v in result:
         try:
             values.append(_u32(v, "receipt field"))
-        except (TypeError, OverflowError, ValueError):
-            raise bad
+        except Exception as exc:  # whatever a garbage receipt raises is the backend's fault
+            raise bad from exc
     return values[0], values[1]
 
 
