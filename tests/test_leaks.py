@@ -93,6 +93,22 @@ class PyBackend:
         pass
 
 
+class Reentrant:
+    def __init__(self, sched):
+        self.sched = sched
+
+    def execute_ragged(self, items, table, outputs):
+        self.sched.record_token(1)  # BusyError
+
+
+class NoCopy:  # fine until a round needs a page copy
+    def execute_ragged(self, items, table, outputs):
+        return (len(items), 1)
+
+
+# (classes are made once: a class made per cycle is freed only by a later collection, which
+# shows as a constant offset of a few 10 KB)
+
 # -- create / use / destroy ------------------------------------------------------------------------
 
 
@@ -369,15 +385,19 @@ def cycle_scheduler_errors(i):
     fails(lambda: small.admit_with_prefix(1, w.ident, st, p))
 
 
+# Fresh bad buffers every cycle (a Py_buffer the core forgot to release would keep each one
+# alive), made without `arr.flags.writeable = False` or `arr.ctypes`: those two alone make
+# numpy's traced memory wander by tens of KB (bounded, but past SLACK under ASan).
+
+
 def misaligned(dtype, n):
-    raw = np.zeros(n * dtype.itemsize + 16, np.uint8)
-    start = 1 if raw.ctypes.data % 2 == 0 else 2
-    return raw[start:start + n * dtype.itemsize].view(dtype)
+    """dtype records at byte offset 1 of a fresh bytearray (odd address)."""
+    return np.frombuffer(bytearray(n * dtype.itemsize + 1), dtype=dtype, count=n, offset=1)
 
 
-def readonly(a):
-    a.flags.writeable = False
-    return a
+def readonly_zeros(n, dtype):
+    """A fresh read-only array (over a bytes object)."""
+    return np.frombuffer(bytes(n * np.dtype(dtype).itemsize), dtype=dtype)
 
 
 def cycle_decode_errors(i):
@@ -394,7 +414,8 @@ def cycle_decode_errors(i):
     fails(lambda: s.execute_decode_round(b, *scratch(table=0)))
     fails(lambda: s.execute_decode_round(b, np.zeros(4, np.uint8), *scratch()[1:]))
     fails(lambda: s.execute_decode_round(b, scratch()[0], np.zeros(8, np.int32), scratch()[2]))
-    fails(lambda: s.execute_decode_round(b, scratch()[0], scratch()[1], readonly(scratch()[2])))
+    fails(lambda: s.execute_decode_round(b, scratch()[0], scratch()[1],
+                                         readonly_zeros(4, OUTPUT)))
     fails(lambda: s.execute_decode_round(b, misaligned(ITEM, 4), *scratch()[1:]))
     fails(lambda: s.execute_decode_round(b, np.zeros((4, 2), ITEM), *scratch()[1:]))
     fails(lambda: s.execute_decode_round(b, np.zeros(8, ITEM)[::2], *scratch()[1:]))
@@ -432,11 +453,7 @@ def cycle_backend_errors(i):
     for backend in backends:
         fails(lambda: s.execute_decode_round(backend, *bufs))
 
-    def reenter(items, table, outputs):
-        s.record_token(1)
-
-    fails(lambda: s.execute_decode_round(type("B", (), {"execute_ragged": staticmethod(reenter)})(),
-                                         *bufs))
+    fails(lambda: s.execute_decode_round(Reentrant(s), *bufs))
 
 
 FW = None
@@ -473,7 +490,7 @@ def cycle_facade_errors(i):
     fails(lambda: s.decode(qualia.ReferenceBackend(fault="error")))
     fails(lambda: s.decode(PyBackend(raise_=RuntimeError("x"))))
     fails(lambda: s.decode(PyBackend(receipt=None or "garbage")))
-    fails(lambda: s.decode(type("NoCopy", (), {"execute_ragged": lambda self, *a: (2, 1)})()))
+    fails(lambda: s.decode(NoCopy()))
     fails(lambda: s.decode(None))
     fails(lambda: s.finish(9))
     fails(lambda: s.evict(qualia.PrefixIdentity.of_tokens([5])))
@@ -493,7 +510,7 @@ def cycle_reference_backend_errors(i):
     items, table, outs = np.zeros(2, ITEM), np.zeros(2, np.uint32), np.zeros(2, OUTPUT)
     fails(lambda: b.execute_ragged(items, table, outs[:1]))
     fails(lambda: b.execute_ragged(np.zeros(2, np.uint8), table, outs))
-    fails(lambda: b.execute_ragged(items, table, readonly(np.zeros(2, OUTPUT))))
+    fails(lambda: b.execute_ragged(items, table, readonly_zeros(2, OUTPUT)))
     fails(lambda: b.execute_ragged(items, misaligned(np.dtype(np.uint32), 2), outs))
     fails(lambda: b.copy_pages(np.zeros(2, np.uint64)))
     fails(lambda: b.copy_pages([(0, 1)]))
