@@ -282,7 +282,7 @@ _KEEP = []
 def null_c_backend():
     """A PyCapsule of a C backend that only echoes identities (no token arithmetic), or None
     (with the reason) when no C compiler is available.  Isolates the scheduler's own cost from
-    the built-in ReferenceBackend's hash (whose 64-bit `% vocab` is a hardware divide)."""
+    the built-in ReferenceBackend's hash."""
     import ctypes
     import shutil
     import subprocess

@@ -809,6 +809,40 @@ def _digest_raw(tokens, namespace=b""):
     return PrefixIdentity.of_tokens(tokens, namespace).digest
 
 # ---------------------------------------------------------------------------------------------
+# Open addressing (linear probing, load <= 1/2) shared by the prefix index and the request
+# index.  Deletion shifts later entries back instead of leaving tombstones, so lookups stay
+# O(1) however long an engine runs.
+
+ctypedef uint32_t (*home_fn)(void *ctx, int32_t e) noexcept nogil
+
+
+cdef inline void oa_insert(int32_t *index, uint32_t mask, uint32_t home, int32_t e) noexcept nogil:
+    cdef uint32_t i = home
+    while index[i] >= 0:
+        i = (i + 1) & mask
+    index[i] = e
+
+
+cdef void oa_remove(int32_t *index, uint32_t mask, uint32_t home, int32_t e, home_fn home_of,
+                    void *ctx) noexcept nogil:
+    cdef uint32_t i = home
+    cdef uint32_t j, k
+    while index[i] != e:
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if index[j] < 0:
+            break
+        k = home_of(ctx, index[j])
+        # leave index[j] where it is if its home lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        index[i] = index[j]
+        i = j
+    index[i] = -1
+
+# ---------------------------------------------------------------------------------------------
 # Prefix KV store (SPEC §4): fixed entries, open-addressing index by digest (backward-shift
 # deletion, load <= 1/2), intrusive LRU list (head = least recent).
 
@@ -828,30 +862,17 @@ cdef int32_t store_find(Store *st, uint64_t hi, uint64_t lo) noexcept nogil:
         i = (i + 1) & st.index_mask
 
 
-cdef void store_index_insert(Store *st, int32_t e) noexcept nogil:
-    cdef uint32_t i = _home(st, st.entries[e].hi, st.entries[e].lo)
-    while st.index[i] >= 0:
-        i = (i + 1) & st.index_mask
-    st.index[i] = e
+cdef uint32_t _store_home_of(void *ctx, int32_t e) noexcept nogil:
+    cdef Store *st = <Store *>ctx
+    return _home(st, st.entries[e].hi, st.entries[e].lo)
 
 
-cdef void store_index_remove(Store *st, int32_t e) noexcept nogil:
-    cdef uint32_t i = _home(st, st.entries[e].hi, st.entries[e].lo)
-    cdef uint32_t j, k
-    while st.index[i] != e:
-        i = (i + 1) & st.index_mask
-    j = i
-    while True:
-        j = (j + 1) & st.index_mask
-        if st.index[j] < 0:
-            break
-        k = _home(st, st.entries[st.index[j]].hi, st.entries[st.index[j]].lo)
-        # leave index[j] where it is if its home lies cyclically in (i, j]
-        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
-            continue
-        st.index[i] = st.index[j]
-        i = j
-    st.index[i] = -1
+cdef inline void store_index_insert(Store *st, int32_t e) noexcept nogil:
+    oa_insert(st.index, st.index_mask, _store_home_of(st, e), e)
+
+
+cdef inline void store_index_remove(Store *st, int32_t e) noexcept nogil:
+    oa_remove(st.index, st.index_mask, _store_home_of(st, e), e, _store_home_of, st)
 
 
 cdef void lru_unlink(Store *st, int32_t e) noexcept nogil:
@@ -1112,29 +1133,17 @@ cdef int32_t sched_find(Sched *s, uint64_t rid) noexcept nogil:
         i = (i + 1) & s.index_mask
 
 
-cdef void sched_index_insert(Sched *s, int32_t slot) noexcept nogil:
-    cdef uint32_t i = _rid_home(s, s.slots[slot].request_id)
-    while s.index[i] >= 0:
-        i = (i + 1) & s.index_mask
-    s.index[i] = slot
+cdef uint32_t _sched_home_of(void *ctx, int32_t slot) noexcept nogil:
+    cdef Sched *s = <Sched *>ctx
+    return _rid_home(s, s.slots[slot].request_id)
 
 
-cdef void sched_index_remove(Sched *s, int32_t slot) noexcept nogil:
-    cdef uint32_t i = _rid_home(s, s.slots[slot].request_id)
-    cdef uint32_t j, k
-    while s.index[i] != slot:
-        i = (i + 1) & s.index_mask
-    j = i
-    while True:
-        j = (j + 1) & s.index_mask
-        if s.index[j] < 0:
-            break
-        k = _rid_home(s, s.slots[s.index[j]].request_id)
-        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
-            continue
-        s.index[i] = s.index[j]
-        i = j
-    s.index[i] = -1
+cdef inline void sched_index_insert(Sched *s, int32_t slot) noexcept nogil:
+    oa_insert(s.index, s.index_mask, _sched_home_of(s, slot), slot)
+
+
+cdef inline void sched_index_remove(Sched *s, int32_t slot) noexcept nogil:
+    oa_remove(s.index, s.index_mask, _sched_home_of(s, slot), slot, _sched_home_of, s)
 
 
 cdef inline int32_t sched_lowest_free(Sched *s) noexcept nogil:
