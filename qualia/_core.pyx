@@ -731,6 +731,17 @@ cdef PrefixIdentity _identity_of_tokens(object tokens, bytes ns):
     n = _tokens_into(tokens, stack, 256)
     if n <= 256:
         return _identity_of(stack, n, ns)
+    cdef uint32_t *heap
+    if type(tokens) is list or type(tokens) is tuple:
+        n = len(tokens)
+        heap = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
+        if heap == NULL:
+            raise MemoryError()
+        try:
+            _tokens_into(tokens, heap, n)
+            return _identity_of(heap, n, ns)
+        finally:
+            PyMem_Free(heap)
     arr = _token_array(tokens)
     cdef const uint32_t[::1] v = arr
     return _identity_of(&v[0], v.shape[0], ns)
