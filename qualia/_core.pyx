@@ -125,7 +125,6 @@ COPY_OP = _dtype(_LAYOUT["copy_op"])
 BACKEND_CAPSULE_NAME = (<bytes>QUALIA_BACKEND_CAPSULE_NAME).decode()
 BACKEND_ABI_VERSION = QUALIA_BACKEND_ABI_VERSION
 BACKEND_STRUCT_SIZE = sizeof(qualia_backend)
-PAGE_MAX = U32_MAX
 
 
 def _normalize_format(fmt):
@@ -142,7 +141,7 @@ for _name, _dt in (("item", RAGGED_BATCH_ITEM), ("output", RAGGED_BATCH_OUTPUT),
                    ("request_view", REQUEST_VIEW), ("copy_op", COPY_OP),
                    ("u32", np.dtype(np.uint32))):
     _FORMATS[_name] = (memoryview(np.zeros(1, _dt)).format,
-                       _normalize_format(memoryview(np.zeros(1, _dt)).format), _dt,
+                       _normalize_format(memoryview(np.zeros(1, _dt)).format),
                        memoryview(np.zeros(1, _dt)).format.encode("ascii"))
 del _name, _dt
 
@@ -234,7 +233,7 @@ cdef int _get_buffer(object obj, Py_buffer *view, str what, str kind, Py_ssize_t
         raise TypeError(f"{what} must be a 1-D numpy array of dtype {_dtype_name(kind)}, "
                         f"got {type(obj).__name__}") from exc
     try:
-        if (view.format == NULL or strcmp(view.format, <const char *><bytes>spec[3]) != 0
+        if (view.format == NULL or strcmp(view.format, <const char *><bytes>spec[2]) != 0
                 or view.itemsize != itemsize):
             got = (<bytes>view.format).decode("ascii", "replace") if view.format != NULL else "B"
             if _normalize_format(got) != spec[1] or view.itemsize != itemsize:
@@ -813,11 +812,6 @@ cdef class PrefixIdentity:
 
     def __reduce__(self):
         return (PrefixIdentity, (self.digest,))
-
-
-def _digest_raw(tokens, namespace=b""):
-    """The 16-byte digest of ``of_tokens`` (for tests of the C BLAKE2b)."""
-    return PrefixIdentity.of_tokens(tokens, namespace).digest
 
 # ---------------------------------------------------------------------------------------------
 # Open addressing (linear probing, load <= 1/2) shared by the prefix index and the request
