@@ -62,7 +62,7 @@ if SANITIZE:
 
 ext = Extension(
     "qualia._core",
-    sources=["qualia/_core.pyx", "csrc/blake2b.c", "csrc/reference_backend.c"],
+    sources=["qualia/_core.pyx", "csrc/blake2b.c", "csrc/hash_backend.c"],
     include_dirs=["csrc", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=extra_compile,

@@ -3,7 +3,7 @@
 
     python bench/run.py [--quick] [--json PATH] [--plot out.png] [--markdown PATH]
 
-Every scenario builds the same state in ``qualia`` (compiled core) and ``qualia.reference``
+Every scenario builds the same state in ``qualia`` (compiled core) and ``qualia.twin``
 (pure Python) with the same public calls, asserts that both give equal results, then times each
 side in the same process.  Times are ``time.perf_counter_ns`` over many repetitions with the
 cyclic GC disabled; a *sample* is ``k`` back-to-back operations (``k`` chosen so a sample lasts at
@@ -13,13 +13,13 @@ samples.  Every time includes the Python call from the benchmark loop (a bound m
 
 Scenarios
   a  decode round, built-in C backend (``RequestScheduler.execute_decode_round`` with
-     ``qualia.ReferenceBackend()``; reference twin: ``PyReferenceBackend``), batch x context grid,
+     ``qualia.HashBackend()``; reference twin: ``PyHashBackend``), batch x context grid,
      with the copy floor (bytes the round must write / copy bandwidth measured in this run)
   b  the same rounds through a Python buffer-protocol backend (numpy echo of request_id/slot)
   c  admission with a prefix hit + finish, pool sizes 1k / 64k / 1M blocks
   d  admit/finish churn at full capacity
   e  ``PrefixIdentity.of_tokens`` per 16-token block
-  f  the facade ``qualia.Scheduler.decode(qualia.ReferenceBackend())`` (absolute, no twin)
+  f  the facade ``qualia.Scheduler.decode(qualia.HashBackend())`` (absolute, no twin)
   g  steady-state allocations (tracemalloc, sys.getallocatedblocks) and RSS over 100k rounds
 
 Only numpy is required; matplotlib is imported lazily for --plot.
@@ -42,7 +42,7 @@ from itertools import repeat
 import numpy as np
 
 import qualia
-from qualia import reference as ref
+from qualia import twin as ref
 
 pc = time.perf_counter_ns
 PAGE_TOKENS = 16
@@ -282,7 +282,7 @@ _KEEP = []
 def null_c_backend():
     """A PyCapsule of a C backend that only echoes identities (no token arithmetic), or None
     (with the reason) when no C compiler is available.  Isolates the scheduler's own cost from
-    the built-in ReferenceBackend's hash."""
+    the built-in HashBackend's hash."""
     import ctypes
     import shutil
     import subprocess
@@ -384,7 +384,7 @@ def bench_decode(budget, floor, batches, contexts, skip, null_cap):
             t_q_setup = time.perf_counter() - t_setup
             wr = decode_world(ref, n, pages)
             t_r_setup = time.perf_counter() - t_setup - t_q_setup
-            cb, pyb = qualia.ReferenceBackend(), ref.PyReferenceBackend()
+            cb, pyb = qualia.HashBackend(), ref.PyHashBackend()
             echo = NumpyEchoBackend(n)
             # equal results before any timing: 3 C-backend rounds, 2 Python-backend rounds
             for _ in range(3):
@@ -445,7 +445,7 @@ def bench_sparse(budget):
         sched.seed_decode_token(cap - 1, 1)
         w = {"sched": sched, "items": np.zeros(1, qualia.RAGGED_BATCH_ITEM),
              "table": np.zeros(8, np.uint32), "outputs": np.zeros(1, qualia.RAGGED_BATCH_OUTPUT)}
-        s = timeit(round_runner(w, qualia.ReferenceBackend()), budget)
+        s = timeit(round_runner(w, qualia.HashBackend()), budget)
         out.append({"max_requests": cap, "active": 1, "round": s})
     return out
 
@@ -459,7 +459,7 @@ def bench_scratch_kinds(budget, null_cap):
         row = {"batch": n, "context": ctx}
         mv = dict(w, items=memoryview(w["items"]), table=memoryview(w["table"]),
                   outputs=memoryview(w["outputs"]))
-        for bname, be in (("c_backend", qualia.ReferenceBackend()), ("null_c_backend", null_cap)):
+        for bname, be in (("c_backend", qualia.HashBackend()), ("null_c_backend", null_cap)):
             if be is None:
                 continue
             row[bname] = {"ndarray": timeit(round_runner(w, be), budget),
@@ -672,7 +672,7 @@ def bench_facade(budget, batches, ctx=2048):
     rows = []
     for n in batches:
         w = FacadeWorld(n, ctx, epoch=2048 if n <= 256 else 512)
-        be = qualia.ReferenceBackend()
+        be = qualia.HashBackend()
         s = timeit(w.runner(be), budget, max_samples=min(budget.max_samples, 200))
         st = w.s.stats()
         rows.append({"batch": n, "context": ctx, "round": s,
@@ -769,7 +769,7 @@ def rss_probe(run, rounds, every):
 def bench_alloc(rss_rounds):
     out = {}
     wq = decode_world(qualia, 64, 8)
-    cb = qualia.ReferenceBackend()
+    cb = qualia.HashBackend()
     run = round_runner(wq, cb)
     out["execute_decode_round"] = alloc_probe(run)
     out["execute_decode_round"]["rss"] = rss_probe(run, rss_rounds, rss_rounds // 10)
@@ -777,7 +777,7 @@ def bench_alloc(rss_rounds):
     # allocates results) falls inside the probe; the RSS run crosses epochs (re-admission is
     # outside the decode calls, and must not grow the process either)
     fw = FacadeWorld(64, 128, epoch=4096)
-    run = fw.runner(qualia.ReferenceBackend())
+    run = fw.runner(qualia.HashBackend())
     fw.reset()
     out["Scheduler.decode"] = alloc_probe(run, rounds=1000)
 
@@ -929,7 +929,7 @@ def render(results, md=False):
           f"{r['qualia_ns_per_block']:.1f}", fmt_ns(r["reference"]["median_ns"]),
           f"{r['reference_ns_per_block']:.1f}", fmt_x(r["ratio_ref_over_qualia"])]
          for r in results["identity"]])
-    sec("f. facade qualia.Scheduler.decode(ReferenceBackend()) (no reference twin)",
+    sec("f. facade qualia.Scheduler.decode(HashBackend()) (no reference twin)",
         ["batch", "ctx", "round med", "p99", "ns/req"],
         [[r["batch"], r["context"], fmt_ns(r["round"]["median_ns"]),
           fmt_ns(r["round"]["p99_ns"]), f"{r['ns_per_request']:.1f}"]

@@ -101,7 +101,7 @@ typedef struct qualia_backend {
 } qualia_backend;
 
 /*
- * The built-in deterministic reference backend (csrc/reference_backend.c), used by tests and
+ * The built-in deterministic reference backend (csrc/hash_backend.c), used by tests and
  * benchmarks as a backend that costs almost nothing.
  */
 enum {
@@ -112,7 +112,7 @@ enum {
     QUALIA_FAULT_SWAP = 4         /* exchange identities of outputs 0 and 1 (or bump slot) */
 };
 
-typedef struct qualia_reference_backend {
+typedef struct qualia_hash_backend {
     uint32_t vocab;
     int32_t fault;
     int32_t code;
@@ -121,15 +121,15 @@ typedef struct qualia_reference_backend {
     uint64_t items;         /* items processed */
     uint64_t pages_copied;  /* copy ops seen */
     uint64_t copy_calls;
-} qualia_reference_backend;
+} qualia_hash_backend;
 
-uint32_t qualia_reference_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
+uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
                                      uint32_t vocab);
-int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *items,
+int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
                                         uint32_t n_items, const uint32_t *block_table,
                                         uint32_t n_table, qualia_batch_output *outputs,
                                         qualia_batch_receipt *receipt);
-int32_t qualia_reference_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops);
+int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops);
 
 #ifdef __cplusplus
 }

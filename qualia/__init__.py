@@ -2,7 +2,7 @@
 
 The compiled core (`qualia._core`) holds the paged KV block pool, copy-on-write block tables, the
 prefix KV store and the seed's request scheduler; `qualia.Scheduler` is the admit/decode/finish
-facade over them.  `qualia.reference` is the same semantics in plain Python.
+facade over them.  `qualia.twin` is the same semantics in plain Python.
 """
 
 import os as _os
@@ -19,11 +19,11 @@ from ._core import (
     BlockPool,
     PrefixIdentity,
     PrefixKvStore,
-    ReferenceBackend,
+    HashBackend,
     RequestScheduler,
     Scheduler,
     SequenceBlockTable,
-    reference_next_token,
+    hash_next_token,
 )
 from ._types import Admission, CopyOnWrite, RaggedBatchReceipt, RequestState
 from .backend import CopyPagesBackend, RaggedBackend
@@ -52,7 +52,7 @@ __all__ = [
     "BusyError", "COPY_OP", "CopyOnWrite", "CopyPagesBackend", "DecodeRoundError", "PoolError",
     "PrefixIdentity", "PrefixKvError", "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM",
     "RAGGED_BATCH_OUTPUT", "RAGGED_BATCH_RECEIPT", "REQUEST_VIEW", "RaggedBackend",
-    "RaggedBackendError", "RaggedBatchReceipt", "ReferenceBackend", "RequestScheduler",
+    "RaggedBackendError", "RaggedBatchReceipt", "HashBackend", "RequestScheduler",
     "RequestState", "Scheduler", "SchedulerError", "SequenceBlockTable", "TableError", "errors",
-    "get_include", "reference_next_token",
+    "get_include", "hash_next_token",
 ]

@@ -61,7 +61,7 @@ cdef extern from "qualia.h" nogil:
         QUALIA_FAULT_LAUNCHES
         QUALIA_FAULT_SWAP
 
-    ctypedef struct qualia_reference_backend:
+    ctypedef struct qualia_hash_backend:
         uint32_t vocab
         int32_t fault
         int32_t code
@@ -70,10 +70,10 @@ cdef extern from "qualia.h" nogil:
         uint64_t pages_copied
         uint64_t copy_calls
 
-    uint32_t qualia_reference_next_token(uint64_t request_id, uint32_t position,
+    uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position,
                                          uint32_t token_id, uint32_t vocab)
-    int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *items,
+    int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
                                             uint32_t n_items, const uint32_t *block_table,
                                             uint32_t n_table, qualia_batch_output *outputs,
                                             qualia_batch_receipt *receipt)
-    int32_t qualia_reference_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
+    int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)

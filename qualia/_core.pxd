@@ -2,7 +2,7 @@
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
 from qualia._abi cimport (qualia_batch_item, qualia_batch_output, qualia_batch_receipt,
                           qualia_request_view, qualia_copy_op, qualia_backend,
-                          qualia_reference_backend)
+                          qualia_hash_backend)
 
 # Status codes of the nogil core.  0 is success; the names match the error variants, and the
 # def wrappers turn each code into the exception class of the layer that called.
@@ -134,8 +134,8 @@ cdef class RequestScheduler:
                        uint32_t *table, Py_ssize_t table_cap, object table_obj,
                        qualia_batch_output *outs, Py_ssize_t outs_cap, object outs_obj)
 
-cdef class ReferenceBackend:
-    cdef qualia_reference_backend *st
+cdef class HashBackend:
+    cdef qualia_hash_backend *st
     cdef qualia_backend *iface
     cdef object _capsule
 

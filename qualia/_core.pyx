@@ -1641,22 +1641,22 @@ cdef dict _FAULTS = {None: QUALIA_FAULT_NONE, "error": QUALIA_FAULT_ERROR,
                      "swap": QUALIA_FAULT_SWAP}
 
 
-def reference_next_token(request_id, position, token_id, vocab=32000):
+def hash_next_token(request_id, position, token_id, vocab=32000):
     """The reference backend's deterministic next token (see docs/DESIGN.md)."""
-    return qualia_reference_next_token(_u64(request_id, "request_id"), _u32(position, "position"),
+    return qualia_hash_next_token(_u64(request_id, "request_id"), _u32(position, "position"),
                                        _u32(token_id, "token_id"), _u32(vocab, "vocab"))
 
 
 cdef struct _RefBlock:
     qualia_backend iface
-    qualia_reference_backend state
+    qualia_hash_backend state
 
 
 cdef void _free_ref_block(object cap) noexcept:
     PyMem_Free(PyCapsule_GetPointer(cap, QUALIA_BACKEND_CAPSULE_NAME))
 
 
-cdef class ReferenceBackend:
+cdef class HashBackend:
     """A deterministic decode backend in C: next token = hash(request_id, position, token_id).
 
     Exposes ``__qualia_backend__`` (the capsule the scheduler calls without the GIL) and the
@@ -1685,8 +1685,8 @@ cdef class ReferenceBackend:
         self.iface.abi_version = QUALIA_BACKEND_ABI_VERSION
         self.iface.struct_size = sizeof(qualia_backend)
         self.iface.ctx = self.st
-        self.iface.execute_ragged = qualia_reference_execute_ragged
-        self.iface.copy_pages = qualia_reference_copy_pages
+        self.iface.execute_ragged = qualia_hash_execute_ragged
+        self.iface.copy_pages = qualia_hash_copy_pages
         self.fault = fault
         self.code = code
 
@@ -1750,7 +1750,7 @@ cdef class ReferenceBackend:
         cdef qualia_batch_receipt rec
         if bo.length < bi.length:
             raise ValueError("outputs is shorter than items")
-        cdef int32_t rc = qualia_reference_execute_ragged(
+        cdef int32_t rc = qualia_hash_execute_ragged(
             self.st, <qualia_batch_item *>bi.ptr, <uint32_t>bi.length, <uint32_t *>bt.ptr,
             <uint32_t>bt.length, <qualia_batch_output *>bo.ptr, &rec)
         if rc:
@@ -1760,10 +1760,10 @@ cdef class ReferenceBackend:
     def copy_pages(self, copies):
         cdef _Buffer bc = _acquire(copies, "copies", "copy_op", sizeof(qualia_copy_op),
                                    QUALIA_ALIGN_COPY, False)
-        qualia_reference_copy_pages(self.st, <qualia_copy_op *>bc.ptr, <uint32_t>bc.length)
+        qualia_hash_copy_pages(self.st, <qualia_copy_op *>bc.ptr, <uint32_t>bc.length)
 
     def __repr__(self):
-        return f"ReferenceBackend(vocab={self.st.vocab}, fault={self.fault!r})"
+        return f"HashBackend(vocab={self.st.vocab}, fault={self.fault!r})"
 
 # ---------------------------------------------------------------------------------------------
 # The facade: admit / decode / finish over one pool, one store and one scheduler.

@@ -15,7 +15,7 @@ This is what ``python -m qualia simulate`` runs.  It has two halves:
 The backend is either a *model* (it has ``prefill(tokens, start_position, block_table)``, e.g.
 :class:`qualia.model.PagedModelBackend`): the engine prefills prompts through it and the
 generated tokens can be checked against :class:`qualia.model.DenseModel`; or a decode-only
-backend such as the built-in C ``qualia.ReferenceBackend``: prefill then only reserves and
+backend such as the built-in C ``qualia.HashBackend``: prefill then only reserves and
 advances the pages, and the first token is the reference decode rule (docs/DESIGN.md
 "Reference decode backend") applied to the last prompt token at its position.
 
@@ -56,7 +56,7 @@ __all__ = [
     "EngineResult",
     "CheckResult",
     "TimedBackend",
-    "reference_next_token",
+    "hash_next_token",
     "reference_generate",
     "is_exhausted",
     "pages_needed",
@@ -220,11 +220,11 @@ class Workload:
 # --------------------------------------------------------------------------------------------
 
 
-def reference_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
-    """DESIGN.md "Reference decode backend" (one definition, in qualia.reference)."""
-    from .reference import PyReferenceBackend
+def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
+    """DESIGN.md "Reference decode backend" (one definition, in qualia.twin)."""
+    from .twin import PyHashBackend
 
-    return PyReferenceBackend.next_token(request_id, position, token_id, vocab)
+    return PyHashBackend.next_token(request_id, position, token_id, vocab)
 
 
 def reference_generate(request_id: int, prompt: Sequence[int], max_new_tokens: int,
@@ -236,10 +236,10 @@ def reference_generate(request_id: int, prompt: Sequence[int], max_new_tokens: i
     if max_new_tokens < 1:
         return []
     position = len(prompt) - 1
-    out = [reference_next_token(request_id, position, prompt[-1], vocab)]
+    out = [hash_next_token(request_id, position, prompt[-1], vocab)]
     while len(out) < max_new_tokens and (end_token is None or out[-1] != end_token):
         position += 1
-        out.append(reference_next_token(request_id, position, out[-1], vocab))
+        out.append(hash_next_token(request_id, position, out[-1], vocab))
     return out
 
 
@@ -379,7 +379,7 @@ class Engine:
     """Serve requests on one :class:`qualia.Scheduler` (see the module docstring).
 
     ``backend``: ``"model"`` (a :class:`~qualia.model.PagedModelBackend` over
-    ``ModelWeights.random(model_config)``), ``"c"`` (``qualia.ReferenceBackend(vocab)``), or a
+    ``ModelWeights.random(model_config)``), ``"c"`` (``qualia.HashBackend(vocab)``), or a
     backend object.  A backend with a ``prefill`` method is a model: it is wrapped in a
     :class:`TimedBackend` to measure backend time.  Other backends are passed to
     ``Scheduler.decode`` as they are (a C backend keeps its GIL-free path) and their time is
@@ -418,7 +418,7 @@ class Engine:
                 self.weights = ModelWeights.random(cfg)
                 backend = PagedModelBackend(self.weights, num_blocks, page_tokens)
             elif backend == "c":
-                backend = qualia.ReferenceBackend(vocab=32000 if vocab is None else vocab)
+                backend = qualia.HashBackend(vocab=32000 if vocab is None else vocab)
             else:
                 raise ValueError(f"backend must be 'model', 'c' or a backend object, not {backend!r}")
         self.raw_backend = backend
@@ -680,7 +680,7 @@ class Engine:
         if self.is_model:
             table = self._call(self.scheduler.block_table, rid)
             return int(self.backend.prefill(tokens, start, table))
-        return reference_next_token(rid, len(ctx) - 1, ctx[-1], self.vocab)
+        return hash_next_token(rid, len(ctx) - 1, ctx[-1], self.vocab)
 
     def _copy(self, copies) -> None:
         n = len(copies)

@@ -1,7 +1,7 @@
 """Shared fixtures: every test runs against the compiled core and the pure-Python reference.
 
 ``impl`` is a namespace with the implementation's classes (BlockPool, SequenceBlockTable,
-PrefixIdentity, PrefixKvStore, RequestScheduler), the reference's PyReferenceBackend (for both),
+PrefixIdentity, PrefixKvStore, RequestScheduler), the reference's PyHashBackend (for both),
 the numpy dtypes, and a few state-snapshot helpers used to assert "a failed call changed nothing".
 """
 
@@ -84,7 +84,7 @@ def _set_refcount(pool, page, count):
 
 
 def _namespace(name):
-    from qualia import reference
+    from qualia import twin
 
     if name == "core":
         import qualia as mod
@@ -92,7 +92,7 @@ def _namespace(name):
         if not hasattr(mod, "BlockPool"):
             pytest.skip("qualia.BlockPool is not available yet (compiled core not built)")
     else:
-        mod = reference
+        mod = twin
     return types.SimpleNamespace(
         name=name,
         BlockPool=mod.BlockPool,
@@ -100,10 +100,10 @@ def _namespace(name):
         PrefixIdentity=mod.PrefixIdentity,
         PrefixKvStore=mod.PrefixKvStore,
         RequestScheduler=mod.RequestScheduler,
-        PyReferenceBackend=reference.PyReferenceBackend,
+        PyHashBackend=twin.PyHashBackend,
         RAGGED_BATCH_ITEM=mod.RAGGED_BATCH_ITEM,
         RAGGED_BATCH_OUTPUT=mod.RAGGED_BATCH_OUTPUT,
-        RAGGED_BATCH_RECEIPT=getattr(mod, "RAGGED_BATCH_RECEIPT", reference.RAGGED_BATCH_RECEIPT),
+        RAGGED_BATCH_RECEIPT=getattr(mod, "RAGGED_BATCH_RECEIPT", twin.RAGGED_BATCH_RECEIPT),
         REQUEST_VIEW=mod.REQUEST_VIEW,
         COPY_OP=mod.COPY_OP,
         pool_state=pool_state,
@@ -114,7 +114,7 @@ def _namespace(name):
     )
 
 
-@pytest.fixture(scope="session", params=["core", "reference"])
+@pytest.fixture(scope="session", params=["core", "twin"])
 def impl(request):
     # stateless namespace: session scope keeps hypothesis' function-scoped-fixture check quiet
     return _namespace(request.param)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia import reference as ref
+from qualia import twin as ref
 from qualia.errors import BackendAbiError, BusyError, DecodeRoundError, RaggedBackendError
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -149,22 +149,22 @@ def test_facade_with_c_and_python_backends_gives_identical_outputs(example_backe
     assert c_stats["prefix_hits"] == 3 and c_stats["pages_copied"] > 0
 
 
-def test_reference_backend_matches_its_python_twin():
+def test_hash_backend_matches_its_python_twin():
     pool, store, sched = make_world()
     pool2, store2, sched2 = make_world()
     b1, b2 = scratch(8, 6), scratch(8, 6)
     for _ in range(10):
-        assert sched.execute_decode_round(qualia.ReferenceBackend(), *b1) == \
-            sched2.execute_decode_round(ref.PyReferenceBackend(), *b2)
+        assert sched.execute_decode_round(qualia.HashBackend(), *b1) == \
+            sched2.execute_decode_round(ref.PyHashBackend(), *b2)
         assert np.array_equal(b1[2], b2[2])
     # the C backend's Python methods compute the same as its capsule
-    be = qualia.ReferenceBackend(vocab=50)
+    be = qualia.HashBackend(vocab=50)
     items, table, outs = b1[0][:5].copy(), b1[1].copy(), np.zeros(5, qualia.RAGGED_BATCH_OUTPUT)
     assert be.execute_ragged(items, table, outs) == (5, 1)
     for it, o in zip(items, outs):
-        assert o["next_token_id"] == qualia.reference_next_token(
+        assert o["next_token_id"] == qualia.hash_next_token(
             int(it["request_id"]), int(it["position"]), int(it["token_id"]), 50)
-        assert o["next_token_id"] == ref.PyReferenceBackend.next_token(
+        assert o["next_token_id"] == ref.PyHashBackend.next_token(
             int(it["request_id"]), int(it["position"]), int(it["token_id"]), 50)
 
 
@@ -172,7 +172,7 @@ def test_c_backend_status_becomes_backend_failed_with_code():
     pool, store, sched = make_world()
     before = sched.runnable()
     with pytest.raises(DecodeRoundError.Backend) as info:
-        sched.execute_decode_round(qualia.ReferenceBackend(fault="error", code=42), *scratch(8, 6))
+        sched.execute_decode_round(qualia.HashBackend(fault="error", code=42), *scratch(8, 6))
     assert isinstance(info.value.cause, RaggedBackendError.Failed)
     assert info.value.cause.code == 42
     assert info.value.chain == ("DecodeRoundError.Backend", "RaggedBackendError.Failed")
@@ -186,7 +186,7 @@ def test_c_backend_faults_change_nothing(fault, err):
     pool, store, sched = make_world()
     before = (sched.runnable(), [sched.pending_token(r * 7 + 1) for r in range(5)])
     with pytest.raises(err):
-        sched.execute_decode_round(qualia.ReferenceBackend(fault=fault), *scratch(8, 6))
+        sched.execute_decode_round(qualia.HashBackend(fault=fault), *scratch(8, 6))
     after = (sched.runnable(), [sched.pending_token(r * 7 + 1) for r in range(5)])
     assert np.array_equal(before[0], after[0]) and before[1] == after[1]
 
@@ -233,8 +233,8 @@ def test_non_capsule_attribute_is_rejected():
         sched.execute_decode_round(type("B", (), {"__qualia_backend__": 3})(), *scratch(8, 6))
 
 
-def test_reference_backend_capsule_outlives_its_object():
-    be = qualia.ReferenceBackend(vocab=10)
+def test_hash_backend_capsule_outlives_its_object():
+    be = qualia.HashBackend(vocab=10)
     cap = be.__qualia_backend__
     del be
     pool, store, sched = make_world()
@@ -244,7 +244,7 @@ def test_reference_backend_capsule_outlives_its_object():
 def test_python_protocol_is_runtime_checkable():
     assert isinstance(PyExample(3), qualia.RaggedBackend)
     assert isinstance(PyExample(3), qualia.CopyPagesBackend)
-    assert isinstance(qualia.ReferenceBackend(), qualia.CopyPagesBackend)
+    assert isinstance(qualia.HashBackend(), qualia.CopyPagesBackend)
     assert not isinstance(object(), qualia.RaggedBackend)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia import reference as R
+from qualia import twin as R
 from qualia._types import RaggedBatchReceipt
 from qualia.errors import (
     BackendAbiError,
@@ -157,7 +157,7 @@ READABLE_BAD = sorted(set(BAD_BUFFERS) - {"readonly"})
 
 class CountingBackend:
     def __init__(self, impl=None):
-        self.inner = R.PyReferenceBackend()
+        self.inner = R.PyHashBackend()
         self.calls = 0
 
     def execute_ragged(self, items, block_table, outputs):
@@ -485,7 +485,7 @@ def test_objects_of_the_other_implementation_are_rejected(impl):
 
 
 class Scripted:
-    """execute_ragged computes correct outputs with PyReferenceBackend, then does `act`."""
+    """execute_ragged computes correct outputs with PyHashBackend, then does `act`."""
 
     def __init__(self, act=None, receipt="ok"):
         self.act = act
@@ -495,7 +495,7 @@ class Scripted:
 
     def execute_ragged(self, items, block_table, outputs):
         self.calls += 1
-        R.PyReferenceBackend().execute_ragged(items, block_table, outputs)
+        R.PyHashBackend().execute_ragged(items, block_table, outputs)
         if self.act is not None:
             self.act(self, items, block_table, outputs)
         r = self.receipt
@@ -783,7 +783,7 @@ def test_backend_reading_scheduler_during_round_is_fine(impl):
 def test_aliased_scratch_buffers_do_not_crash(impl):
     """items, block table and outputs over the same memory: garbage in, but no crash, and the
     scheduler stays consistent (outputs are checked against its own record of the batch)."""
-    for backend in (CountingBackend(), qualia.ReferenceBackend()):
+    for backend in (CountingBackend(), qualia.HashBackend()):
         w = World(impl)
         raw = np.zeros(8 * ITEM.itemsize, np.uint8)
         items, table, outs = raw.view(ITEM), raw.view(U32), raw.view(OUTPUT)
@@ -808,18 +808,18 @@ def lowered(n=2):
 
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["items", "block_table", "outputs"])
 @pytest.mark.parametrize("kind", WRITABLE_BAD)
-def test_reference_backend_execute_ragged_bad_buffers(which, kind):
+def test_hash_backend_execute_ragged_bad_buffers(which, kind):
     make, exc = BAD_BUFFERS[kind]
     bufs = list(lowered())
     dtype = (ITEM, U32, OUTPUT)[which]
     if kind == "readonly" and which != 2:
         # inputs may be read-only (that is what a scheduler hands a backend)
         bufs[which] = readonly(bufs[which])
-        b = qualia.ReferenceBackend()
+        b = qualia.HashBackend()
         assert b.execute_ragged(*bufs) == (2, 1)
         return
     bufs[which] = make(dtype, 2 if which != 1 else 4)
-    b = qualia.ReferenceBackend()
+    b = qualia.HashBackend()
     outs = bufs[2] if isinstance(bufs[2], np.ndarray) else None
     before = None if outs is None else outs.tobytes()
     with pytest.raises(exc):
@@ -829,24 +829,24 @@ def test_reference_backend_execute_ragged_bad_buffers(which, kind):
         assert outs.tobytes() == before
 
 
-def test_reference_backend_outputs_shorter_than_items():
+def test_hash_backend_outputs_shorter_than_items():
     items, table, outs = lowered(3)
-    b = qualia.ReferenceBackend()
+    b = qualia.HashBackend()
     with pytest.raises(ValueError):
         b.execute_ragged(items, table, outs[:2])
     assert b.calls == 0 and not outs.tobytes().strip(b"\0")
 
 
-def test_reference_backend_zero_length():
-    b = qualia.ReferenceBackend()
+def test_hash_backend_zero_length():
+    b = qualia.HashBackend()
     assert b.execute_ragged(np.zeros(0, ITEM), np.zeros(0, U32), np.zeros(0, OUTPUT)) == (0, 1)
     b.copy_pages(np.zeros(0, COPY))
 
 
 @pytest.mark.parametrize("kind", READABLE_BAD)
-def test_reference_backend_copy_pages_bad_buffers(kind):
+def test_hash_backend_copy_pages_bad_buffers(kind):
     make, exc = BAD_BUFFERS[kind]
-    b = qualia.ReferenceBackend()
+    b = qualia.HashBackend()
     with pytest.raises(exc):
         b.copy_pages(make(COPY, 3))
     assert b.pages_copied == 0
@@ -861,13 +861,13 @@ def test_reference_backend_copy_pages_bad_buffers(kind):
     (dict(code=0), ValueError), (dict(code=2**31), OverflowError), (dict(code=-(2**31) - 1), OverflowError),
     (dict(code=1.0), TypeError), (dict(code=True), TypeError), (dict(code=None), TypeError),
 ])
-def test_reference_backend_constructor(kwargs, exc):
+def test_hash_backend_constructor(kwargs, exc):
     with pytest.raises(exc):
-        qualia.ReferenceBackend(**kwargs)
+        qualia.HashBackend(**kwargs)
 
 
-def test_reference_backend_setters():
-    b = qualia.ReferenceBackend(fault="error", code=3)
+def test_hash_backend_setters():
+    b = qualia.HashBackend(fault="error", code=3)
     for attr, value, exc in (("fault", "nope", ValueError), ("code", 0, ValueError),
                              ("code", "1", TypeError), ("code", 2**40, OverflowError)):
         with pytest.raises(exc):
@@ -880,9 +880,9 @@ def test_reference_backend_setters():
     ((0, 0, 0, 2**32), OverflowError), ((0.0, 0, 0), TypeError), ((True, 0, 0), TypeError),
     ((None, 0, 0), TypeError), ((2**64, 0, 0), OverflowError),
 ])
-def test_reference_next_token_bad_args(args, exc):
+def test_hash_next_token_bad_args(args, exc):
     with pytest.raises(exc):
-        qualia.reference_next_token(*args)
+        qualia.hash_next_token(*args)
 
 
 # -- the facade -----------------------------------------------------------------------------------

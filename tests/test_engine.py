@@ -16,9 +16,9 @@ from qualia.engine import (
     is_exhausted,
     pages_needed,
     reference_generate,
-    reference_next_token,
+    hash_next_token,
 )
-from qualia.reference import PyReferenceBackend
+from qualia.twin import PyHashBackend
 
 # A pool small enough that prefix eviction, preemption and copy-on-write all happen.
 SMALL_WORKLOAD = dict(requests=24, seed=1, prompt_len=(16, 48), output_len=(8, 24),
@@ -79,8 +79,8 @@ def test_workload_is_seeded_and_well_formed():
 
 def test_reference_rule_matches_the_core():
     for rid, pos, tok in [(0, 0, 0), (7, 100, 31999), (2**64 - 1, 2**32 - 1, 2**32 - 1)]:
-        assert reference_next_token(rid, pos, tok) == qualia.reference_next_token(rid, pos, tok)
-        assert reference_next_token(rid, pos, tok, 97) == PyReferenceBackend.next_token(
+        assert hash_next_token(rid, pos, tok) == qualia.hash_next_token(rid, pos, tok)
+        assert hash_next_token(rid, pos, tok, 97) == PyHashBackend.next_token(
             rid, pos, tok, 97)
 
 
@@ -158,7 +158,7 @@ def test_c_backend_engine_matches_the_reference_rule():
     assert_clean_end(engine, 400)
     assert st["preemptions"] > 0 and st["prefix_hits"] > 0 and st["pages_copied"] > 0
     assert st["evictions"] > 0
-    assert isinstance(engine.backend, qualia.ReferenceBackend)
+    assert isinstance(engine.backend, qualia.HashBackend)
     assert engine.backend.calls == st["decode_rounds"]
     for rid, out in engine.outputs.items():
         req = engine._requests[rid]
@@ -181,7 +181,7 @@ def test_c_backend_small_vocab_end_token_and_tiny_pool():
 
 
 def test_python_decode_only_backend():
-    backend = PyReferenceBackend(vocab=1000)
+    backend = PyHashBackend(vocab=1000)
     requests = Workload(**{**SMALL_WORKLOAD, "vocab": 1000}).generate()
     engine = Engine(backend, **SMALL_ENGINE)
     result = engine.run(requests, check=True)
@@ -285,7 +285,7 @@ def test_cli_quiet_and_demo(capsys):
     assert "all 12 requests match" in capsys.readouterr().out
 
 
-class _OffByOne(PyReferenceBackend):
+class _OffByOne(PyHashBackend):
     """Deviates from the reference rule for request 3 only."""
 
     def execute_ragged(self, items, block_table, outputs):

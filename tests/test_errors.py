@@ -133,7 +133,7 @@ def _trigger(impl, variant):
                  "OutputIdentityMismatch": "swap"}.get(name)
         sizes = {"ItemBufferTooSmall": (0, 8, 4), "OutputBufferTooSmall": (4, 8, 0),
                  "BlockTableBufferTooSmall": (4, 0, 4)}.get(name, (4, 8, 4))
-        sched.execute_decode_round(impl.PyReferenceBackend(fault=fault, code=3),
+        sched.execute_decode_round(impl.PyHashBackend(fault=fault, code=3),
                                    *_bufs(impl, *sizes))
     else:  # pragma: no cover
         raise AssertionError(variant)
@@ -231,12 +231,12 @@ def splitmix_token(request_id, position, token_id, vocab=32000):
 @pytest.mark.parametrize("args", [(0, 0, 0), (1, 2, 3), (2**64 - 1, 2**32 - 1, 2**32 - 1),
                                   (12345678901234, 77, 31999)])
 def test_pybackend_next_token(impl, args):
-    assert impl.PyReferenceBackend.next_token(*args) == splitmix_token(*args)
-    assert impl.PyReferenceBackend.next_token(*args, vocab=7) == splitmix_token(*args, vocab=7)
+    assert impl.PyHashBackend.next_token(*args) == splitmix_token(*args)
+    assert impl.PyHashBackend.next_token(*args, vocab=7) == splitmix_token(*args, vocab=7)
 
 
 def test_pybackend_execute(impl):
-    b = impl.PyReferenceBackend(vocab=1000)
+    b = impl.PyHashBackend(vocab=1000)
     items = np.zeros(2, impl.RAGGED_BATCH_ITEM)
     items[0] = (5, 0, 9, 3, 0, 1, 0)
     items[1] = (6, 2, 1, 0, 1, 0, 0)
@@ -250,14 +250,14 @@ def test_pybackend_execute(impl):
 
 @pytest.mark.parametrize("fault, expect", [("batch_size", (3, 1)), ("launches", (2, 2))])
 def test_pybackend_receipt_faults(impl, fault, expect):
-    b = impl.PyReferenceBackend(fault=fault)
+    b = impl.PyHashBackend(fault=fault)
     items = np.zeros(2, impl.RAGGED_BATCH_ITEM)
     assert tuple(b.execute_ragged(items, np.zeros(0, np.uint32),
                                   np.zeros(2, impl.RAGGED_BATCH_OUTPUT))) == expect
 
 
 def test_pybackend_swap(impl):
-    b = impl.PyReferenceBackend(fault="swap")
+    b = impl.PyHashBackend(fault="swap")
     items = np.zeros(2, impl.RAGGED_BATCH_ITEM)
     items["request_id"] = [10, 20]
     items["slot"] = [0, 1]
@@ -273,16 +273,16 @@ def test_pybackend_raising_faults(impl):
     items = np.zeros(1, impl.RAGGED_BATCH_ITEM)
     outs = np.zeros(1, impl.RAGGED_BATCH_OUTPUT)
     with pytest.raises(RaggedBackendError.Failed) as info:
-        impl.PyReferenceBackend(fault="error", code=-5).execute_ragged(items, items, outs)
+        impl.PyHashBackend(fault="error", code=-5).execute_ragged(items, items, outs)
     assert info.value.code == -5
     with pytest.raises(RuntimeError):
-        impl.PyReferenceBackend(fault="raise").execute_ragged(items, items, outs)
+        impl.PyHashBackend(fault="raise").execute_ragged(items, items, outs)
     with pytest.raises(ValueError):
-        impl.PyReferenceBackend(fault="nonsense")
+        impl.PyHashBackend(fault="nonsense")
 
 
 def test_pybackend_copy_pages(impl):
-    b = impl.PyReferenceBackend()
+    b = impl.PyHashBackend()
     assert b.copy_pages([CopyOnWrite.copy(1, 2), CopyOnWrite.exclusive(3),
                          CopyOnWrite.allocated(4)]) == 1
     ops = np.zeros(3, impl.COPY_OP)

@@ -3,7 +3,7 @@
 import pytest
 
 import qualia
-from qualia import reference as ref
+from qualia import twin as ref
 from qualia.errors import DecodeRoundError, PrefixKvError, SchedulerError, TableError
 
 
@@ -14,7 +14,7 @@ class Recorder:
         self.copies = []
         self.rounds = []
         self.fail = fail
-        self.inner = ref.PyReferenceBackend()
+        self.inner = ref.PyHashBackend()
 
     def copy_pages(self, copies):
         self.copies_writeable = copies.flags.writeable
@@ -148,7 +148,7 @@ def test_exhaustion_while_making_pages_writable_fails_the_round_with_nothing_cha
     s.pool.allocate()  # 1 page left, 3 needed
     before = snapshot(s)
     with pytest.raises(DecodeRoundError.Scheduler) as info:
-        s.decode(qualia.ReferenceBackend())
+        s.decode(qualia.HashBackend())
     assert info.value.chain == ("DecodeRoundError.Scheduler", "SchedulerError.Table",
                                 "TableError.Exhausted")
     assert snapshot(s) == before
@@ -159,7 +159,7 @@ def test_decode_past_logical_pages_is_out_of_range():
     prefill(s, 0, [1, 2])
     before = snapshot(s)
     with pytest.raises(DecodeRoundError.Scheduler) as info:
-        s.decode(qualia.ReferenceBackend())
+        s.decode(qualia.HashBackend())
     assert info.value.root.__class__ is TableError.OutOfRange
     assert snapshot(s) == before
 
@@ -222,7 +222,7 @@ def test_identity_for_matches_of_tokens():
 
 def test_full_cycle_returns_the_pool_to_the_store_pages():
     s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=4, logical_pages=16)
-    be = qualia.ReferenceBackend()
+    be = qualia.HashBackend()
     system = list(range(100, 110))
     for rid in range(8):
         if s.active_count == s.max_requests:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia import reference as R
+from qualia import twin as R
 from qualia._types import RaggedBatchReceipt
 from qualia.errors import QualiaError
 
@@ -189,7 +189,7 @@ def cycle_request_scheduler(i):
     sched.seed_decode_token(2, 6)
     sched.ensure_writable(2, 0, pool)  # copy
     items, table, outs = np.zeros(4, ITEM), np.zeros(16, np.uint32), np.zeros(4, OUTPUT)
-    sched.execute_decode_round(qualia.ReferenceBackend(), items, table, outs)
+    sched.execute_decode_round(qualia.HashBackend(), items, table, outs)
     sched.execute_decode_round(PyBackend(), items, table, outs)
     sched.execute_decode_round(PyBackend(receipt=(2, 1)), items, table, outs)
     sched.runnable()
@@ -214,9 +214,9 @@ def cycle_facade(i):
     s.reserve(2, 1)
     s.advance(2, 1)
     s.complete_prefill(2, 3)
-    s.decode(qualia.ReferenceBackend())
+    s.decode(qualia.HashBackend())
     s.decode(PyBackend())
-    s.decode(R.PyReferenceBackend())
+    s.decode(R.PyHashBackend())
     s.block_table(1)
     s.token_count(2)
     s.runnable()
@@ -232,9 +232,9 @@ def cycle_facade(i):
     s.evict_lru()
 
 
-def cycle_reference_backend(i):
+def cycle_hash_backend(i):
     for fault in (None, "error", "batch_size", "launches", "swap"):
-        b = qualia.ReferenceBackend(32000, fault=fault, code=-3)
+        b = qualia.HashBackend(32000, fault=fault, code=-3)
         cap = b.__qualia_backend__
         items, table, outs = np.zeros(2, ITEM), np.zeros(2, np.uint32), np.zeros(2, OUTPUT)
         try:
@@ -246,7 +246,7 @@ def cycle_reference_backend(i):
         repr(b)
         del b
         del cap  # the capsule outlives the object, then goes too
-    qualia.reference_next_token(1, 2, 3)
+    qualia.hash_next_token(1, 2, 3)
 
 
 CREATE_USE_DESTROY = {
@@ -256,7 +256,7 @@ CREATE_USE_DESTROY = {
     "PrefixKvStore": cycle_store,
     "RequestScheduler": cycle_request_scheduler,
     "Scheduler": cycle_facade,
-    "ReferenceBackend": cycle_reference_backend,
+    "HashBackend": cycle_hash_backend,
 }
 
 
@@ -407,7 +407,7 @@ def cycle_decode_errors(i):
     def scratch(items=4, table=8, outs=4):
         return np.zeros(items, ITEM), np.zeros(table, np.uint32), np.zeros(outs, OUTPUT)
 
-    b = qualia.ReferenceBackend()
+    b = qualia.HashBackend()
     fails(lambda: s.execute_decode_round(b, *scratch()))  # MissingInputToken (request 2)
     fails(lambda: s.execute_decode_round(b, *scratch(items=1)))
     fails(lambda: s.execute_decode_round(b, *scratch(outs=1)))
@@ -438,17 +438,17 @@ DW = None
 def cycle_backend_errors(i):
     global DW
     if DW is None:
-        backends = [qualia.ReferenceBackend(fault=f) for f in ("batch_size", "launches", "swap")]
+        backends = [qualia.HashBackend(fault=f) for f in ("batch_size", "launches", "swap")]
         backends += [PyBackend(receipt="garbage"), PyBackend(receipt=(2.0, 1)),
                      PyBackend(receipt=(3, 1)), PyBackend(receipt=(2, 2)),
-                     R.PyReferenceBackend(fault="raise"), object()]
+                     R.PyHashBackend(fault="raise"), object()]
         DW = decoding_world() + (backends,)
     pool, store, s, backends = DW
     bufs = (np.zeros(2, ITEM), np.zeros(4, np.uint32), np.zeros(2, OUTPUT))
     # fresh backends failing (an error status, a Python exception, a code) ...
-    fails(lambda: s.execute_decode_round(qualia.ReferenceBackend(fault="error"), *bufs))
+    fails(lambda: s.execute_decode_round(qualia.HashBackend(fault="error"), *bufs))
     fails(lambda: s.execute_decode_round(PyBackend(raise_=ValueError("boom")), *bufs))
-    fails(lambda: s.execute_decode_round(R.PyReferenceBackend(fault="error", code=5), *bufs))
+    fails(lambda: s.execute_decode_round(R.PyHashBackend(fault="error", code=5), *bufs))
     # ... and long-lived ones with every other fault
     for backend in backends:
         fails(lambda: s.execute_decode_round(backend, *bufs))
@@ -487,7 +487,7 @@ def cycle_facade_errors(i):
     fails(lambda: s.publish_prefix(1, [1, 2, 3, 4], prefix_len=3))  # duplicate
     fails(lambda: s.publish_prefix(1, [1, 2, 3, 4, 5, 6, 7]))
     fails(lambda: s.publish_prefix(2, [9, 9], prefix_len=0))
-    fails(lambda: s.decode(qualia.ReferenceBackend(fault="error")))
+    fails(lambda: s.decode(qualia.HashBackend(fault="error")))
     fails(lambda: s.decode(PyBackend(raise_=RuntimeError("x"))))
     fails(lambda: s.decode(PyBackend(receipt=None or "garbage")))
     fails(lambda: s.decode(NoCopy()))
@@ -500,13 +500,13 @@ def cycle_facade_errors(i):
     fails(lambda: qualia.Scheduler(1, 0, 1, 1))
     fails(lambda: qualia.Scheduler(1, 1, 0, 1))
     fails(lambda: qualia.Scheduler(1, 1, 1, 1, prefix_entries=0))
-    fails(lambda: qualia.ReferenceBackend(fault="nope"))
-    fails(lambda: qualia.ReferenceBackend(code=0))
-    fails(lambda: qualia.ReferenceBackend(vocab=0))
+    fails(lambda: qualia.HashBackend(fault="nope"))
+    fails(lambda: qualia.HashBackend(code=0))
+    fails(lambda: qualia.HashBackend(vocab=0))
 
 
-def cycle_reference_backend_errors(i):
-    b = qualia.ReferenceBackend()
+def cycle_hash_backend_errors(i):
+    b = qualia.HashBackend()
     items, table, outs = np.zeros(2, ITEM), np.zeros(2, np.uint32), np.zeros(2, OUTPUT)
     fails(lambda: b.execute_ragged(items, table, outs[:1]))
     fails(lambda: b.execute_ragged(np.zeros(2, np.uint8), table, outs))
@@ -526,7 +526,7 @@ FAILING = {
     "decode_round": cycle_decode_errors,
     "backend": cycle_backend_errors,
     "facade": cycle_facade_errors,
-    "reference_backend": cycle_reference_backend_errors,
+    "reference_backend": cycle_hash_backend_errors,
 }
 
 

@@ -76,7 +76,7 @@ def facade_runner(n=64, ctx=128, rounds=8 * ROUNDS):
         admit_all()
 
     admit_all()
-    backend = qualia.ReferenceBackend()
+    backend = qualia.HashBackend()
     dec = s.decode
 
     def run(k, dec=dec, b=backend):
@@ -148,13 +148,13 @@ def assert_no_net_allocation(r, what):
 
 def test_execute_decode_round_c_backend_no_net_allocation():
     sched, items, table, outputs = decode_world()
-    run = round_runner(sched, qualia.ReferenceBackend(), items, table, outputs)
+    run = round_runner(sched, qualia.HashBackend(), items, table, outputs)
     assert_no_net_allocation(probe(run), "execute_decode_round (C backend)")
 
 
 def test_execute_decode_round_capsule_no_net_allocation():
     sched, items, table, outputs = decode_world()
-    cap = qualia.ReferenceBackend().__qualia_backend__
+    cap = qualia.HashBackend().__qualia_backend__
     run = round_runner(sched, cap, items, table, outputs)
     assert_no_net_allocation(probe(run), "execute_decode_round (bare capsule)")
 
@@ -176,7 +176,7 @@ def test_scheduler_decode_no_transient_allocation():
 def test_execute_decode_round_memoryview_scratch_no_transient_allocation():
     # scratch handed over as memoryviews: the buffer export reuses the view's format string
     sched, items, table, outputs = decode_world()
-    run = round_runner(sched, qualia.ReferenceBackend(), memoryview(items), memoryview(table),
+    run = round_runner(sched, qualia.HashBackend(), memoryview(items), memoryview(table),
                        memoryview(outputs))
     r = probe(run)
     assert_no_net_allocation(r, "execute_decode_round (memoryview scratch)")
@@ -185,7 +185,7 @@ def test_execute_decode_round_memoryview_scratch_no_transient_allocation():
 
 def test_execute_decode_round_no_transient_allocation():
     sched, items, table, outputs = decode_world()
-    run = round_runner(sched, qualia.ReferenceBackend(), items, table, outputs)
+    run = round_runner(sched, qualia.HashBackend(), items, table, outputs)
     r = probe(run)
     assert r["peak"] <= 0, f"{r['peak']} B allocated transiently within {ROUNDS} rounds"
 
@@ -196,7 +196,7 @@ def test_execute_decode_round_no_transient_allocation():
                            "quarantine, so RSS says nothing; the tracemalloc tests still run")
 def test_rss_flat_over_many_rounds():
     sched, items, table, outputs = decode_world()
-    run = round_runner(sched, qualia.ReferenceBackend(), items, table, outputs)
+    run = round_runner(sched, qualia.HashBackend(), items, table, outputs)
     _, frun = facade_runner(rounds=4000)
     for what, r in (("execute_decode_round", run), ("Scheduler.decode", frun)):
         r(2000)

@@ -43,11 +43,11 @@ def decoding(impl, pool, store, sched, rid, pages=1, token=None):
 
 
 class Recorder:
-    """A backend that records what it was handed, then delegates to PyReferenceBackend
+    """A backend that records what it was handed, then delegates to PyHashBackend
     (or to `reply`, a function (items, table, outputs) -> receipt)."""
 
     def __init__(self, impl, fault=None, reply=None, **kw):
-        self.inner = impl.PyReferenceBackend(fault=fault, **kw)
+        self.inner = impl.PyHashBackend(fault=fault, **kw)
         self.reply = reply
         self.calls = 0
         self.items = self.table = None
@@ -289,7 +289,7 @@ def test_decode_round_saturates(impl):
     assert sched.execute_decode_round(backend, *scratch(impl)) == RaggedBatchReceipt(1, 1)
     assert backend.items["position"].tolist() == [U32_MAX]
     assert sched.runnable()["token_count"].tolist() == [U32_MAX]
-    assert sched.pending_token(3) == impl.PyReferenceBackend.next_token(3, U32_MAX, 11)
+    assert sched.pending_token(3) == impl.PyHashBackend.next_token(3, U32_MAX, 11)
 
 
 @pytest.mark.parametrize("call", ["ensure_writable", "mark_prefill_complete", "seed_decode_token",
@@ -418,7 +418,7 @@ def test_decode_round_lowers_and_applies(impl):
     ro_items, ro_table, w_out, n_items, n_table, n_out, _, _ = backend.flags
     assert (ro_items, ro_table, w_out) == (False, False, True)
     assert (n_items, n_table, n_out) == (3, 6, 3)
-    nt = impl.PyReferenceBackend.next_token
+    nt = impl.PyHashBackend.next_token
     assert sched.pending_token(100) == nt(100, 0, 7)
     assert sched.pending_token(300) == nt(300, 2, 9)
     assert sched.pending_token(400) == nt(400, 0, 0)
@@ -500,7 +500,7 @@ def test_missing_input_token_fails_whole_round(impl, seeded):
 
 def test_backend_error_code(impl):
     pool, store, sched = two_decoding(impl)
-    b = impl.PyReferenceBackend(fault="error", code=-7)
+    b = impl.PyHashBackend(fault="error", code=-7)
     err = failing_round(impl, sched, pool, store, b, scratch(impl), DecodeRoundError.Backend)
     assert isinstance(err.cause, RaggedBackendError.Failed)
     assert err.cause.code == -7
@@ -511,7 +511,7 @@ def test_backend_error_code(impl):
 
 def test_backend_python_exception_chained(impl):
     pool, store, sched = two_decoding(impl)
-    b = impl.PyReferenceBackend(fault="raise")
+    b = impl.PyHashBackend(fault="raise")
     err = failing_round(impl, sched, pool, store, b, scratch(impl), DecodeRoundError.Backend)
     assert isinstance(err.cause, RuntimeError)
     assert err.__cause__ is err.cause
@@ -520,7 +520,7 @@ def test_backend_python_exception_chained(impl):
 
 def test_wrong_batch_size(impl):
     pool, store, sched = two_decoding(impl)
-    b = impl.PyReferenceBackend(fault="batch_size")
+    b = impl.PyHashBackend(fault="batch_size")
     failing_round(impl, sched, pool, store, b, scratch(impl),
                   DecodeRoundError.OutputIdentityMismatch)
     assert b.calls == 1
@@ -530,7 +530,7 @@ def test_wrong_batch_size_reported_before_launch_count(impl):
     pool, store, sched = two_decoding(impl)
 
     def reply(items, table, outputs):
-        impl.PyReferenceBackend().execute_ragged(items, table, outputs)
+        impl.PyHashBackend().execute_ragged(items, table, outputs)
         return RaggedBatchReceipt(len(items) + 1, 2)
 
     failing_round(impl, sched, pool, store, Recorder(impl, reply=reply), scratch(impl),
@@ -539,7 +539,7 @@ def test_wrong_batch_size_reported_before_launch_count(impl):
 
 def test_two_launches(impl):
     pool, store, sched = two_decoding(impl)
-    b = impl.PyReferenceBackend(fault="launches")
+    b = impl.PyHashBackend(fault="launches")
     failing_round(impl, sched, pool, store, b, scratch(impl), DecodeRoundError.BackendLaunchCount)
 
 
@@ -548,7 +548,7 @@ def test_swapped_outputs(impl, count):
     pool, store, sched = world(impl)
     for rid in range(count):
         decoding(impl, pool, store, sched, rid + 1, pages=1, token=rid)
-    b = impl.PyReferenceBackend(fault="swap")
+    b = impl.PyHashBackend(fault="swap")
     failing_round(impl, sched, pool, store, b, scratch(impl),
                   DecodeRoundError.OutputIdentityMismatch)
 
@@ -583,7 +583,7 @@ def test_malformed_receipt(impl, receipt):
     pool, store, sched = two_decoding(impl)
 
     def reply(items, table, outputs):
-        impl.PyReferenceBackend().execute_ragged(items, table, outputs)
+        impl.PyHashBackend().execute_ragged(items, table, outputs)
         return receipt
 
     err = failing_round(impl, sched, pool, store, Recorder(impl, reply=reply), scratch(impl),
@@ -596,7 +596,7 @@ def test_receipt_forms_accepted(impl, receipt):
     pool, store, sched = two_decoding(impl)
 
     def reply(items, table, outputs):
-        impl.PyReferenceBackend().execute_ragged(items, table, outputs)
+        impl.PyHashBackend().execute_ragged(items, table, outputs)
         return receipt
 
     assert sched.execute_decode_round(Recorder(impl, reply=reply), *scratch(impl)) == (2, 1)
@@ -647,12 +647,12 @@ def test_reentrant_backend_is_busy(impl):
         for call in (lambda: sched.record_token(11), lambda: sched.finish(11, pool),
                      lambda: sched.seed_decode_token(11, 1),
                      lambda: sched.admit_with_prefix(50, None, store, pool),
-                     lambda: sched.execute_decode_round(impl.PyReferenceBackend(), *scratch(impl))):
+                     lambda: sched.execute_decode_round(impl.PyHashBackend(), *scratch(impl))):
             try:
                 call()
             except BusyError as exc:
                 seen.append(exc)
-        return impl.PyReferenceBackend().execute_ragged(items, table, outputs)
+        return impl.PyHashBackend().execute_ragged(items, table, outputs)
 
     assert sched.execute_decode_round(Recorder(impl, reply=reply), *scratch(impl)) == (2, 1)
     assert len(seen) == 5 and all(isinstance(e, BusyError) for e in seen)
@@ -685,7 +685,7 @@ def test_finish_returns_pool_to_store_pages(impl):
     decoding(impl, pool, store, sched, 3, pages=3, token=1)
     sched.seed_decode_token(1, 5)
     sched.seed_decode_token(2, 6)
-    assert sched.execute_decode_round(impl.PyReferenceBackend(), *scratch(impl)) == (3, 1)
+    assert sched.execute_decode_round(impl.PyHashBackend(), *scratch(impl)) == (3, 1)
     for rid in (2, 1, 3):
         sched.finish(rid, pool)
     assert sched.active_count() == 0
@@ -767,7 +767,7 @@ def test_wrong_object_types(impl):
 def test_engine_life_cycle(impl):
     page_tokens = 4
     pool, store, sched = world(impl, blocks=12, requests=3, logical_pages=4)
-    backend = impl.PyReferenceBackend()
+    backend = impl.PyHashBackend()
     bufs = scratch(impl)
     prompt = list(range(100, 106))  # 6 tokens over 2 pages
 
@@ -801,7 +801,7 @@ def test_engine_life_cycle(impl):
     for rid in (1, 2):  # five chained steps from position 6
         token = prompt[-1]
         for pos in range(6, 11):
-            token = impl.PyReferenceBackend.next_token(rid, pos, token)
+            token = impl.PyHashBackend.next_token(rid, pos, token)
         assert sched.pending_token(rid) == token
     sched.finish(1, pool)
     sched.finish(2, pool)
@@ -829,7 +829,7 @@ def test_refcounts_match_tables_and_store(impl, sequence):
     n = 10
     pool, store, sched = world(impl, blocks=n, requests=3, logical_pages=3, entries=2,
                                max_pages=3)
-    backend = impl.PyReferenceBackend()
+    backend = impl.PyHashBackend()
     bufs = scratch(impl)
     idents = [impl.PrefixIdentity.of_tokens([i]) for i in range(3)]
     for op, rid, arg in sequence:

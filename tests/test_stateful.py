@@ -3,7 +3,7 @@
 Two hypothesis state machines:
 
 * ``CoreVsReference`` drives ``qualia.{BlockPool, SequenceBlockTable, PrefixKvStore,
-  PrefixIdentity, RequestScheduler}`` and ``qualia.reference.*`` with the same random operations,
+  PrefixIdentity, RequestScheduler}`` and ``qualia.twin.*`` with the same random operations,
   valid and invalid (admissions, copy-on-write, decode rounds with every backend fault and with
   misbehaving Python backends, undersized buffers, prefix publish/attach/evict, direct pool
   operations including corrupting releases, refcounts pushed near 2**32-1 with the
@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import qualia
-from qualia import reference as R
+from qualia import twin as R
 from qualia._types import RaggedBatchReceipt
 from qualia.errors import QualiaError, RaggedBackendError
 
@@ -187,7 +187,7 @@ class PyBackend:
             pos = items["position"].tolist()
             tok = items["token_id"].tolist()
             for i in range(n):
-                t = R.PyReferenceBackend.next_token(ids[i], pos[i], tok[i], self.vocab)
+                t = R.PyHashBackend.next_token(ids[i], pos[i], tok[i], self.vocab)
                 if kind == "wrong_tokens":
                     t = (t * 31 + 7) % (U32_MAX + 1)
                 outputs[i] = (ids[i], slots[i], t)
@@ -406,12 +406,12 @@ class CoreVsReference(RuleBasedStateMachine):
         def go(m, w):
             cfault = None if fault == "raise" else fault  # "raise" is the Python twin's only
             if mode == "twin":
-                b = (qualia.ReferenceBackend(vocab, fault=cfault, code=code) if m is qualia
-                     else R.PyReferenceBackend(vocab, fault=cfault, code=code))
+                b = (qualia.HashBackend(vocab, fault=cfault, code=code) if m is qualia
+                     else R.PyHashBackend(vocab, fault=cfault, code=code))
             elif mode == "py_reference":
-                b = R.PyReferenceBackend(vocab, fault=fault, code=code)
+                b = R.PyHashBackend(vocab, fault=fault, code=code)
             elif mode == "c_for_both":
-                b = qualia.ReferenceBackend(vocab, fault=cfault, code=code)
+                b = qualia.HashBackend(vocab, fault=cfault, code=code)
             else:
                 b = PyBackend(kind, vocab, w)
             w.backends.append(b)
@@ -743,7 +743,7 @@ class NoCopyBackend:
     """A Python backend without copy_pages (fine until a round needs a page copy)."""
 
     def __init__(self, vocab):
-        self.inner = R.PyReferenceBackend(vocab)
+        self.inner = R.PyHashBackend(vocab)
 
     def execute_ragged(self, items, block_table, outputs):
         return self.inner.execute_ragged(items, block_table, outputs)
@@ -880,9 +880,9 @@ class FacadeInvariants(RuleBasedStateMachine):
           fault=st.sampled_from(C_FAULTS), code=CODES)
     def decode(self, kind, fault, code):
         if kind == "c":
-            backend = qualia.ReferenceBackend(self.vocab, fault=fault, code=code)
+            backend = qualia.HashBackend(self.vocab, fault=fault, code=code)
         elif kind == "py":
-            backend = R.PyReferenceBackend(self.vocab, fault=fault if fault else "raise",
+            backend = R.PyHashBackend(self.vocab, fault=fault if fault else "raise",
                                            code=code)
         elif kind == "nocopy":
             backend = NoCopyBackend(self.vocab)
@@ -902,7 +902,7 @@ class FacadeInvariants(RuleBasedStateMachine):
         for v, o in zip(decoding, outputs.tolist()):
             rid, slot, _, count, _ = v
             assert o[:2] == (rid, slot)
-            assert o[2] == qualia.reference_next_token(rid, count, pending[rid], self.vocab)
+            assert o[2] == qualia.hash_next_token(rid, count, pending[rid], self.vocab)
             assert self.s.token_count(rid) == min(count + 1, U32_MAX)
             assert self.s.requests.pending_token(rid) == o[2]
 

@@ -38,7 +38,7 @@ __all__ = [
     "PrefixIdentity",
     "PrefixKvStore",
     "RequestScheduler",
-    "PyReferenceBackend",
+    "PyHashBackend",
     "RAGGED_BATCH_ITEM",
     "RAGGED_BATCH_OUTPUT",
     "RAGGED_BATCH_RECEIPT",
@@ -832,7 +832,7 @@ def _receipt(result):
 _FAULTS = (None, "error", "batch_size", "launches", "swap", "raise")
 
 
-class PyReferenceBackend:
+class PyHashBackend:
     """Deterministic Python decode backend; ``fault`` injects one misbehaviour per call."""
 
     def __init__(self, vocab=32000, fault=None, code=-1) -> None:
@@ -862,7 +862,7 @@ class PyReferenceBackend:
         self.calls += 1
         n = len(items)
         if self.fault == "raise":
-            raise RuntimeError("PyReferenceBackend: injected fault")
+            raise RuntimeError("PyHashBackend: injected fault")
         if self.fault == "error":
             raise RaggedBackendError.Failed(self.code)
         ids = items["request_id"].tolist()

@@ -3,7 +3,7 @@
  * scheduler, and with fault injection so tests can exercise every DecodeRoundError. */
 #include "qualia.h"
 
-uint32_t qualia_reference_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
+uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
                                      uint32_t vocab)
 {
     uint64_t x = request_id * 0x9E3779B97F4A7C15ull + (uint64_t)position * 0xBF58476D1CE4E5B9ull
@@ -17,12 +17,12 @@ uint32_t qualia_reference_next_token(uint64_t request_id, uint32_t position, uin
     return (uint32_t)(((unsigned __int128)x * vocab) >> 64);
 }
 
-int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *items,
+int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
                                         uint32_t n_items, const uint32_t *block_table,
                                         uint32_t n_table, qualia_batch_output *outputs,
                                         qualia_batch_receipt *receipt)
 {
-    qualia_reference_backend *self = (qualia_reference_backend *)ctx;
+    qualia_hash_backend *self = (qualia_hash_backend *)ctx;
     (void)block_table;
     (void)n_table;
     self->calls += 1;
@@ -32,7 +32,7 @@ int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *item
     for (uint32_t i = 0; i < n_items; i++) {
         outputs[i].request_id = items[i].request_id;
         outputs[i].slot = items[i].slot;
-        outputs[i].next_token_id = qualia_reference_next_token(
+        outputs[i].next_token_id = qualia_hash_next_token(
             items[i].request_id, items[i].position, items[i].token_id, self->vocab);
     }
     self->items += n_items;
@@ -57,9 +57,9 @@ int32_t qualia_reference_execute_ragged(void *ctx, const qualia_batch_item *item
     return 0;
 }
 
-int32_t qualia_reference_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
+int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
 {
-    qualia_reference_backend *self = (qualia_reference_backend *)ctx;
+    qualia_hash_backend *self = (qualia_hash_backend *)ctx;
     (void)ops;
     self->copy_calls += 1;
     self->pages_copied += n_ops;
