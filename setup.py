@@ -5,6 +5,7 @@ QUALIA_DEBUG=1 for a debug build: bounds checks on, -O0 -g, assertions on.  QUAL
 adds AddressSanitizer and UndefinedBehaviorSanitizer (see tools/sanitize.sh).
 """
 
+import glob
 import os
 import shutil
 
@@ -53,8 +54,11 @@ directives = {
     "embedsignature": True,
 }
 
-extra_compile = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3"]
-extra_link = []
+# Hidden visibility: the module exports PyInit__core and nothing else (no internal symbol can
+# clash with, or be called by, another library).  Release builds are stripped.
+extra_compile = ["-fvisibility=hidden"]
+extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3", "-g0"]
+extra_link = [] if DEBUG or SANITIZE else ["-Wl,--strip-all"]
 if SANITIZE:
     flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
     extra_compile += flags + ["-g"]
@@ -63,6 +67,7 @@ if SANITIZE:
 ext = Extension(
     "qualia._core",
     sources=["qualia/_core.pyx", "csrc/blake2b.c", "csrc/hash_backend.c"],
+    depends=sorted(glob.glob(os.path.join("qualia", "core", "*.pxi")) + glob.glob("csrc/*.h")),
     include_dirs=["csrc", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=extra_compile,

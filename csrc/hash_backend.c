@@ -1,7 +1,7 @@
 /* The built-in deterministic reference backend: a stand-in model whose "next token" is a hash of
  * (request_id, position, token_id), cheap enough that a benchmark through it measures the
  * scheduler, and with fault injection so tests can exercise every DecodeRoundError. */
-#include "qualia.h"
+#include "hash_backend.h"
 
 uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
                                      uint32_t vocab)

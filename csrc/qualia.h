@@ -6,8 +6,9 @@
  * each size, alignment and offset, so a C/C++/CUDA engine can include this header and hand
  * qualia a backend without any Python in the decode loop.
  *
- * Layouts mirror the Rust seed's #[repr(C)] types (SPEC §1).  Integers are fixed-width; page
- * and token ids are uint32_t, request ids uint64_t.
+ * Layouts mirror the #[repr(C)] types of the original Rust request table (docs/DESIGN.md,
+ * "C layouts").  Integers are fixed-width; page and token ids are uint32_t, request ids
+ * uint64_t.
  */
 #ifndef QUALIA_H
 #define QUALIA_H
@@ -99,37 +100,6 @@ typedef struct qualia_backend {
     qualia_execute_ragged_fn execute_ragged;
     qualia_copy_pages_fn copy_pages;  /* optional */
 } qualia_backend;
-
-/*
- * The built-in deterministic reference backend (csrc/hash_backend.c), used by tests and
- * benchmarks as a backend that costs almost nothing.
- */
-enum {
-    QUALIA_FAULT_NONE = 0,
-    QUALIA_FAULT_ERROR = 1,       /* return `code` */
-    QUALIA_FAULT_BATCH_SIZE = 2,  /* report n_items + 1 */
-    QUALIA_FAULT_LAUNCHES = 3,    /* report 2 launches */
-    QUALIA_FAULT_SWAP = 4         /* exchange identities of outputs 0 and 1 (or bump slot) */
-};
-
-typedef struct qualia_hash_backend {
-    uint32_t vocab;
-    int32_t fault;
-    int32_t code;
-    uint32_t _pad;
-    uint64_t calls;         /* execute_ragged calls */
-    uint64_t items;         /* items processed */
-    uint64_t pages_copied;  /* copy ops seen */
-    uint64_t copy_calls;
-} qualia_hash_backend;
-
-uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
-                                     uint32_t vocab);
-int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
-                                        uint32_t n_items, const uint32_t *block_table,
-                                        uint32_t n_table, qualia_batch_output *outputs,
-                                        qualia_batch_receipt *receipt);
-int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops);
 
 #ifdef __cplusplus
 }

@@ -53,27 +53,3 @@ cdef extern from "qualia.h" nogil:
         void *ctx
         qualia_execute_ragged_fn execute_ragged
         qualia_copy_pages_fn copy_pages
-
-    enum:
-        QUALIA_FAULT_NONE
-        QUALIA_FAULT_ERROR
-        QUALIA_FAULT_BATCH_SIZE
-        QUALIA_FAULT_LAUNCHES
-        QUALIA_FAULT_SWAP
-
-    ctypedef struct qualia_hash_backend:
-        uint32_t vocab
-        int32_t fault
-        int32_t code
-        uint64_t calls
-        uint64_t items
-        uint64_t pages_copied
-        uint64_t copy_calls
-
-    uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position,
-                                         uint32_t token_id, uint32_t vocab)
-    int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
-                                            uint32_t n_items, const uint32_t *block_table,
-                                            uint32_t n_table, qualia_batch_output *outputs,
-                                            qualia_batch_receipt *receipt)
-    int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)

@@ -52,7 +52,8 @@ def test_header_and_pxd_ship_with_the_package():
     inc = qualia.get_include()
     assert os.path.isfile(os.path.join(inc, "qualia.h"))
     pkg = os.path.dirname(qualia.__file__)
-    for name in ("_abi.pxd", "_core.pxd", "__init__.pyi", "py.typed"):
+    assert not os.path.exists(os.path.join(pkg, "_core.pxd"))  # internals are not shipped
+    for name in ("_abi.pxd", "__init__.pyi", "py.typed"):
         assert os.path.isfile(os.path.join(pkg, name)), name
     with open(os.path.join(inc, "qualia.h")) as f:
         text = f.read()

@@ -526,7 +526,7 @@ FAILING = {
     "decode_round": cycle_decode_errors,
     "backend": cycle_backend_errors,
     "facade": cycle_facade_errors,
-    "reference_backend": cycle_hash_backend_errors,
+    "hash_backend": cycle_hash_backend_errors,
 }
 
 

@@ -1,0 +1,46 @@
+/* The built-in hash backend: private to the compiled core, not part of the backend ABI. */
+#ifndef QUALIA_HASH_BACKEND_H
+#define QUALIA_HASH_BACKEND_H
+
+#include "qualia.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * The deterministic hash backend (hash_backend.c): next token = a hash of (request id,
+ * position, token id), see docs/DESIGN.md "Hash decode backend".  Tests and benchmarks use it
+ * as a backend that costs almost nothing; it is exposed to Python as qualia.HashBackend.
+ */
+enum {
+    QUALIA_FAULT_NONE = 0,
+    QUALIA_FAULT_ERROR = 1,       /* return `code` */
+    QUALIA_FAULT_BATCH_SIZE = 2,  /* report n_items + 1 */
+    QUALIA_FAULT_LAUNCHES = 3,    /* report 2 launches */
+    QUALIA_FAULT_SWAP = 4         /* exchange identities of outputs 0 and 1 (or bump slot) */
+};
+
+typedef struct qualia_hash_backend {
+    uint32_t vocab;
+    int32_t fault;
+    int32_t code;
+    uint32_t _pad;
+    uint64_t calls;         /* execute_ragged calls */
+    uint64_t items;         /* items processed */
+    uint64_t pages_copied;  /* copy ops seen */
+    uint64_t copy_calls;
+} qualia_hash_backend;
+
+uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
+                                uint32_t vocab);
+int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items, uint32_t n_items,
+                                   const uint32_t *block_table, uint32_t n_table,
+                                   qualia_batch_output *outputs, qualia_batch_receipt *receipt);
+int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

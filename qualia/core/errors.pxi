@@ -1,0 +1,71 @@
+# Status codes -> exception classes: one table, built and checked when the module is imported.
+#
+# A nogil operation returns Q_OK or the code of one variant (core/structs.pxi).  The same code
+# surfaces differently depending on the layer that called: a pool's Exhausted is
+# PoolError.Exhausted from BlockPool.allocate, TableError.Exhausted from ensure_writable (pool
+# errors met by a table are flattened into it), SchedulerError.Table(TableError.Exhausted) from
+# the request scheduler, and so on.  _ERRORS[layer][code] is the chain of classes, outermost
+# first, for every code a layer can return; every name is looked up in qualia.errors at import,
+# so a mismatch between the codes and the error classes fails the import, not an error path.
+
+cdef enum:
+    E_POOL = 0      # BlockPool
+    E_TABLE = 1     # SequenceBlockTable
+    E_STORE = 2     # PrefixKvStore.publish / evict (pool errors wrapped as PrefixKvError.Pool)
+    E_ATTACH = 3    # PrefixKvStore.attach (table errors wrapped as PrefixKvError.Table)
+    E_SCHED = 4     # RequestScheduler (table errors wrapped as SchedulerError.Table)
+    E_ADMIT = 5     # admission: a prefix attach failure is SchedulerError.Prefix(...)
+    E_DECODE = 6    # the facade's decode: DecodeRoundError.Scheduler(SchedulerError.Table(...))
+    E_LAYERS = 7
+
+# code -> variant name (Q_STORE_FULL and Q_FULL are both "Full", in different families)
+cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Overflow",
+                          "OutOfRange", "Gap", "NotEmpty",
+                          "EmptyPrefix", "TooManyPages", "Duplicate", "Full", "Unknown",
+                          "DuplicateRequest", "Full", "UnknownRequest", "OutputTooSmall")
+
+
+def _error_table():
+    pool_codes = range(Q_EXHAUSTED, Q_OVERFLOW + 1)
+    table_codes = range(Q_EXHAUSTED, Q_NOT_EMPTY + 1)
+    store_codes = range(Q_EMPTY_PREFIX, Q_UNKNOWN + 1)
+    sched_codes = range(Q_DUPLICATE_REQUEST, Q_OUTPUT_TOO_SMALL + 1)
+    # layer -> [(codes, wrappers outermost first, family of the leaf)]
+    rules = {
+        E_POOL: [(pool_codes, (), PoolError)],
+        E_TABLE: [(table_codes, (), TableError)],
+        E_STORE: [(store_codes, (), PrefixKvError),
+                  (pool_codes, (PrefixKvError.Pool,), PoolError)],
+        E_ATTACH: [(table_codes, (PrefixKvError.Table,), TableError)],
+        E_SCHED: [(sched_codes, (), SchedulerError),
+                  (table_codes, (SchedulerError.Table,), TableError)],
+        E_ADMIT: [(sched_codes, (), SchedulerError),
+                  (table_codes, (SchedulerError.Prefix, PrefixKvError.Table), TableError)],
+        E_DECODE: [(table_codes, (DecodeRoundError.Scheduler, SchedulerError.Table), TableError)],
+    }
+    table = []
+    for layer in range(E_LAYERS):
+        row = [None] * len(_CODE_NAMES)
+        for codes, wrappers, family in rules[layer]:
+            for code in codes:
+                leaf = getattr(family, _CODE_NAMES[code])  # AttributeError here = a bad table
+                if not (isinstance(leaf, type) and issubclass(leaf, family)):
+                    raise ImportError(f"qualia.errors has no variant {family.__name__}."
+                                      f"{_CODE_NAMES[code]}")
+                row[code] = tuple(wrappers) + (leaf,)
+        table.append(tuple(row))
+    return tuple(table)
+
+
+cdef tuple _ERRORS = _error_table()
+
+
+cdef object _error(int layer, int rc):
+    """The exception for status code `rc` returned to `layer` (see the table above)."""
+    chain = (<tuple>_ERRORS[layer])[rc]
+    if chain is None:
+        return SystemError(f"qualia internal error: status {rc} in error layer {layer}")
+    err = None
+    for cls in reversed(<tuple>chain):
+        err = cls() if err is None else cls(err)
+    return err

@@ -1,0 +1,400 @@
+# The facade: admit / decode / finish over one pool, one store and one scheduler.
+
+cdef void _undo(Sched *s, Pool *p, Undo *log, Py_ssize_t n) noexcept nogil:
+    # Reverse every ensure_writable of the log, newest first, so the free stack is restored
+    # exactly: a page popped by an allocation is pushed back on top.
+    cdef Py_ssize_t k
+    cdef Table *t
+    for k in range(n - 1, -1, -1):
+        t = &s.slots[log[k].slot].blocks
+        if log[k].kind == COW_ALLOCATED:
+            t.len -= 1
+            pool_release(p, log[k].dst)
+        elif log[k].kind == COW_COPY:
+            t.entries[log[k].logical_page] = log[k].src
+            pool_retain(p, log[k].src)
+            pool_release(p, log[k].dst)
+
+
+cdef class Scheduler:
+    """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
+
+    Everything (pages, prefix entries, request slots, every scratch buffer) is sized here, once.
+    """
+    cdef readonly BlockPool pool
+    cdef readonly PrefixKvStore prefixes
+    cdef readonly RequestScheduler requests
+    cdef readonly uint32_t page_tokens
+    cdef object _items
+    cdef object _outputs
+    cdef object _table
+    cdef object _copies
+    cdef object _items_ro
+    cdef object _table_ro
+    cdef object _copies_ro
+    cdef object _tokens
+    cdef qualia_batch_item *items_p
+    cdef qualia_batch_output *outs_p
+    cdef uint32_t *table_p
+    cdef qualia_copy_op *copies_p
+    cdef uint32_t *tokens_p
+    cdef Py_ssize_t items_cap
+    cdef Py_ssize_t table_cap
+    cdef Py_ssize_t tokens_cap
+    cdef Undo *undo
+    cdef Py_ssize_t undo_cap
+    cdef uint64_t pages_copied
+    cdef uint64_t pages_allocated
+    cdef uint64_t rounds
+    cdef list _results
+
+    def __cinit__(self, max_requests, num_blocks, page_tokens, logical_pages,
+                  prefix_entries=64, prefix_pages=None):
+        cdef uint32_t pt = _u32(page_tokens, "page_tokens")
+        if pt == 0:
+            raise ValueError("page_tokens must be at least 1")
+        self.page_tokens = pt
+        self.pool = BlockPool(num_blocks)
+        self.requests = RequestScheduler(max_requests, logical_pages)
+        lp = self.requests.logical_pages
+        self.prefixes = PrefixKvStore(prefix_entries,
+                                      prefix_pages if prefix_pages is not None else max(lp, 1))
+        mr = self.requests.max_requests
+        self._items = np.zeros(mr, dtype=RAGGED_BATCH_ITEM)
+        self._outputs = np.zeros(mr, dtype=RAGGED_BATCH_OUTPUT)
+        self._table = np.zeros(max(mr * lp, 1), dtype=np.uint32)
+        self.undo_cap = max(mr, lp, 1)
+        self._copies = np.zeros(self.undo_cap, dtype=COPY_OP)
+        self._items_ro = self._items.view()
+        self._items_ro.setflags(write=False)
+        self._table_ro = self._table.view()
+        self._table_ro.setflags(write=False)
+        self._copies_ro = self._copies.view()
+        self._copies_ro.setflags(write=False)
+        self.tokens_cap = max(<Py_ssize_t>lp * pt, 1)
+        self._tokens = np.zeros(self.tokens_cap, dtype=np.uint32)
+        self.items_cap = mr
+        self.table_cap = max(mr * lp, 1)
+        self.items_p = <qualia_batch_item *><uintptr_t>self._items.ctypes.data
+        self.outs_p = <qualia_batch_output *><uintptr_t>self._outputs.ctypes.data
+        self.table_p = <uint32_t *><uintptr_t>self._table.ctypes.data
+        self.copies_p = <qualia_copy_op *><uintptr_t>self._copies.ctypes.data
+        self.tokens_p = <uint32_t *><uintptr_t>self._tokens.ctypes.data
+        self.undo = <Undo *>PyMem_Malloc(self.undo_cap * sizeof(Undo))
+        if self.undo == NULL:
+            raise MemoryError()
+        self._results = [None] * (mr + 1)
+
+    def __dealloc__(self):
+        PyMem_Free(self.undo)
+
+    # -- properties and stats ------------------------------------------------------------------
+    @property
+    def max_requests(self):
+        return self.requests.s.max_requests
+
+    @property
+    def logical_pages(self):
+        return self.requests.s.logical_pages
+
+    @property
+    def num_blocks(self):
+        return self.pool.pool.num_blocks
+
+    @property
+    def active_count(self):
+        return self.requests.s.active
+
+    @property
+    def free_pages(self):
+        return self.pool.pool.free_top
+
+    def stats(self):
+        return {
+            "active": self.requests.s.active,
+            "max_requests": self.requests.s.max_requests,
+            "num_blocks": self.pool.pool.num_blocks,
+            "free_pages": self.pool.pool.free_top,
+            "used_pages": self.pool.pool.num_blocks - self.pool.pool.free_top,
+            "prefix_entries": self.prefixes.store.count,
+            "prefix_hits": self.prefixes.store.hits,
+            "prefix_misses": self.prefixes.store.misses,
+            "pages_copied": self.pages_copied,
+            "pages_allocated": self.pages_allocated,
+            "decode_rounds": self.rounds,
+        }
+
+    cdef int _check_idle(self) except -1:
+        _check_busy(self.requests.busy, "scheduler")
+        _check_busy(self.prefixes.busy, "prefix store")
+        _check_busy(self.pool.busy, "pool")
+        return 0
+
+    cdef void _set_busy(self, int v) noexcept:
+        self.requests.busy = v
+        self.prefixes.busy = v
+        self.pool.busy = v
+
+    # -- identities ----------------------------------------------------------------------------
+    cdef Py_ssize_t _load_tokens(self, object prompt_tokens) except -1:
+        cdef Py_ssize_t n = _tokens_into(prompt_tokens, self.tokens_p, self.tokens_cap)
+        if n > self.tokens_cap:
+            raise ValueError(f"the prompt has {len(prompt_tokens)} tokens, more than "
+                             f"logical_pages x page_tokens = {self.tokens_cap}")
+        return n
+
+    cdef Py_ssize_t _prefix_len(self, object prefix_len, Py_ssize_t n) except -1:
+        if prefix_len is None:
+            return n
+        cdef uint32_t L = _u32(prefix_len, "prefix_len")
+        if L > n:
+            raise ValueError(f"prefix_len {L} is longer than the prompt ({n} tokens)")
+        return L
+
+    def identity_for(self, prompt_tokens, prefix_len=None, namespace=b""):
+        """The PrefixIdentity of ``prompt_tokens[:prefix_len]`` in ``namespace``."""
+        cdef bytes ns = _namespace_bytes(namespace)
+        cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
+        cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
+        return _identity_of(self.tokens_p, L, ns)
+
+    # -- admission and prefill -----------------------------------------------------------------
+    def admit(self, request_id, prompt_tokens=None, namespace=b"", prefix_len=None):
+        """Admit a request; with a prompt, attach the published pages of its prefix on a hit."""
+        identity = None
+        if prompt_tokens is not None:
+            ns = _namespace_bytes(namespace)
+            n = self._load_tokens(prompt_tokens)
+            L = self._prefix_len(prefix_len, n)
+            if L > 0:
+                identity = _identity_of(self.tokens_p, L, ns)
+        elif prefix_len is not None:
+            raise ValueError("prefix_len needs prompt_tokens")
+        return self.requests.admit_with_prefix(request_id, identity, self.prefixes, self.pool)
+
+    cdef int _make_writable(self, int32_t index, uint32_t first, uint32_t last,
+                                   Py_ssize_t *n_undo, Py_ssize_t *n_copies) except -1:
+        # ensure_writable for logical pages first..last of one request, logging for undo
+        cdef Cow c
+        cdef uint32_t lp
+        cdef int rc
+        cdef Sched *s = &self.requests.s
+        for lp in range(first, last + 1):
+            rc = table_ensure_writable(&s.slots[index].blocks, lp, &self.pool.pool, &c)
+            if rc:
+                return rc
+            if c.kind == COW_EXCLUSIVE:
+                continue
+            self.undo[n_undo[0]].slot = index
+            self.undo[n_undo[0]].logical_page = lp
+            self.undo[n_undo[0]].kind = c.kind
+            self.undo[n_undo[0]].src = c.src
+            self.undo[n_undo[0]].dst = c.page
+            n_undo[0] += 1
+            if c.kind == COW_COPY:
+                self.copies_p[n_copies[0]].src_page = c.src
+                self.copies_p[n_copies[0]].dst_page = c.page
+                n_copies[0] += 1
+        return Q_OK
+
+    def reserve(self, request_id, num_tokens):
+        """Make writable every page of the next ``num_tokens`` positions; return the copies."""
+        cdef uint32_t n = _u32(num_tokens, "num_tokens")
+        self._check_idle()
+        cdef int32_t index = self.requests._find(request_id)
+        cdef Sched *s = &self.requests.s
+        cdef uint64_t start = s.slots[index].token_count
+        cdef Py_ssize_t n_undo = 0, n_copies = 0
+        cdef int rc
+        if n == 0:
+            return np.zeros(0, dtype=COPY_OP)
+        if start + n - 1 > U32_MAX:
+            raise OverflowError("token_count would pass 2**32-1")
+        cdef uint64_t first = start // self.page_tokens
+        cdef uint64_t last = (start + n - 1) // self.page_tokens
+        if last >= s.logical_pages:
+            raise SchedulerError.Table(TableError.OutOfRange())
+        rc = self._make_writable(index, <uint32_t>first, <uint32_t>last, &n_undo, &n_copies)
+        if rc:
+            _undo(s, &self.pool.pool, self.undo, n_undo)
+            raise _error(E_SCHED, rc)
+        self.pages_copied += n_copies
+        self.pages_allocated += n_undo
+        return self._copies[:n_copies].copy()
+
+    def advance(self, request_id, num_tokens):
+        """``record_token`` ``num_tokens`` times (saturating); returns the new token count."""
+        cdef uint32_t n = _u32(num_tokens, "num_tokens")
+        self._check_idle()
+        cdef int32_t index = self.requests._find(request_id)
+        cdef Slot *sl = &self.requests.s.slots[index]
+        cdef uint64_t t = <uint64_t>sl.token_count + n
+        sl.token_count = <uint32_t>(t if t <= U32_MAX else U32_MAX)
+        return sl.token_count
+
+    def complete_prefill(self, request_id, first_token):
+        """The prompt is prefilled: go to Decode with ``first_token`` as the next input."""
+        cdef uint32_t tok = _u32(first_token, "first_token")
+        self._check_idle()
+        cdef int32_t index = self.requests._find(request_id)
+        slot_set_decode(&self.requests.s, index)
+        self.requests.s.slots[index].next_token_id = tok
+        self.requests.s.slots[index].token_ready = 1
+
+    def publish_prefix(self, request_id, prompt_tokens, prefix_len=None, namespace=b""):
+        """Publish the request's pages covering ``prompt_tokens[:prefix_len]`` to the store."""
+        cdef bytes ns = _namespace_bytes(namespace)
+        cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
+        cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
+        self._check_idle()
+        cdef int32_t index = self.requests._find(request_id)
+        cdef Slot *sl = &self.requests.s.slots[index]
+        cdef uint32_t pages
+        if L == 0:
+            raise PrefixKvError.EmptyPrefix()
+        pages = <uint32_t>((L + self.page_tokens - 1) // self.page_tokens)
+        if sl.token_count < L or sl.blocks.len < pages:
+            raise ValueError(f"request {request_id} holds {sl.token_count} tokens in "
+                             f"{sl.blocks.len} pages; it cannot publish a {L}-token prefix")
+        identity = _identity_of(self.tokens_p, L, ns)
+        cdef int rc = store_publish(&self.prefixes.store, (<PrefixIdentity>identity).hi,
+                                    (<PrefixIdentity>identity).lo, sl.blocks.entries, pages,
+                                    <uint32_t>L, &self.pool.pool)
+        if rc:
+            raise _error(E_STORE, rc)
+        return identity
+
+    # -- decode --------------------------------------------------------------------------------
+    def decode(self, backend):
+        """Make each decoding request's next page writable, hand the copies to the backend, run
+        one round.  Returns ``(receipt, outputs)``; on any failure nothing changed."""
+        cdef Sched *s = &self.requests.s
+        cdef Py_ssize_t n_undo = 0, n_copies = 0
+        cdef uint32_t i, w, lp
+        cdef uint64_t bits
+        cdef int rc
+        cdef int32_t status = 0
+        cdef qualia_backend *cb = NULL
+        cdef object holder = None
+        self._check_idle()
+        for w in range(s.n_words):
+            bits = s.decode_bits[w]
+            while bits:
+                i = w * 64 + __builtin_ctzll(bits)
+                bits &= bits - 1
+                lp = s.slots[i].token_count // self.page_tokens
+                rc = self._make_writable(i, lp, lp, &n_undo, &n_copies)
+                if rc:
+                    _undo(s, &self.pool.pool, self.undo, n_undo)
+                    raise _error(E_DECODE, rc)
+        try:
+            if n_copies:
+                holder = _c_backend(backend, &cb)
+                if holder is not None and cb.copy_pages != NULL:
+                    self._set_busy(1)
+                    try:
+                        with nogil:
+                            status = cb.copy_pages(cb.ctx, self.copies_p, <uint32_t>n_copies)
+                    finally:
+                        self._set_busy(0)
+                    if status != 0:
+                        raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
+                else:
+                    fn = getattr(backend, "copy_pages", None)
+                    if fn is None:
+                        raise TypeError(f"this round needs {n_copies} page copies but backend "
+                                        f"{type(backend).__name__} has no copy_pages")
+                    self._set_busy(1)
+                    try:
+                        fn(self._copies_ro[:n_copies])
+                    except Exception as exc:
+                        raise DecodeRoundError.Backend(exc) from exc
+                    finally:
+                        self._set_busy(0)
+            # the round itself holds the scheduler busy; hold the pool and store too
+            self.pool.busy = 1
+            self.prefixes.busy = 1
+            try:
+                receipt = self.requests._round(backend, self.items_p, self.items_cap,
+                                               self._items_ro, self.table_p, self.table_cap,
+                                               self._table_ro,
+                                               self.outs_p, self.items_cap, self._outputs)
+            finally:
+                self.pool.busy = 0
+                self.prefixes.busy = 0
+        except BaseException:
+            _undo(s, &self.pool.pool, self.undo, n_undo)
+            raise
+        self.pages_copied += n_copies
+        self.pages_allocated += n_undo - n_copies
+        self.rounds += 1
+        n = (<tuple>receipt)[0]
+        r = self._results[n]
+        if r is None:
+            v = self._outputs[:n]
+            v.flags.writeable = False
+            r = (receipt, v)
+            self._results[n] = r
+        return r
+
+    def finish(self, request_id):
+        """Release the request's pages and free its slot."""
+        self.requests.finish(request_id, self.pool)
+
+    # -- pass-throughs ---------------------------------------------------------------------------
+    def evict(self, identity):
+        self.prefixes.evict(identity, self.pool)
+
+    def evict_lru(self):
+        return self.prefixes.evict_lru(self.pool)
+
+    def evict_unused_lru(self):
+        """Evict the least recent entry whose pages only the store holds (so eviction frees
+        them); None when there is none."""
+        cdef Store *st = &self.prefixes.store
+        cdef Pool *p = &self.pool.pool
+        cdef int32_t e = st.lru_head
+        cdef uint32_t k, m, occ
+        cdef uint32_t *pg
+        cdef bint unused
+        cdef int rc
+        self._check_idle()
+        while e >= 0:
+            pg = &st.pages[<size_t>e * st.max_pages]
+            unused = True
+            for k in range(st.entries[e].npages):
+                occ = 0
+                for m in range(st.entries[e].npages):
+                    if pg[m] == pg[k]:
+                        occ += 1
+                if pg[k] >= p.num_blocks or p.refcount[pg[k]] != occ:
+                    unused = False
+                    break
+            if unused:
+                ident = _identity_from_entry(&st.entries[e])
+                rc = store_evict_entry(st, e, p)
+                if rc:
+                    raise _error(E_STORE, rc)
+                return ident
+            e = st.entries[e].next
+        return None
+
+    def block_table(self, request_id):
+        cdef int32_t index = self.requests._find(request_id)
+        cdef Table *t = &self.requests.s.slots[index].blocks
+        out = np.empty(t.len, dtype=np.uint32)
+        cdef uint32_t[::1] v = out
+        if t.len:
+            memcpy(&v[0], t.entries, t.len * sizeof(uint32_t))
+        return out
+
+    def token_count(self, request_id):
+        return self.requests.s.slots[self.requests._find(request_id)].token_count
+
+    def runnable(self):
+        return self.requests.runnable()
+
+    def __repr__(self):
+        return (f"Scheduler(max_requests={self.max_requests}, num_blocks={self.num_blocks}, "
+                f"page_tokens={self.page_tokens}, logical_pages={self.logical_pages}, "
+                f"active={self.active_count}, free_pages={self.free_pages})")

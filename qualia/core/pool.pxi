@@ -1,0 +1,136 @@
+# Block pool (docs/DESIGN.md, "Block pool").  One free stack: pages pushed in descending
+# order so never-used pages come out ascending; a released page goes on top and is reused first.
+
+cdef int pool_init(Pool *p, uint32_t n) except -1:
+    cdef uint32_t i
+    p.refcount = <uint32_t *>PyMem_Calloc(n, sizeof(uint32_t))
+    p.free_stack = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
+    if p.refcount == NULL or p.free_stack == NULL:
+        raise MemoryError(f"cannot allocate a pool of {n} pages")
+    p.num_blocks = n
+    for i in range(n):
+        p.free_stack[i] = n - 1 - i
+    p.free_top = n
+    return 0
+
+
+cdef void pool_free(Pool *p) noexcept:
+    PyMem_Free(p.refcount)
+    PyMem_Free(p.free_stack)
+    p.refcount = NULL
+    p.free_stack = NULL
+
+
+cdef int pool_allocate(Pool *p, uint32_t *out) noexcept nogil:
+    cdef uint32_t page
+    if p.free_top == 0:
+        return Q_EXHAUSTED
+    p.free_top -= 1
+    page = p.free_stack[p.free_top]
+    p.refcount[page] = 1
+    out[0] = page
+    return Q_OK
+
+
+cdef int pool_retain(Pool *p, uint32_t page) noexcept nogil:
+    if page >= p.num_blocks:
+        return Q_INVALID_PAGE
+    if p.refcount[page] == 0:
+        return Q_NOT_ALLOCATED
+    if p.refcount[page] == U32_MAX:
+        return Q_OVERFLOW
+    p.refcount[page] += 1
+    return Q_OK
+
+
+cdef int pool_release(Pool *p, uint32_t page) noexcept nogil:
+    if page >= p.num_blocks:
+        return Q_INVALID_PAGE
+    if p.refcount[page] == 0:
+        return Q_NOT_ALLOCATED
+    p.refcount[page] -= 1
+    if p.refcount[page] == 0:
+        p.free_stack[p.free_top] = page
+        p.free_top += 1
+    return Q_OK
+
+
+cdef class BlockPool:
+    """Physical KV pages ``0 .. num_blocks-1`` with reference counts (docs/DESIGN.md,
+    "Block pool")."""
+    cdef Pool pool
+    cdef int busy
+
+    def __cinit__(self, num_blocks):
+        cdef uint64_t n = _int(num_blocks, "num_blocks", U32_MAX)
+        if n == 0:
+            raise ValueError("num_blocks must be at least 1")
+        pool_init(&self.pool, <uint32_t>n)
+
+    def __dealloc__(self):
+        pool_free(&self.pool)
+
+    @property
+    def num_blocks(self):
+        return self.pool.num_blocks
+
+    @property
+    def free_count(self):
+        return self.pool.free_top
+
+    def allocate(self):
+        """A free page with reference count 1 (``PoolError.Exhausted`` when none is free)."""
+        cdef uint32_t page
+        _check_busy(self.busy, "pool")
+        cdef int rc = pool_allocate(&self.pool, &page)
+        if rc:
+            raise _error(E_POOL, rc)
+        return page
+
+    def retain(self, page):
+        cdef uint32_t p = _u32(page, "page")
+        _check_busy(self.busy, "pool")
+        cdef int rc = pool_retain(&self.pool, p)
+        if rc:
+            raise _error(E_POOL, rc)
+
+    def release(self, page):
+        cdef uint32_t p = _u32(page, "page")
+        _check_busy(self.busy, "pool")
+        cdef int rc = pool_release(&self.pool, p)
+        if rc:
+            raise _error(E_POOL, rc)
+
+    def refcount(self, page):
+        cdef uint32_t p = _u32(page, "page")
+        if p >= self.pool.num_blocks:
+            raise PoolError.InvalidPage()
+        return self.pool.refcount[p]
+
+    def _debug_set_refcount(self, page, count):
+        """Test hook: set an allocated page's count (1 .. 2**32-1) without touching the free
+        stack, to reach ``Overflow`` without 4 billion retains."""
+        cdef uint32_t p = _u32(page, "page")
+        cdef uint32_t c = _u32(count, "count")
+        _check_busy(self.busy, "pool")
+        if p >= self.pool.num_blocks:
+            raise PoolError.InvalidPage()
+        if c == 0:
+            raise OverflowError("count must be in [1, 4294967295]")
+        if self.pool.refcount[p] == 0:
+            raise PoolError.NotAllocated()
+        self.pool.refcount[p] = c
+
+    def refcounts(self):
+        """Every page's reference count, as a fresh numpy array."""
+        out = np.empty(self.pool.num_blocks, dtype=np.uint32)
+        cdef uint32_t[::1] v = out
+        if self.pool.num_blocks:
+            memcpy(&v[0], self.pool.refcount, self.pool.num_blocks * sizeof(uint32_t))
+        return out
+
+    def __repr__(self):
+        return f"BlockPool(num_blocks={self.pool.num_blocks}, free_count={self.pool.free_top})"
+
+    def __reduce__(self):
+        raise TypeError("BlockPool cannot be pickled: it owns the page state of a live engine")

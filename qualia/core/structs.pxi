@@ -1,0 +1,129 @@
+# The C structs of the core, its status codes, and the C declarations it uses.
+# Every struct here is private to the extension module: the public ABI is csrc/qualia.h
+# (mirrored by qualia/_abi.pxd), and nothing here is exported.
+
+# Status codes of the nogil core.  0 is success; the names match the error variants, and the
+# def wrappers turn each code into the exception class of the layer that called.
+cdef enum:
+    Q_OK = 0
+    Q_EXHAUSTED = 1
+    Q_INVALID_PAGE = 2
+    Q_NOT_ALLOCATED = 3
+    Q_OVERFLOW = 4
+    Q_OUT_OF_RANGE = 5
+    Q_GAP = 6
+    Q_NOT_EMPTY = 7
+    Q_EMPTY_PREFIX = 8
+    Q_TOO_MANY_PAGES = 9
+    Q_DUPLICATE = 10
+    Q_STORE_FULL = 11
+    Q_UNKNOWN = 12
+    Q_DUPLICATE_REQUEST = 13
+    Q_FULL = 14
+    Q_UNKNOWN_REQUEST = 15
+    Q_OUTPUT_TOO_SMALL = 16
+
+cdef enum:
+    COW_EXCLUSIVE = 0
+    COW_ALLOCATED = 1
+    COW_COPY = 2
+
+cdef struct Pool:
+    uint32_t num_blocks
+    uint32_t free_top
+    uint32_t *refcount
+    uint32_t *free_stack
+
+cdef struct Table:
+    uint32_t *entries
+    uint32_t len
+    uint32_t capacity
+
+cdef struct Cow:
+    int kind
+    uint32_t page
+    uint32_t src
+
+cdef struct StoreEntry:
+    uint64_t hi
+    uint64_t lo
+    uint32_t tokens
+    uint32_t npages
+    int32_t prev
+    int32_t next
+    uint32_t used
+
+cdef struct Store:
+    StoreEntry *entries
+    uint32_t *pages
+    int32_t *index
+    uint32_t index_mask
+    uint32_t capacity
+    uint32_t max_pages
+    uint32_t count
+    int32_t lru_head
+    int32_t lru_tail
+    int32_t free_head
+    uint64_t hits
+    uint64_t misses
+
+cdef struct Slot:
+    uint64_t request_id
+    uint32_t token_count
+    uint32_t prefix_tokens
+    uint32_t next_token_id
+    uint8_t state
+    uint8_t token_ready
+    Table blocks
+
+cdef struct Sched:
+    Slot *slots
+    uint32_t *table_storage
+    int32_t *index
+    uint32_t index_mask
+    uint64_t *free_bits
+    uint64_t *decode_bits
+    uint32_t n_decode
+    uint32_t n_words
+    uint32_t max_requests
+    uint32_t logical_pages
+    uint32_t active
+    uint32_t *lowered
+
+cdef struct Undo:
+    uint32_t slot
+    uint32_t logical_page
+    int kind
+    uint32_t src
+    uint32_t dst
+
+
+cdef extern from "Python.h":
+    unsigned long long _as_ull "PyLong_AsUnsignedLongLong"(object o)
+    Py_ssize_t Py_SIZE(object o)
+
+cdef extern from "qualia_internal.h" nogil:
+    void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const uint32_t *tokens,
+                              size_t n, uint8_t *out)
+
+cdef extern from *:
+    """
+    #include "qualia.h"
+    #define QUALIA_ALIGN_ITEM _Alignof(qualia_batch_item)
+    #define QUALIA_ALIGN_OUTPUT _Alignof(qualia_batch_output)
+    #define QUALIA_ALIGN_RECEIPT _Alignof(qualia_batch_receipt)
+    #define QUALIA_ALIGN_VIEW _Alignof(qualia_request_view)
+    #define QUALIA_ALIGN_COPY _Alignof(qualia_copy_op)
+    #define QUALIA_ALIGN_BACKEND _Alignof(qualia_backend)
+    """
+    size_t QUALIA_ALIGN_ITEM
+    size_t QUALIA_ALIGN_OUTPUT
+    size_t QUALIA_ALIGN_RECEIPT
+    size_t QUALIA_ALIGN_VIEW
+    size_t QUALIA_ALIGN_COPY
+    size_t QUALIA_ALIGN_BACKEND
+    int __builtin_ctzll(unsigned long long) nogil
+
+cdef extern from "<stdint.h>":
+    const uint32_t U32_MAX "UINT32_MAX"
+    const uint64_t U64_MAX "UINT64_MAX"

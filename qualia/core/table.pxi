@@ -1,0 +1,168 @@
+# Sequence block table (docs/DESIGN.md, "Block table").
+
+cdef int table_ensure_writable(Table *t, uint32_t logical_page, Pool *p, Cow *out) noexcept nogil:
+    cdef uint32_t page, dst
+    cdef int rc
+    if logical_page >= t.capacity:
+        return Q_OUT_OF_RANGE
+    if logical_page > t.len:
+        return Q_GAP
+    if logical_page == t.len:
+        rc = pool_allocate(p, &page)
+        if rc:
+            return rc
+        t.entries[t.len] = page
+        t.len += 1
+        out.kind = COW_ALLOCATED
+        out.page = page
+        out.src = page
+        return Q_OK
+    page = t.entries[logical_page]
+    if page >= p.num_blocks:
+        return Q_INVALID_PAGE
+    if p.refcount[page] == 0:
+        return Q_NOT_ALLOCATED
+    if p.refcount[page] == 1:
+        out.kind = COW_EXCLUSIVE
+        out.page = page
+        out.src = page
+        return Q_OK
+    rc = pool_allocate(p, &dst)
+    if rc:
+        return rc
+    pool_release(p, page)  # shared (count >= 2): never frees, never fails
+    t.entries[logical_page] = dst
+    out.kind = COW_COPY
+    out.page = dst
+    out.src = page
+    return Q_OK
+
+
+cdef int table_attach(Table *t, const uint32_t *pages, uint32_t n, Pool *p) noexcept nogil:
+    cdef uint32_t i, j
+    cdef int rc
+    if t.len > 0:
+        return Q_NOT_EMPTY
+    if n > t.capacity:
+        return Q_OUT_OF_RANGE
+    for i in range(n):
+        rc = pool_retain(p, pages[i])
+        if rc:
+            # undo: every retained page had count >= 1 before, so the release cannot free it
+            for j in range(i):
+                pool_release(p, pages[j])
+            return rc
+    if n:
+        memcpy(t.entries, pages, n * sizeof(uint32_t))
+    t.len = n
+    return Q_OK
+
+
+cdef int table_release_all(Table *t, Pool *p) noexcept nogil:
+    cdef uint32_t i
+    cdef int rc, first = Q_OK
+    for i in range(t.len):
+        rc = pool_release(p, t.entries[i])
+        if rc and first == Q_OK:
+            first = rc
+    t.len = 0
+    return first
+
+
+cdef object _cow(Cow *c):
+    if c.kind == COW_EXCLUSIVE:
+        return CopyOnWrite("exclusive", c.page, None)
+    if c.kind == COW_ALLOCATED:
+        return CopyOnWrite("allocated", c.page, None)
+    return CopyOnWrite("copy", c.page, c.src)
+
+
+cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
+    # Python sequence (or u32 array) of page ids -> a PyMem buffer the caller frees.
+    cdef Py_ssize_t n, i
+    cdef uint32_t *buf
+    if isinstance(pages, np.ndarray):
+        if pages.dtype.kind == "b" or pages.dtype.kind not in "iu":
+            raise TypeError(f"{what} must hold integers, got dtype {pages.dtype}")
+        if pages.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got {pages.ndim} dimensions")
+        seq = pages.tolist()
+    elif isinstance(pages, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be a sequence of page ids, not {type(pages).__name__}")
+    else:
+        try:
+            seq = list(pages)
+        except TypeError:
+            raise TypeError(f"{what} must be a sequence of page ids, "
+                            f"not {type(pages).__name__}") from None
+    n = len(seq)
+    if n > U32_MAX:
+        raise OverflowError(f"too many {what}")
+    buf = <uint32_t *>PyMem_Malloc((n if n > 0 else 1) * sizeof(uint32_t))
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            buf[i] = _u32(seq[i], "page")
+    except BaseException:
+        PyMem_Free(buf)
+        raise
+    n_out[0] = <uint32_t>n
+    return buf
+
+
+cdef class SequenceBlockTable:
+    """The logical -> physical page map of one request, fixed capacity (docs/DESIGN.md,
+    "Block table")."""
+    cdef Table table
+
+    def __cinit__(self, capacity):
+        cdef uint32_t c = _u32(capacity, "capacity")
+        self.table.entries = <uint32_t *>PyMem_Malloc((c if c > 0 else 1) * sizeof(uint32_t))
+        if self.table.entries == NULL:
+            raise MemoryError(f"cannot allocate a block table of {c} pages")
+        self.table.capacity = c
+        self.table.len = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.table.entries)
+        self.table.entries = NULL
+
+    @property
+    def capacity(self):
+        return self.table.capacity
+
+    def __len__(self):
+        return self.table.len
+
+    def entries(self):
+        """The mapped pages ``[0, len)`` in logical order."""
+        cdef uint32_t i
+        return [self.table.entries[i] for i in range(self.table.len)]
+
+    def ensure_writable(self, logical_page, BlockPool pool not None):
+        cdef uint32_t lp = _u32(logical_page, "logical_page")
+        cdef Cow c
+        _check_busy(pool.busy, "pool")
+        cdef int rc = table_ensure_writable(&self.table, lp, &pool.pool, &c)
+        if rc:
+            raise _error(E_TABLE, rc)
+        return _cow(&c)
+
+    def attach(self, pages, BlockPool pool not None):
+        cdef uint32_t n
+        _check_busy(pool.busy, "pool")
+        cdef uint32_t *buf = _pages_from(pages, &n, "pages")
+        cdef int rc = table_attach(&self.table, buf, n, &pool.pool)
+        PyMem_Free(buf)
+        if rc:
+            raise _error(E_TABLE, rc)
+
+    def release_all(self, BlockPool pool not None):
+        _check_busy(pool.busy, "pool")
+        cdef int rc = table_release_all(&self.table, &pool.pool)
+        if rc:
+            raise _error(E_TABLE, rc)
+
+    def __repr__(self):
+        return f"SequenceBlockTable(capacity={self.table.capacity}, entries={self.entries()})"
