@@ -24,6 +24,8 @@
 #   core/store.pxi       prefix KV store
 #   core/backends.pxi    backend resolution, receipts, the built-in hash backend
 #   core/requests.pxi    the seed's request scheduler and its decode round
+#   core/pagecache.pxi   automatic prefix caching: the page cache, its hash, namespaces, events
+#   core/autoprefix.pxi  automatic prefix caching: the facade's token streams, admit/fill/finish
 #   core/facade.pxi      qualia.Scheduler: admit / reserve / decode / finish
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT
@@ -34,11 +36,12 @@ from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free
 from cpython.pycapsule cimport (PyCapsule_New, PyCapsule_CheckExact, PyCapsule_GetName,
                                 PyCapsule_GetPointer)
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
-from libc.string cimport memcpy, memset, strcmp
+from libc.string cimport memcmp, memcpy, memset, strcmp
 
 from qualia._abi cimport *
 
 import operator
+import os
 from collections.abc import Sequence as _AbcSequence
 
 import numpy as np
@@ -47,10 +50,11 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-from qualia._types import Admission, CopyOnWrite, RaggedBatchReceipt, RequestState
+from qualia._types import (Admission, CacheEntry, CacheStats, CopyOnWrite, RaggedBatchReceipt,
+                           RequestState)
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
-                           PrefixKvError, QualiaError, RaggedBackendError, SchedulerError,
-                           TableError)
+                           PrefixCacheError, PrefixKvError, QualiaError, RaggedBackendError,
+                           SchedulerError, TableError)
 
 include "core/structs.pxi"
 include "core/abi.pxi"
@@ -64,4 +68,6 @@ include "core/index.pxi"
 include "core/store.pxi"
 include "core/backends.pxi"
 include "core/requests.pxi"
+include "core/pagecache.pxi"
+include "core/autoprefix.pxi"
 include "core/facade.pxi"

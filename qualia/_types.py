@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple, Optional
 
-__all__ = ["RequestState", "Admission", "RaggedBatchReceipt", "CopyOnWrite"]
+__all__ = ["RequestState", "Admission", "RaggedBatchReceipt", "CopyOnWrite", "CacheStats",
+           "CacheEntry"]
 
 
 class RequestState(enum.IntEnum):
@@ -54,3 +55,38 @@ class CopyOnWrite(NamedTuple):
     @classmethod
     def copy(cls, src: int, dst: int) -> "CopyOnWrite":  # type: ignore[override]
         return cls("copy", dst, src)
+
+
+class CacheStats(NamedTuple):
+    """Counters of automatic prefix caching (``Scheduler.cache_stats()``); all zero in the other
+    modes except ``usage``."""
+
+    lookups: int  # admissions that looked a prompt up
+    lookup_tokens: int  # prompt tokens looked up
+    hit_tokens: int  # prompt tokens served from cached pages
+    reclaims: int  # cached pages reclaimed to satisfy an allocation
+    cached_pages: int  # pages the cache holds now (in use + reclaimable)
+    reclaimable_pages: int  # cached pages only the cache holds
+    stored: int  # pages inserted
+    duplicates: int  # full pages not inserted: an identical verified entry existed
+    collisions: int  # identity matches rejected by verification
+    pages_hashed: int  # page identities computed
+    events_pending: int  # KV events waiting in the ring
+    events_dropped: int  # KV events lost to a full ring
+    namespaces: int  # namespaces interned now (the empty one included)
+    usage: float  # fraction of the pool's pages that requests hold
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / lookup_tokens`` (0.0 before the first lookup)."""
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+class CacheEntry(NamedTuple):
+    """One cached page (``Scheduler.cache_entry(page)``)."""
+
+    identity: int
+    parent: Optional[int]  # the parent page's identity; None for the first page of a chain
+    namespace_id: int
+    generation: int
+    reclaimable: bool

@@ -28,6 +28,7 @@ __all__ = [
     "SchedulerError",
     "DecodeRoundError",
     "RaggedBackendError",
+    "PrefixCacheError",
     "BackendAbiError",
 ]
 
@@ -173,6 +174,13 @@ RaggedBackendError = _family(
     "RaggedBackendError",
     "An error reported by a decode backend itself.",
     {"Failed": "The backend failed with its own i32 status code (.code)."},
+)
+
+
+PrefixCacheError = _family(
+    "PrefixCacheError",
+    "Errors of automatic prefix caching (docs/DESIGN.md, \"Automatic prefix caching\").",
+    {"NamespaceTableFull": "Every namespace id is in use by a live request or a cached page."},
 )
 
 

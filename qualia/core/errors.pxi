@@ -16,13 +16,16 @@ cdef enum:
     E_SCHED = 4     # RequestScheduler (table errors wrapped as SchedulerError.Table)
     E_ADMIT = 5     # admission: a prefix attach failure is SchedulerError.Prefix(...)
     E_DECODE = 6    # the facade's decode: DecodeRoundError.Scheduler(SchedulerError.Table(...))
-    E_LAYERS = 7
+    E_AUTO = 7      # automatic prefix caching's admission: SchedulerError, SchedulerError.Table,
+                    # PrefixCacheError
+    E_LAYERS = 8
 
 # code -> variant name (Q_STORE_FULL and Q_FULL are both "Full", in different families)
 cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Overflow",
                           "OutOfRange", "Gap", "NotEmpty",
                           "EmptyPrefix", "TooManyPages", "Duplicate", "Full", "Unknown",
-                          "DuplicateRequest", "Full", "UnknownRequest", "OutputTooSmall")
+                          "DuplicateRequest", "Full", "UnknownRequest", "OutputTooSmall",
+                          "NamespaceTableFull")
 
 
 def _error_table():
@@ -30,6 +33,7 @@ def _error_table():
     table_codes = range(Q_EXHAUSTED, Q_NOT_EMPTY + 1)
     store_codes = range(Q_EMPTY_PREFIX, Q_UNKNOWN + 1)
     sched_codes = range(Q_DUPLICATE_REQUEST, Q_OUTPUT_TOO_SMALL + 1)
+    cache_codes = range(Q_NAMESPACES_FULL, Q_NAMESPACES_FULL + 1)
     # layer -> [(codes, wrappers outermost first, family of the leaf)]
     rules = {
         E_POOL: [(pool_codes, (), PoolError)],
@@ -42,6 +46,9 @@ def _error_table():
         E_ADMIT: [(sched_codes, (), SchedulerError),
                   (table_codes, (SchedulerError.Prefix, PrefixKvError.Table), TableError)],
         E_DECODE: [(table_codes, (DecodeRoundError.Scheduler, SchedulerError.Table), TableError)],
+        E_AUTO: [(sched_codes, (), SchedulerError),
+                 (table_codes, (SchedulerError.Table,), TableError),
+                 (cache_codes, (), PrefixCacheError)],
     }
     table = []
     for layer in range(E_LAYERS):

@@ -1,4 +1,26 @@
-# The facade: admit / decode / finish over one pool, one store and one scheduler.
+# The facade: admit / decode / finish over one pool, one store and one scheduler, with
+# automatic prefix caching (core/pagecache.pxi, core/autoprefix.pxi) by default.
+
+cdef enum:
+    MODE_AUTO = 0
+    MODE_EXPLICIT = 1
+    MODE_OFF = 2
+
+cdef tuple _MODE_NAMES = ("auto", "explicit", "off")
+
+
+cdef bytes _cache_key_bytes(object cache_key):
+    if cache_key is None:
+        return os.urandom(16)
+    if isinstance(cache_key, str):
+        raise TypeError("cache_key must be 16 bytes, not str")
+    try:
+        key = bytes(memoryview(cache_key).cast("B"))
+    except TypeError:
+        raise TypeError(f"cache_key must be 16 bytes, not {type(cache_key).__name__}") from None
+    if len(key) != 16:
+        raise ValueError(f"cache_key must be exactly 16 bytes, got {len(key)}")
+    return key
 
 cdef void _undo(Sched *s, Pool *p, Undo *log, Py_ssize_t n) noexcept nogil:
     # Reverse every ensure_writable of the log, newest first, so the free stack is restored
@@ -47,12 +69,31 @@ cdef class Scheduler:
     cdef uint64_t pages_allocated
     cdef uint64_t rounds
     cdef list _results
+    cdef int mode
+    cdef PageCache cache
+    cdef Streams streams
+    cdef uint64_t tok_epoch
 
     def __cinit__(self, max_requests, num_blocks, page_tokens, logical_pages,
-                  prefix_entries=64, prefix_pages=None):
+                  prefix_entries=64, prefix_pages=None, prefix_caching="auto", cache_key=None,
+                  max_namespaces=1024, event_capacity=4096):
         cdef uint32_t pt = _u32(page_tokens, "page_tokens")
         if pt == 0:
             raise ValueError("page_tokens must be at least 1")
+        if not isinstance(prefix_caching, str):
+            raise TypeError(f"prefix_caching must be 'auto', 'explicit' or 'off', "
+                            f"not {type(prefix_caching).__name__}")
+        if prefix_caching not in _MODE_NAMES:
+            raise ValueError(f"prefix_caching must be 'auto', 'explicit' or 'off', "
+                             f"not {prefix_caching!r}")
+        self.mode = _MODE_NAMES.index(prefix_caching)
+        cdef bytes key = _cache_key_bytes(cache_key)
+        cdef uint32_t max_ns = _u32(max_namespaces, "max_namespaces")
+        if max_ns == 0 or max_ns > (1 << 20):
+            raise ValueError(f"max_namespaces must be in [1, 1048576], got {max_ns}")
+        cdef uint32_t ev_cap = _u32(event_capacity, "event_capacity")
+        if ev_cap > (1 << 26):
+            raise ValueError(f"event_capacity must be in [0, 67108864], got {ev_cap}")
         self.page_tokens = pt
         self.pool = BlockPool(num_blocks)
         self.requests = RequestScheduler(max_requests, logical_pages)
@@ -84,9 +125,15 @@ cdef class Scheduler:
         if self.undo == NULL:
             raise MemoryError()
         self._results = [None] * (mr + 1)
+        if self.mode == MODE_AUTO:
+            pc_init(&self.cache, self.pool.pool.num_blocks, pt, max_ns, ev_cap,
+                    <const uint8_t *><char *>key)
+            streams_init(&self.streams, mr, lp, pt)
 
     def __dealloc__(self):
         PyMem_Free(self.undo)
+        pc_free(&self.cache)
+        streams_free(&self.streams)
 
     # -- properties and stats ------------------------------------------------------------------
     @property
@@ -107,15 +154,23 @@ cdef class Scheduler:
 
     @property
     def free_pages(self):
-        return self.pool.pool.free_top
+        """Pages an allocation can take: free pages plus reclaimable cached pages."""
+        return self.pool.pool.free_top + self.cache.n_state[PC_RECLAIMABLE]
+
+    @property
+    def prefix_caching(self):
+        return _MODE_NAMES[self.mode]
 
     def stats(self):
+        cdef uint32_t free = self.pool.pool.free_top + self.cache.n_state[PC_RECLAIMABLE]
         return {
             "active": self.requests.s.active,
             "max_requests": self.requests.s.max_requests,
             "num_blocks": self.pool.pool.num_blocks,
-            "free_pages": self.pool.pool.free_top,
-            "used_pages": self.pool.pool.num_blocks - self.pool.pool.free_top,
+            "free_pages": free,
+            "used_pages": self.pool.pool.num_blocks - free,
+            "cached_pages": self.cache.n_state[PC_INUSE] + self.cache.n_state[PC_RECLAIMABLE],
+            "reclaimable_pages": self.cache.n_state[PC_RECLAIMABLE],
             "prefix_entries": self.prefixes.store.count,
             "prefix_hits": self.prefixes.store.hits,
             "prefix_misses": self.prefixes.store.misses,
@@ -160,7 +215,11 @@ cdef class Scheduler:
 
     # -- admission and prefill -----------------------------------------------------------------
     def admit(self, request_id, prompt_tokens=None, namespace=b"", prefix_len=None):
-        """Admit a request; with a prompt, attach the published pages of its prefix on a hit."""
+        """Admit a request.  Automatic mode: share the longest verified cached run of the
+        prompt's full pages (at least one prompt token is left to compute).  Explicit mode: look
+        up ``prompt_tokens[:prefix_len]`` in the prefix store and attach its pages on a hit."""
+        if self.mode != MODE_EXPLICIT:
+            return self._admit_auto(request_id, prompt_tokens, namespace, prefix_len)
         identity = None
         if prompt_tokens is not None:
             ns = _namespace_bytes(namespace)
@@ -214,10 +273,16 @@ cdef class Scheduler:
         cdef uint64_t last = (start + n - 1) // self.page_tokens
         if last >= s.logical_pages:
             raise SchedulerError.Table(TableError.OutOfRange())
+        if self.mode == MODE_AUTO:
+            rc = self._auto_make_room(index, <uint32_t>first, <uint32_t>last)
+            if rc:
+                raise _error(E_SCHED, rc)
         rc = self._make_writable(index, <uint32_t>first, <uint32_t>last, &n_undo, &n_copies)
         if rc:
             _undo(s, &self.pool.pool, self.undo, n_undo)
             raise _error(E_SCHED, rc)
+        if self.mode == MODE_AUTO:
+            auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
         self.pages_copied += n_copies
         self.pages_allocated += n_undo
         return self._copies[:n_copies].copy()
@@ -230,6 +295,8 @@ cdef class Scheduler:
         cdef Slot *sl = &self.requests.s.slots[index]
         cdef uint64_t t = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(t if t <= U32_MAX else U32_MAX)
+        if self.mode == MODE_AUTO:
+            auto_fill(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, index)
         return sl.token_count
 
     def complete_prefill(self, request_id, first_token):
@@ -242,7 +309,9 @@ cdef class Scheduler:
         self.requests.s.slots[index].token_ready = 1
 
     def publish_prefix(self, request_id, prompt_tokens, prefix_len=None, namespace=b""):
-        """Publish the request's pages covering ``prompt_tokens[:prefix_len]`` to the store."""
+        """Publish the request's pages covering ``prompt_tokens[:prefix_len]`` to the store
+        (explicit mode only)."""
+        self._explicit_only("publish_prefix")
         cdef bytes ns = _namespace_bytes(namespace)
         cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
         cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
@@ -277,6 +346,10 @@ cdef class Scheduler:
         cdef qualia_backend *cb = NULL
         cdef object holder = None
         self._check_idle()
+        if self.mode == MODE_AUTO:
+            rc = self._auto_decode_prepare()
+            if rc:
+                raise _error(E_DECODE, rc)
         for w in range(s.n_words):
             bits = s.decode_bits[w]
             while bits:
@@ -329,6 +402,9 @@ cdef class Scheduler:
         self.pages_allocated += n_undo - n_copies
         self.rounds += 1
         n = (<tuple>receipt)[0]
+        if self.mode == MODE_AUTO:
+            self._auto_after_round(n)
+            auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
         r = self._results[n]
         if r is None:
             v = self._outputs[:n]
@@ -338,8 +414,22 @@ cdef class Scheduler:
         return r
 
     def finish(self, request_id):
-        """Release the request's pages and free its slot."""
-        self.requests.finish(request_id, self.pool)
+        """Release the request's pages and free its slot.  Automatic mode: pages are released
+        last page first; cached pages nobody else holds become reclaimable."""
+        cdef uint64_t rid
+        cdef int32_t index
+        cdef int rc
+        if self.mode != MODE_AUTO:
+            self.requests.finish(request_id, self.pool)
+            return
+        rid = _u64(request_id, "request_id")
+        self._check_idle()
+        index = sched_find(&self.requests.s, rid)
+        if index < 0:
+            raise SchedulerError.UnknownRequest()
+        rc = auto_finish(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, index)
+        if rc:
+            raise _error(E_SCHED, rc)
 
     # -- pass-throughs ---------------------------------------------------------------------------
     def evict(self, identity):
@@ -397,4 +487,193 @@ cdef class Scheduler:
     def __repr__(self):
         return (f"Scheduler(max_requests={self.max_requests}, num_blocks={self.num_blocks}, "
                 f"page_tokens={self.page_tokens}, logical_pages={self.logical_pages}, "
+                f"prefix_caching={self.prefix_caching!r}, "
                 f"active={self.active_count}, free_pages={self.free_pages})")
+
+    # -- automatic prefix caching (core/pagecache.pxi, core/autoprefix.pxi) ---------------------
+    cdef int _explicit_only(self, str what) except -1:
+        if self.mode != MODE_EXPLICIT:
+            raise ValueError(f"{what} is for prefix_caching='explicit'; this scheduler uses "
+                             f"prefix_caching={_MODE_NAMES[self.mode]!r}")
+        return 0
+
+    cdef Py_ssize_t _load_tokens_once(self, object prompt_tokens) except -1:
+        # convert into the token scratch; a call re-entered from a token's __index__ would
+        # overwrite the scratch, so it is detected and refused
+        self.tok_epoch += 1
+        cdef uint64_t epoch = self.tok_epoch
+        cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
+        if self.tok_epoch != epoch:
+            raise BusyError(None, "the scheduler was re-entered while converting prompt tokens")
+        return n
+
+    cdef object _admit_auto(self, object request_id, object prompt_tokens, object namespace,
+                            object prefix_len):
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef Admission_c adm
+        cdef Py_ssize_t n = 0, nsl
+        cdef uint64_t nsh
+        cdef int rc
+        if prefix_len is not None:
+            self._explicit_only("prefix_len")
+        cdef bytes ns = _namespace_bytes(namespace)
+        nsl = len(ns)
+        if nsl > NS_MAX_BYTES:
+            raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
+        if prompt_tokens is not None:
+            n = self._load_tokens_once(prompt_tokens)
+        if self.mode == MODE_OFF:
+            return self.requests.admit_with_prefix(rid, None, self.prefixes, self.pool)
+        self._check_idle()
+        nsh = self.cache.ns.hashes[0] if nsl == 0 else \
+            pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
+        rc = auto_admit(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, rid,
+                        self.tokens_p, <uint32_t>n, <const uint8_t *><char *>ns, <uint32_t>nsl,
+                        nsh, &adm)
+        if rc:
+            raise _error(E_AUTO, rc)
+        return Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
+
+    cdef int _auto_make_room(self, int32_t index, uint32_t first, uint32_t last) noexcept:
+        # reserve: reclaim what the call will allocate, or fail before changing anything
+        cdef uint64_t need = 0
+        cdef int rc = auto_need_pages(&self.requests.s.slots[index].blocks, first, last,
+                                      &self.pool.pool, &self.cache, &need)
+        if rc:
+            return rc
+        return pc_make_room(&self.cache, &self.pool.pool, need)
+
+    cdef int _auto_decode_prepare(self) noexcept:
+        # decode: reclaim what the round's make-writable will allocate, or fail before changing
+        # anything; note each decoding slot's input token and position
+        cdef Sched *s = &self.requests.s
+        cdef uint64_t need = 0
+        cdef uint32_t i, w, lp
+        cdef uint64_t bits
+        cdef int rc
+        cdef Stream *st
+        for w in range(s.n_words):
+            bits = s.decode_bits[w]
+            while bits:
+                i = w * 64 + __builtin_ctzll(bits)
+                bits &= bits - 1
+                lp = s.slots[i].token_count // self.page_tokens
+                rc = auto_need_pages(&s.slots[i].blocks, lp, lp, &self.pool.pool, &self.cache,
+                                     &need)
+                if rc:
+                    return rc
+        rc = pc_make_room(&self.cache, &self.pool.pool, need)
+        if rc:
+            return rc
+        for w in range(s.n_words):
+            bits = s.decode_bits[w]
+            while bits:
+                i = w * 64 + __builtin_ctzll(bits)
+                bits &= bits - 1
+                st = &self.streams.st[i]
+                st.has_pending = s.slots[i].token_ready
+                st.pending = s.slots[i].next_token_id
+                st.pending_pos = s.slots[i].token_count
+        return Q_OK
+
+    cdef void _auto_after_round(self, uint32_t n) noexcept:
+        # the round computed each item's input token at its position: record it, cache what
+        # filled
+        cdef Sched *s = &self.requests.s
+        cdef uint32_t j, i
+        cdef Stream *st
+        for j in range(n):
+            i = s.lowered[j]
+            st = &self.streams.st[i]
+            if st.has_pending:
+                auto_note_token(s, &self.streams, i, st.pending_pos, st.pending)
+                st.has_pending = 0
+            auto_fill(s, &self.pool.pool, &self.cache, &self.streams, i)
+
+    def drain_events(self, out=None):
+        """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
+        them.  With ``out`` (a writable 1-D KV_EVENT array): write up to ``len(out)`` events
+        into it and return how many (no allocation).  Events left in the ring stay pending."""
+        cdef void *ptr
+        cdef Py_ssize_t n
+        if out is None:
+            arr = np.empty(self.cache.ev.count, dtype=_DT_KV_EVENT)
+            if self.cache.ev.count:
+                pc_drain(&self.cache, <KvEvent *>cnp.PyArray_DATA(<cnp.ndarray>arr),
+                         self.cache.ev.count)
+            return arr
+        if not _fast_array(out, _DT_KV_EVENT, 8, True, &ptr, &n):
+            raise TypeError("out must be a writable 1-D C-contiguous numpy array of dtype "
+                            "KV_EVENT")
+        return pc_drain(&self.cache, <KvEvent *>ptr,
+                        <uint32_t>(n if n < <Py_ssize_t>U32_MAX else U32_MAX))
+
+    def clear_cache(self):
+        """Drop every cache entry (pages held by requests stay with them); emits one "cleared"
+        event.  Returns the number of entries dropped."""
+        self._check_idle()
+        if self.mode != MODE_AUTO:
+            return 0
+        return pc_clear(&self.cache, &self.pool.pool)
+
+    def cache_stats(self):
+        """Counters of automatic prefix caching, as a CacheStats."""
+        cdef PageCache *c = &self.cache
+        cdef uint32_t nb = self.pool.pool.num_blocks
+        cdef uint32_t held = nb - self.pool.pool.free_top - c.n_state[PC_RECLAIMABLE]
+        return CacheStats(c.lookups, c.lookup_tokens, c.hit_tokens, c.reclaims,
+                          c.n_state[PC_INUSE] + c.n_state[PC_RECLAIMABLE],
+                          c.n_state[PC_RECLAIMABLE], c.stored, c.duplicates, c.collisions,
+                          c.pages_hashed, c.ev.count, c.ev.dropped, c.ns.count,
+                          (<double>held) / nb if nb else 0.0)
+
+    def reclaimable_pages(self):
+        """The reclaimable cached pages, least recently used (next to be reclaimed) first."""
+        out = np.empty(self.cache.n_state[PC_RECLAIMABLE], dtype=np.uint32)
+        cdef uint32_t[::1] v = out
+        cdef uint32_t p = self.cache.head[PC_RECLAIMABLE]
+        cdef Py_ssize_t k = 0
+        while p != U32_MAX:
+            v[k] = p
+            k += 1
+            p = self.cache.pages[p].next
+        return out
+
+    def cache_entry(self, page):
+        """The cache entry of physical ``page`` as a CacheEntry, or None when it is not
+        cached."""
+        cdef uint32_t pg = _u32(page, "page")
+        cdef CachePage *x
+        if pg >= self.pool.pool.num_blocks:
+            raise PoolError.InvalidPage()
+        if self.mode != MODE_AUTO or self.cache.pages[pg].state == PC_NONE:
+            return None
+        x = &self.cache.pages[pg]
+        return CacheEntry(x.ident, x.parent_ident if x.has_parent else None, x.ns, x.gen,
+                          x.state == PC_RECLAIMABLE)
+
+    def page_identities(self, tokens, namespace=b""):
+        """The chained identities of the full pages of ``tokens`` in ``namespace`` under this
+        scheduler's cache key (a uint64 array): what a router computes to predict hits."""
+        if self.mode != MODE_AUTO:
+            raise ValueError(f"page_identities is for prefix_caching='auto'; this scheduler "
+                             f"uses prefix_caching={_MODE_NAMES[self.mode]!r}")
+        cdef bytes ns = _namespace_bytes(namespace)
+        cdef Py_ssize_t nsl = len(ns)
+        if nsl > NS_MAX_BYTES:
+            raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
+        arr = _token_array(tokens)
+        cdef const uint32_t[::1] t = arr
+        cdef Py_ssize_t k, pages = arr.shape[0] // self.page_tokens
+        out = np.empty(pages, dtype=np.uint64)
+        cdef uint64_t[::1] v = out
+        cdef uint64_t nsh = pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
+        for k in range(pages):
+            v[k] = pc_hash_page(&self.cache, v[k - 1] if k else 0, k > 0, nsh,
+                                &t[k * self.page_tokens])
+        return out
+
+    def _debug_identity_mask(self, mask):
+        """Test hook: AND every page identity computed from now on with ``mask`` (0 makes every
+        page collide), to prove that verification, not the hash, decides a hit."""
+        self.cache.ident_mask = _u64(mask, "mask")

@@ -22,6 +22,7 @@ cdef enum:
     Q_FULL = 14
     Q_UNKNOWN_REQUEST = 15
     Q_OUTPUT_TOO_SMALL = 16
+    Q_NAMESPACES_FULL = 17
 
 cdef enum:
     COW_EXCLUSIVE = 0

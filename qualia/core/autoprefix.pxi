@@ -1,0 +1,277 @@
+# Automatic prefix caching, part 2: what the facade does with the page cache (docs/DESIGN.md,
+# "Automatic prefix caching").
+#
+# The facade keeps every request's token stream in a per-slot arena (prompt tokens copied at
+# admission, each decode round's input token written at its position) and, per logical page,
+# the page's identity and the cache entry that stands for it (the request's own page once
+# inserted, or an identical entry that was already cached).  Admission shares the longest
+# verified cached run from page 0; every page that fills is inserted; finish hands pages back
+# last page first; allocations reclaim least recently used pages for what the free stack lacks,
+# decided before anything is mutated.  Each function is O(pages of one request or one call).
+
+cdef struct Stream:
+    uint32_t known      # leading positions whose tokens the arena holds
+    uint32_t hashed     # leading pages whose identity is computed
+    uint32_t done       # leading pages handed to the cache (hit, inserted or deduplicated)
+    uint32_t ns
+    uint32_t pending    # the input token and position of the slot's current decode round
+    uint32_t pending_pos
+    uint8_t live        # the slot holds a request of the automatic mode
+    uint8_t broken      # the chain cannot be continued: no later page is cached
+    uint8_t has_pending
+
+cdef struct Streams:
+    Stream *st          # max_requests
+    uint32_t *tokens    # max_requests x logical_pages x page_tokens
+    uint64_t *ident     # max_requests x logical_pages
+    uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
+    uint64_t *canon_gen
+    uint32_t logical_pages
+    uint32_t page_tokens
+
+
+cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages,
+                      uint32_t page_tokens) except -1:
+    cdef size_t pages = <size_t>max_requests * logical_pages
+    memset(ss, 0, sizeof(Streams))
+    ss.st = <Stream *>PyMem_Calloc(max_requests, sizeof(Stream))
+    ss.tokens = <uint32_t *>PyMem_Malloc((pages * page_tokens if pages else 1) * sizeof(uint32_t))
+    ss.ident = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
+    ss.canon = <uint32_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint32_t))
+    ss.canon_gen = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
+    if ss.st == NULL or ss.tokens == NULL or ss.ident == NULL or ss.canon == NULL \
+            or ss.canon_gen == NULL:
+        raise MemoryError(f"cannot allocate token streams of {max_requests} x {logical_pages} "
+                          f"x {page_tokens} tokens")
+    ss.logical_pages = logical_pages
+    ss.page_tokens = page_tokens
+    return 0
+
+
+cdef void streams_free(Streams *ss) noexcept:
+    PyMem_Free(ss.st)
+    PyMem_Free(ss.tokens)
+    PyMem_Free(ss.ident)
+    PyMem_Free(ss.canon)
+    PyMem_Free(ss.canon_gen)
+    memset(ss, 0, sizeof(Streams))
+
+
+cdef inline size_t _sp(Streams *ss, uint32_t slot) noexcept nogil:
+    # offset of the slot's first page in the per-page arrays
+    return <size_t>slot * ss.logical_pages
+
+
+cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
+                    const uint32_t *tok, uint32_t n, const uint8_t *nsb, uint32_t nsl,
+                    uint64_t nsh, Admission_c *out) noexcept nogil:
+    # Admit `rid` with prompt tok[0..n): share the longest verified cached run of full pages
+    # from page 0, leaving at least one token to compute.  Nothing changes on failure (a
+    # namespace interned for this call is freed again).
+    cdef int32_t index
+    cdef uint32_t ns, k = 0, hashed = 0, i, cap, q, pt = c.page_tokens
+    cdef bint collided = False
+    cdef uint64_t ident
+    cdef int rc
+    cdef Admission_c adm
+    cdef uint64_t *ids
+    cdef uint32_t *canon
+    cdef uint64_t *cgen
+    cdef const uint32_t *t
+    cdef Stream *st
+    if sched_find(s, rid) >= 0:
+        return Q_DUPLICATE_REQUEST
+    index = sched_lowest_free(s)
+    if index < 0:
+        return Q_FULL
+    rc = ns_intern(&c.ns, nsh, nsb, nsl, &ns)
+    if rc:
+        return rc
+    ids = &ss.ident[_sp(ss, index)]
+    canon = &ss.canon[_sp(ss, index)]
+    cgen = &ss.canon_gen[_sp(ss, index)]
+    cap = (n - 1) // pt if n else 0
+    while k < cap:
+        t = &tok[<size_t>k * pt]
+        ident = pc_hash_page(c, ids[k - 1] if k else 0, k > 0, nsh, t)
+        ids[k] = ident
+        hashed = k + 1
+        q = pc_find(c, ident)
+        if q == U32_MAX:
+            break
+        if not pc_matches(c, q, ns, k > 0, canon[k - 1] if k else 0, cgen[k - 1] if k else 0,
+                          t):
+            collided = True
+            break
+        canon[k] = q
+        cgen[k] = c.pages[q].gen
+        k += 1
+    rc = table_attach(&s.slots[index].blocks, canon, k, p)
+    if rc:
+        ns_free_if_unused(&c.ns, ns)
+        return rc
+    for i in range(k):
+        pc_on_retain(c, p, canon[i])
+    sched_admit(s, rid, False, 0, 0, NULL, p, &adm)   # cannot fail: checked above
+    s.slots[index].token_count = k * pt
+    s.slots[index].prefix_tokens = k * pt
+    st = &ss.st[index]
+    st.live = 1
+    st.broken = 0
+    st.has_pending = 0
+    st.ns = ns
+    st.known = n
+    st.hashed = hashed
+    st.done = k
+    if n:
+        memcpy(&ss.tokens[_sp(ss, index) * pt], tok, <size_t>n * sizeof(uint32_t))
+        c.lookups += 1
+        c.lookup_tokens += n
+        c.hit_tokens += <uint64_t>k * pt
+    c.collisions += collided
+    c.pages_hashed += hashed
+    c.ns.refs[ns] += 1
+    out.slot = <uint16_t>index
+    out.prefix_tokens = k * pt
+    return Q_OK
+
+
+cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index) noexcept nogil:
+    # Hand every page that is now full (computed and with known tokens) to the cache, in order.
+    cdef Stream *st = &ss.st[index]
+    cdef Slot *sl = &s.slots[index]
+    cdef uint32_t pt = c.page_tokens
+    cdef uint32_t limit, k, q, own, pp = 0
+    cdef uint64_t ident, pg = 0
+    cdef uint64_t *ids = &ss.ident[_sp(ss, index)]
+    cdef uint32_t *canon = &ss.canon[_sp(ss, index)]
+    cdef uint64_t *cgen = &ss.canon_gen[_sp(ss, index)]
+    cdef const uint32_t *t
+    if not st.live or st.broken:
+        return
+    limit = (sl.token_count if sl.token_count < st.known else st.known) // pt
+    if limit > sl.blocks.len:
+        limit = sl.blocks.len
+    while st.done < limit:
+        k = st.done
+        t = &ss.tokens[(_sp(ss, index) + k) * pt]
+        if k < st.hashed:
+            ident = ids[k]
+        else:
+            ident = pc_hash_page(c, ids[k - 1] if k else 0, k > 0, c.ns.hashes[st.ns], t)
+            ids[k] = ident
+            st.hashed = k + 1
+            c.pages_hashed += 1
+        if k:
+            pp = canon[k - 1]
+            pg = cgen[k - 1]
+            if not pc_live(c, pp, pg):     # the parent entry was reclaimed or cleared
+                st.broken = 1
+                return
+        q = pc_find(c, ident)
+        if q != U32_MAX:
+            if not pc_matches(c, q, st.ns, k > 0, pp, pg, t):
+                c.collisions += 1          # a different page has this identity: not cached
+                st.broken = 1
+                return
+            if q != sl.blocks.entries[k]:
+                c.duplicates += 1          # identical entry: the request keeps its own page
+            canon[k] = q
+            cgen[k] = c.pages[q].gen
+        else:
+            own = sl.blocks.entries[k]
+            if own >= c.num_blocks or c.pages[own].state != PC_NONE:
+                st.broken = 1
+                return
+            if pc_insert(c, p, own, ident, k > 0, ids[k - 1] if k else 0, pp, pg, st.ns, t):
+                st.broken = 1              # refcount overflow: not cached
+                return
+            canon[k] = own
+            cgen[k] = c.pages[own].gen
+        st.done = k + 1
+    if sl.token_count > <uint64_t>sl.blocks.len * pt:
+        st.broken = 1   # tokens were counted past the mapped pages: their KV is nowhere
+
+
+cdef void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
+                          uint32_t tok) noexcept nogil:
+    # A decode round computed `tok` at position `pos` of the slot's stream.
+    cdef Stream *st = &ss.st[index]
+    cdef uint32_t *arena = &ss.tokens[_sp(ss, index) * ss.page_tokens]
+    if not st.live or pos > st.known:
+        return   # the stream has a gap: positions whose tokens are unknown
+    if pos < st.known:
+        if arena[pos] == tok:
+            return
+        st.known = pos   # the stream leaves the planned prompt here
+        if st.hashed > pos // ss.page_tokens:
+            st.hashed = pos // ss.page_tokens
+    if pos < <uint64_t>ss.logical_pages * ss.page_tokens:
+        arena[pos] = tok
+        st.known = pos + 1
+
+
+cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index) noexcept nogil:
+    # Release the request's pages from its last page to its first, so that its tail pages are
+    # reclaimed before its head pages; on a pool error the table is emptied and the request
+    # stays active (as the seed's finish).
+    cdef Table *t = &s.slots[index].blocks
+    cdef uint32_t i, page
+    cdef int rc, first = Q_OK
+    i = t.len
+    while i > 0:
+        i -= 1
+        page = t.entries[i]
+        rc = pool_release(p, page)
+        if rc:
+            if first == Q_OK:
+                first = rc
+        else:
+            pc_on_release(c, p, page)
+    t.len = 0
+    if first:
+        return first
+    slot_clear(s, index)
+    if ss.st[index].live:
+        ss.st[index].live = 0
+        ns_unref(&c.ns, ss.st[index].ns)
+    return Q_OK
+
+
+cdef int auto_need_pages(Table *t, uint32_t first, uint32_t last, Pool *p, PageCache *c,
+                         uint64_t *need) noexcept nogil:
+    # What table_ensure_writable over logical pages first..last would allocate, and the error
+    # it would stop at, without doing it: OutOfRange, Gap, InvalidPage, NotAllocated, or
+    # Exhausted where the running count passes free + reclaimable pages.
+    cdef uint64_t vlen = t.len
+    cdef uint64_t avail = <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]
+    cdef uint64_t lp
+    cdef uint32_t page
+    for lp in range(first, <uint64_t>last + 1):
+        if lp >= t.capacity:
+            return Q_OUT_OF_RANGE
+        if lp > vlen:
+            return Q_GAP
+        if lp == vlen:
+            vlen += 1
+            need[0] += 1
+        else:
+            page = t.entries[lp]
+            if page >= p.num_blocks:
+                return Q_INVALID_PAGE
+            if p.refcount[page] == 0:
+                return Q_NOT_ALLOCATED
+            if p.refcount[page] == 1:
+                continue
+            need[0] += 1
+        if need[0] > avail:
+            return Q_EXHAUSTED
+    return Q_OK
+
+
+cdef void auto_after_cow(PageCache *c, Pool *p, Undo *log, Py_ssize_t n) noexcept nogil:
+    # after a call succeeded: a cached page that a copy-on-write let go may now be reclaimable
+    cdef Py_ssize_t k
+    for k in range(n):
+        if log[k].kind == COW_COPY:
+            pc_on_release(c, p, log[k].src)

@@ -1,0 +1,538 @@
+# Automatic prefix caching, part 1: the page cache (docs/DESIGN.md, "Automatic prefix caching").
+#
+# One record per physical page of the pool: whether the page is cached, its 64-bit identity, its
+# parent link (the parent's physical page and the generation of the parent's entry, or none for
+# the first page of a chain), its namespace id, the generation stamped when it was inserted, and
+# the links of one of two intrusive lists.  A copy of every cached page's tokens sits beside the
+# records, and an open-addressing index maps identity -> page.  The cache holds one pool
+# reference on every page it caches, so the block pool is unchanged.
+#
+# A cached page is on exactly one list: "in use" (a request holds it too) or "reclaimable" (only
+# the cache holds it; least recently used first).  Lookups verify tokens, namespace and parent
+# link, so a hash collision can never hand out the wrong page.  Every function is O(1) or O(pages
+# of one call); nothing walks the pool.  All memory is allocated by pc_init.
+
+cdef enum:
+    PC_NONE = 0          # record state: the page is not cached
+    PC_INUSE = 1         # cached, and some request holds the page too
+    PC_RECLAIMABLE = 2   # cached, and only the cache holds it
+
+cdef enum:
+    KV_STORED = 1
+    KV_REMOVED = 2
+    KV_CLEARED = 3
+
+cdef enum:
+    NS_MAX_BYTES = 256   # longest namespace the automatic cache interns
+    PC_KEY_WORDS = 8
+
+cdef struct KvEvent:
+    uint64_t identity
+    uint64_t parent
+    uint32_t namespace_id
+    uint32_t token_count
+    uint32_t page
+    uint8_t kind
+    uint8_t has_parent
+    uint16_t _reserved
+
+cdef struct CachePage:
+    uint64_t ident
+    uint64_t parent_ident
+    uint64_t gen
+    uint64_t parent_gen
+    uint32_t parent       # the parent's physical page (U32_MAX: first page of a chain)
+    uint32_t ns
+    uint32_t prev         # list links (U32_MAX: none)
+    uint32_t next
+    uint8_t state
+    uint8_t has_parent
+
+cdef struct NsTable:
+    uint8_t *names        # capacity x NS_MAX_BYTES
+    uint32_t *lens
+    uint64_t *hashes
+    uint32_t *refs        # live requests + cached pages in the namespace
+    int32_t *index        # open addressing by hash
+    uint32_t *free_ids    # stack of unused ids, lowest on top
+    uint32_t n_free
+    uint32_t mask
+    uint32_t capacity
+    uint32_t count
+
+cdef struct EventRing:
+    KvEvent *buf
+    uint32_t capacity
+    uint32_t head
+    uint32_t count
+    uint64_t dropped
+
+cdef struct PageCache:
+    CachePage *pages
+    uint32_t *tokens      # num_blocks x page_tokens
+    int32_t *index
+    uint32_t *nh          # NH key words: page_tokens rounded up to even, plus 2
+    uint32_t index_mask
+    uint32_t num_blocks
+    uint32_t page_tokens
+    uint32_t head[3]      # per state: list head (least recent) and tail
+    uint32_t tail[3]
+    uint32_t n_state[3]
+    uint64_t gen
+    uint64_t ident_mask   # all ones; a test hook narrows it to force collisions
+    uint64_t k[8]
+    NsTable ns
+    EventRing ev
+    uint64_t lookups
+    uint64_t lookup_tokens
+    uint64_t hit_tokens
+    uint64_t reclaims
+    uint64_t collisions
+    uint64_t stored
+    uint64_t duplicates
+    uint64_t pages_hashed
+
+
+# The page hash (docs/DESIGN.md, "Automatic prefix caching"): two NH passes (Toeplitz-shifted
+# keys) over the page's u32 tokens, folded with the parent identity and the namespace hash by
+# keyed 64x64->128 multiply-folds, then the splitmix64 finaliser.
+cdef extern from *:
+    """
+    static inline uint64_t qualia_mum(uint64_t a, uint64_t b) {
+    #if defined(__SIZEOF_INT128__)
+        __uint128_t r = (__uint128_t)a * b;
+        return (uint64_t)r ^ (uint64_t)(r >> 64);
+    #else
+        uint64_t al = (uint32_t)a, ah = a >> 32, bl = (uint32_t)b, bh = b >> 32;
+        uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+        uint64_t mid = (ll >> 32) + (uint32_t)lh + (uint32_t)hl;
+        uint64_t lo = (mid << 32) | (uint32_t)ll;
+        uint64_t hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+        return lo ^ hi;
+    #endif
+    }
+    static inline uint64_t qualia_mix64(uint64_t z) {
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        return z ^ (z >> 31);
+    }
+    static inline uint64_t qualia_page_hash(const uint64_t *k, const uint32_t *K, uint32_t n,
+                                            uint64_t parent, int has_parent, uint64_t ns_hash,
+                                            const uint32_t *t) {
+        uint64_t a = 0, b = 0, x, h;
+        uint32_t i = 0;
+        for (; i + 1 < n; i += 2) {
+            a += (uint64_t)(uint32_t)(t[i] + K[i]) * (uint32_t)(t[i + 1] + K[i + 1]);
+            b += (uint64_t)(uint32_t)(t[i] + K[i + 2]) * (uint32_t)(t[i + 1] + K[i + 3]);
+        }
+        if (i < n) {  /* odd page: the last token pairs with a zero token */
+            a += (uint64_t)(uint32_t)(t[i] + K[i]) * K[i + 1];
+            b += (uint64_t)(uint32_t)(t[i] + K[i + 2]) * K[i + 3];
+        }
+        x = has_parent ? parent : k[0];
+        h = qualia_mum(x ^ k[1], a ^ k[2]);
+        h = qualia_mum(h ^ ns_hash ^ k[3], b ^ k[4]);
+        return qualia_mix64(h ^ k[5]);
+    }
+    """
+    uint64_t qualia_mum(uint64_t a, uint64_t b) nogil
+    uint64_t qualia_mix64(uint64_t z) nogil
+    uint64_t qualia_page_hash(const uint64_t *k, const uint32_t *K, uint32_t n, uint64_t parent,
+                              int has_parent, uint64_t ns_hash, const uint32_t *t) nogil
+
+
+# -- hashing ------------------------------------------------------------------------------------
+
+cdef void pc_set_key(PageCache *c, uint64_t lo, uint64_t hi) noexcept nogil:
+    # Expand the 16-byte key (two little-endian u64 halves) into the scalar keys and the NH key
+    # words with a splitmix64-style generator over both halves.
+    cdef uint64_t s = lo ^ <uint64_t>0x6A09E667F3BCC908
+    cdef uint64_t t = hi ^ <uint64_t>0xBB67AE8584CAA73B
+    cdef uint64_t w
+    cdef uint32_t i, n_nh = ((c.page_tokens + 1) & ~(<uint32_t>1)) + 2
+    cdef uint32_t words = PC_KEY_WORDS + n_nh // 2
+    for i in range(words):
+        s += <uint64_t>0x9E3779B97F4A7C15
+        t += <uint64_t>0xD1B54A32D192ED03
+        w = qualia_mix64(qualia_mix64(s) ^ t)
+        if i < PC_KEY_WORDS:
+            c.k[i] = w
+        else:
+            c.nh[2 * (i - PC_KEY_WORDS)] = <uint32_t>w
+            c.nh[2 * (i - PC_KEY_WORDS) + 1] = <uint32_t>(w >> 32)
+
+
+cdef inline uint64_t pc_hash_page(PageCache *c, uint64_t parent, bint has_parent,
+                                  uint64_t ns_hash, const uint32_t *t) noexcept nogil:
+    return qualia_page_hash(c.k, c.nh, c.page_tokens, parent, has_parent, ns_hash,
+                            t) & c.ident_mask
+
+
+cdef uint64_t pc_ns_hash(PageCache *c, const uint8_t *s, uint32_t n) noexcept nogil:
+    # keyed hash of a namespace's bytes, 8 bytes (little-endian, zero-padded) per step
+    cdef uint64_t h = c.k[6] ^ n, w
+    cdef uint32_t i = 0, j
+    while i < n:
+        w = 0
+        j = 0
+        while j < 8 and i + j < n:
+            w |= (<uint64_t>s[i + j]) << (8 * j)
+            j += 1
+        h = qualia_mix64(h ^ w) + c.k[7]
+        i += 8
+    return qualia_mix64(h + c.k[7])
+
+
+# -- namespaces -----------------------------------------------------------------------------------
+# Interned names, compared byte for byte.  Id 0 is the empty namespace and is never freed; any
+# other id is freed when no live request and no cached page uses it, and may then be reused.
+
+cdef inline uint32_t _ns_home(NsTable *t, uint64_t h) noexcept nogil:
+    return <uint32_t>(h ^ (h >> 29)) & t.mask
+
+
+cdef uint32_t _ns_home_of(void *ctx, int32_t e) noexcept nogil:
+    cdef NsTable *t = <NsTable *>ctx
+    return _ns_home(t, t.hashes[e])
+
+
+cdef uint32_t ns_find(NsTable *t, uint64_t h, const uint8_t *s, uint32_t n) noexcept nogil:
+    cdef uint32_t i = _ns_home(t, h)
+    cdef int32_t e
+    while True:
+        e = t.index[i]
+        if e < 0:
+            return U32_MAX
+        if (t.hashes[e] == h and t.lens[e] == n
+                and (n == 0 or memcmp(&t.names[<size_t>e * NS_MAX_BYTES], s, n) == 0)):
+            return <uint32_t>e
+        i = (i + 1) & t.mask
+
+
+cdef int ns_intern(NsTable *t, uint64_t h, const uint8_t *s, uint32_t n,
+                   uint32_t *out) noexcept nogil:
+    # the id of the namespace, interning it (with no reference) when new; Q_NAMESPACES_FULL
+    # when every id is in use.  n <= NS_MAX_BYTES is checked by the caller.
+    cdef uint32_t e = ns_find(t, h, s, n)
+    if e != U32_MAX:
+        out[0] = e
+        return Q_OK
+    if t.n_free == 0:
+        return Q_NAMESPACES_FULL
+    t.n_free -= 1
+    e = t.free_ids[t.n_free]
+    t.hashes[e] = h
+    t.lens[e] = n
+    t.refs[e] = 0
+    if n:
+        memcpy(&t.names[<size_t>e * NS_MAX_BYTES], s, n)
+    oa_insert(t.index, t.mask, _ns_home(t, h), <int32_t>e)
+    t.count += 1
+    out[0] = e
+    return Q_OK
+
+
+cdef void ns_free_if_unused(NsTable *t, uint32_t e) noexcept nogil:
+    if e == 0 or t.refs[e] != 0:
+        return
+    oa_remove(t.index, t.mask, _ns_home(t, t.hashes[e]), <int32_t>e, _ns_home_of, t)
+    t.lens[e] = 0
+    t.free_ids[t.n_free] = e
+    t.n_free += 1
+    t.count -= 1
+
+
+cdef inline void ns_unref(NsTable *t, uint32_t e) noexcept nogil:
+    t.refs[e] -= 1
+    ns_free_if_unused(t, e)
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, bint has_parent,
+                  uint32_t ns, uint32_t tokens, uint32_t page) noexcept nogil:
+    # the ring never overwrites: a full ring drops the new event and counts it
+    cdef EventRing *r = &c.ev
+    cdef KvEvent *e
+    if r.count == r.capacity:
+        r.dropped += 1
+        return
+    e = &r.buf[(r.head + r.count) % r.capacity]
+    e.identity = ident
+    e.parent = parent
+    e.namespace_id = ns
+    e.token_count = tokens
+    e.page = page
+    e.kind = kind
+    e.has_parent = has_parent
+    e._reserved = 0
+    r.count += 1
+
+
+cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
+    cdef EventRing *r = &c.ev
+    cdef uint32_t n = r.count if r.count < cap else cap
+    cdef uint32_t i
+    for i in range(n):
+        out[i] = r.buf[(r.head + i) % r.capacity]
+    if n:
+        r.head = (r.head + n) % r.capacity
+        r.count -= n
+    return n
+
+
+# -- lists ---------------------------------------------------------------------------------------
+
+cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil:
+    # append at the tail (most recent end) of list `state`
+    cdef CachePage *x = &c.pages[p]
+    x.state = state
+    x.prev = c.tail[state]
+    x.next = U32_MAX
+    if c.tail[state] != U32_MAX:
+        c.pages[c.tail[state]].next = p
+    else:
+        c.head[state] = p
+    c.tail[state] = p
+    c.n_state[state] += 1
+
+
+cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
+    cdef CachePage *x = &c.pages[p]
+    cdef uint8_t state = x.state
+    if x.prev != U32_MAX:
+        c.pages[x.prev].next = x.next
+    else:
+        c.head[state] = x.next
+    if x.next != U32_MAX:
+        c.pages[x.next].prev = x.prev
+    else:
+        c.tail[state] = x.prev
+    x.prev = U32_MAX
+    x.next = U32_MAX
+    c.n_state[state] -= 1
+
+
+cdef inline void pc_on_release(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
+    # after a request released `page`: a cached page only the cache holds becomes reclaimable
+    if page < c.num_blocks and c.pages[page].state == PC_INUSE and p.refcount[page] == 1:
+        pc_unlink(c, page)
+        pc_link(c, page, PC_RECLAIMABLE)
+
+
+cdef inline void pc_on_retain(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
+    # after a request retained `page`: a reclaimable page is in use again (O(1))
+    if c.pages[page].state == PC_RECLAIMABLE and p.refcount[page] >= 2:
+        pc_unlink(c, page)
+        pc_link(c, page, PC_INUSE)
+
+
+# -- index, lookup, insert, drop -----------------------------------------------------------------
+
+cdef inline uint32_t _pc_home(PageCache *c, uint64_t ident) noexcept nogil:
+    return <uint32_t>(ident ^ (ident >> 32)) & c.index_mask
+
+
+cdef uint32_t _pc_home_of(void *ctx, int32_t e) noexcept nogil:
+    cdef PageCache *c = <PageCache *>ctx
+    return _pc_home(c, c.pages[e].ident)
+
+
+cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
+    cdef uint32_t i = _pc_home(c, ident)
+    cdef int32_t e
+    while True:
+        e = c.index[i]
+        if e < 0:
+            return U32_MAX
+        if c.pages[e].ident == ident:
+            return <uint32_t>e
+        i = (i + 1) & c.index_mask
+
+
+cdef inline bint pc_matches(PageCache *c, uint32_t q, uint32_t ns, bint has_parent,
+                            uint32_t parent, uint64_t parent_gen,
+                            const uint32_t *t) noexcept nogil:
+    # verification: same namespace, same parent entry (page and generation), same tokens
+    cdef CachePage *x = &c.pages[q]
+    if x.ns != ns or x.has_parent != has_parent:
+        return False
+    if has_parent and (x.parent != parent or x.parent_gen != parent_gen):
+        return False
+    return memcmp(&c.tokens[<size_t>q * c.page_tokens], t,
+                  c.page_tokens * sizeof(uint32_t)) == 0
+
+
+cdef inline bint pc_live(PageCache *c, uint32_t page, uint64_t gen) noexcept nogil:
+    # is the entry (page, gen) still in the cache?
+    return page < c.num_blocks and c.pages[page].state != PC_NONE and c.pages[page].gen == gen
+
+
+cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint has_parent,
+                   uint64_t parent_ident, uint32_t parent, uint64_t parent_gen, uint32_t ns,
+                   const uint32_t *t) noexcept nogil:
+    # Cache `page` (not cached, identity not indexed) and take one pool reference on it.
+    cdef CachePage *x = &c.pages[page]
+    cdef int rc = pool_retain(p, page)
+    if rc:
+        return rc
+    c.gen += 1
+    x.ident = ident
+    x.parent_ident = parent_ident if has_parent else 0
+    x.has_parent = has_parent
+    x.parent = parent if has_parent else U32_MAX
+    x.parent_gen = parent_gen if has_parent else 0
+    x.gen = c.gen
+    x.ns = ns
+    memcpy(&c.tokens[<size_t>page * c.page_tokens], t, c.page_tokens * sizeof(uint32_t))
+    oa_insert(c.index, c.index_mask, _pc_home(c, ident), <int32_t>page)
+    pc_link(c, page, PC_RECLAIMABLE if p.refcount[page] == 1 else PC_INUSE)
+    c.ns.refs[ns] += 1
+    c.stored += 1
+    pc_emit(c, KV_STORED, ident, x.parent_ident, has_parent, ns, c.page_tokens, page)
+    return Q_OK
+
+
+cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil:
+    # Drop the entry of cached `page` and release the cache's reference.
+    cdef CachePage *x = &c.pages[page]
+    oa_remove(c.index, c.index_mask, _pc_home(c, x.ident), <int32_t>page, _pc_home_of, c)
+    pc_unlink(c, page)
+    x.state = PC_NONE
+    ns_unref(&c.ns, x.ns)
+    if emit:
+        pc_emit(c, KV_REMOVED, x.ident, x.parent_ident, x.has_parent, x.ns, c.page_tokens, page)
+    return pool_release(p, page)
+
+
+cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
+    # Make `need` pages allocatable: reclaim the least recently used reclaimable pages for what
+    # the free stack lacks.  Q_EXHAUSTED, reclaiming nothing, when even that is not enough.
+    cdef uint32_t page
+    cdef int rc
+    if need <= p.free_top:
+        return Q_OK
+    if need > <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]:
+        return Q_EXHAUSTED
+    while p.free_top < need:
+        page = c.head[PC_RECLAIMABLE]
+        if page == U32_MAX:
+            return Q_EXHAUSTED   # only if the pool was changed behind the cache's back
+        rc = pc_drop(c, p, page, True)
+        c.reclaims += 1
+        if rc:
+            return rc
+    return Q_OK
+
+
+cdef uint32_t pc_clear(PageCache *c, Pool *p) noexcept nogil:
+    # Drop every entry (reclaimable pages first, each list least recent first); pages that
+    # requests hold stay with them.  One "cleared" event; returns the number of entries dropped.
+    cdef uint32_t n = 0
+    while c.head[PC_RECLAIMABLE] != U32_MAX:
+        pc_drop(c, p, c.head[PC_RECLAIMABLE], False)
+        n += 1
+    while c.head[PC_INUSE] != U32_MAX:
+        pc_drop(c, p, c.head[PC_INUSE], False)
+        n += 1
+    pc_emit(c, KV_CLEARED, 0, 0, False, 0, 0, U32_MAX)
+    return n
+
+
+# -- construction ---------------------------------------------------------------------------------
+
+cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32_t max_ns,
+                 uint32_t event_capacity, const uint8_t *key) except -1:
+    cdef uint32_t i, size = 2, nsize = 2
+    cdef uint64_t lo = 0, hi = 0
+    if num_blocks > ((<uint32_t>1) << 30):
+        raise OverflowError("automatic prefix caching supports at most 2**30 pages")
+    while size < 2 * <uint64_t>num_blocks:
+        size <<= 1
+    while nsize < 2 * <uint64_t>max_ns:
+        nsize <<= 1
+    memset(c, 0, sizeof(PageCache))
+    c.num_blocks = num_blocks
+    c.page_tokens = page_tokens
+    c.pages = <CachePage *>PyMem_Calloc(num_blocks if num_blocks else 1, sizeof(CachePage))
+    cdef size_t ntok = <size_t>num_blocks * page_tokens
+    c.tokens = <uint32_t *>PyMem_Malloc((ntok if ntok else 1) * sizeof(uint32_t))
+    c.index = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
+    c.nh = <uint32_t *>PyMem_Calloc(((page_tokens + 1) & ~(<uint32_t>1)) + 2, sizeof(uint32_t))
+    c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
+    c.ns.lens = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
+    c.ns.hashes = <uint64_t *>PyMem_Calloc(max_ns, sizeof(uint64_t))
+    c.ns.refs = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
+    c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
+    c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
+    c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
+    if (c.pages == NULL or c.tokens == NULL or c.index == NULL or c.nh == NULL
+            or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
+            or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
+            or c.ev.buf == NULL):
+        raise MemoryError(f"cannot allocate a page cache of {num_blocks} x {page_tokens} tokens")
+    for i in range(size):
+        c.index[i] = -1
+    c.index_mask = size - 1
+    for i in range(num_blocks):
+        c.pages[i].prev = U32_MAX
+        c.pages[i].next = U32_MAX
+    for i in range(3):
+        c.head[i] = U32_MAX
+        c.tail[i] = U32_MAX
+    c.ident_mask = U64_MAX
+    for i in range(8):
+        lo |= (<uint64_t>key[i]) << (8 * i)
+        hi |= (<uint64_t>key[8 + i]) << (8 * i)
+    pc_set_key(c, lo, hi)
+    for i in range(nsize):
+        c.ns.index[i] = -1
+    c.ns.mask = nsize - 1
+    c.ns.capacity = max_ns
+    for i in range(max_ns - 1):       # ids 1.. on the stack, lowest on top
+        c.ns.free_ids[i] = max_ns - 1 - i
+    c.ns.n_free = max_ns - 1
+    c.ns.hashes[0] = pc_ns_hash(c, NULL, 0)   # id 0: the empty namespace, never freed
+    oa_insert(c.ns.index, c.ns.mask, _ns_home(&c.ns, c.ns.hashes[0]), 0)
+    c.ns.count = 1
+    c.ev.capacity = event_capacity
+    return 0
+
+
+cdef void pc_free(PageCache *c) noexcept:
+    PyMem_Free(c.pages)
+    PyMem_Free(c.tokens)
+    PyMem_Free(c.index)
+    PyMem_Free(c.nh)
+    PyMem_Free(c.ns.names)
+    PyMem_Free(c.ns.lens)
+    PyMem_Free(c.ns.hashes)
+    PyMem_Free(c.ns.refs)
+    PyMem_Free(c.ns.index)
+    PyMem_Free(c.ns.free_ids)
+    PyMem_Free(c.ev.buf)
+    memset(c, 0, sizeof(PageCache))
+
+
+# -- the KV_EVENT dtype ---------------------------------------------------------------------------
+
+cdef KvEvent _kev
+
+
+def _kv_event_dtype():
+    cdef char *b = <char *>&_kev
+    fields = [("identity", "<u8", <char *>&_kev.identity - b),
+              ("parent", "<u8", <char *>&_kev.parent - b),
+              ("namespace_id", "<u4", <char *>&_kev.namespace_id - b),
+              ("token_count", "<u4", <char *>&_kev.token_count - b),
+              ("page", "<u4", <char *>&_kev.page - b),
+              ("kind", "u1", <char *>&_kev.kind - b),
+              ("has_parent", "u1", <char *>&_kev.has_parent - b)]
+    return _dtype((sizeof(KvEvent), 8, fields))
+
+
+KV_EVENT = _kv_event_dtype()
+KV_STORED_KIND = KV_STORED
+KV_REMOVED_KIND = KV_REMOVED
+KV_CLEARED_KIND = KV_CLEARED
+cdef object _DT_KV_EVENT = KV_EVENT
