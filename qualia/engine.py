@@ -407,7 +407,7 @@ class Engine:
         self.page_tokens = int(page_tokens)
         self.scheduler = qualia.Scheduler(
             max_requests, num_blocks, page_tokens, logical_pages,
-            prefix_entries=prefix_entries, prefix_pages=prefix_pages)
+            prefix_entries=prefix_entries, prefix_pages=prefix_pages, prefix_caching="explicit")
         self.end_token = None if end_token is None else int(end_token)
         self.weights = None
         if isinstance(backend, str):

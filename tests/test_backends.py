@@ -112,7 +112,8 @@ def test_out_of_tree_c_backend_drives_full_rounds(example_backend, handover):
 
 def test_facade_with_c_and_python_backends_gives_identical_outputs(example_backend):
     def run(backend):
-        s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=12)
+        s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=12,
+                             prefix_caching="explicit")
         prompt = list(range(50, 60))
         outs = {}
         for rid in range(4):

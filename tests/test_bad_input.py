@@ -889,7 +889,8 @@ def test_hash_next_token_bad_args(args, exc):
 
 
 def facade(**kw):
-    kw = {**dict(max_requests=4, num_blocks=24, page_tokens=4, logical_pages=4), **kw}
+    kw = {**dict(max_requests=4, num_blocks=24, page_tokens=4, logical_pages=4,
+                 prefix_caching="explicit"), **kw}
     s = qualia.Scheduler(**kw)
     prompt = list(range(1, 11))
     s.admit(1, prompt, prefix_len=8)

@@ -72,7 +72,8 @@ def test_prefill_reserves_exactly_the_pages_of_the_prompt():
 
 
 def test_prefix_hit_shares_pages_and_copies_on_the_first_write():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6)
+    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+                         prefix_caching="explicit")
     system = [7] * 6
     be = Recorder()
     prefill(s, 1, system + [1, 2], be, prefix_len=6)
@@ -90,7 +91,8 @@ def test_prefix_hit_shares_pages_and_copies_on_the_first_write():
 
 
 def test_decode_hands_copies_to_the_backend_once_before_the_round():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6)
+    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+                         prefix_caching="explicit")
     be = Recorder()
     prefill(s, 1, [5] * 8, be)  # exactly two full pages: next write is page 2
     s.publish_prefix(1, [5] * 8, prefix_len=7)  # shares pages 0 and 1
@@ -110,7 +112,8 @@ def test_decode_hands_copies_to_the_backend_once_before_the_round():
 
 
 def test_backend_without_copy_pages_fails_cleanly():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6)
+    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+                         prefix_caching="explicit")
     prefill(s, 1, [5] * 6)
     s.publish_prefix(1, [5] * 6)
     before = snapshot(s)
@@ -126,7 +129,8 @@ def test_backend_without_copy_pages_fails_cleanly():
 
 @pytest.mark.parametrize("fail", ["copy", "round"])
 def test_failed_decode_restores_pages_exactly(fail):
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6)
+    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+                         prefix_caching="explicit")
     be = Recorder()
     prefill(s, 1, [5] * 8, be)
     s.publish_prefix(1, [5] * 8, prefix_len=7)
@@ -181,7 +185,7 @@ def test_reserve_is_atomic():
 
 def test_publish_prefix_checks_what_the_request_holds():
     s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=2, logical_pages=4,
-                         prefix_entries=1)
+                         prefix_entries=1, prefix_caching="explicit")
     s.admit(1, [1, 2, 3])
     with pytest.raises(ValueError, match="cannot publish"):
         s.publish_prefix(1, [1, 2, 3])
@@ -199,7 +203,8 @@ def test_publish_prefix_checks_what_the_request_holds():
 
 
 def test_evict_unused_lru_skips_entries_a_request_still_holds():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=2, logical_pages=4)
+    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=2, logical_pages=4,
+                         prefix_caching="explicit")
     prefill(s, 1, [1, 2, 3])
     a = s.publish_prefix(1, [1, 2, 3], prefix_len=2)
     prefill(s, 2, [4, 5, 6])
@@ -221,7 +226,8 @@ def test_identity_for_matches_of_tokens():
 
 
 def test_full_cycle_returns_the_pool_to_the_store_pages():
-    s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=4, logical_pages=16)
+    s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=4, logical_pages=16,
+                         prefix_caching="explicit")
     be = qualia.HashBackend()
     system = list(range(100, 110))
     for rid in range(8):

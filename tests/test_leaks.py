@@ -203,7 +203,7 @@ def cycle_request_scheduler(i):
 
 
 def cycle_facade(i):
-    s = qualia.Scheduler(4, 32, 4, 4, prefix_entries=4)
+    s = qualia.Scheduler(4, 32, 4, 4, prefix_entries=4, prefix_caching="explicit")
     prompt = [1, 2, 3, 4, 5, 6, 7]
     s.admit(1, prompt, prefix_len=6)
     s.reserve(1, 7)
@@ -463,7 +463,7 @@ def cycle_facade_errors(i):
     global FW
     if FW is None:
         # request 2 hit a 3-token prefix: its next write is a copy of a shared page
-        FW = qualia.Scheduler(2, 6, 2, 3, prefix_entries=1)
+        FW = qualia.Scheduler(2, 6, 2, 3, prefix_entries=1, prefix_caching="explicit")
         FW.admit(1, [1, 2, 3, 4], prefix_len=3)
         FW.reserve(1, 4)
         FW.advance(1, 4)

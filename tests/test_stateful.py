@@ -767,7 +767,8 @@ class FacadeInvariants(RuleBasedStateMachine):
     def setup(self, max_requests, num_blocks, page_tokens, logical_pages, prefix_entries,
               prefix_pages, head_start):
         self.s = qualia.Scheduler(max_requests, num_blocks, page_tokens, logical_pages,
-                                  prefix_entries=prefix_entries, prefix_pages=prefix_pages)
+                                  prefix_entries=prefix_entries, prefix_pages=prefix_pages,
+                                  prefix_caching="explicit")
         self.vocab = 32000
         for k in range(head_start):
             self.serve(100 + k, k, "half", True, b"", False, 3)
