@@ -12,6 +12,7 @@ from ._core import (
     BACKEND_ABI_VERSION,
     BACKEND_CAPSULE_NAME,
     COPY_OP,
+    KV_EVENT,
     RAGGED_BATCH_ITEM,
     RAGGED_BATCH_OUTPUT,
     RAGGED_BATCH_RECEIPT,
@@ -25,13 +26,15 @@ from ._core import (
     SequenceBlockTable,
     hash_next_token,
 )
-from ._types import Admission, CopyOnWrite, RaggedBatchReceipt, RequestState
+from ._types import (Admission, CacheEntry, CacheStats, CopyOnWrite, RaggedBatchReceipt,
+                     RequestState)
 from .backend import CopyPagesBackend, RaggedBackend
 from .errors import (
     BackendAbiError,
     BusyError,
     DecodeRoundError,
     PoolError,
+    PrefixCacheError,
     PrefixKvError,
     QualiaError,
     RaggedBackendError,
@@ -49,10 +52,11 @@ def get_include() -> str:
 
 __all__ = [
     "Admission", "BACKEND_ABI_VERSION", "BACKEND_CAPSULE_NAME", "BackendAbiError", "BlockPool",
-    "BusyError", "COPY_OP", "CopyOnWrite", "CopyPagesBackend", "DecodeRoundError", "PoolError",
-    "PrefixIdentity", "PrefixKvError", "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM",
-    "RAGGED_BATCH_OUTPUT", "RAGGED_BATCH_RECEIPT", "REQUEST_VIEW", "RaggedBackend",
-    "RaggedBackendError", "RaggedBatchReceipt", "HashBackend", "RequestScheduler",
-    "RequestState", "Scheduler", "SchedulerError", "SequenceBlockTable", "TableError", "errors",
-    "get_include", "hash_next_token",
+    "BusyError", "CacheEntry", "CacheStats", "COPY_OP", "CopyOnWrite", "CopyPagesBackend",
+    "DecodeRoundError", "errors", "get_include", "hash_next_token", "HashBackend", "KV_EVENT",
+    "PoolError", "PrefixCacheError", "PrefixIdentity", "PrefixKvError", "PrefixKvStore",
+    "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT", "RAGGED_BATCH_RECEIPT",
+    "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt", "REQUEST_VIEW",
+    "RequestScheduler", "RequestState", "Scheduler", "SchedulerError", "SequenceBlockTable",
+    "TableError",
 ]
