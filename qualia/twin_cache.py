@@ -177,6 +177,7 @@ class Scheduler:
         self._streams = [_Stream() for _ in range(mr)]
         self._k, self._nh = expand_key(key, pt)
         self._mask = M64
+        self._parent_mask = M64
         # cache
         self._entries: Dict[int, _Entry] = {}
         self._index: Dict[int, int] = {}
@@ -221,7 +222,8 @@ class Scheduler:
 
     # -- cache primitives (pagecache.pxi) -----------------------------------------------------------
     def _hash(self, parent: int, has_parent: bool, ns_hash: int, tokens) -> int:
-        return page_hash(self._k, self._nh, parent, has_parent, ns_hash, tokens) & self._mask
+        return page_hash(self._k, self._nh, parent & self._parent_mask, has_parent, ns_hash,
+                         tokens) & self._mask
 
     def _emit(self, kind, ident, parent, has_parent, ns, tokens, page) -> None:
         if len(self._events) == self._ev_cap:
@@ -767,8 +769,10 @@ class Scheduler:
             out.append(self._hash(out[-1] if k else 0, k > 0, nsh, tok[k * pt:(k + 1) * pt]))
         return np.array(out, dtype=np.uint64)
 
-    def _debug_identity_mask(self, mask) -> None:
-        self._mask = _u64(mask, "mask")
+    def _debug_identity_mask(self, mask, parent_mask=M64) -> None:
+        m = _u64(mask, "mask")
+        self._parent_mask = _u64(parent_mask, "parent_mask")
+        self._mask = m
 
     def block_table(self, request_id) -> np.ndarray:
         index = self._find(_u64(request_id, "request_id"))

@@ -673,7 +673,12 @@ cdef class Scheduler:
                                 &t[k * self.page_tokens])
         return out
 
-    def _debug_identity_mask(self, mask):
+    def _debug_identity_mask(self, mask, parent_mask=0xFFFFFFFFFFFFFFFF):
         """Test hook: AND every page identity computed from now on with ``mask`` (0 makes every
-        page collide), to prove that verification, not the hash, decides a hit."""
-        self.cache.ident_mask = _u64(mask, "mask")
+        page collide) and the parent identity it is derived from with ``parent_mask`` (0 makes
+        identities blind to the parent), to prove that verification, not the hash, decides a
+        hit."""
+        cdef uint64_t m = _u64(mask, "mask")
+        cdef uint64_t pm = _u64(parent_mask, "parent_mask")
+        self.cache.ident_mask = m
+        self.cache.parent_mask = pm

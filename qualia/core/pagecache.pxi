@@ -80,6 +80,7 @@ cdef struct PageCache:
     uint32_t n_state[3]
     uint64_t gen
     uint64_t ident_mask   # all ones; a test hook narrows it to force collisions
+    uint64_t parent_mask  # all ones; a test hook clears it to make identities parent-blind
     uint64_t k[8]
     NsTable ns
     EventRing ev
@@ -164,8 +165,8 @@ cdef void pc_set_key(PageCache *c, uint64_t lo, uint64_t hi) noexcept nogil:
 
 cdef inline uint64_t pc_hash_page(PageCache *c, uint64_t parent, bint has_parent,
                                   uint64_t ns_hash, const uint32_t *t) noexcept nogil:
-    return qualia_page_hash(c.k, c.nh, c.page_tokens, parent, has_parent, ns_hash,
-                            t) & c.ident_mask
+    return qualia_page_hash(c.k, c.nh, c.page_tokens, parent & c.parent_mask, has_parent,
+                            ns_hash, t) & c.ident_mask
 
 
 cdef uint64_t pc_ns_hash(PageCache *c, const uint8_t *s, uint32_t n) noexcept nogil:
@@ -481,6 +482,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
         c.head[i] = U32_MAX
         c.tail[i] = U32_MAX
     c.ident_mask = U64_MAX
+    c.parent_mask = U64_MAX
     for i in range(8):
         lo |= (<uint64_t>key[i]) << (8 * i)
         hi |= (<uint64_t>key[8 + i]) << (8 * i)
