@@ -386,26 +386,8 @@ class Scheduler:
             ns = self._ns_free.pop()
             self._ns_ids[ns_name] = ns
             self._ns[ns] = [ns_name, namespace_hash(self._k, ns_name), 0]
-        nsh = self._ns[ns][1]
         pt = self.page_tokens
-        cap = (n - 1) // pt if n else 0
-        ids: List[int] = []
-        canon: List[Tuple[int, int]] = []
-        collided = False
-        k = 0
-        while k < cap:
-            t = tok[k * pt:(k + 1) * pt]
-            ident = self._hash(ids[k - 1] if k else 0, k > 0, nsh, t)
-            ids.append(ident)
-            q = self._index.get(ident)
-            if q is None:
-                break
-            pp, pg = canon[k - 1] if k else (0, 0)
-            if not self._matches(q, ns, k > 0, pp, pg, t):
-                collided = True
-                break
-            canon.append((q, self._entries[q].gen))
-            k += 1
+        k, ids, canon, collided = self._match(tok, ns, self._ns[ns][1])
         slot = self._slots[index]
         try:
             slot.blocks.attach([q for q, _ in canon], self.pool)
@@ -711,6 +693,39 @@ class Scheduler:
             self._ns_unref(st.ns)
 
     # -- events, stats, introspection -----------------------------------------------------------------
+    def _match(self, tok, ns, nsh):
+        pt = self.page_tokens
+        n = len(tok)
+        cap = (n - 1) // pt if n else 0
+        ids: List[int] = []
+        canon: List[Tuple[int, int]] = []
+        collided = False
+        k = 0
+        while k < cap:
+            t = tok[k * pt:(k + 1) * pt]
+            ident = self._hash(ids[k - 1] if k else 0, k > 0, nsh, t)
+            ids.append(ident)
+            q = self._index.get(ident)
+            if q is None:
+                break
+            pp, pg = canon[k - 1] if k else (0, 0)
+            if not self._matches(q, ns, k > 0, pp, pg, t):
+                collided = True
+                break
+            canon.append((q, self._entries[q].gen))
+            k += 1
+        return k, ids, canon, collided
+
+    def cached_prefix_tokens(self, prompt_tokens, namespace=b"") -> int:
+        ns_name = _namespace_bytes(namespace)
+        if len(ns_name) > NS_MAX_BYTES:
+            raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {len(ns_name)}")
+        tok = self._load_tokens(prompt_tokens)
+        ns = self._ns_ids.get(ns_name)
+        if ns is None:
+            return 0
+        return self._match(tok, ns, self._ns[ns][1])[0] * self.page_tokens
+
     def drain_events(self, out=None):
         if out is None:
             events, self._events = self._events, []

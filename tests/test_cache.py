@@ -91,6 +91,18 @@ def test_longest_prefix_is_shared_and_counted(make):
     assert s.runnable()["state"].tolist() == [int(qualia.RequestState.PREFILL)]
 
 
+def test_cached_prefix_tokens_predicts_the_admission_and_changes_nothing(make):
+    s = make()
+    serve(s, 1, PROMPT, namespace="a")
+    probe = PROMPT[:3 * PT] + [99, 98]
+    before = state(s)
+    assert s.cached_prefix_tokens(probe, "a") == 3 * PT
+    assert s.cached_prefix_tokens(probe) == 0
+    assert s.cached_prefix_tokens(probe, "unknown") == 0
+    assert state(s) == before
+    assert s.admit(2, probe, namespace="a").prefix_tokens == 3 * PT
+
+
 def test_at_least_one_token_is_left_to_compute(make):
     s = make()
     exact = PROMPT[:4 * PT]                      # exactly four full pages, all cached below

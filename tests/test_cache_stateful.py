@@ -160,6 +160,13 @@ class CacheVsTwin(RuleBasedStateMachine):
         if finish:
             self.finish(rid, True)
 
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), ns=NAMESPACES, cont=st.integers(0, 7))
+    def probe(self, prompt, ns, cont):
+        tokens = self.history[-1 - cont % len(self.history)] + list(PROMPTS[prompt])
+        before = self.state()
+        self.both("cached_prefix_tokens", tokens, ns)
+        assert self.state() == before
+
     @rule(rid=RIDS)
     def admit_without_prompt(self, rid):
         rid = self.rid(rid)

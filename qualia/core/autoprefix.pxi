@@ -26,6 +26,9 @@ cdef struct Streams:
     uint64_t *ident     # max_requests x logical_pages
     uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
     uint64_t *canon_gen
+    uint64_t *probe_ident    # logical_pages: scratch of cached_prefix_tokens
+    uint32_t *probe_canon
+    uint64_t *probe_gen
     uint32_t logical_pages
     uint32_t page_tokens
 
@@ -39,8 +42,12 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
     ss.ident = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
     ss.canon = <uint32_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint32_t))
     ss.canon_gen = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
+    ss.probe_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
+    ss.probe_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
+    ss.probe_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
     if ss.st == NULL or ss.tokens == NULL or ss.ident == NULL or ss.canon == NULL \
-            or ss.canon_gen == NULL:
+            or ss.canon_gen == NULL or ss.probe_ident == NULL or ss.probe_canon == NULL \
+            or ss.probe_gen == NULL:
         raise MemoryError(f"cannot allocate token streams of {max_requests} x {logical_pages} "
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
@@ -54,12 +61,44 @@ cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.ident)
     PyMem_Free(ss.canon)
     PyMem_Free(ss.canon_gen)
+    PyMem_Free(ss.probe_ident)
+    PyMem_Free(ss.probe_canon)
+    PyMem_Free(ss.probe_gen)
     memset(ss, 0, sizeof(Streams))
 
 
 cdef inline size_t _sp(Streams *ss, uint32_t slot) noexcept nogil:
     # offset of the slot's first page in the per-page arrays
     return <size_t>slot * ss.logical_pages
+
+
+cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t ns,
+                         uint64_t nsh, uint64_t *ids, uint32_t *canon, uint64_t *cgen,
+                         uint32_t *hashed, bint *collided) noexcept nogil:
+    # The longest verified cached run of tok's full pages from page 0, leaving at least one
+    # token: ids[] gets each hashed page's identity, canon[]/cgen[] each matched entry.
+    cdef uint32_t k = 0, q, pt = c.page_tokens
+    cdef uint32_t cap = (n - 1) // pt if n else 0
+    cdef uint64_t ident
+    cdef const uint32_t *t
+    hashed[0] = 0
+    collided[0] = False
+    while k < cap:
+        t = &tok[<size_t>k * pt]
+        ident = pc_hash_page(c, ids[k - 1] if k else 0, k > 0, nsh, t)
+        ids[k] = ident
+        hashed[0] = k + 1
+        q = pc_find(c, ident)
+        if q == U32_MAX:
+            break
+        if not pc_matches(c, q, ns, k > 0, canon[k - 1] if k else 0, cgen[k - 1] if k else 0,
+                          t):
+            collided[0] = True
+            break
+        canon[k] = q
+        cgen[k] = c.pages[q].gen
+        k += 1
+    return k
 
 
 cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
@@ -69,15 +108,13 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     # from page 0, leaving at least one token to compute.  Nothing changes on failure (a
     # namespace interned for this call is freed again).
     cdef int32_t index
-    cdef uint32_t ns, k = 0, hashed = 0, i, cap, q, pt = c.page_tokens
-    cdef bint collided = False
-    cdef uint64_t ident
+    cdef uint32_t ns, k, hashed, i, pt = c.page_tokens
+    cdef bint collided
     cdef int rc
     cdef Admission_c adm
     cdef uint64_t *ids
     cdef uint32_t *canon
     cdef uint64_t *cgen
-    cdef const uint32_t *t
     cdef Stream *st
     if sched_find(s, rid) >= 0:
         return Q_DUPLICATE_REQUEST
@@ -90,22 +127,7 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     ids = &ss.ident[_sp(ss, index)]
     canon = &ss.canon[_sp(ss, index)]
     cgen = &ss.canon_gen[_sp(ss, index)]
-    cap = (n - 1) // pt if n else 0
-    while k < cap:
-        t = &tok[<size_t>k * pt]
-        ident = pc_hash_page(c, ids[k - 1] if k else 0, k > 0, nsh, t)
-        ids[k] = ident
-        hashed = k + 1
-        q = pc_find(c, ident)
-        if q == U32_MAX:
-            break
-        if not pc_matches(c, q, ns, k > 0, canon[k - 1] if k else 0, cgen[k - 1] if k else 0,
-                          t):
-            collided = True
-            break
-        canon[k] = q
-        cgen[k] = c.pages[q].gen
-        k += 1
+    k = auto_match(c, tok, n, ns, nsh, ids, canon, cgen, &hashed, &collided)
     rc = table_attach(&s.slots[index].blocks, canon, k, p)
     if rc:
         ns_free_if_unused(&c.ns, ns)

@@ -590,6 +590,31 @@ cdef class Scheduler:
                 st.has_pending = 0
             auto_fill(s, &self.pool.pool, &self.cache, &self.streams, i)
 
+    def cached_prefix_tokens(self, prompt_tokens, namespace=b""):
+        """How many tokens of ``prompt_tokens`` an admission in ``namespace`` would take from
+        the cache right now (verified, at least one token left to compute).  Changes nothing,
+        counts nothing."""
+        cdef Py_ssize_t n, nsl
+        cdef uint32_t ns, hashed
+        cdef bint collided
+        cdef uint64_t nsh
+        if self.mode != MODE_AUTO:
+            raise ValueError(f"cached_prefix_tokens is for prefix_caching='auto'; this "
+                             f"scheduler uses prefix_caching={_MODE_NAMES[self.mode]!r}")
+        cdef bytes nsb = _namespace_bytes(namespace)
+        nsl = len(nsb)
+        if nsl > NS_MAX_BYTES:
+            raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
+        n = self._load_tokens_once(prompt_tokens)
+        nsh = self.cache.ns.hashes[0] if nsl == 0 else \
+            pc_ns_hash(&self.cache, <const uint8_t *><char *>nsb, <uint32_t>nsl)
+        ns = ns_find(&self.cache.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
+        if ns == U32_MAX:
+            return 0
+        return auto_match(&self.cache, self.tokens_p, <uint32_t>n, ns, nsh,
+                          self.streams.probe_ident, self.streams.probe_canon,
+                          self.streams.probe_gen, &hashed, &collided) * self.page_tokens
+
     def drain_events(self, out=None):
         """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
         them.  With ``out`` (a writable 1-D KV_EVENT array): write up to ``len(out)`` events
