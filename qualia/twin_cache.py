@@ -57,44 +57,37 @@ def mum(a: int, b: int) -> int:
     return (r & M64) ^ (r >> 64)
 
 
+def nh_words(page_tokens: int) -> int:
+    return 2 * ((page_tokens + 3) // 4)
+
+
 def expand_key(key: bytes, page_tokens: int) -> Tuple[List[int], List[int]]:
     """The 8 scalar keys and the NH key words derived from a 16-byte key."""
     s = int.from_bytes(key[:8], "little") ^ 0x6A09E667F3BCC908
     t = int.from_bytes(key[8:16], "little") ^ 0xBB67AE8584CAA73B
-    n_nh = ((page_tokens + 1) & ~1) + 2
-    k: List[int] = []
-    nh: List[int] = []
-    for i in range(8 + n_nh // 2):
+    words = []
+    for _ in range(8 + nh_words(page_tokens)):
         s = (s + 0x9E3779B97F4A7C15) & M64
         t = (t + 0xD1B54A32D192ED03) & M64
-        w = mix64(mix64(s) ^ t)
-        if i < 8:
-            k.append(w)
-        else:
-            nh.extend((w & M32, w >> 32))
-    return k, nh
+        words.append(mix64(mix64(s) ^ t))
+    return words[:8], words[8:]
 
 
 def page_hash(k: List[int], nh: List[int], parent: int, has_parent: bool, ns_hash: int,
               tokens) -> int:
-    """Identity of one full page: two NH passes over the u32 tokens (the second with the key
-    shifted by two words), folded with the parent identity and the namespace hash."""
-    n = len(tokens)
-    a = b = 0
-    i = 0
-    while i + 1 < n:
-        a += ((tokens[i] + nh[i]) & M32) * ((tokens[i + 1] + nh[i + 1]) & M32)
-        b += ((tokens[i] + nh[i + 2]) & M32) * ((tokens[i + 1] + nh[i + 3]) & M32)
-        i += 2
-    if i < n:
-        a += ((tokens[i] + nh[i]) & M32) * nh[i + 1]
-        b += ((tokens[i] + nh[i + 2]) & M32) * nh[i + 3]
-    a &= M64
-    b &= M64
+    """Identity of one full page: NH with 64-bit words over the tokens (two tokens per word,
+    little-endian, zero-padded to a multiple of four tokens; 128-bit sum), folded to 64 bits
+    with the namespace hash, then with the parent identity, then the splitmix64 finaliser."""
+    tok = list(tokens) + [0] * (-len(tokens) % 4)
+    s = 0
+    for j in range(0, len(tok), 4):
+        w0 = tok[j] | tok[j + 1] << 32
+        w1 = tok[j + 2] | tok[j + 3] << 32
+        s += ((w0 + nh[j // 2]) & M64) * ((w1 + nh[j // 2 + 1]) & M64)
+    s &= 2**128 - 1
+    u = mum((s & M64) ^ k[2], (s >> 64) ^ k[4]) ^ ns_hash
     x = parent if has_parent else k[0]
-    h = mum(x ^ k[1], a ^ k[2])
-    h = mum(h ^ ns_hash ^ k[3], b ^ k[4])
-    return mix64(h ^ k[5])
+    return mix64(mum(x ^ k[1], u ^ k[3]) ^ k[5])
 
 
 def namespace_hash(k: List[int], name: bytes) -> int:
@@ -387,7 +380,7 @@ class Scheduler:
             self._ns_ids[ns_name] = ns
             self._ns[ns] = [ns_name, namespace_hash(self._k, ns_name), 0]
         pt = self.page_tokens
-        k, ids, canon, collided = self._match(tok, ns, self._ns[ns][1])
+        k, ids, canon, collided = self._match(tok, ns, self._ns[ns][1], n // pt)
         slot = self._slots[index]
         try:
             slot.blocks.attach([q for q, _ in canon], self.pool)
@@ -693,23 +686,22 @@ class Scheduler:
             self._ns_unref(st.ns)
 
     # -- events, stats, introspection -----------------------------------------------------------------
-    def _match(self, tok, ns, nsh):
+    def _match(self, tok, ns, nsh, nhash):
         pt = self.page_tokens
         n = len(tok)
         cap = (n - 1) // pt if n else 0
         ids: List[int] = []
+        for k in range(nhash):
+            ids.append(self._hash(ids[k - 1] if k else 0, k > 0, nsh, tok[k * pt:(k + 1) * pt]))
         canon: List[Tuple[int, int]] = []
         collided = False
         k = 0
         while k < cap:
-            t = tok[k * pt:(k + 1) * pt]
-            ident = self._hash(ids[k - 1] if k else 0, k > 0, nsh, t)
-            ids.append(ident)
-            q = self._index.get(ident)
+            q = self._index.get(ids[k])
             if q is None:
                 break
             pp, pg = canon[k - 1] if k else (0, 0)
-            if not self._matches(q, ns, k > 0, pp, pg, t):
+            if not self._matches(q, ns, k > 0, pp, pg, tok[k * pt:(k + 1) * pt]):
                 collided = True
                 break
             canon.append((q, self._entries[q].gen))
@@ -724,7 +716,8 @@ class Scheduler:
         ns = self._ns_ids.get(ns_name)
         if ns is None:
             return 0
-        return self._match(tok, ns, self._ns[ns][1])[0] * self.page_tokens
+        cap = (len(tok) - 1) // self.page_tokens if tok else 0
+        return self._match(tok, ns, self._ns[ns][1], cap)[0] * self.page_tokens
 
     def drain_events(self, out=None):
         if out is None:

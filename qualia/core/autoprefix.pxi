@@ -73,30 +73,31 @@ cdef inline size_t _sp(Streams *ss, uint32_t slot) noexcept nogil:
 
 
 cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t ns,
-                         uint64_t nsh, uint64_t *ids, uint32_t *canon, uint64_t *cgen,
-                         uint32_t *hashed, bint *collided) noexcept nogil:
-    # The longest verified cached run of tok's full pages from page 0, leaving at least one
-    # token: ids[] gets each hashed page's identity, canon[]/cgen[] each matched entry.
-    cdef uint32_t k = 0, q, pt = c.page_tokens
+                         uint64_t nsh, uint32_t nhash, uint64_t *ids, uint32_t *canon,
+                         uint64_t *cgen, bint *collided) noexcept nogil:
+    # Hash tok's first `nhash` full pages (at least the `cap` pages an admission may reuse) into
+    # ids[], then find the longest verified cached run from page 0 (canon[]/cgen[]: each matched
+    # entry).  Two passes: the identity chain is the critical path, and the lookups of
+    # different pages do not depend on each other, so the CPU overlaps them.
+    cdef uint32_t k, q, pt = c.page_tokens, pp = 0
     cdef uint32_t cap = (n - 1) // pt if n else 0
-    cdef uint64_t ident
-    cdef const uint32_t *t
-    hashed[0] = 0
+    cdef uint64_t prev = 0, pg = 0
+    for k in range(nhash):
+        prev = pc_hash_page(c, prev, k > 0, nsh, &tok[<size_t>k * pt])
+        ids[k] = prev
     collided[0] = False
+    k = 0
     while k < cap:
-        t = &tok[<size_t>k * pt]
-        ident = pc_hash_page(c, ids[k - 1] if k else 0, k > 0, nsh, t)
-        ids[k] = ident
-        hashed[0] = k + 1
-        q = pc_find(c, ident)
+        q = pc_find(c, ids[k])
         if q == U32_MAX:
             break
-        if not pc_matches(c, q, ns, k > 0, canon[k - 1] if k else 0, cgen[k - 1] if k else 0,
-                          t):
+        if not pc_matches(c, q, ns, k > 0, pp, pg, &tok[<size_t>k * pt]):
             collided[0] = True
             break
-        canon[k] = q
-        cgen[k] = c.pages[q].gen
+        pp = q
+        pg = pc_rec(c, q).gen
+        canon[k] = pp
+        cgen[k] = pg
         k += 1
     return k
 
@@ -127,7 +128,8 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     ids = &ss.ident[_sp(ss, index)]
     canon = &ss.canon[_sp(ss, index)]
     cgen = &ss.canon_gen[_sp(ss, index)]
-    k = auto_match(c, tok, n, ns, nsh, ids, canon, cgen, &hashed, &collided)
+    hashed = n // pt   # every full page of the prompt is hashed here, once
+    k = auto_match(c, tok, n, ns, nsh, hashed, ids, canon, cgen, &collided)
     rc = table_attach(&s.slots[index].blocks, canon, k, p)
     if rc:
         ns_free_if_unused(&c.ns, ns)
@@ -199,17 +201,17 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
             if q != sl.blocks.entries[k]:
                 c.duplicates += 1          # identical entry: the request keeps its own page
             canon[k] = q
-            cgen[k] = c.pages[q].gen
+            cgen[k] = pc_rec(c, q).gen
         else:
             own = sl.blocks.entries[k]
-            if own >= c.num_blocks or c.pages[own].state != PC_NONE:
+            if own >= c.num_blocks or pc_rec(c, own).state != PC_NONE:
                 st.broken = 1
                 return
             if pc_insert(c, p, own, ident, k > 0, ids[k - 1] if k else 0, pp, pg, st.ns, t):
                 st.broken = 1              # refcount overflow: not cached
                 return
             canon[k] = own
-            cgen[k] = c.pages[own].gen
+            cgen[k] = pc_rec(c, own).gen
         st.done = k + 1
     if sl.token_count > <uint64_t>sl.blocks.len * pt:
         st.broken = 1   # tokens were counted past the mapped pages: their KV is nowhere

@@ -611,9 +611,10 @@ cdef class Scheduler:
         ns = ns_find(&self.cache.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
         if ns == U32_MAX:
             return 0
-        return auto_match(&self.cache, self.tokens_p, <uint32_t>n, ns, nsh,
+        hashed = (n - 1) // self.page_tokens if n else 0
+        return auto_match(&self.cache, self.tokens_p, <uint32_t>n, ns, nsh, hashed,
                           self.streams.probe_ident, self.streams.probe_canon,
-                          self.streams.probe_gen, &hashed, &collided) * self.page_tokens
+                          self.streams.probe_gen, &collided) * self.page_tokens
 
     def drain_events(self, out=None):
         """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
@@ -661,7 +662,7 @@ cdef class Scheduler:
         while p != U32_MAX:
             v[k] = p
             k += 1
-            p = self.cache.pages[p].next
+            p = pc_rec(&self.cache, p).next
         return out
 
     def cache_entry(self, page):
@@ -671,9 +672,9 @@ cdef class Scheduler:
         cdef CachePage *x
         if pg >= self.pool.pool.num_blocks:
             raise PoolError.InvalidPage()
-        if self.mode != MODE_AUTO or self.cache.pages[pg].state == PC_NONE:
+        if self.mode != MODE_AUTO or pc_rec(&self.cache, pg).state == PC_NONE:
             return None
-        x = &self.cache.pages[pg]
+        x = pc_rec(&self.cache, pg)
         return CacheEntry(x.ident, x.parent_ident if x.has_parent else None, x.ns, x.gen,
                           x.state == PC_RECLAIMABLE)
 

@@ -68,10 +68,10 @@ cdef struct EventRing:
     uint64_t dropped
 
 cdef struct PageCache:
-    CachePage *pages
-    uint32_t *tokens      # num_blocks x page_tokens
+    char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
+    size_t stride
     int32_t *index
-    uint32_t *nh          # NH key words: page_tokens rounded up to even, plus 2
+    uint64_t *nh          # NH key words: 2 per 4 tokens (rounded up)
     uint32_t index_mask
     uint32_t num_blocks
     uint32_t page_tokens
@@ -94,55 +94,160 @@ cdef struct PageCache:
     uint64_t pages_hashed
 
 
-# The page hash (docs/DESIGN.md, "Automatic prefix caching"): two NH passes (Toeplitz-shifted
-# keys) over the page's u32 tokens, folded with the parent identity and the namespace hash by
-# keyed 64x64->128 multiply-folds, then the splitmix64 finaliser.
+# The page hash (docs/DESIGN.md, "Automatic prefix caching"): NH with 64-bit words over the page's
+# tokens (two u32 tokens per word, little-endian; 128-bit sum of (w0 + K0) * (w1 + K1) products),
+# folded to 64 bits with the namespace hash by a keyed 64x64->128 multiply-fold; that folded with
+# the parent identity the same way; then the splitmix64 finaliser.
 cdef extern from *:
     """
-    static inline uint64_t qualia_mum(uint64_t a, uint64_t b) {
+    /* Zeroed memory for the cache's large tables.  On Linux, tables of 2 MiB and more are
+       mapped 2 MiB-aligned and marked for transparent huge pages, so that lookups spread over
+       a million-page pool do not take a TLB miss per page; otherwise calloc.  A 16-byte header
+       below the returned pointer says how to free it. */
+    #include <stdlib.h>
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    #define QUALIA_HUGE ((size_t)2 << 20)
+    static void *qualia_big_zalloc(size_t n) {
+        char *p;
+    #if defined(__linux__) && defined(MAP_ANONYMOUS)
+        if (n >= QUALIA_HUGE && n < ((size_t)-1) / 2) {
+            size_t len = n + QUALIA_HUGE;
+            char *base = (char *)mmap(NULL, len, PROT_READ | PROT_WRITE,
+                                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (base == (char *)MAP_FAILED)
+                return NULL;
+            p = (char *)(((uintptr_t)base + QUALIA_HUGE) & ~(uintptr_t)(QUALIA_HUGE - 1));
+    #ifdef MADV_HUGEPAGE
+            madvise(p, n, MADV_HUGEPAGE);
+    #endif
+            ((void **)p)[-2] = base;
+            ((size_t *)p)[-1] = len;
+            return p;
+        }
+    #endif
+        p = (char *)calloc(1, n + 16);
+        if (p == NULL)
+            return NULL;
+        p += 16;
+        ((void **)p)[-2] = NULL;
+        ((size_t *)p)[-1] = 0;
+        return p;
+    }
+    static void qualia_big_free(void *q) {
+        char *p = (char *)q;
+        if (p == NULL)
+            return;
+    #if defined(__linux__) && defined(MAP_ANONYMOUS)
+        if (((void **)p)[-2] != NULL) {
+            munmap(((void **)p)[-2], ((size_t *)p)[-1]);
+            return;
+        }
+    #endif
+        free(p - 16);
+    }
+    typedef struct { uint64_t lo, hi; } qualia_u128;
+    static inline qualia_u128 qualia_mul128(uint64_t a, uint64_t b) {
+        qualia_u128 r;
     #if defined(__SIZEOF_INT128__)
-        __uint128_t r = (__uint128_t)a * b;
-        return (uint64_t)r ^ (uint64_t)(r >> 64);
+        __uint128_t p = (__uint128_t)a * b;
+        r.lo = (uint64_t)p;
+        r.hi = (uint64_t)(p >> 64);
     #else
         uint64_t al = (uint32_t)a, ah = a >> 32, bl = (uint32_t)b, bh = b >> 32;
         uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
         uint64_t mid = (ll >> 32) + (uint32_t)lh + (uint32_t)hl;
-        uint64_t lo = (mid << 32) | (uint32_t)ll;
-        uint64_t hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
-        return lo ^ hi;
+        r.lo = (mid << 32) | (uint32_t)ll;
+        r.hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
     #endif
+        return r;
+    }
+    static inline uint64_t qualia_mum(uint64_t a, uint64_t b) {
+        qualia_u128 r = qualia_mul128(a, b);
+        return r.lo ^ r.hi;
     }
     static inline uint64_t qualia_mix64(uint64_t z) {
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
         return z ^ (z >> 31);
     }
-    static inline uint64_t qualia_page_hash(const uint64_t *k, const uint32_t *K, uint32_t n,
+    static inline uint64_t qualia_page_hash_n(const uint64_t *k, const uint64_t *K, uint32_t n,
+                                              uint64_t parent, int has_parent, uint64_t ns_hash,
+                                              const uint32_t *t) {
+        uint64_t lo = 0, hi = 0, w0, w1, x, u;
+        qualia_u128 p;
+        uint32_t i = 0, j = 0;
+    #if defined(__SIZEOF_INT128__)
+        __uint128_t s = 0;
+        for (; i + 4 <= n; i += 4, j += 2) {
+            w0 = (uint64_t)t[i] | ((uint64_t)t[i + 1] << 32);
+            w1 = (uint64_t)t[i + 2] | ((uint64_t)t[i + 3] << 32);
+            s += (__uint128_t)(w0 + K[j]) * (w1 + K[j + 1]);
+        }
+        lo = (uint64_t)s;
+        hi = (uint64_t)(s >> 64);
+    #else
+        for (; i + 4 <= n; i += 4, j += 2) {
+            w0 = (uint64_t)t[i] | ((uint64_t)t[i + 1] << 32);
+            w1 = (uint64_t)t[i + 2] | ((uint64_t)t[i + 3] << 32);
+            p = qualia_mul128(w0 + K[j], w1 + K[j + 1]);
+            lo += p.lo;
+            hi += p.hi + (lo < p.lo);
+        }
+    #endif
+        if (i < n) {  /* 1 to 3 tokens left: zero-padded to two words */
+            w0 = t[i];
+            w1 = 0;
+            if (i + 1 < n) w0 |= (uint64_t)t[i + 1] << 32;
+            if (i + 2 < n) w1 = t[i + 2];
+            p = qualia_mul128(w0 + K[j], w1 + K[j + 1]);
+            lo += p.lo;
+            hi += p.hi + (lo < p.lo);
+        }
+        /* tokens and namespace fold into u off the parent chain; the chain is one
+           multiply-fold and the finaliser */
+        u = qualia_mum(lo ^ k[2], hi ^ k[4]) ^ ns_hash;
+        x = has_parent ? parent : k[0];
+        return qualia_mix64(qualia_mum(x ^ k[1], u ^ k[3]) ^ k[5]);
+    }
+    static inline uint64_t qualia_page_hash(const uint64_t *k, const uint64_t *K, uint32_t n,
                                             uint64_t parent, int has_parent, uint64_t ns_hash,
                                             const uint32_t *t) {
-        uint64_t a = 0, b = 0, x, h;
-        uint32_t i = 0;
-        for (; i + 1 < n; i += 2) {
-            a += (uint64_t)(uint32_t)(t[i] + K[i]) * (uint32_t)(t[i + 1] + K[i + 1]);
-            b += (uint64_t)(uint32_t)(t[i] + K[i + 2]) * (uint32_t)(t[i + 1] + K[i + 3]);
-        }
-        if (i < n) {  /* odd page: the last token pairs with a zero token */
-            a += (uint64_t)(uint32_t)(t[i] + K[i]) * K[i + 1];
-            b += (uint64_t)(uint32_t)(t[i] + K[i + 2]) * K[i + 3];
-        }
-        x = has_parent ? parent : k[0];
-        h = qualia_mum(x ^ k[1], a ^ k[2]);
-        h = qualia_mum(h ^ ns_hash ^ k[3], b ^ k[4]);
-        return qualia_mix64(h ^ k[5]);
+        if (n == 16)  /* the common page size: a loop the compiler unrolls */
+            return qualia_page_hash_n(k, K, 16, parent, has_parent, ns_hash, t);
+        return qualia_page_hash_n(k, K, n, parent, has_parent, ns_hash, t);
     }
     """
+    void *qualia_big_zalloc(size_t n) nogil
+    void qualia_big_free(void *p) nogil
     uint64_t qualia_mum(uint64_t a, uint64_t b) nogil
     uint64_t qualia_mix64(uint64_t z) nogil
-    uint64_t qualia_page_hash(const uint64_t *k, const uint32_t *K, uint32_t n, uint64_t parent,
+    uint64_t qualia_page_hash(const uint64_t *k, const uint64_t *K, uint32_t n, uint64_t parent,
                               int has_parent, uint64_t ns_hash, const uint32_t *t) nogil
 
 
 # -- hashing ------------------------------------------------------------------------------------
+
+cdef inline CachePage *pc_rec(PageCache *c, uint32_t page) noexcept nogil:
+    return <CachePage *>(c.recs + <size_t>page * c.stride)
+
+
+cdef inline uint32_t *pc_tok(PageCache *c, uint32_t page) noexcept nogil:
+    return <uint32_t *>(c.recs + <size_t>page * c.stride + sizeof(CachePage))
+
+
+cdef inline bint pc_same_tokens(const uint32_t *a, const uint32_t *b, uint32_t n) noexcept nogil:
+    # branch-free over the page (the compiler vectorises it); one branch at the end
+    cdef uint32_t i, d = 0
+    for i in range(n):
+        d |= a[i] ^ b[i]
+    return d == 0
+
+
+cdef inline uint32_t pc_nh_words(uint32_t page_tokens) noexcept nogil:
+    return 2 * ((page_tokens + 3) // 4)
+
 
 cdef void pc_set_key(PageCache *c, uint64_t lo, uint64_t hi) noexcept nogil:
     # Expand the 16-byte key (two little-endian u64 halves) into the scalar keys and the NH key
@@ -150,8 +255,7 @@ cdef void pc_set_key(PageCache *c, uint64_t lo, uint64_t hi) noexcept nogil:
     cdef uint64_t s = lo ^ <uint64_t>0x6A09E667F3BCC908
     cdef uint64_t t = hi ^ <uint64_t>0xBB67AE8584CAA73B
     cdef uint64_t w
-    cdef uint32_t i, n_nh = ((c.page_tokens + 1) & ~(<uint32_t>1)) + 2
-    cdef uint32_t words = PC_KEY_WORDS + n_nh // 2
+    cdef uint32_t i, words = PC_KEY_WORDS + pc_nh_words(c.page_tokens)
     for i in range(words):
         s += <uint64_t>0x9E3779B97F4A7C15
         t += <uint64_t>0xD1B54A32D192ED03
@@ -159,8 +263,7 @@ cdef void pc_set_key(PageCache *c, uint64_t lo, uint64_t hi) noexcept nogil:
         if i < PC_KEY_WORDS:
             c.k[i] = w
         else:
-            c.nh[2 * (i - PC_KEY_WORDS)] = <uint32_t>w
-            c.nh[2 * (i - PC_KEY_WORDS) + 1] = <uint32_t>(w >> 32)
+            c.nh[i - PC_KEY_WORDS] = w
 
 
 cdef inline uint64_t pc_hash_page(PageCache *c, uint64_t parent, bint has_parent,
@@ -286,12 +389,12 @@ cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
 
 cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil:
     # append at the tail (most recent end) of list `state`
-    cdef CachePage *x = &c.pages[p]
+    cdef CachePage *x = pc_rec(c, p)
     x.state = state
     x.prev = c.tail[state]
     x.next = U32_MAX
     if c.tail[state] != U32_MAX:
-        c.pages[c.tail[state]].next = p
+        pc_rec(c, c.tail[state]).next = p
     else:
         c.head[state] = p
     c.tail[state] = p
@@ -299,14 +402,14 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
 
 
 cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
-    cdef CachePage *x = &c.pages[p]
+    cdef CachePage *x = pc_rec(c, p)
     cdef uint8_t state = x.state
     if x.prev != U32_MAX:
-        c.pages[x.prev].next = x.next
+        pc_rec(c, x.prev).next = x.next
     else:
         c.head[state] = x.next
     if x.next != U32_MAX:
-        c.pages[x.next].prev = x.prev
+        pc_rec(c, x.next).prev = x.prev
     else:
         c.tail[state] = x.prev
     x.prev = U32_MAX
@@ -316,14 +419,14 @@ cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
 
 cdef inline void pc_on_release(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
     # after a request released `page`: a cached page only the cache holds becomes reclaimable
-    if page < c.num_blocks and c.pages[page].state == PC_INUSE and p.refcount[page] == 1:
+    if page < c.num_blocks and pc_rec(c, page).state == PC_INUSE and p.refcount[page] == 1:
         pc_unlink(c, page)
         pc_link(c, page, PC_RECLAIMABLE)
 
 
 cdef inline void pc_on_retain(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
     # after a request retained `page`: a reclaimable page is in use again (O(1))
-    if c.pages[page].state == PC_RECLAIMABLE and p.refcount[page] >= 2:
+    if pc_rec(c, page).state == PC_RECLAIMABLE and p.refcount[page] >= 2:
         pc_unlink(c, page)
         pc_link(c, page, PC_INUSE)
 
@@ -336,7 +439,7 @@ cdef inline uint32_t _pc_home(PageCache *c, uint64_t ident) noexcept nogil:
 
 cdef uint32_t _pc_home_of(void *ctx, int32_t e) noexcept nogil:
     cdef PageCache *c = <PageCache *>ctx
-    return _pc_home(c, c.pages[e].ident)
+    return _pc_home(c, pc_rec(c, e).ident)
 
 
 cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
@@ -346,7 +449,7 @@ cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
         e = c.index[i]
         if e < 0:
             return U32_MAX
-        if c.pages[e].ident == ident:
+        if pc_rec(c, e).ident == ident:
             return <uint32_t>e
         i = (i + 1) & c.index_mask
 
@@ -355,25 +458,24 @@ cdef inline bint pc_matches(PageCache *c, uint32_t q, uint32_t ns, bint has_pare
                             uint32_t parent, uint64_t parent_gen,
                             const uint32_t *t) noexcept nogil:
     # verification: same namespace, same parent entry (page and generation), same tokens
-    cdef CachePage *x = &c.pages[q]
+    cdef CachePage *x = pc_rec(c, q)
     if x.ns != ns or x.has_parent != has_parent:
         return False
     if has_parent and (x.parent != parent or x.parent_gen != parent_gen):
         return False
-    return memcmp(&c.tokens[<size_t>q * c.page_tokens], t,
-                  c.page_tokens * sizeof(uint32_t)) == 0
+    return pc_same_tokens(pc_tok(c, q), t, c.page_tokens)
 
 
 cdef inline bint pc_live(PageCache *c, uint32_t page, uint64_t gen) noexcept nogil:
     # is the entry (page, gen) still in the cache?
-    return page < c.num_blocks and c.pages[page].state != PC_NONE and c.pages[page].gen == gen
+    return page < c.num_blocks and pc_rec(c, page).state != PC_NONE and pc_rec(c, page).gen == gen
 
 
 cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint has_parent,
                    uint64_t parent_ident, uint32_t parent, uint64_t parent_gen, uint32_t ns,
                    const uint32_t *t) noexcept nogil:
     # Cache `page` (not cached, identity not indexed) and take one pool reference on it.
-    cdef CachePage *x = &c.pages[page]
+    cdef CachePage *x = pc_rec(c, page)
     cdef int rc = pool_retain(p, page)
     if rc:
         return rc
@@ -385,7 +487,7 @@ cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint ha
     x.parent_gen = parent_gen if has_parent else 0
     x.gen = c.gen
     x.ns = ns
-    memcpy(&c.tokens[<size_t>page * c.page_tokens], t, c.page_tokens * sizeof(uint32_t))
+    memcpy(pc_tok(c, page), t, c.page_tokens * sizeof(uint32_t))
     oa_insert(c.index, c.index_mask, _pc_home(c, ident), <int32_t>page)
     pc_link(c, page, PC_RECLAIMABLE if p.refcount[page] == 1 else PC_INUSE)
     c.ns.refs[ns] += 1
@@ -396,7 +498,7 @@ cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint ha
 
 cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil:
     # Drop the entry of cached `page` and release the cache's reference.
-    cdef CachePage *x = &c.pages[page]
+    cdef CachePage *x = pc_rec(c, page)
     oa_remove(c.index, c.index_mask, _pc_home(c, x.ident), <int32_t>page, _pc_home_of, c)
     pc_unlink(c, page)
     x.state = PC_NONE
@@ -455,11 +557,12 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     memset(c, 0, sizeof(PageCache))
     c.num_blocks = num_blocks
     c.page_tokens = page_tokens
-    c.pages = <CachePage *>PyMem_Calloc(num_blocks if num_blocks else 1, sizeof(CachePage))
-    cdef size_t ntok = <size_t>num_blocks * page_tokens
-    c.tokens = <uint32_t *>PyMem_Malloc((ntok if ntok else 1) * sizeof(uint32_t))
-    c.index = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
-    c.nh = <uint32_t *>PyMem_Calloc(((page_tokens + 1) & ~(<uint32_t>1)) + 2, sizeof(uint32_t))
+    # one record per page: the CachePage, then its tokens, rounded up to whole cache lines so
+    # that a lookup touches one record, not a record and a token array
+    c.stride = (sizeof(CachePage) + <size_t>page_tokens * sizeof(uint32_t) + 63) & ~(<size_t>63)
+    c.recs = <char *>qualia_big_zalloc((num_blocks if num_blocks else 1) * c.stride)
+    c.index = <int32_t *>qualia_big_zalloc(size * sizeof(int32_t))
+    c.nh = <uint64_t *>PyMem_Calloc(pc_nh_words(page_tokens), sizeof(uint64_t))
     c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
     c.ns.lens = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
     c.ns.hashes = <uint64_t *>PyMem_Calloc(max_ns, sizeof(uint64_t))
@@ -467,7 +570,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
     c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
     c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
-    if (c.pages == NULL or c.tokens == NULL or c.index == NULL or c.nh == NULL
+    if (c.recs == NULL or c.index == NULL or c.nh == NULL
             or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
             or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
             or c.ev.buf == NULL):
@@ -476,8 +579,8 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
         c.index[i] = -1
     c.index_mask = size - 1
     for i in range(num_blocks):
-        c.pages[i].prev = U32_MAX
-        c.pages[i].next = U32_MAX
+        pc_rec(c, i).prev = U32_MAX
+        pc_rec(c, i).next = U32_MAX
     for i in range(3):
         c.head[i] = U32_MAX
         c.tail[i] = U32_MAX
@@ -502,9 +605,8 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
 
 
 cdef void pc_free(PageCache *c) noexcept:
-    PyMem_Free(c.pages)
-    PyMem_Free(c.tokens)
-    PyMem_Free(c.index)
+    qualia_big_free(c.recs)
+    qualia_big_free(c.index)
     PyMem_Free(c.nh)
     PyMem_Free(c.ns.names)
     PyMem_Free(c.ns.lens)
