@@ -21,6 +21,9 @@ Scenarios
   e  ``PrefixIdentity.of_tokens`` per 16-token block
   f  the facade ``qualia.Scheduler.decode(qualia.HashBackend())`` (absolute, no twin)
   g  steady-state allocations (tracemalloc, sys.getallocatedblocks) and RSS over 100k rounds
+  h  automatic prefix caching beside its twin (bench/cache_bench.py): identity + lookup +
+     verification per page, admission of a 1,024-token prompt with 64 cached pages at 1k / 64k /
+     1M pages, list conversion, steady-state reclaim, zero allocations (--cache-only: just h)
 
 Only numpy is required; matplotlib is imported lazily for --plot.
 """
@@ -43,6 +46,9 @@ import numpy as np
 
 import qualia
 from qualia import twin as ref
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cache_bench  # noqa: E402  (scenario h, beside this file)
 
 pc = time.perf_counter_ns
 PAGE_TOKENS = 16
@@ -800,7 +806,7 @@ def bench_alloc(rss_rounds):
 
 def evaluate(results):
     t = []
-    a = {(r["batch"], r["context"]): r for r in results["decode"]}
+    a = {(r["batch"], r["context"]): r for r in results.get("decode", [])}
     r = a.get((256, 2048))
     if r:
         c = r["c_backend"]
@@ -850,6 +856,8 @@ def evaluate(results):
             t.append((f"{name}: flat RSS over {r['rss']['rounds']} rounds",
                       r["rss"]["rss_max_minus_min"] <= 256 * 1024,
                       f"max-min {r['rss']['rss_max_minus_min'] / 1024:.0f} KiB"))
+    if results.get("cache"):
+        t.extend(cache_bench.evaluate(results["cache"]))
     return [{"target": a_, "met": bool(b_), "measured": c_} for a_, b_, c_ in t]
 
 # ---------------------------------------------------------------------------------------------
@@ -866,6 +874,14 @@ def render(results, md=False):
         else:
             parts.append(table(headers, rows, title=f"\n== {title}"))
 
+    if results.get("cache"):
+        for title, headers, rows in cache_bench.render_rows(results["cache"], fmt_ns):
+            sec(title, headers, rows)
+    if "decode" not in results:  # --cache-only
+        sec("targets", ["target", "met", "measured"],
+            [[t["target"], "yes" if t["met"] else "NO", t["measured"]]
+             for t in results["targets"]])
+        return "\n".join(parts)
     for key, title in (("c_backend", "a. decode round, built-in C backend "
                                      "(RequestScheduler.execute_decode_round)"),
                        ("py_backend", "b. decode round, Python numpy-echo backend "
@@ -988,6 +1004,8 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="write machine-readable results")
     ap.add_argument("--plot", metavar="PNG", help="plot ns/request vs batch (needs matplotlib)")
     ap.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
+    ap.add_argument("--cache-only", action="store_true",
+                    help="run only scenario h (automatic prefix caching)")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -1006,6 +1024,9 @@ def main(argv=None):
         f"({results['machine']['cpu_count']} CPUs), python {results['machine']['python']}, "
         f"numpy {results['machine']['numpy']}{' [quick]' if args.quick else ''}")
     results["call_overhead_ns"] = call_overhead(budget)
+    if args.cache_only:
+        results["cache"] = cache_bench.run(args.quick, log)
+        return _finish(results, args, t_start)
     floor = CopyFloor(budget)
     results["copy_overhead_ns"] = floor.overhead_ns
     null_cap, why = null_c_backend()
@@ -1021,6 +1042,11 @@ def main(argv=None):
     results["identity"], results["hashlib_scale"] = bench_identity(budget)
     results["facade"] = bench_facade(budget, [1, 16, 256] if args.quick else [1, 16, 256, 1024])
     results["alloc"] = bench_alloc(20_000 if args.quick else 100_000)
+    results["cache"] = cache_bench.run(args.quick, log)
+    return _finish(results, args, t_start)
+
+
+def _finish(results, args, t_start):
     results["targets"] = evaluate(results)
     results["wall_s"] = time.perf_counter() - t_start
 

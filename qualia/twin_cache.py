@@ -26,7 +26,8 @@ from qualia.twin import (COPY_OP, RAGGED_BATCH_ITEM, RAGGED_BATCH_OUTPUT, REQUES
                          _u64)
 
 __all__ = ["Scheduler", "KV_EVENT", "KV_STORED", "KV_REMOVED", "KV_CLEARED", "NS_MAX_BYTES",
-           "page_hash", "namespace_hash", "expand_key"]
+           "page_chain", "page_identity", "namespace_hash",
+           "expand_key"]
 
 M32 = 2**32 - 1
 M64 = 2**64 - 1
@@ -73,11 +74,11 @@ def expand_key(key: bytes, page_tokens: int) -> Tuple[List[int], List[int]]:
     return words[:8], words[8:]
 
 
-def page_hash(k: List[int], nh: List[int], parent: int, has_parent: bool, ns_hash: int,
-              tokens) -> int:
-    """Identity of one full page: NH with 64-bit words over the tokens (two tokens per word,
-    little-endian, zero-padded to a multiple of four tokens; 128-bit sum), folded to 64 bits
-    with the namespace hash, then with the parent identity, then the splitmix64 finaliser."""
+def page_chain(k: List[int], nh: List[int], parent: int, has_parent: bool, ns_hash: int,
+               tokens) -> int:
+    """Chain value of one full page: NH with 64-bit words over the tokens (two tokens per
+    word, little-endian, zero-padded to a multiple of four tokens; 128-bit sum), folded to 64
+    bits with the namespace hash, then with the parent page's chain value."""
     tok = list(tokens) + [0] * (-len(tokens) % 4)
     s = 0
     for j in range(0, len(tok), 4):
@@ -87,7 +88,12 @@ def page_hash(k: List[int], nh: List[int], parent: int, has_parent: bool, ns_has
     s &= 2**128 - 1
     u = mum((s & M64) ^ k[2], (s >> 64) ^ k[4]) ^ ns_hash
     x = parent if has_parent else k[0]
-    return mix64(mum(x ^ k[1], u ^ k[3]) ^ k[5])
+    return mum(x ^ k[1], u ^ k[3])
+
+
+def page_identity(k: List[int], chain: int) -> int:
+    """A page's identity: the splitmix64 finaliser of its chain value."""
+    return mix64(chain ^ k[5])
 
 
 def namespace_hash(k: List[int], name: bytes) -> int:
@@ -214,9 +220,12 @@ class Scheduler:
         return "auto"
 
     # -- cache primitives (pagecache.pxi) -----------------------------------------------------------
-    def _hash(self, parent: int, has_parent: bool, ns_hash: int, tokens) -> int:
-        return page_hash(self._k, self._nh, parent & self._parent_mask, has_parent, ns_hash,
-                         tokens) & self._mask
+    def _chain(self, parent: int, has_parent: bool, ns_hash: int, tokens) -> int:
+        return page_chain(self._k, self._nh, parent & self._parent_mask, has_parent, ns_hash,
+                          tokens)
+
+    def _ident(self, chain: int) -> int:
+        return page_identity(self._k, chain) & self._mask
 
     def _emit(self, kind, ident, parent, has_parent, ns, tokens, page) -> None:
         if len(self._events) == self._ev_cap:
@@ -426,14 +435,12 @@ class Scheduler:
         while st.done < limit:
             k = st.done
             t = st.tokens[k * pt:(k + 1) * pt]
-            if k < st.hashed:
-                ident = st.ids[k]
-            else:
-                ident = self._hash(st.ids[k - 1] if k else 0, k > 0, nsh, t)
+            if k >= st.hashed:
                 del st.ids[k:]
-                st.ids.append(ident)
+                st.ids.append(self._chain(st.ids[k - 1] if k else 0, k > 0, nsh, t))
                 st.hashed = k + 1
                 self._c["pages_hashed"] += 1
+            ident = self._ident(st.ids[k])
             pp, pg = 0, 0
             if k:
                 pp, pg = st.canon[k - 1]
@@ -455,8 +462,8 @@ class Scheduler:
                 if own >= self.pool.num_blocks or own in self._entries:
                     st.broken = True
                     return
-                if not self._insert(own, ident, k > 0, st.ids[k - 1] if k else 0, pp, pg,
-                                    st.ns, t):
+                if not self._insert(own, ident, k > 0, self._ident(st.ids[k - 1]) if k else 0,
+                                    pp, pg, st.ns, t):
                     st.broken = True
                     return
                 st.canon.append((own, self._entries[own].gen))
@@ -692,12 +699,12 @@ class Scheduler:
         cap = (n - 1) // pt if n else 0
         ids: List[int] = []
         for k in range(nhash):
-            ids.append(self._hash(ids[k - 1] if k else 0, k > 0, nsh, tok[k * pt:(k + 1) * pt]))
+            ids.append(self._chain(ids[k - 1] if k else 0, k > 0, nsh, tok[k * pt:(k + 1) * pt]))
         canon: List[Tuple[int, int]] = []
         collided = False
         k = 0
         while k < cap:
-            q = self._index.get(ids[k])
+            q = self._index.get(self._ident(ids[k]))
             if q is None:
                 break
             pp, pg = canon[k - 1] if k else (0, 0)
@@ -773,8 +780,10 @@ class Scheduler:
         nsh = namespace_hash(self._k, ns)
         pt = self.page_tokens
         out: List[int] = []
+        chain = 0
         for k in range(len(tok) // pt):
-            out.append(self._hash(out[-1] if k else 0, k > 0, nsh, tok[k * pt:(k + 1) * pt]))
+            chain = self._chain(chain, k > 0, nsh, tok[k * pt:(k + 1) * pt])
+            out.append(self._ident(chain))
         return np.array(out, dtype=np.uint64)
 
     def _debug_identity_mask(self, mask, parent_mask=M64) -> None:

@@ -23,7 +23,7 @@ cdef struct Stream:
 cdef struct Streams:
     Stream *st          # max_requests
     uint32_t *tokens    # max_requests x logical_pages x page_tokens
-    uint64_t *ident     # max_requests x logical_pages
+    uint64_t *ident     # max_requests x logical_pages: each page's chain value (pc_chain)
     uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
     uint64_t *canon_gen
     uint64_t *probe_ident    # logical_pages: scratch of cached_prefix_tokens
@@ -75,20 +75,20 @@ cdef inline size_t _sp(Streams *ss, uint32_t slot) noexcept nogil:
 cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t ns,
                          uint64_t nsh, uint32_t nhash, uint64_t *ids, uint32_t *canon,
                          uint64_t *cgen, bint *collided) noexcept nogil:
-    # Hash tok's first `nhash` full pages (at least the `cap` pages an admission may reuse) into
-    # ids[], then find the longest verified cached run from page 0 (canon[]/cgen[]: each matched
+    # Hash tok's first `nhash` full pages (at least the `cap` pages an admission may reuse): their
+    # chain values into ids[]; then find the longest verified cached run from page 0 (canon[]/cgen[]: each matched
     # entry).  Two passes: the identity chain is the critical path, and the lookups of
     # different pages do not depend on each other, so the CPU overlaps them.
     cdef uint32_t k, q, pt = c.page_tokens, pp = 0
     cdef uint32_t cap = (n - 1) // pt if n else 0
     cdef uint64_t prev = 0, pg = 0
     for k in range(nhash):
-        prev = pc_hash_page(c, prev, k > 0, nsh, &tok[<size_t>k * pt])
+        prev = pc_chain(c, prev, k > 0, nsh, &tok[<size_t>k * pt])
         ids[k] = prev
     collided[0] = False
     k = 0
     while k < cap:
-        q = pc_find(c, ids[k])
+        q = pc_find(c, pc_ident(c, ids[k]))
         if q == U32_MAX:
             break
         if not pc_matches(c, q, ns, k > 0, pp, pg, &tok[<size_t>k * pt]):
@@ -179,13 +179,11 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     while st.done < limit:
         k = st.done
         t = &ss.tokens[(_sp(ss, index) + k) * pt]
-        if k < st.hashed:
-            ident = ids[k]
-        else:
-            ident = pc_hash_page(c, ids[k - 1] if k else 0, k > 0, c.ns.hashes[st.ns], t)
-            ids[k] = ident
+        if k >= st.hashed:
+            ids[k] = pc_chain(c, ids[k - 1] if k else 0, k > 0, c.ns.hashes[st.ns], t)
             st.hashed = k + 1
             c.pages_hashed += 1
+        ident = pc_ident(c, ids[k])
         if k:
             pp = canon[k - 1]
             pg = cgen[k - 1]
@@ -207,7 +205,8 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
             if own >= c.num_blocks or pc_rec(c, own).state != PC_NONE:
                 st.broken = 1
                 return
-            if pc_insert(c, p, own, ident, k > 0, ids[k - 1] if k else 0, pp, pg, st.ns, t):
+            if pc_insert(c, p, own, ident, k > 0, pc_ident(c, ids[k - 1]) if k else 0, pp, pg,
+                         st.ns, t):
                 st.broken = 1              # refcount overflow: not cached
                 return
             canon[k] = own

@@ -73,6 +73,7 @@ cdef class Scheduler:
     cdef PageCache cache
     cdef Streams streams
     cdef uint64_t tok_epoch
+    cdef list _admissions      # per slot: the last Admission returned for it (immutable, reused)
 
     def __cinit__(self, max_requests, num_blocks, page_tokens, logical_pages,
                   prefix_entries=64, prefix_pages=None, prefix_caching="auto", cache_key=None,
@@ -125,6 +126,7 @@ cdef class Scheduler:
         if self.undo == NULL:
             raise MemoryError()
         self._results = [None] * (mr + 1)
+        self._admissions = [None] * mr
         if self.mode == MODE_AUTO:
             pc_init(&self.cache, self.pool.pool.num_blocks, pt, max_ns, ev_cap,
                     <const uint8_t *><char *>key)
@@ -532,7 +534,12 @@ cdef class Scheduler:
                         nsh, &adm)
         if rc:
             raise _error(E_AUTO, rc)
-        return Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
+        # an admission is immutable: reuse the slot's last one when it says the same
+        r = self._admissions[adm.slot]
+        if r is None or <uint32_t>(<tuple>r)[2] != adm.prefix_tokens:
+            r = Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
+            self._admissions[adm.slot] = r
+        return r
 
     cdef int _auto_make_room(self, int32_t index, uint32_t first, uint32_t last) noexcept:
         # reserve: reclaim what the call will allocate, or fail before changing anything
@@ -694,9 +701,10 @@ cdef class Scheduler:
         out = np.empty(pages, dtype=np.uint64)
         cdef uint64_t[::1] v = out
         cdef uint64_t nsh = pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
+        cdef uint64_t chain = 0
         for k in range(pages):
-            v[k] = pc_hash_page(&self.cache, v[k - 1] if k else 0, k > 0, nsh,
-                                &t[k * self.page_tokens])
+            chain = pc_chain(&self.cache, chain, k > 0, nsh, &t[k * self.page_tokens])
+            v[k] = pc_ident(&self.cache, chain)
         return out
 
     def _debug_identity_mask(self, mask, parent_mask=0xFFFFFFFFFFFFFFFF):

@@ -97,7 +97,8 @@ cdef struct PageCache:
 # The page hash (docs/DESIGN.md, "Automatic prefix caching"): NH with 64-bit words over the page's
 # tokens (two u32 tokens per word, little-endian; 128-bit sum of (w0 + K0) * (w1 + K1) products),
 # folded to 64 bits with the namespace hash by a keyed 64x64->128 multiply-fold; that folded with
-# the parent identity the same way; then the splitmix64 finaliser.
+# the parent page's chain value the same way gives the page's chain value; its identity is the
+# splitmix64 finaliser of the chain value.
 cdef extern from *:
     """
     /* Zeroed memory for the cache's large tables.  On Linux, tables of 2 MiB and more are
@@ -205,15 +206,15 @@ cdef extern from *:
             lo += p.lo;
             hi += p.hi + (lo < p.lo);
         }
-        /* tokens and namespace fold into u off the parent chain; the chain is one
-           multiply-fold and the finaliser */
+        /* tokens and namespace fold into u off the chain; the chain step is one
+           multiply-fold (the finaliser that makes an identity is applied off the chain) */
         u = qualia_mum(lo ^ k[2], hi ^ k[4]) ^ ns_hash;
         x = has_parent ? parent : k[0];
-        return qualia_mix64(qualia_mum(x ^ k[1], u ^ k[3]) ^ k[5]);
+        return qualia_mum(x ^ k[1], u ^ k[3]);
     }
-    static inline uint64_t qualia_page_hash(const uint64_t *k, const uint64_t *K, uint32_t n,
-                                            uint64_t parent, int has_parent, uint64_t ns_hash,
-                                            const uint32_t *t) {
+    static inline uint64_t qualia_page_chain(const uint64_t *k, const uint64_t *K, uint32_t n,
+                                             uint64_t parent, int has_parent, uint64_t ns_hash,
+                                             const uint32_t *t) {
         if (n == 16)  /* the common page size: a loop the compiler unrolls */
             return qualia_page_hash_n(k, K, 16, parent, has_parent, ns_hash, t);
         return qualia_page_hash_n(k, K, n, parent, has_parent, ns_hash, t);
@@ -223,8 +224,8 @@ cdef extern from *:
     void qualia_big_free(void *p) nogil
     uint64_t qualia_mum(uint64_t a, uint64_t b) nogil
     uint64_t qualia_mix64(uint64_t z) nogil
-    uint64_t qualia_page_hash(const uint64_t *k, const uint64_t *K, uint32_t n, uint64_t parent,
-                              int has_parent, uint64_t ns_hash, const uint32_t *t) nogil
+    uint64_t qualia_page_chain(const uint64_t *k, const uint64_t *K, uint32_t n, uint64_t parent,
+                               int has_parent, uint64_t ns_hash, const uint32_t *t) nogil
 
 
 # -- hashing ------------------------------------------------------------------------------------
@@ -266,10 +267,16 @@ cdef void pc_set_key(PageCache *c, uint64_t lo, uint64_t hi) noexcept nogil:
             c.nh[i - PC_KEY_WORDS] = w
 
 
-cdef inline uint64_t pc_hash_page(PageCache *c, uint64_t parent, bint has_parent,
-                                  uint64_t ns_hash, const uint32_t *t) noexcept nogil:
-    return qualia_page_hash(c.k, c.nh, c.page_tokens, parent & c.parent_mask, has_parent,
-                            ns_hash, t) & c.ident_mask
+cdef inline uint64_t pc_chain(PageCache *c, uint64_t parent_chain, bint has_parent,
+                              uint64_t ns_hash, const uint32_t *t) noexcept nogil:
+    # the chain value of a page from its parent's chain value (ignored for page 0)
+    return qualia_page_chain(c.k, c.nh, c.page_tokens, parent_chain & c.parent_mask,
+                             has_parent, ns_hash, t)
+
+
+cdef inline uint64_t pc_ident(PageCache *c, uint64_t chain) noexcept nogil:
+    # a page's identity: its chain value through the finaliser (a bijection), off the chain
+    return qualia_mix64(chain ^ c.k[5]) & c.ident_mask
 
 
 cdef uint64_t pc_ns_hash(PageCache *c, const uint8_t *s, uint32_t n) noexcept nogil:
