@@ -6,6 +6,8 @@ import numpy.typing as npt
 
 from . import errors as errors
 from ._types import Admission as Admission
+from ._types import CacheEntry as CacheEntry
+from ._types import CacheStats as CacheStats
 from ._types import CopyOnWrite as CopyOnWrite
 from ._types import RaggedBatchReceipt as RaggedBatchReceipt
 from ._types import RequestState as RequestState
@@ -15,6 +17,7 @@ from .errors import BackendAbiError as BackendAbiError
 from .errors import BusyError as BusyError
 from .errors import DecodeRoundError as DecodeRoundError
 from .errors import PoolError as PoolError
+from .errors import PrefixCacheError as PrefixCacheError
 from .errors import PrefixKvError as PrefixKvError
 from .errors import QualiaError as QualiaError
 from .errors import RaggedBackendError as RaggedBackendError
@@ -27,6 +30,7 @@ RAGGED_BATCH_OUTPUT: np.dtype
 RAGGED_BATCH_RECEIPT: np.dtype
 REQUEST_VIEW: np.dtype
 COPY_OP: np.dtype
+KV_EVENT: np.dtype
 BACKEND_CAPSULE_NAME: str
 BACKEND_ABI_VERSION: int
 
@@ -133,7 +137,9 @@ class Scheduler:
     prefixes: PrefixKvStore
     requests: RequestScheduler
     page_tokens: int
-    def __init__(self, max_requests: int, num_blocks: int, page_tokens: int, logical_pages: int, prefix_entries: int = ..., prefix_pages: Optional[int] = ...) -> None: ...
+    def __init__(self, max_requests: int, num_blocks: int, page_tokens: int, logical_pages: int, prefix_entries: int = ..., prefix_pages: Optional[int] = ..., prefix_caching: str = ..., cache_key: Optional[bytes] = ..., max_namespaces: int = ..., event_capacity: int = ...) -> None: ...
+    @property
+    def prefix_caching(self) -> str: ...
     @property
     def max_requests(self) -> int: ...
     @property
@@ -159,3 +165,10 @@ class Scheduler:
     def block_table(self, request_id: int) -> npt.NDArray[np.uint32]: ...
     def token_count(self, request_id: int) -> int: ...
     def runnable(self) -> npt.NDArray[Any]: ...
+    def cached_prefix_tokens(self, prompt_tokens: Tokens, namespace: Namespace = ...) -> int: ...
+    def drain_events(self, out: Optional[npt.NDArray[Any]] = ...) -> Any: ...
+    def clear_cache(self) -> int: ...
+    def cache_stats(self) -> CacheStats: ...
+    def reclaimable_pages(self) -> npt.NDArray[np.uint32]: ...
+    def cache_entry(self, page: int) -> Optional[CacheEntry]: ...
+    def page_identities(self, tokens: Tokens, namespace: Namespace = ...) -> npt.NDArray[np.uint64]: ...

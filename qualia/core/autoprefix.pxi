@@ -122,6 +122,12 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     index = sched_lowest_free(s)
     if index < 0:
         return Q_FULL
+    st = &ss.st[index]
+    if st.live:
+        # the slot's last request was finished through the raw RequestScheduler, behind the
+        # facade's back: drop its namespace reference now
+        st.live = 0
+        ns_unref(&c.ns, st.ns)
     rc = ns_intern(&c.ns, nsh, nsb, nsl, &ns)
     if rc:
         return rc
@@ -139,7 +145,6 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     sched_admit(s, rid, False, 0, 0, NULL, p, &adm)   # cannot fail: checked above
     s.slots[index].token_count = k * pt
     s.slots[index].prefix_tokens = k * pt
-    st = &ss.st[index]
     st.live = 1
     st.broken = 0
     st.has_pending = 0
