@@ -103,8 +103,9 @@ cdef extern from *:
     """
     /* Zeroed memory for the cache's large tables.  On Linux, tables of 2 MiB and more are
        mapped 2 MiB-aligned and marked for transparent huge pages, so that lookups spread over
-       a million-page pool do not take a TLB miss per page; otherwise calloc.  A 16-byte header
-       below the returned pointer says how to free it. */
+       a million-page pool do not take a TLB miss per page; otherwise (and under AddressSanitizer,
+       which guards heap blocks only) calloc.  A 16-byte header below the returned pointer says
+       how to free it. */
     #include <stdlib.h>
     #if defined(__linux__)
     #include <sys/mman.h>
@@ -112,7 +113,7 @@ cdef extern from *:
     #define QUALIA_HUGE ((size_t)2 << 20)
     static void *qualia_big_zalloc(size_t n) {
         char *p;
-    #if defined(__linux__) && defined(MAP_ANONYMOUS)
+    #if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
         if (n >= QUALIA_HUGE && n < ((size_t)-1) / 2) {
             size_t len = n + QUALIA_HUGE;
             char *base = (char *)mmap(NULL, len, PROT_READ | PROT_WRITE,
@@ -140,7 +141,7 @@ cdef extern from *:
         char *p = (char *)q;
         if (p == NULL)
             return;
-    #if defined(__linux__) && defined(MAP_ANONYMOUS)
+    #if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
         if (((void **)p)[-2] != NULL) {
             munmap(((void **)p)[-2], ((size_t *)p)[-1]);
             return;
