@@ -234,7 +234,8 @@ def bench_reclaim(quick, log):
         log(f"  h4   pool={blocks:8d}: reserve with one reclaim "
             f"{q['reserve']['median_ns']:.0f} ns (without: "
             f"{row['qualia_no_reclaim']['reserve']['median_ns']:.0f} ns), whole iteration "
-            f"{q['iteration']['median_ns']:.0f} ns (twin {row['twin']['iteration']['median_ns'] / 1e3:.0f} us)")
+            f"{q['iteration']['median_ns']:.0f} ns "
+            f"(twin {row['twin']['iteration']['median_ns'] / 1e3:.0f} us)")
     return rows
 
 
@@ -305,7 +306,8 @@ def evaluate(res):
     rc = [r["qualia"]["reserve"]["min_ns"] for r in res["reclaim"]]
     t.append(("reserve with a reclaim flat (+-30%) from 1k to 1M pages",
               max(rc) <= 1.3 * min(rc),
-              ", ".join(f"{r['pool_blocks']}: best {x:.0f} ns" for r, x in zip(res["reclaim"], rc))))
+              ", ".join(f"{r['pool_blocks']}: best {x:.0f} ns"
+                        for r, x in zip(res["reclaim"], rc))))
     a = res["alloc"]
     t.append((f"zero net allocations over {a['cycles']} admit/finish cycles",
               a["traced_bytes_delta"] <= 0 and a["allocated_blocks_delta"] <= 2,

@@ -126,7 +126,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         ids = set(self.active())
         return next(r for r in range(100, 200) if r not in ids)
 
-    # -- rules --------------------------------------------------------------------------------------
+    # -- rules -------------------------------------------------------------------------------------
     @rule(rid=RIDS, prompt=st.integers(0, len(PROMPTS) - 1), ns=NAMESPACES,
           cont=st.integers(0, 7), as_array=st.booleans())
     def admit(self, rid, prompt, ns, cont, as_array):
@@ -282,7 +282,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         assert isinstance(out, Raised) and isinstance(out.exc, ValueError)
         assert self.state() == before
 
-    # -- comparing the two worlds -------------------------------------------------------------------
+    # -- comparing the two worlds ------------------------------------------------------------------
     def state(self):
         c = self.c
         rids = self.active()

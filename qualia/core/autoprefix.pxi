@@ -31,6 +31,14 @@ cdef struct Streams:
     uint64_t *probe_gen
     uint32_t logical_pages
     uint32_t page_tokens
+    uint32_t cacheable  # streams that are live and not broken: 0 lets a decode round skip them
+
+
+cdef inline void stream_stop(Streams *ss, Stream *st) noexcept nogil:
+    # no later page of this stream is cached
+    if st.live and not st.broken:
+        ss.cacheable -= 1
+    st.broken = 1
 
 
 cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages,
@@ -76,9 +84,9 @@ cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t
                          uint64_t nsh, uint32_t nhash, uint64_t *ids, uint32_t *canon,
                          uint64_t *cgen, bint *collided) noexcept nogil:
     # Hash tok's first `nhash` full pages (at least the `cap` pages an admission may reuse): their
-    # chain values into ids[]; then find the longest verified cached run from page 0 (canon[]/cgen[]: each matched
-    # entry).  Two passes: the identity chain is the critical path, and the lookups of
-    # different pages do not depend on each other, so the CPU overlaps them.
+    # chain values into ids[]; then find the longest verified cached run from page 0
+    # (canon[]/cgen[]: each matched entry).  Two passes: the chain is the critical path, and the
+    # lookups of different pages do not depend on each other, so the CPU overlaps them.
     cdef uint32_t k, q, pt = c.page_tokens, pp = 0
     cdef uint32_t cap = (n - 1) // pt if n else 0
     cdef uint64_t prev = 0, pg = 0
@@ -126,6 +134,7 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     if st.live:
         # the slot's last request was finished through the raw RequestScheduler, behind the
         # facade's back: drop its namespace reference now
+        stream_stop(ss, st)
         st.live = 0
         ns_unref(&c.ns, st.ns)
     rc = ns_intern(&c.ns, nsh, nsb, nsl, &ns)
@@ -147,6 +156,7 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     s.slots[index].prefix_tokens = k * pt
     st.live = 1
     st.broken = 0
+    ss.cacheable += 1
     st.has_pending = 0
     st.ns = ns
     st.known = n
@@ -193,13 +203,13 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
             pp = canon[k - 1]
             pg = cgen[k - 1]
             if not pc_live(c, pp, pg):     # the parent entry was reclaimed or cleared
-                st.broken = 1
+                stream_stop(ss, st)
                 return
         q = pc_find(c, ident)
         if q != U32_MAX:
             if not pc_matches(c, q, st.ns, k > 0, pp, pg, t):
                 c.collisions += 1          # a different page has this identity: not cached
-                st.broken = 1
+                stream_stop(ss, st)
                 return
             if q != sl.blocks.entries[k]:
                 c.duplicates += 1          # identical entry: the request keeps its own page
@@ -208,17 +218,19 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         else:
             own = sl.blocks.entries[k]
             if own >= c.num_blocks or pc_rec(c, own).state != PC_NONE:
-                st.broken = 1
+                stream_stop(ss, st)
                 return
             if pc_insert(c, p, own, ident, k > 0, pc_ident(c, ids[k - 1]) if k else 0, pp, pg,
                          st.ns, t):
-                st.broken = 1              # refcount overflow: not cached
+                stream_stop(ss, st)         # refcount overflow: not cached
                 return
             canon[k] = own
             cgen[k] = pc_rec(c, own).gen
         st.done = k + 1
     if sl.token_count > <uint64_t>sl.blocks.len * pt:
-        st.broken = 1   # tokens were counted past the mapped pages: their KV is nowhere
+        stream_stop(ss, st)  # tokens counted past the mapped pages: their KV is nowhere
+    elif sl.token_count > st.known:
+        stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
 cdef void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
@@ -226,8 +238,8 @@ cdef void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
     # A decode round computed `tok` at position `pos` of the slot's stream.
     cdef Stream *st = &ss.st[index]
     cdef uint32_t *arena = &ss.tokens[_sp(ss, index) * ss.page_tokens]
-    if not st.live or pos > st.known:
-        return   # the stream has a gap: positions whose tokens are unknown
+    if not st.live or st.broken or pos > st.known:
+        return   # not cached any more, or a gap: positions whose tokens are unknown
     if pos < st.known:
         if arena[pos] == tok:
             return
@@ -261,6 +273,7 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
         return first
     slot_clear(s, index)
     if ss.st[index].live:
+        stream_stop(ss, &ss.st[index])
         ss.st[index].live = 0
         ns_unref(&c.ns, ss.st[index].ns)
     return Q_OK

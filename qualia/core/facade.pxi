@@ -551,36 +551,50 @@ cdef class Scheduler:
         return pc_make_room(&self.cache, &self.pool.pool, need)
 
     cdef int _auto_decode_prepare(self) noexcept:
-        # decode: reclaim what the round's make-writable will allocate, or fail before changing
-        # anything; note each decoding slot's input token and position
+        # decode: note each decoding slot's input token and position (streams still cached);
+        # reclaim what the round's make-writable will allocate, or fail before changing anything.
+        # With no reclaimable page there is nothing to reclaim, and the make-writable loop fails
+        # with the same first error, changing nothing, so the count is skipped.
         cdef Sched *s = &self.requests.s
+        cdef Pool *p = &self.pool.pool
         cdef uint64_t need = 0
-        cdef uint32_t i, w, lp
+        cdef uint64_t avail = <uint64_t>p.free_top + self.cache.n_state[PC_RECLAIMABLE]
+        cdef bint count = self.cache.n_state[PC_RECLAIMABLE] != 0
+        cdef bint note = self.streams.cacheable != 0
+        if not count and not note:
+            return Q_OK
+        cdef uint32_t i, w, lp, page
         cdef uint64_t bits
         cdef int rc
+        cdef Slot *sl
         cdef Stream *st
         for w in range(s.n_words):
             bits = s.decode_bits[w]
             while bits:
                 i = w * 64 + __builtin_ctzll(bits)
                 bits &= bits - 1
-                lp = s.slots[i].token_count // self.page_tokens
-                rc = auto_need_pages(&s.slots[i].blocks, lp, lp, &self.pool.pool, &self.cache,
-                                     &need)
-                if rc:
-                    return rc
-        rc = pc_make_room(&self.cache, &self.pool.pool, need)
-        if rc:
-            return rc
-        for w in range(s.n_words):
-            bits = s.decode_bits[w]
-            while bits:
-                i = w * 64 + __builtin_ctzll(bits)
-                bits &= bits - 1
-                st = &self.streams.st[i]
-                st.has_pending = s.slots[i].token_ready
-                st.pending = s.slots[i].next_token_id
-                st.pending_pos = s.slots[i].token_count
+                sl = &s.slots[i]
+                if note:
+                    st = &self.streams.st[i]
+                    st.has_pending = st.live and not st.broken and sl.token_ready
+                    st.pending = sl.next_token_id
+                    st.pending_pos = sl.token_count
+                if not count:
+                    continue
+                lp = sl.token_count // self.page_tokens
+                if lp == sl.blocks.len and lp < sl.blocks.capacity:
+                    need += 1                      # the usual cases, inline
+                    if need > avail:
+                        return Q_EXHAUSTED
+                elif lp < sl.blocks.len and sl.blocks.entries[lp] < p.num_blocks \
+                        and p.refcount[sl.blocks.entries[lp]] == 1:
+                    pass
+                else:
+                    rc = auto_need_pages(&sl.blocks, lp, lp, p, &self.cache, &need)
+                    if rc:
+                        return rc
+        if count:
+            return pc_make_room(&self.cache, p, need)
         return Q_OK
 
     cdef void _auto_after_round(self, uint32_t n) noexcept:
@@ -589,6 +603,8 @@ cdef class Scheduler:
         cdef Sched *s = &self.requests.s
         cdef uint32_t j, i
         cdef Stream *st
+        if self.streams.cacheable == 0:
+            return
         for j in range(n):
             i = s.lowered[j]
             st = &self.streams.st[i]
