@@ -226,14 +226,14 @@ def bench_reclaim(quick, log):
             del s
             gc.collect()
         q = row["qualia"]
-        row["reclaim_ns"] = (q["reserve"]["median_ns"]
-                             - row["qualia_no_reclaim"]["reserve"]["median_ns"])
-        row["reclaim_best_ns"] = (q["reserve"]["min_ns"]
-                                  - row["qualia_no_reclaim"]["reserve"]["min_ns"])
+        # what the reclaim adds to a reserve: best against best (medians here move with the
+        # load of a shared machine more than by the ~100 ns measured)
+        row["reclaim_ns"] = (q["reserve"]["min_ns"]
+                             - row["qualia_no_reclaim"]["reserve"]["min_ns"])
         rows.append(row)
         log(f"  h4   pool={blocks:8d}: reserve with one reclaim "
-            f"{q['reserve']['median_ns']:.0f} ns (without: "
-            f"{row['qualia_no_reclaim']['reserve']['median_ns']:.0f} ns), whole iteration "
+            f"{q['reserve']['median_ns']:.0f} ns (the reclaim adds {row['reclaim_ns']:.0f} ns), "
+            f"whole iteration "
             f"{q['iteration']['median_ns']:.0f} ns "
             f"(twin {row['twin']['iteration']['median_ns'] / 1e3:.0f} us)")
     return rows
@@ -337,11 +337,11 @@ def render_rows(res, fmt_ns):
     out.append(("h4. steady-state reclaim: admit a 16-token prompt, reserve (reclaims the least "
                 "recently used page), advance (caches it), finish (reclaimable); 'no reclaim': "
                 "the same with 15-token prompts",
-                ["pool blocks", "reserve", "best", "no reclaim", "reclaim cost", "iteration",
-                 "twin reserve", "twin iteration"],
+                ["pool blocks", "reserve", "best", "no reclaim (best)", "reclaim cost (best)",
+                 "iteration", "twin reserve", "twin iteration"],
                 [[r["pool_blocks"], fmt_ns(r["qualia"]["reserve"]["median_ns"]),
                   fmt_ns(r["qualia"]["reserve"]["min_ns"]),
-                  fmt_ns(r["qualia_no_reclaim"]["reserve"]["median_ns"]),
+                  fmt_ns(r["qualia_no_reclaim"]["reserve"]["min_ns"]),
                   fmt_ns(r["reclaim_ns"]), fmt_ns(r["qualia"]["iteration"]["median_ns"]),
                   fmt_ns(r["twin"]["reserve"]["median_ns"]),
                   fmt_ns(r["twin"]["iteration"]["median_ns"])] for r in res["reclaim"]]))
