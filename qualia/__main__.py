@@ -1,25 +1,28 @@
-"""``python -m qualia simulate``: serve a synthetic workload on the scheduler and report.
+"""``qualia`` / ``python -m qualia``: serve a synthetic workload on the scheduler and report.
 
 Examples::
 
-    python -m qualia simulate                       # defaults: 48 requests, numpy model
-    python -m qualia simulate --check               # ... and compare with the dense model
-    python -m qualia simulate --backend c --requests 2000 --arrival-rate 8 --check
-    python -m qualia simulate --json run.json --no-progress
-    python -m qualia demo                           # a tiny run with --check
+    qualia simulate                       # defaults: 48 requests, numpy model
+    qualia simulate --check               # ... and compare with the dense model
+    qualia simulate --backend c --requests 2000 --arrival-rate 8 --check
+    qualia simulate --json run.json --no-progress
+    qualia demo                           # a tiny run with --check
 
-Exit status: 0 on success, 1 when ``--check`` finds a mismatch, 2 for bad arguments (including
-a workload request that can never fit the pool).
+Exit status: 0 on success, 1 when ``--check`` finds a mismatch, 2 for bad arguments (an option
+out of its bounds, an output path that cannot be written, a run that needs more memory than the
+machine has, a workload request that can never fit the pool), 130 when interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import sys
-import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
+
+from .report import format_summary, jsonable
+from .resources import available_memory, format_bytes, memory_estimate
 
 __all__ = ["main", "build_parser", "format_summary"]
 
@@ -41,6 +44,32 @@ DEFAULTS = dict(
     backend="model",
 )
 
+U32_MAX = 2**32 - 1
+#: The smallest --arrival-rate (requests per decode step) accepted; smaller rates are refused.
+MIN_ARRIVAL_RATE = 1e-6
+_VOCAB = {"model": 512, "c": 32000}  # token ids of the workload, per backend
+
+
+# --------------------------------------------------------------------------------------------
+# option types (argparse names the option in their messages: "argument --seed: ...")
+# --------------------------------------------------------------------------------------------
+
+
+def _int_in(minimum: int, maximum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+        if v > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {v}")
+        return v
+
+    parse.__name__ = "integer"
+    return parse
+
 
 def _pair(text: str) -> Tuple[int, int]:
     parts = text.replace(":", ",").replace("-", ",").split(",")
@@ -53,26 +82,9 @@ def _pair(text: str) -> Tuple[int, int]:
             raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 24,96), got {text!r}") from None
-    if lo < 1 or hi < lo:
-        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    if lo < 1 or hi < lo or hi > U32_MAX:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX <= {U32_MAX}, got {text!r}")
     return lo, hi
-
-
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
-        return v
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_nonneg_int = _int_at_least(0)
 
 
 def _rate(text: str) -> float:
@@ -80,8 +92,9 @@ def _rate(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
+    if not v >= MIN_ARRIVAL_RATE:  # also nan
+        raise argparse.ArgumentTypeError(
+            f"must be >= {MIN_ARRIVAL_RATE:g} requests per step (or inf), got {text!r}")
     return v
 
 
@@ -98,61 +111,91 @@ def _ratio(text: str) -> float:
 def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     d = defaults
     w = p.add_argument_group("workload")
-    w.add_argument("--requests", type=_nonneg_int, default=d["requests"], metavar="N",
+    w.add_argument("--requests", type=_int_in(0, 2**63 - 1), default=d["requests"], metavar="N",
                    help="number of requests (default %(default)s)")
-    w.add_argument("--seed", type=int, default=d["seed"], help="workload seed (default %(default)s)")
+    w.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=d["seed"], metavar="S",
+                   help="workload seed, 0 <= S < 2**64 (default %(default)s)")
     w.add_argument("--arrival-rate", type=_rate, default=d["arrival_rate"], metavar="R",
-                   help="Poisson arrivals, requests per decode step; 'inf' = all at once "
-                        "(default %(default)s)")
+                   help=f"Poisson arrivals, requests per decode step, R >= "
+                        f"{MIN_ARRIVAL_RATE:g}; 'inf' = all at once (default %(default)s)")
     w.add_argument("--prompt-len", type=_pair, default=d["prompt_len"], metavar="MIN,MAX",
                    help="prompt length range in tokens (default %s,%s)" % d["prompt_len"])
     w.add_argument("--output-len", type=_pair, default=d["output_len"], metavar="MIN,MAX",
                    help="max_new_tokens range (default %s,%s)" % d["output_len"])
     w.add_argument("--length-dist", choices=("uniform", "lognormal"), default="uniform",
                    help="length distribution over those ranges (default %(default)s)")
-    w.add_argument("--system-prompts", type=_nonneg_int, default=d["system_prompts"], metavar="K",
-                   help="number of shared system prompts (default %(default)s)")
+    w.add_argument("--system-prompts", type=_int_in(0, U32_MAX), default=d["system_prompts"],
+                   metavar="K", help="number of shared system prompts (default %(default)s)")
     w.add_argument("--share-ratio", type=_ratio, default=d["share_ratio"], metavar="F",
                    help="fraction of requests starting with a system prompt (default %(default)s)")
-    w.add_argument("--system-prompt-len", type=_positive_int, default=d["system_prompt_len"],
-                   metavar="L", help="system prompt length in tokens (default %(default)s)")
-    w.add_argument("--tenants", type=_positive_int, default=d["tenants"], metavar="T",
+    w.add_argument("--system-prompt-len", type=_int_in(1, U32_MAX),
+                   default=d["system_prompt_len"], metavar="L",
+                   help="system prompt length in tokens (default %(default)s)")
+    w.add_argument("--tenants", type=_int_in(1, U32_MAX), default=d["tenants"], metavar="T",
                    help="tenants, each with its own prefix namespace (default %(default)s)")
-    w.add_argument("--end-token", type=_nonneg_int, default=None, metavar="ID",
-                   help="stop a request after it generates this token (default: none)")
+    w.add_argument("--end-token", type=_int_in(0, U32_MAX), default=None, metavar="ID",
+                   help="stop a request after it generates this token; below the backend's "
+                        "vocabulary: 512 (model), 32000 (c) (default: none)")
     s = p.add_argument_group("scheduler")
-    s.add_argument("--num-blocks", type=_positive_int, default=d["num_blocks"], metavar="N",
-                   help="KV pages in the pool (default %(default)s)")
-    s.add_argument("--max-requests", type=_positive_int, default=d["max_requests"], metavar="N",
-                   help="request slots = max batch (default %(default)s)")
-    s.add_argument("--page-tokens", type=_positive_int, default=d["page_tokens"], metavar="N",
-                   help="tokens per KV page (default %(default)s)")
-    s.add_argument("--logical-pages", type=_positive_int, default=d["logical_pages"], metavar="N",
-                   help="max pages per request (default %(default)s)")
-    s.add_argument("--prefix-entries", type=_positive_int, default=d["prefix_entries"],
+    s.add_argument("--num-blocks", type=_int_in(1, U32_MAX), default=d["num_blocks"],
+                   metavar="N", help="KV pages in the pool (default %(default)s)")
+    s.add_argument("--max-requests", type=_int_in(1, 65536), default=d["max_requests"],
+                   metavar="N", help="request slots = max batch (default %(default)s)")
+    s.add_argument("--page-tokens", type=_int_in(1, U32_MAX), default=d["page_tokens"],
+                   metavar="N", help="tokens per KV page (default %(default)s)")
+    s.add_argument("--logical-pages", type=_int_in(1, U32_MAX), default=d["logical_pages"],
+                   metavar="N", help="max pages per request (default %(default)s)")
+    s.add_argument("--prefix-entries", type=_int_in(1, 2**30), default=d["prefix_entries"],
                    metavar="N", help="prefix store entries (default %(default)s)")
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
-                   help="'model': the numpy paged-attention model; 'c': the built-in C "
-                        "reference backend (default %(default)s)")
+                   help="'model': the numpy paged-attention model; 'c': the built-in C hash "
+                        "backend, qualia.HashBackend (default %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--check", action="store_true",
                    help="compare every request's tokens with the dense model (model backend) or "
-                        "the pure-Python decode rule (c backend); exit 1 on a mismatch")
+                        "the pure-Python hash rule (c backend); exit 1 on a mismatch")
     o.add_argument("--json", metavar="PATH", default=None,
-                   help="write the summary as JSON to PATH ('-' for stdout)")
+                   help="write the summary as JSON to PATH ('-' for stdout); PATH is checked "
+                        "before the run")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bar and no summary table (errors and a failed check are "
                         "still reported)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _prog() -> str:
+    """``qualia`` when run as the console script, ``python -m qualia`` when run so."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0] if sys.argv else ""
+    return "qualia" if name in ("qualia", "qualia-script") else "python -m qualia"
+
+
+_EPILOG = """\
+commands:
+  simulate   serve a synthetic workload (shared system prompts, tenants, Poisson arrivals)
+             and print a summary; see `%(prog)s simulate --help`
+  demo       a tiny simulate run (12 requests, a small pool) checked against the dense
+             model; takes the same options
+
+examples:
+  %(prog)s simulate --check
+  %(prog)s simulate --backend c --requests 2000 --arrival-rate 8 --check
+  %(prog)s demo
+
+exit status: 0 ok, 1 --check found a mismatch, 2 bad arguments (or a run the machine
+cannot hold), 130 interrupted"""
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
-        prog="python -m qualia",
-        description="qualia: an LLM-serving request scheduler core. `simulate` serves a "
-                    "synthetic workload (shared system prompts, tenants, Poisson arrivals) on "
-                    "qualia.Scheduler with prefix caching, copy-on-write, eviction and "
-                    "preemption, and reports what happened.")
+        prog=prog if prog is not None else _prog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+        description="qualia: an LLM-serving request scheduler core. `simulate` serves a\n"
+                    "synthetic workload on qualia.Scheduler with prefix caching, copy-on-write,\n"
+                    "eviction and preemption, and reports what happened.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     sim = sub.add_parser("simulate", help="serve a synthetic workload and report",
@@ -162,61 +205,69 @@ def build_parser() -> argparse.ArgumentParser:
                          prompt_len=(20, 60), output_len=(8, 24))
     demo = sub.add_parser("demo", help="a tiny simulate run with --check",
                           description="A tiny simulate run (12 requests, small pool) checked "
-                                      "against the dense reference.")
+                                      "against the dense model (the hash rule with --backend c).")
     _add_simulate_options(demo, demo_defaults)
     demo.set_defaults(check=True)
     return parser
 
 
 # --------------------------------------------------------------------------------------------
-# summary
+# checks made before the run
 # --------------------------------------------------------------------------------------------
 
 
-def _us(x: float) -> str:
-    if x >= 1e6:
-        return f"{x / 1e6:.2f} s"
-    if x >= 1e3:
-        return f"{x / 1e3:.2f} ms"
-    return f"{x:.1f} us"
+def _output_path_problem(option: str, path: Optional[str]) -> Optional[str]:
+    """Why ``path`` (the value of ``option``) cannot be written, or None if it can."""
+    if path is None or path == "-":
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory"
+    if not os.path.exists(parent):
+        return f"{option} {path}: directory {parent} does not exist"
+    if not os.path.isdir(parent):
+        return f"{option} {path}: {parent} is not a directory"
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            return f"{option} {path}: not writable"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option} {path}: directory {parent} is not writable"
+    return None
 
 
-def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
-    s = stats
-    rows: List[Tuple[str, str]] = [
-        ("backend", str(s["backend"])),
-        ("requests completed", f"{s['requests_completed']} / {s['requests_submitted']}"),
-        ("tokens generated", f"{s['tokens_generated']}"
-                             f"  (prefilled {s['tokens_prefilled']}, recomputed "
-                             f"{s['tokens_recomputed']})"),
-        ("decode rounds", f"{s['decode_rounds']}  (mean batch {s['mean_batch']:.1f}, "
-                          f"peak running {s['peak_running']})"),
-        ("prefix hit rate", f"{100 * s['prefix_hit_rate']:.1f}%  ({s['prefix_hits']} of "
-                            f"{s['prefix_lookups']} lookups, {s['prefix_tokens_reused']} tokens "
-                            f"reused)"),
-        ("pages copied", f"{s['pages_copied']}  (copy-on-write)"),
-        ("evictions", f"{s['evictions']}  ({s['evictions_for_pages']} for pages, "
-                      f"{s['evictions_for_entries']} for store entries)"),
-        ("preemptions", f"{s['preemptions']}"),
-        ("peak pool use", f"{s['peak_pages_used']} / {s['num_blocks']} pages "
-                          f"({100 * s['peak_pool_use']:.1f}%) of {s['page_tokens']} tokens"),
-        ("scheduler time / round", f"p50 {_us(s['sched_us_per_round_p50'])}   "
-                                   f"p99 {_us(s['sched_us_per_round_p99'])}   "
-                                   f"total {s['sched_s_total']:.3f} s"),
-        ("backend time / round", f"p50 {_us(s['backend_us_per_round_p50'])}   "
-                                 f"p99 {_us(s['backend_us_per_round_p99'])}   "
-                                 f"total {s['backend_s_total']:.3f} s"),
-        ("wall time", f"{s['wall_s']:.2f} s"),
-    ]
-    if check_message is not None:
-        took = f"  ({s['check_s']:.2f} s)" if "check_s" in s else ""
-        rows.append(("check", check_message + took))
-    width = max(len(k) for k, _ in rows)
-    lines = ["qualia simulate summary", "-" * (width + 2 + max(len(v) for _, v in rows))]
-    lines += [f"{k.ljust(width)}  {v}" for k, v in rows]
-    lines.append(f"(backend time = {s['backend_time_is']}; scheduler time = time in the "
-                 "qualia.Scheduler calls, backend excluded)")
-    return "\n".join(lines)
+_SET_BY = {
+    "model KV": "--num-blocks x --page-tokens",
+    "model weights": "the model's size",
+    "pool": "--num-blocks",
+    "block tables": "--max-requests x --logical-pages",
+    "request slots": "--max-requests",
+    "prefix store": "--prefix-entries x --logical-pages",
+    "token scratch": "--logical-pages x --page-tokens",
+    "undo log": "--max-requests, --logical-pages",
+    "workload": "--requests x --prompt-len, --output-len",
+}
+
+
+def memory_needed(args, workload) -> Dict[str, int]:
+    """Bytes the run needs, by part (see :func:`qualia.resources.memory_estimate`)."""
+    parts = memory_estimate(
+        args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
+        page_tokens=args.page_tokens, logical_pages=args.logical_pages,
+        prefix_entries=args.prefix_entries)
+    parts["workload"] = workload.memory_estimate()
+    return parts
+
+
+def _memory_problem(args, workload) -> Optional[str]:
+    parts = memory_needed(args, workload)
+    total = sum(parts.values())
+    avail = available_memory()
+    if avail is None or total <= avail:
+        return None
+    part = max(parts, key=parts.__getitem__)
+    return (f"this run needs about {format_bytes(total)} of memory, more than the {format_bytes(avail)} "
+            f"available; the largest part is the {part} ({format_bytes(parts[part])}, set by "
+            f"{_SET_BY[part]}): lower those options")
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,68 +275,78 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _progress_bar(args, err):
+    """A tqdm bar on a terminal, else None."""
+    if args.quiet or args.no_progress or not args.requests or not err.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=args.requests, desc="simulate", unit="req", file=err,
+                dynamic_ncols=True, leave=False)
+
+
 def _simulate(args, out=None, err=None) -> int:
-    from .engine import Engine, Workload
+    from .timing import Stopwatch
+
+    clock = Stopwatch()  # from here on, every second of the run is in one row of the summary
+    from .engine import Engine, UnservableRequest
+    from .workload import Workload
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    vocab = _VOCAB[args.backend]
+    if args.end_token is not None and args.end_token >= vocab:
+        print(f"error: argument --end-token: must be < {vocab} (the vocabulary of --backend "
+              f"{args.backend}), got {args.end_token}", file=err)
+        return 2
     try:
         workload = Workload(
             requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
             prompt_len=args.prompt_len, output_len=args.output_len,
             system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
             share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
-            vocab=512 if args.backend == "model" else 32000, end_token=args.end_token)
+            vocab=vocab, end_token=args.end_token)
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return 2
-    quiet = args.quiet
-    show_progress = not (quiet or args.no_progress) and err.isatty()
-    bar = None
-    if show_progress and args.requests:
+    for problem in (_output_path_problem("--json", args.json), _memory_problem(args, workload)):
+        if problem is not None:
+            print(f"error: {problem}", file=err)
+            return 2
+
+    bar = _progress_bar(args, err)
+    phase = ["simulate"]
+
+    def progress(name: str, done: int, total: int) -> None:
+        if bar is None:
+            return
+        if name != phase[0]:
+            phase[0] = name
+            bar.reset(total=total)
+            bar.set_description(name)
+        bar.update(done - bar.n)
+
+    try:
         try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(total=args.requests, desc="simulate", unit="req", file=err,
-                       dynamic_ncols=True, leave=False)
-
-    def on_complete(rid, tokens):
-        if bar is not None:
-            bar.update(1)
-
-    try:
-        engine = Engine(
-            args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
-            page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-            prefix_entries=args.prefix_entries, end_token=args.end_token,
-            on_complete=on_complete)
-    except (ValueError, TypeError, OverflowError) as exc:
-        if bar is not None:
-            bar.close()
-        print(f"error: {exc}", file=err)
-        return 2
-    try:
-        for req in workload.generate():
-            engine.submit(req)
-    except ValueError as exc:
-        if bar is not None:
-            bar.close()
-        print(f"error: {exc}\n(raise --num-blocks/--logical-pages/--page-tokens or lower "
-              "--prompt-len/--output-len)", file=err)
-        return 2
-    try:
-        result = engine.run()
-        if args.check:
-            if bar is not None:
-                bar.reset(total=len(engine.outputs))
-                bar.set_description("check")
-                bar.set_postfix_str("dense reference" if engine.is_model else "reference rule")
-            t1 = time.perf_counter()
-            result.check = engine.check(on_checked=lambda rid: bar.update(1) if bar else None)
-            result.stats["check_ok"] = result.check.ok
-            result.stats["check_s"] = time.perf_counter() - t1
+            engine = Engine(
+                args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
+                page_tokens=args.page_tokens, logical_pages=args.logical_pages,
+                prefix_entries=args.prefix_entries, end_token=args.end_token, clock=clock)
+        except (ValueError, TypeError, OverflowError) as exc:
+            print(f"error: {exc}", file=err)
+            return 2
+        try:
+            engine.submit_all(workload)
+        except UnservableRequest as exc:
+            print(f"error: {exc}\n(raise --num-blocks/--logical-pages/--page-tokens or lower "
+                  "--prompt-len/--output-len)", file=err)
+            return 2
+        except ValueError as exc:
+            print(f"error: {exc}", file=err)
+            return 2
+        result = engine.run(check=args.check, progress=progress)
     finally:
         if bar is not None:
             bar.close()
@@ -304,40 +365,40 @@ def _simulate(args, out=None, err=None) -> int:
         "backend": args.backend, "check": bool(args.check),
     }
     if args.json:
-        text = json.dumps(_jsonable(summary), indent=2, sort_keys=True)
+        text = json.dumps(jsonable(summary), indent=2, sort_keys=True)
         if args.json == "-":
             print(text, file=out)
         else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-    if not quiet and args.json != "-":
+            try:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
+                return 2
+    if not args.quiet and args.json != "-":
         print(format_summary(result.stats, message), file=out)
     if result.check is not None and not result.check.ok:
-        if quiet or args.json == "-":
+        if args.quiet or args.json == "-":
             print(f"check FAILED: {message}", file=err)
         return 1
     return 0
 
 
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # numpy scalars
-        return obj.item()
-    return obj
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(None if argv is None else list(argv))
-    if args.command in ("simulate", "demo"):
-        return _simulate(args)
-    parser.error(f"unknown command {args.command!r}")  # pragma: no cover
-    return 2
+    try:
+        parser = build_parser()
+        args = parser.parse_args(None if argv is None else list(argv))
+        if args.command in ("simulate", "demo"):
+            return _simulate(args)
+        parser.error(f"unknown command {args.command!r}")  # pragma: no cover
+        return 2  # pragma: no cover
+    except KeyboardInterrupt:
+        print("qualia: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("error: out of memory; lower --num-blocks, --page-tokens, --logical-pages, "
+              "--max-requests or --requests", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

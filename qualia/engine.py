@@ -1,251 +1,80 @@
-"""A small continuous-batching serving engine on the :class:`qualia.Scheduler` facade.
+"""The serving loop: a small continuous-batching engine on the :class:`qualia.Scheduler` facade.
 
-This is what ``python -m qualia simulate`` runs.  It has two halves:
-
-* :class:`Workload` makes a reproducible synthetic trace: ``N`` requests with Poisson arrivals
-  (``arrival_rate`` requests per decode step), prompt and output lengths drawn from clipped
-  uniform or lognormal distributions, ``K`` shared system prompts that a fraction
-  (``share_ratio``) of the prompts start with, and ``T`` tenants, each with its own prefix-cache
-  namespace (``b"tenant-3"``): two tenants never share KV pages, even for the same system prompt.
-* :class:`Engine` serves such requests on one :class:`qualia.Scheduler`, step by step.  Every
-  step admits waiting requests (first come, first served) while a request slot is free and the
-  pool has the pages for the prompt plus one page of headroom, prefills them, publishes their
-  shared prefix to the prefix store, then runs one decode round over every running request.
+This is what ``python -m qualia simulate`` runs.  :class:`Engine` serves requests
+(:class:`qualia.workload.Request`, e.g. from a :class:`qualia.workload.Workload` trace) on one
+:class:`qualia.Scheduler`, step by step.  Every step admits waiting requests (first come, first
+served) while a request slot is free and the pool has the pages for the prompt plus one page of
+headroom, prefills them, publishes their shared prefix to the prefix store, then runs one decode
+round over every running request.  The other jobs live beside it: the check in
+:mod:`qualia.check`, the accounting of time in :mod:`qualia.timing`, the summary in
+:mod:`qualia.report`.
 
 The backend is either a *model* (it has ``prefill(tokens, start_position, block_table)``, e.g.
 :class:`qualia.model.PagedModelBackend`): the engine prefills prompts through it and the
-generated tokens can be checked against :class:`qualia.model.DenseModel`; or a decode-only
-backend such as the built-in C ``qualia.HashBackend``: prefill then only reserves and
-advances the pages, and the first token is the reference decode rule (docs/DESIGN.md
-"Reference decode backend") applied to the last prompt token at its position.
+generated tokens can be checked against the dense model; or a decode-only backend such as the
+built-in C ``qualia.HashBackend``: prefill then only reserves and advances the pages, and the
+first token is the hash decode rule (``qualia.hash_next_token``) applied to the last prompt
+token at its position.
 
 Prefix caching uses explicit breakpoints: a request's ``shared_prefix_len`` (its system prompt)
 is what is looked up at admission and published after its prefill, capped at
 ``len(prompt) - 1`` so that a hit always leaves at least one prompt token to prefill (the one
 whose logits give the first generated token).
 
-Memory pressure.  When the pool runs out (admission cannot fit the head of the queue, or a
-``reserve``/``decode`` fails with ``TableError.Exhausted`` somewhere in its error chain) the
-engine first evicts least-recently-used prefix entries that no running request holds
-(``evict_unused_lru``); if none is left it *preempts* the most recently admitted running request:
-the request is finished (its pages released) and goes back to the front of the waiting queue
+Memory pressure has one remedy, :meth:`Engine._relieve_pressure`, used when a ``reserve`` or a
+``decode`` fails with ``TableError.Exhausted`` somewhere in its error chain: evict the least
+recently used prefix entry that no running request holds; if there is none and other requests
+are running, requeue the most recently admitted one (rolled back if it was being admitted,
+*preempted* otherwise: its pages are released and it goes back to the front of the waiting queue
 keeping the tokens generated so far; on re-admission it is prefilled with ``prompt +
-generated[:-1]`` (recompute) and decoding continues from ``generated[-1]``.  When a single
-request is running and the pool is still short, the store's remaining entries are evicted
-(``evict_lru``) even if that request shares them, which turns its shared pages into exclusive
-ones.  A request whose ``prompt + max_new_tokens`` cannot fit in the whole pool (or in
-``logical_pages``) is rejected by :meth:`Engine.submit` with a ``ValueError``, so the engine
-cannot deadlock: with nothing else running, the head of the queue always fits.
+generated[:-1]`` (recompute) and decoding continues from ``generated[-1]``); with a single
+request running, evict any prefix entry even if that request shares it, which turns its shared
+pages into exclusive ones.  Admission itself only evicts unused entries, then waits.  A request
+whose ``prompt + max_new_tokens`` cannot fit in the whole pool (or in ``logical_pages``) is
+rejected by :meth:`Engine.submit` (:class:`UnservableRequest`), so the engine cannot deadlock:
+with nothing else running, the head of the queue always fits.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional
 
-import numpy as np
+from .check import CheckResult, check_outputs, progress_reporter, verify_end_state
+from .report import Counters, EngineResult, backend_label, collect_stats
+from .resources import memory_estimate
+from .timing import (
+    BACKEND,
+    CHECK,
+    DECODE_ROUND,
+    ENGINE,
+    SCHEDULER,
+    SETUP,
+    SUBMISSION,
+    WORKLOAD,
+    Stopwatch,
+    TimedBackend,
+    is_c_backend,
+)
+from .workload import Request, UnservableRequest, Workload, checked_request, pages_needed
 
 __all__ = [
+    "Engine",
+    "Counters",
+    "UnservableRequest",
+    "is_exhausted",
+    "pages_needed",
+    # re-exported: the engine's input and output types, and the memory estimate
+    "memory_estimate",
     "Request",
     "Workload",
-    "Engine",
     "EngineResult",
     "CheckResult",
     "TimedBackend",
-    "hash_next_token",
-    "reference_generate",
-    "is_exhausted",
-    "pages_needed",
 ]
 
-_U64_MAX = 2**64 - 1
-
-
-# --------------------------------------------------------------------------------------------
-# requests and workloads
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class Request:
-    """One request of a trace.
-
-    ``prompt`` is a list of token ids; ``shared_prefix_len`` is the length of the prompt's
-    cacheable prefix (its system prompt; 0 for none); ``arrival_step`` is the decode step at
-    which the request reaches the engine.  ``namespace`` (``b"tenant-<tenant>"``) scopes the
-    prefix cache."""
-
-    request_id: int
-    tenant: int
-    prompt: List[int]
-    shared_prefix_len: int
-    max_new_tokens: int
-    arrival_step: int = 0
-    system_prompt: Optional[int] = None  # index of the system prompt, None for none
-
-    @property
-    def namespace(self) -> bytes:
-        return f"tenant-{self.tenant}".encode()
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["prompt"] = [int(t) for t in self.prompt]
-        return d
-
-
-def _length_range(value, what: str) -> Tuple[int, int]:
-    try:
-        lo, hi = (int(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a (min, max) pair of integers, got {value!r}") from None
-    if lo < 1 or hi < lo:
-        raise ValueError(f"{what} must satisfy 1 <= min <= max, got ({lo}, {hi})")
-    return lo, hi
-
-
-@dataclass
-class Workload:
-    """A seedable synthetic trace (see the module docstring).
-
-    ``prompt_len`` and ``output_len`` are inclusive ``(min, max)`` ranges; ``length_dist`` is
-    ``"uniform"`` or ``"lognormal"`` (median at the geometric mean of the range, ``sigma`` 0.5,
-    clipped to the range).  ``end_token`` (optional) is the id that ends a generation; it never
-    appears in a prompt (pass the same id to :class:`Engine`).  A shared prompt is one of the ``system_prompts`` system prompts
-    (each ``system_prompt_len`` tokens, the same token ids for every tenant) followed by the
-    user's part; its total length is drawn like any other prompt but is at least
-    ``system_prompt_len + 1``.  Token ids are drawn uniformly from ``[0, vocab)``."""
-
-    requests: int = 48
-    seed: int = 0
-    arrival_rate: float = 1.0
-    prompt_len: Tuple[int, int] = (24, 96)
-    output_len: Tuple[int, int] = (16, 48)
-    system_prompts: int = 4
-    system_prompt_len: int = 40
-    share_ratio: float = 0.75
-    tenants: int = 2
-    vocab: int = 512
-    length_dist: str = "uniform"
-    first_request_id: int = 0
-    end_token: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        self.prompt_len = _length_range(self.prompt_len, "prompt_len")
-        self.output_len = _length_range(self.output_len, "output_len")
-        if self.requests < 0:
-            raise ValueError("requests must be >= 0")
-        if not self.arrival_rate > 0:
-            raise ValueError("arrival_rate must be > 0 (requests per decode step; inf: all at 0)")
-        if self.system_prompts < 0 or self.tenants < 1 or self.vocab < 1:
-            raise ValueError("system_prompts must be >= 0, tenants and vocab >= 1")
-        if not 0.0 <= self.share_ratio <= 1.0:
-            raise ValueError("share_ratio must be in [0, 1]")
-        if self.system_prompts and self.system_prompt_len < 1:
-            raise ValueError("system_prompt_len must be >= 1")
-        if self.length_dist not in ("uniform", "lognormal"):
-            raise ValueError("length_dist must be 'uniform' or 'lognormal'")
-        if self.end_token is not None and not 0 <= self.end_token < self.vocab:
-            raise ValueError(f"end_token must be in [0, {self.vocab}), got {self.end_token}")
-        if self.end_token is not None and self.vocab < 2:
-            raise ValueError("an end token needs vocab >= 2")
-
-    def _tokens(self, rng: np.random.Generator, n: int) -> List[int]:
-        toks = rng.integers(0, self.vocab, size=n)
-        if self.end_token is not None:  # prompts never hold the end token
-            toks[toks == self.end_token] = (self.end_token + 1) % self.vocab
-        return toks.tolist()
-
-    def _lengths(self, rng: np.random.Generator, rng_range: Tuple[int, int], n: int) -> np.ndarray:
-        lo, hi = rng_range
-        if self.length_dist == "uniform":
-            return rng.integers(lo, hi + 1, size=n)
-        median = math.sqrt(lo * hi)
-        values = np.rint(rng.lognormal(math.log(median), 0.5, size=n))
-        return np.clip(values, lo, hi).astype(np.int64)
-
-    def system_prompt_tokens(self) -> List[List[int]]:
-        """The ``K`` system prompts (drawn from their own stream of the seed)."""
-        rng = np.random.default_rng([self.seed, 1])
-        return [self._tokens(rng, self.system_prompt_len) for _ in range(self.system_prompts)]
-
-    def generate(self) -> List[Request]:
-        n = self.requests
-        rng = np.random.default_rng([self.seed, 0])
-        systems = self.system_prompt_tokens()
-        if math.isinf(self.arrival_rate):
-            arrivals = np.zeros(n, dtype=np.int64)
-        else:
-            arrivals = np.floor(np.cumsum(rng.exponential(1.0 / self.arrival_rate, size=n)))
-            arrivals = arrivals.astype(np.int64)
-        prompt_lens = self._lengths(rng, self.prompt_len, n)
-        output_lens = self._lengths(rng, self.output_len, n)
-        shared = rng.random(n) < self.share_ratio if systems else np.zeros(n, dtype=bool)
-        which = rng.integers(0, max(1, len(systems)), size=n)
-        tenants = rng.integers(0, self.tenants, size=n)
-        out = []
-        for i in range(n):
-            length = int(prompt_lens[i])
-            if shared[i]:
-                sp = int(which[i])
-                system = systems[sp]
-                length = max(length, len(system) + 1)
-                user = self._tokens(rng, length - len(system))
-                prompt, prefix = system + user, len(system)
-            else:
-                sp = None
-                prompt, prefix = self._tokens(rng, length), 0
-            out.append(Request(
-                request_id=self.first_request_id + i,
-                tenant=int(tenants[i]),
-                prompt=[int(t) for t in prompt],
-                shared_prefix_len=prefix,
-                max_new_tokens=int(output_lens[i]),
-                arrival_step=int(arrivals[i]),
-                system_prompt=sp,
-            ))
-        return out
-
-    __call__ = generate
-
-    def __iter__(self):
-        return iter(self.generate())
-
-
-# --------------------------------------------------------------------------------------------
-# the reference decode rule (docs/DESIGN.md) in pure Python
-# --------------------------------------------------------------------------------------------
-
-
-def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
-    """DESIGN.md "Reference decode backend" (one definition, in qualia.twin)."""
-    from .twin import PyHashBackend
-
-    return PyHashBackend.next_token(request_id, position, token_id, vocab)
-
-
-def reference_generate(request_id: int, prompt: Sequence[int], max_new_tokens: int,
-                       end_token: Optional[int] = None, vocab: int = 32000) -> List[int]:
-    """What the engine must produce with a decode-only reference backend: the first token is
-    the rule applied to the last prompt token at its position, every next one the rule applied
-    to the previous output at the following position."""
-    prompt = [int(t) for t in prompt]
-    if max_new_tokens < 1:
-        return []
-    position = len(prompt) - 1
-    out = [hash_next_token(request_id, position, prompt[-1], vocab)]
-    while len(out) < max_new_tokens and (end_token is None or out[-1] != end_token):
-        position += 1
-        out.append(hash_next_token(request_id, position, out[-1], vocab))
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------
+_EVICTED, _REQUEUED = "evicted", "requeued"
+_ROLLBACK, _PREEMPT = "rollback", "preemption"
 
 
 def is_exhausted(err: BaseException) -> bool:
@@ -256,106 +85,14 @@ def is_exhausted(err: BaseException) -> bool:
     return any(name in ("TableError.Exhausted", "PoolError.Exhausted") for name in chain)
 
 
-def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
-    """Pages a request occupies at its peak: the K/V of the prompt and of every generated token
-    but the last (which is never fed back)."""
-    positions = prompt_len + max(max_new_tokens, 1) - 1
-    return -(-positions // page_tokens)
-
-
-class TimedBackend:
-    """Wraps a Python backend, adding up the time spent inside ``execute_ragged``,
-    ``prefill`` and ``copy_pages`` (``.seconds``; per method in ``.by_method``)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.seconds = 0.0
-        self.by_method: Dict[str, float] = {"execute_ragged": 0.0, "prefill": 0.0,
-                                            "copy_pages": 0.0}
-        self.calls: Dict[str, int] = {k: 0 for k in self.by_method}
-        self.pages_copied = 0
-
-    def _timed(self, name, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            dt = time.perf_counter() - t0
-            self.seconds += dt
-            self.by_method[name] += dt
-            self.calls[name] += 1
-
-    def execute_ragged(self, items, block_table, outputs):
-        return self._timed("execute_ragged", self.inner.execute_ragged, items, block_table,
-                           outputs)
-
-    def prefill(self, tokens, start_position, block_table):
-        return self._timed("prefill", self.inner.prefill, tokens, start_position, block_table)
-
-    def copy_pages(self, copies):
-        self.pages_copied += len(copies)
-        return self._timed("copy_pages", self.inner.copy_pages, copies)
-
-    def __getattr__(self, name):  # weights, config, counters of the wrapped backend
-        return getattr(self.inner, name)
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not len(values):
-        return 0.0
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-# --------------------------------------------------------------------------------------------
-# results
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class CheckResult:
-    ok: bool
-    checked: int
-    mismatched: List[int]
-    against: str
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"all {self.checked} requests match the {self.against}"
-        ids = ", ".join(str(r) for r in self.mismatched[:10])
-        more = "" if len(self.mismatched) <= 10 else f" (+{len(self.mismatched) - 10} more)"
-        return (f"{len(self.mismatched)} of {self.checked} requests DIFFER from the "
-                f"{self.against}: {ids}{more}")
-
-
-@dataclass
-class EngineResult:
-    """What :meth:`Engine.run` reports.  ``outputs`` maps request id -> generated tokens."""
-
-    stats: Dict[str, object]
-    outputs: Dict[int, List[int]] = field(repr=False)
-    check: Optional[CheckResult] = None
-
-    def to_dict(self, with_outputs: bool = False) -> dict:
-        d = {"stats": dict(self.stats)}
-        if self.check is not None:
-            d["check"] = asdict(self.check)
-            d["check"]["message"] = self.check.describe()
-        if with_outputs:
-            d["outputs"] = {str(k): v for k, v in sorted(self.outputs.items())}
-        return d
-
-
 class _Live:
     """Engine-side state of one request."""
 
-    __slots__ = ("req", "generated", "preemptions", "admissions", "done")
+    __slots__ = ("req", "generated")
 
     def __init__(self, req: Request) -> None:
         self.req = req
         self.generated: List[int] = []
-        self.preemptions = 0
-        self.admissions = 0
-        self.done = False
 
     def context(self) -> List[int]:
         """Tokens whose K/V must be in the cache before the next decode: the prompt and every
@@ -370,22 +107,21 @@ class _Live:
             end_token is not None and bool(g) and g[-1] == end_token)
 
 
-# --------------------------------------------------------------------------------------------
-# the engine
-# --------------------------------------------------------------------------------------------
-
-
 class Engine:
     """Serve requests on one :class:`qualia.Scheduler` (see the module docstring).
 
     ``backend``: ``"model"`` (a :class:`~qualia.model.PagedModelBackend` over
     ``ModelWeights.random(model_config)``), ``"c"`` (``qualia.HashBackend(vocab)``), or a
-    backend object.  A backend with a ``prefill`` method is a model: it is wrapped in a
-    :class:`TimedBackend` to measure backend time.  Other backends are passed to
-    ``Scheduler.decode`` as they are (a C backend keeps its GIL-free path) and their time is
-    the time of the ``decode`` call.
+    backend object.  A backend with a ``prefill`` method is a model.  A C backend (a
+    ``__qualia_backend__`` capsule) is passed to ``Scheduler.decode`` as it is, keeping its
+    GIL-free path: the time of that call is the scheduler's part of the round and the backend
+    together (row ``decode_round``).  A Python backend is wrapped in a
+    :class:`~qualia.timing.TimedBackend`, so that its time is told apart from the scheduler's.
 
-    ``on_complete(request_id, tokens)`` is called whenever a request completes."""
+    ``clock`` is the :class:`~qualia.timing.Stopwatch` the engine charges its time to (the CLI
+    passes one started before anything else); by default the engine makes one that counts only
+    while an engine method runs.  ``on_complete(request_id, tokens)`` is called whenever a
+    request completes."""
 
     def __init__(
         self,
@@ -401,9 +137,13 @@ class Engine:
         model_config=None,
         vocab: Optional[int] = None,
         on_complete: Optional[Callable[[int, List[int]], None]] = None,
+        clock: Optional[Stopwatch] = None,
     ) -> None:
         import qualia
 
+        self._owns_clock = clock is None
+        self.clock = clock if clock is not None else Stopwatch(SETUP)
+        token = self.clock.enter(SETUP)
         self.page_tokens = int(page_tokens)
         self.scheduler = qualia.Scheduler(
             max_requests, num_blocks, page_tokens, logical_pages,
@@ -420,9 +160,12 @@ class Engine:
             elif backend == "c":
                 backend = qualia.HashBackend(vocab=32000 if vocab is None else vocab)
             else:
-                raise ValueError(f"backend must be 'model', 'c' or a backend object, not {backend!r}")
+                raise ValueError(f"backend must be 'model', 'c' or a backend object, not "
+                                 f"{backend!r}")
         self.raw_backend = backend
         self.is_model = callable(getattr(backend, "prefill", None))
+        self.is_c_backend = not self.is_model and is_c_backend(backend)
+        self.backend_label = backend_label(backend, self.is_model, self.is_c_backend)
         if self.is_model:
             self.weights = getattr(backend, "weights", self.weights)
             bt = getattr(backend, "page_tokens", self.page_tokens)
@@ -431,17 +174,18 @@ class Engine:
                 raise ValueError(
                     f"the model backend has {bn} pages of {bt} tokens; the scheduler needs "
                     f"{self.scheduler.num_blocks} pages of {self.page_tokens} tokens")
-            self.backend = TimedBackend(backend)
             # prompt token ids must be in the model's vocabulary
             self.vocab = int(getattr(getattr(backend, "config", None), "vocab", 0) or 0) or None
             self._prompt_vocab = self.vocab
         else:
-            self.backend = backend
             # the decode rule's vocabulary; any u32 prompt token id is fine
             self.vocab = int(vocab if vocab is not None else getattr(backend, "vocab", 32000))
             self._prompt_vocab = None
+        self.backend = backend if self.is_c_backend else TimedBackend(backend, self.clock)
         self._can_copy = callable(getattr(self.backend, "copy_pages", None))
         self.on_complete = on_complete
+        self._hash_next_token = qualia.hash_next_token
+        self._progress: Optional[Callable[[str, int, int], None]] = None
 
         self.step_no = 0
         self._requests: Dict[int, Request] = {}
@@ -452,14 +196,19 @@ class Engine:
         self.outputs: Dict[int, List[int]] = {}
         self._sorted = True
 
-        self._sched_s = 0.0  # facade time of the current step, backend time excluded
-        self._backend_s = 0.0  # backend time of the current step
+        # per step with work: seconds in the scheduler calls, in the decode call of a C backend
+        # (scheduler and backend together) and in the backend
         self.round_sched_s: List[float] = []
+        self.round_decode_s: List[float] = []
         self.round_backend_s: List[float] = []
-        self.c = collections.Counter()
+        self.counters = Counters()
         self.peak_pages = 0
         self.peak_running = 0
-        self.wall_s = 0.0
+        self.last_check: Optional[CheckResult] = None
+        if self._owns_clock:
+            self.clock.stop()  # an engine-owned clock counts only inside engine methods
+        else:
+            self.clock.leave(token)
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -472,97 +221,98 @@ class Engine:
         """Requests submitted and not yet completed."""
         return len(self._arrivals) + len(self._waiting) + len(self._running)
 
+    @property
+    def wall_s(self) -> float:
+        """Seconds on the engine's clock so far (the sum of its rows)."""
+        return self.clock.wall_s
+
+    def _call(self, fn, *args, **kwargs):
+        """A qualia.Scheduler bookkeeping call, charged to the scheduler row."""
+        clock = self.clock
+        prev = clock.switch(SCHEDULER)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.switch(prev)
+
     # -- submission ---------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        """Queue a request for its arrival step.  Raises ``ValueError`` for a request that can
-        never be served (empty prompt, no tokens to generate, bad token ids, or more pages than
-        the whole pool or a request's ``logical_pages``) and for a duplicate request id."""
-        rid = int(request.request_id)
-        if not 0 <= rid <= _U64_MAX:
-            raise ValueError(f"request {rid}: request_id must be a u64")
-        if rid in self._requests:
-            raise ValueError(f"request {rid}: duplicate request id")
-        prompt = [int(t) for t in request.prompt]
-        if not prompt:
-            raise ValueError(f"request {rid}: the prompt is empty")
-        if int(request.max_new_tokens) < 1:
-            raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
-        if self._prompt_vocab is not None and any(not 0 <= t < self._prompt_vocab
-                                                  for t in prompt):
-            raise ValueError(
-                f"request {rid}: prompt token ids must be in [0, {self._prompt_vocab})")
-        if any(not 0 <= t < 2**32 for t in prompt):
-            raise ValueError(f"request {rid}: prompt token ids must be u32")
-        if not 0 <= int(request.shared_prefix_len) <= len(prompt):
-            raise ValueError(f"request {rid}: shared_prefix_len must be in [0, len(prompt)]")
-        need = pages_needed(len(prompt), int(request.max_new_tokens), self.page_tokens)
+        """Queue a request for its arrival step.  Raises :class:`UnservableRequest` (a
+        ``ValueError``) for a request that needs more pages than the whole pool or a request's
+        ``logical_pages``, and ``ValueError`` for an empty prompt, no tokens to generate, bad
+        token ids or a duplicate request id."""
+        token = self.clock.enter(SUBMISSION)
+        try:
+            self._submit(request)
+        finally:
+            self.clock.leave(token)
+
+    def submit_all(self, requests: Iterable[Request]) -> int:
+        """Submit every request of ``requests`` (a :class:`~qualia.workload.Workload` is
+        generated first, charged to the workload row); returns how many were submitted."""
+        n = 0
+        token = self.clock.enter(WORKLOAD)
+        try:
+            if isinstance(requests, Workload):
+                requests = requests.generate()
+            self.clock.switch(SUBMISSION)
+            for req in requests:
+                self._submit(req)
+                n += 1
+        finally:
+            self.clock.leave(token)
+        return n
+
+    def _submit(self, request: Request) -> None:
+        if int(request.request_id) in self._requests:
+            raise ValueError(f"request {int(request.request_id)}: duplicate request id")
         s = self.scheduler
-        limits = []
-        if need > s.num_blocks:
-            limits.append(f"the whole pool has only {s.num_blocks} pages")
-        if need > s.logical_pages:
-            limits.append(f"a request may map at most logical_pages={s.logical_pages} pages")
-        if limits:
-            raise ValueError(
-                f"request {rid} can never be served: prompt of {len(prompt)} tokens + "
-                f"max_new_tokens={request.max_new_tokens} needs {need} pages of "
-                f"{self.page_tokens} tokens, but " + " and ".join(limits))
-        request = dataclasses.replace(request, request_id=rid, prompt=prompt,
-                                      shared_prefix_len=int(request.shared_prefix_len),
-                                      max_new_tokens=int(request.max_new_tokens),
-                                      arrival_step=int(request.arrival_step))
+        request = checked_request(request, page_tokens=self.page_tokens,
+                                  num_blocks=s.num_blocks, logical_pages=s.logical_pages,
+                                  vocab=self._prompt_vocab)
+        rid = request.request_id
         self._requests[rid] = request
         if self._arrivals and request.arrival_step < self._arrivals[-1].req.arrival_step:
             self._sorted = False
         self._arrivals.append(_Live(request))
 
-    # -- timing helpers -----------------------------------------------------------------------
-
-    def _call(self, fn, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._sched_s += time.perf_counter() - t0
-
-    def _backend_call(self, fn, *args):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self._backend_s += time.perf_counter() - t0
-
-    def _sample_pool(self) -> None:
-        used = self.scheduler.num_blocks - self.scheduler.free_pages
-        if used > self.peak_pages:
-            self.peak_pages = used
-        if len(self._running) > self.peak_running:
-            self.peak_running = len(self._running)
-
     # -- the loop -----------------------------------------------------------------------------
 
-    def run(self, requests: Iterable[Request] = (), *, check: bool = False) -> EngineResult:
+    def run(self, requests: Iterable[Request] = (), *, check: bool = False,
+            progress: Optional[Callable[[str, int, int], None]] = None) -> EngineResult:
         """Submit ``requests``, serve everything submitted to completion, verify the end state
         (every request completed exactly once, no request active, the pool holding only the
-        prefix store's pages) and report."""
-        for req in requests:
-            self.submit(req)
-        t0 = time.perf_counter()
-        while self.pending:
-            self.step()
-        self.wall_s += time.perf_counter() - t0
-        self.verify_end_state()
-        result = EngineResult(self.stats(), dict(self.outputs))
+        prefix store's pages), run the check if ``check``, and report.
+
+        ``progress(phase, done, total)`` is called with phase ``"serve"`` as requests complete
+        and ``"check"`` as they are checked (first with ``done == 0``)."""
+        self.submit_all(requests)
+        token = self.clock.enter(ENGINE)
+        self._progress = progress
+        try:
+            while self.pending:
+                self._step()
+            self.verify_end_state()
+        finally:
+            self._progress = None
+            self.clock.leave(token)
+        checked = None
         if check:
-            t1 = time.perf_counter()
-            result.check = self.check()
-            result.stats["check_ok"] = result.check.ok
-            result.stats["check_s"] = time.perf_counter() - t1
-        return result
+            checked = self.check(None if progress is None
+                                 else progress_reporter(progress, len(self.outputs)))
+            self.last_check = checked
+        return EngineResult(self.stats(), dict(self.outputs), checked)
 
     def step(self) -> None:
         """One engine step: arrivals, admission + prefill, one decode round."""
+        token = self.clock.enter(ENGINE)
+        try:
+            self._step()
+        finally:
+            self.clock.leave(token)
+
+    def _step(self) -> None:
         if not self._sorted:
             self._arrivals = collections.deque(
                 sorted(self._arrivals, key=lambda lv: lv.req.arrival_step))
@@ -571,20 +321,25 @@ class Engine:
             self._waiting.append(self._arrivals.popleft())
         if not self._waiting and not self._running:
             if self._arrivals:  # idle: jump to the next arrival
-                self.c["idle_steps"] += self._arrivals[0].req.arrival_step - self.step_no
+                self.counters.idle_steps += self._arrivals[0].req.arrival_step - self.step_no
                 self.step_no = self._arrivals[0].req.arrival_step
             return
-        self._sched_s = 0.0
-        self._backend_s = 0.0
-        b0 = self.backend.seconds if self.is_model else 0.0
+        secs = self.clock.seconds
+        s0, d0, b0 = secs[SCHEDULER], secs[DECODE_ROUND], secs[BACKEND]
         self._admit_waiting()
         self._decode_round()
-        if self.is_model:  # prefill, copies and the round, all through the timing proxy
-            self._backend_s = self.backend.seconds - b0
-        self.round_sched_s.append(self._sched_s)
-        self.round_backend_s.append(self._backend_s)
+        self.round_sched_s.append(secs[SCHEDULER] - s0)
+        self.round_decode_s.append(secs[DECODE_ROUND] - d0)
+        self.round_backend_s.append(secs[BACKEND] - b0)
         self.step_no += 1
-        self.c["steps"] += 1
+        self.counters.steps += 1
+
+    def _sample_pool(self) -> None:
+        used = self.scheduler.num_blocks - self.scheduler.free_pages
+        if used > self.peak_pages:
+            self.peak_pages = used
+        if len(self._running) > self.peak_running:
+            self.peak_running = len(self._running)
 
     # -- admission and prefill ----------------------------------------------------------------
 
@@ -595,15 +350,15 @@ class Engine:
         """Free pages the head of the queue needs to be admitted: the pages its prefill
         allocates (less the full pages a prefix hit would share), plus one of headroom, capped
         at what the request needs at its peak."""
-        s, pt = self.scheduler, self.page_tokens
-        ctx = len(live.req.prompt) + max(0, len(live.generated) - 1)
+        s, pt, req = self.scheduler, self.page_tokens, live.req
+        ctx = len(req.prompt) + max(0, len(live.generated) - 1)
         shared = 0
-        plen = self._prefix_len(live.req)
+        plen = self._prefix_len(req)
         if plen:
-            ident = s.identity_for(live.req.prompt, plen, live.req.namespace)
-            if s.prefixes.contains(ident):
-                shared = s.prefixes.tokens_of(ident) // pt
-        total = pages_needed(len(live.req.prompt), live.req.max_new_tokens, pt)
+            ident = self._call(s.identity_for, req.prompt, plen, req.namespace)
+            if self._call(s.prefixes.contains, ident):
+                shared = self._call(s.prefixes.tokens_of, ident) // pt
+        total = pages_needed(len(req.prompt), req.max_new_tokens, pt)
         prefill_pages = -(-ctx // pt) - shared
         return max(0, min(prefill_pages + 1, total - shared))
 
@@ -613,18 +368,14 @@ class Engine:
             live = self._waiting[0]
             while True:
                 need = self._admission_pages(live)
-                if s.free_pages >= need:
+                if s.free_pages >= need or not self._evict(unused_only=True):
                     break
-                if self._call(s.evict_unused_lru) is None:
-                    break
-                self.c["evictions"] += 1
-                self.c["evictions_for_pages"] += 1
             if s.free_pages < need:
                 if not self._running:  # cannot happen: submit() rejects what cannot fit
                     raise RuntimeError(
                         f"engine stuck: request {live.req.request_id} needs {need} pages, "
                         f"{s.free_pages} free with nothing running")
-                self.c["admission_waits"] += 1
+                self.counters.admission_waits += 1
                 break  # first come, first served: the head of the queue waits
             self._waiting.popleft()
             if not self._prefill(live):
@@ -632,22 +383,21 @@ class Engine:
 
     def _prefill(self, live: _Live) -> bool:
         """Admit ``live`` and prefill its context; returns False if it had to be put back."""
-        s, req, rid = self.scheduler, live.req, live.req.request_id
+        s, c, req, rid = self.scheduler, self.counters, live.req, live.req.request_id
         ctx = live.context()
         plen = self._prefix_len(req)
         if plen:
             adm = self._call(s.admit, rid, req.prompt, namespace=req.namespace, prefix_len=plen)
-            self.c["prefix_lookups"] += 1
+            c.prefix_lookups += 1
         else:
             adm = self._call(s.admit, rid)
-        live.admissions += 1
         self._running[rid] = live
         start = int(adm.prefix_tokens) if adm.prefix_hit else 0
         if adm.prefix_hit:
-            self.c["prefix_hits"] += 1
-            self.c["prefix_tokens_reused"] += start
+            c.prefix_hits += 1
+            c.prefix_tokens_reused += start
         if live.generated:
-            self.c["recomputes"] += 1
+            c.recomputes += 1
 
         # _prefix_len() caps the looked-up prefix at len(prompt) - 1, so a hit always leaves
         # at least the last prompt token to prefill (its logits give the first token)
@@ -657,15 +407,15 @@ class Engine:
         if copies is None:
             return False
         self._copy(copies)
-        token = self._first_token(rid, ctx[start:], start, ctx)
+        token = self._first_token(rid, ctx, start)
         self._call(s.advance, rid, n)
-        self.c["tokens_prefilled"] += n
+        c.tokens_prefilled += n
         if live.generated:
-            self.c["tokens_recomputed"] += n
+            c.tokens_recomputed += n
 
         if live.generated:  # recompute: the pending token is the one generated before
             if token != live.generated[-1]:
-                self.c["recompute_mismatches"] += 1
+                c.recompute_mismatches += 1
             token = live.generated[-1]
         else:
             live.generated.append(int(token))
@@ -676,24 +426,32 @@ class Engine:
             self._complete(live)
         return True
 
-    def _first_token(self, rid: int, tokens: List[int], start: int, ctx: List[int]) -> int:
+    def _first_token(self, rid: int, ctx: List[int], start: int) -> int:
         if self.is_model:
             table = self._call(self.scheduler.block_table, rid)
-            return int(self.backend.prefill(tokens, start, table))
-        return hash_next_token(rid, len(ctx) - 1, ctx[-1], self.vocab)
+            return int(self.backend.prefill(ctx[start:], start, table))
+        # a decode-only backend: the engine stands in for its prefill with the hash rule
+        return self._hash_next_token(rid, len(ctx) - 1, ctx[-1], self.vocab)
 
     def _copy(self, copies) -> None:
         n = len(copies)
         if not n:
             return
-        self.c["pages_copied_prefill"] += n
+        self.counters.pages_copied_prefill += n
         if self._can_copy:
-            if self.is_model:
+            if self.is_c_backend:
+                prev = self.clock.switch(BACKEND)
+                try:
+                    self.backend.copy_pages(copies)
+                finally:
+                    self.clock.switch(prev)
+            else:  # the TimedBackend charges itself
                 self.backend.copy_pages(copies)
-            else:
-                self._backend_call(self.backend.copy_pages, copies)
 
     def _reserve_for_prefill(self, live: _Live, n: int):
+        """Reserve ``n`` tokens for ``live`` (just admitted); returns the copies to perform, or
+        None when the admission had to be rolled back (``live`` is at the head of the queue
+        again)."""
         s, rid = self.scheduler, live.req.request_id
         while True:
             try:
@@ -701,25 +459,14 @@ class Engine:
             except Exception as err:
                 if not is_exhausted(err):
                     raise
-            if self._call(s.evict_unused_lru) is not None:
-                self.c["evictions"] += 1
-                self.c["evictions_for_pages"] += 1
-                continue
-            if len(self._running) > 1:  # others hold the pages: wait for them
-                self._rollback(live)
+                failure = err
+            done = self._relieve_pressure(_ROLLBACK)
+            if done is None:
+                raise RuntimeError(
+                    f"engine stuck: cannot reserve {n} pages for request {rid} alone"
+                ) from failure
+            if done == _REQUEUED:
                 return None
-            if self._call(s.evict_lru) is not None:
-                self.c["evictions"] += 1
-                self.c["evictions_for_pages"] += 1
-                continue
-            raise RuntimeError(f"engine stuck: cannot reserve {n} pages for request {rid} alone")
-
-    def _rollback(self, live: _Live) -> None:
-        """Undo an admission that could not get its pages: back to the front of the queue."""
-        self._call(self.scheduler.finish, live.req.request_id)
-        del self._running[live.req.request_id]
-        self._waiting.appendleft(live)
-        self.c["admission_rollbacks"] += 1
 
     def _publish(self, live: _Live) -> None:
         s, req = self.scheduler, live.req
@@ -727,50 +474,82 @@ class Engine:
         if not plen:
             return
         ident = self._call(s.identity_for, req.prompt, plen, req.namespace)
-        if s.prefixes.contains(ident):
+        if self._call(s.prefixes.contains, ident):
             return
         if -(-plen // self.page_tokens) > s.prefixes.max_pages:
-            self.c["publish_skipped_too_long"] += 1
+            self.counters.publish_skipped_too_long += 1
             return
         if len(s.prefixes) >= s.prefixes.capacity:
-            victim = self._call(s.evict_unused_lru)
-            if victim is None:
-                victim = self._call(s.evict_lru)
-            if victim is None:  # pragma: no cover - capacity >= 1
-                return
-            self.c["evictions"] += 1
-            self.c["evictions_for_entries"] += 1
+            if not (self._evict(unused_only=True, for_entries=True)
+                    or self._evict(unused_only=False, for_entries=True)):
+                return  # pragma: no cover - capacity >= 1
         self._call(s.publish_prefix, req.request_id, req.prompt, plen, req.namespace)
-        self.c["prefixes_published"] += 1
+        self.counters.prefixes_published += 1
+
+    # -- memory pressure ----------------------------------------------------------------------
+
+    def _evict(self, *, unused_only: bool, for_entries: bool = False) -> bool:
+        """Evict the least recently used prefix entry (one no running request holds, if
+        ``unused_only``); count it, for store entries or for pages.  False if none was left."""
+        s = self.scheduler
+        victim = self._call(s.evict_unused_lru if unused_only else s.evict_lru)
+        if victim is None:
+            return False
+        c = self.counters
+        c.evictions += 1
+        if for_entries:
+            c.evictions_for_entries += 1
+        else:
+            c.evictions_for_pages += 1
+        return True
+
+    def _relieve_pressure(self, requeue_as: str) -> Optional[str]:
+        """Free pages, the one way the engine does it (see the module docstring): evict an
+        unused prefix entry; else, with other requests running, requeue the most recently
+        admitted one (``requeue_as``: ``"rollback"`` of the admission being made, or
+        ``"preemption"``); else evict any prefix entry.  Returns ``"evicted"``,
+        ``"requeued"`` or None when nothing is left to free."""
+        if self._evict(unused_only=True):
+            return _EVICTED
+        if len(self._running) > 1:
+            rid = next(reversed(self._running))
+            self._call(self.scheduler.finish, rid)
+            self._waiting.appendleft(self._running.pop(rid))
+            if requeue_as == _ROLLBACK:
+                self.counters.admission_rollbacks += 1
+            else:
+                self.counters.preemptions += 1
+            return _REQUEUED
+        if self._evict(unused_only=False):
+            return _EVICTED
+        return None
 
     # -- decode -------------------------------------------------------------------------------
 
     def _decode_round(self) -> None:
         if not self._running:
             return
-        s = self.scheduler
+        s, clock = self.scheduler, self.clock
         while True:
-            t0 = time.perf_counter()
-            b0 = self.backend.seconds if self.is_model else 0.0
-            failed = None
             try:
-                receipt, outputs = s.decode(self.backend)
-            except Exception as err:
-                failed = err
-            dt = time.perf_counter() - t0
-            if self.is_model:
-                self._sched_s += dt - (self.backend.seconds - b0)
-            else:
-                self._backend_s += dt
-            if failed is None:
+                if self.is_c_backend:  # scheduler and C backend in one call
+                    prev = clock.switch(DECODE_ROUND)
+                    try:
+                        receipt, outputs = s.decode(self.backend)
+                    finally:
+                        clock.switch(prev)
+                else:  # the TimedBackend charges the backend's part to the backend row
+                    receipt, outputs = self._call(s.decode, self.backend)
                 break
-            if not is_exhausted(failed):
-                raise failed
-            self.c["decode_exhausted"] += 1
-            if not self._relieve_decode():
-                raise RuntimeError("engine stuck: a decode round cannot get a page") from failed
-        self.c["decode_rounds"] += 1
-        self.c["decode_items"] += int(receipt.batch_size)
+            except Exception as err:
+                if not is_exhausted(err):
+                    raise
+                failure = err
+            self.counters.decode_exhausted += 1
+            if self._relieve_pressure(_PREEMPT) is None:
+                raise RuntimeError("engine stuck: a decode round cannot get a page") from failure
+        self.counters.decode_rounds += 1
+        self.counters.decode_items += int(receipt.batch_size)
         ids = outputs["request_id"].tolist()
         tokens = outputs["next_token_id"].tolist()
         self._sample_pool()
@@ -780,38 +559,17 @@ class Engine:
             if live.finished(self.end_token):
                 self._complete(live)
 
-    def _relieve_decode(self) -> bool:
-        s = self.scheduler
-        if self._call(s.evict_unused_lru) is not None:
-            self.c["evictions"] += 1
-            self.c["evictions_for_pages"] += 1
-            return True
-        if len(self._running) > 1:
-            self._preempt(next(reversed(self._running)))
-            return True
-        if self._call(s.evict_lru) is not None:
-            self.c["evictions"] += 1
-            self.c["evictions_for_pages"] += 1
-            return True
-        return False
-
-    def _preempt(self, rid: int) -> None:
-        live = self._running.pop(rid)
-        self._call(self.scheduler.finish, rid)
-        live.preemptions += 1
-        self.c["preemptions"] += 1
-        self._waiting.appendleft(live)
-
     def _complete(self, live: _Live) -> None:
         rid = live.req.request_id
         self._call(self.scheduler.finish, rid)
         del self._running[rid]
-        live.done = True
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = list(live.generated)
-        self.c["completed"] += 1
+        self.counters.completed += 1
         if self.on_complete is not None:
             self.on_complete(rid, self.outputs[rid])
+        if self._progress is not None:
+            self._progress("serve", len(self.outputs), len(self._requests))
 
     # -- end state, check, stats --------------------------------------------------------------
 
@@ -823,122 +581,29 @@ class Engine:
     def verify_end_state(self) -> None:
         """Raise ``RuntimeError`` unless every submitted request completed exactly once and
         the pool holds nothing but the prefix store's pages."""
-        s = self.scheduler
-        problems = []
-        submitted = set(self._requests)
-        done = set(self._completions)
-        if submitted != done:
-            missing = sorted(submitted - done)[:10]
-            extra = sorted(done - submitted)[:10]
-            problems.append(f"not completed: {missing}; unknown completed: {extra}")
-        dup = sorted(r for r, n in self._completions.items() if n != 1)
-        if dup:
-            problems.append(f"completed more than once: {dup[:10]}")
-        if self.pending:
-            problems.append(f"{self.pending} requests still pending")
-        if s.active_count != 0:
-            problems.append(f"{s.active_count} requests still active in the scheduler")
-        held = collections.Counter(self.store_pages())
-        if s.free_pages + len(held) != s.num_blocks:
-            problems.append(
-                f"pool leak: {s.free_pages} free + {len(held)} store pages != {s.num_blocks}")
-        for page, count in held.items():
-            if s.pool.refcount(page) != count:
-                problems.append(f"page {page}: refcount {s.pool.refcount(page)}, store holds "
-                                f"{count}")
-                break
-        if problems:
-            raise RuntimeError("engine end state is wrong: " + "; ".join(problems))
+        verify_end_state(self.scheduler, self._requests, self._completions, self.pending)
 
     def check(self, on_checked: Optional[Callable[[int], None]] = None) -> CheckResult:
-        """Compare every completed request's tokens with an independent reference: the dense
-        (unpaged) model for a model backend, the pure-Python decode rule for the reference
-        backend.  ``on_checked(request_id)`` is called after each request."""
-        mismatched = []
-        if self.is_model:
-            from .model import DenseModel
-
-            if self.weights is None:
-                raise ValueError("check needs the model backend's weights")
-            dense = DenseModel(self.weights)
-            against = "dense reference"
-            for rid in sorted(self.outputs):
-                req = self._requests[rid]
-                want = dense.generate(req.prompt, req.max_new_tokens, self.end_token)
-                if want != self.outputs[rid]:
-                    mismatched.append(rid)
-                if on_checked is not None:
-                    on_checked(rid)
-        else:
-            against = "pure-Python reference decode rule"
-            for rid in sorted(self.outputs):
-                req = self._requests[rid]
-                want = reference_generate(rid, req.prompt, req.max_new_tokens, self.end_token,
-                                          self.vocab)
-                if want != self.outputs[rid]:
-                    mismatched.append(rid)
-                if on_checked is not None:
-                    on_checked(rid)
-        n = len(self.outputs)
-        ok = not mismatched and n == len(self._requests)
-        return CheckResult(ok, n, mismatched, against)
+        """Compare every completed request's tokens with the dense model (model backend) or
+        the pure-Python hash rule (decode-only backend); see :mod:`qualia.check`.  Charged to
+        the check row; the result is also kept in ``last_check``.  ``on_checked(request_id)``
+        is called after each request."""
+        if self.is_model and self.weights is None:
+            raise ValueError("check needs the model backend's weights")
+        token = self.clock.enter(CHECK)
+        try:
+            self.last_check = check_outputs(
+                self._requests, self.outputs, weights=self.weights if self.is_model else None,
+                end_token=self.end_token, vocab=self.vocab or 32000, on_checked=on_checked)
+        finally:
+            self.clock.leave(token)
+        return self.last_check
 
     def pages_copied(self) -> int:
         """Copy-on-write page copies handed to the backend (prefill and decode), as counted by
         the facade."""
-        return int(self.scheduler.stats().get("pages_copied", self.c["pages_copied_prefill"]))
+        return int(self.scheduler.stats()["pages_copied"])
 
     def stats(self) -> Dict[str, object]:
-        s, c = self.scheduler, self.c
-        lookups = c["prefix_lookups"]
-        sched_us = [x * 1e6 for x in self.round_sched_s]
-        back_us = [x * 1e6 for x in self.round_backend_s]
-        generated = sum(len(v) for v in self.outputs.values())
-        out = {
-            "backend": "model" if self.is_model else type(self.raw_backend).__name__,
-            "requests_submitted": len(self._requests),
-            "requests_completed": c["completed"],
-            "tokens_generated": generated,
-            "tokens_prefilled": c["tokens_prefilled"],
-            "tokens_recomputed": c["tokens_recomputed"],
-            "decode_rounds": c["decode_rounds"],
-            "decode_items": c["decode_items"],
-            "mean_batch": (c["decode_items"] / c["decode_rounds"]) if c["decode_rounds"] else 0.0,
-            "steps": c["steps"],
-            "idle_steps": c["idle_steps"],
-            "prefix_lookups": lookups,
-            "prefix_hits": c["prefix_hits"],
-            "prefix_hit_rate": (c["prefix_hits"] / lookups) if lookups else 0.0,
-            "prefix_tokens_reused": c["prefix_tokens_reused"],
-            "prefixes_published": c["prefixes_published"],
-            "pages_copied": self.pages_copied(),
-            "pages_copied_prefill": c["pages_copied_prefill"],
-            "evictions": c["evictions"],
-            "evictions_for_pages": c["evictions_for_pages"],
-            "evictions_for_entries": c["evictions_for_entries"],
-            "preemptions": c["preemptions"],
-            "recomputes": c["recomputes"],
-            "recompute_mismatches": c["recompute_mismatches"],
-            "admission_waits": c["admission_waits"],
-            "admission_rollbacks": c["admission_rollbacks"],
-            "decode_exhausted": c["decode_exhausted"],
-            "num_blocks": s.num_blocks,
-            "page_tokens": self.page_tokens,
-            "max_requests": s.max_requests,
-            "peak_pages_used": self.peak_pages,
-            "peak_pool_use": self.peak_pages / s.num_blocks,
-            "peak_running": self.peak_running,
-            "store_entries_at_end": len(s.prefixes),
-            "store_pages_at_end": len(set(self.store_pages())),
-            "free_pages_at_end": s.free_pages,
-            "sched_us_per_round_p50": _percentile(sched_us, 50),
-            "sched_us_per_round_p99": _percentile(sched_us, 99),
-            "sched_s_total": sum(self.round_sched_s),
-            "backend_us_per_round_p50": _percentile(back_us, 50),
-            "backend_us_per_round_p99": _percentile(back_us, 99),
-            "backend_s_total": sum(self.round_backend_s),
-            "backend_time_is": ("time inside execute_ragged/prefill/copy_pages" if self.is_model
-                                else "time of the Scheduler.decode call"),
-            "wall_s": self.wall_s,
-        }
-        return out
+        """The run's figures and where its time went (:func:`qualia.report.collect_stats`)."""
+        return collect_stats(self)

@@ -1,6 +1,6 @@
-"""A tiny decoder-only transformer in numpy, with a paged-attention backend and a dense twin.
+"""A tiny decoder-only transformer in numpy, with a paged-attention backend and a dense model.
 
-This is a *reference model*, not a fast one: it exists so that the scheduler core can be tested
+This is a *test model*, not a fast one: it exists so that the scheduler core can be tested
 end to end against real attention over a paged KV cache (prefix sharing, copy-on-write, page
 reuse, preemption and recompute), with the answer checked token for token against the same model
 run without paging.
@@ -34,10 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-try:  # the package's receipt type (a NamedTuple, equal to a plain ``(batch_size, launches)``)
-    from ._types import RaggedBatchReceipt as _Receipt
-except Exception:  # pragma: no cover - keep the model usable on its own
-    _Receipt = None  # type: ignore[assignment]
+from ._types import RaggedBatchReceipt
 
 __all__ = [
     "ModelConfig",
@@ -443,7 +440,7 @@ class PagedModelBackend:
     # -- decode round -------------------------------------------------------------------------
 
     def execute_ragged(self, items, block_table, outputs):
-        """One decode round over a ragged batch (SPEC §6).  Reads ``items`` and ``block_table``
+        """One decode round over a ragged batch (the Python backend protocol).  Reads ``items`` and ``block_table``
         only; writes ``outputs[i] = (request_id, slot, next_token_id)`` for every item.
         Returns ``(batch_size, backend_launches) = (len(items), 1)``.  All items are validated
         before any K/V is written."""
@@ -488,15 +485,13 @@ class PagedModelBackend:
             outputs["next_token_id"][i] = _greedy(logits)
         self.rounds += 1
         self.items_executed += n
-        if _Receipt is not None:
-            return _Receipt(n, 1)
-        return (n, 1)
+        return RaggedBatchReceipt(n, 1)
 
     __call__ = execute_ragged
 
 
 # --------------------------------------------------------------------------------------------
-# dense twin
+# the dense model: no paging
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,24 +1,20 @@
-"""The serving engine (qualia.engine) and ``python -m qualia simulate`` end to end."""
+"""The serving engine (qualia.engine, qualia.workload, qualia.check, qualia.timing,
+qualia.report); the CLI is in test_cli.py."""
 
 from __future__ import annotations
 
 import collections
-import json
+import time
 
 import pytest
 
 import qualia
-from qualia.__main__ import main
-from qualia.engine import (
-    Engine,
-    Request,
-    Workload,
-    is_exhausted,
-    pages_needed,
-    reference_generate,
-    hash_next_token,
-)
+from qualia.check import hash_generate, hash_next_token
+from qualia.engine import Counters, Engine, UnservableRequest, is_exhausted
+from qualia.report import WIDTH, format_summary
+from qualia.timing import ROWS, Stopwatch
 from qualia.twin import PyHashBackend
+from qualia.workload import Request, Workload, pages_needed
 
 # A pool small enough that prefix eviction, preemption and copy-on-write all happen.
 SMALL_WORKLOAD = dict(requests=24, seed=1, prompt_len=(16, 48), output_len=(8, 24),
@@ -77,7 +73,7 @@ def test_workload_is_seeded_and_well_formed():
         Workload(share_ratio=1.5)
 
 
-def test_reference_rule_matches_the_core():
+def test_hash_rule_matches_the_core():
     for rid, pos, tok in [(0, 0, 0), (7, 100, 31999), (2**64 - 1, 2**32 - 1, 2**32 - 1)]:
         assert hash_next_token(rid, pos, tok) == qualia.hash_next_token(rid, pos, tok)
         assert hash_next_token(rid, pos, tok, 97) == PyHashBackend.next_token(
@@ -87,13 +83,13 @@ def test_reference_rule_matches_the_core():
 # -- the model backend ------------------------------------------------------------------------
 
 
-def test_model_engine_matches_dense_reference_under_pressure():
+def test_model_engine_matches_the_dense_model_under_pressure():
     requests = Workload(**SMALL_WORKLOAD).generate()
     engine = Engine("model", **SMALL_ENGINE)
     result = engine.run(requests, check=True)
     st = result.stats
     assert result.check.ok, result.check.describe()
-    assert result.check.describe() == "all 24 requests match the dense reference"
+    assert result.check.describe() == "all 24 requests match the dense model"
     assert_clean_end(engine, 24)
     assert st["requests_completed"] == 24
     assert st["tokens_generated"] == sum(r.max_new_tokens for r in requests)  # no end token
@@ -102,9 +98,10 @@ def test_model_engine_matches_dense_reference_under_pressure():
     assert st["prefix_hits"] > 0 and 0 < st["prefix_hit_rate"] <= 1
     assert st["pages_copied"] > 0
     assert st["evictions"] > 0 and st["evictions_for_pages"] > 0
+    assert st["evictions"] == st["evictions_for_pages"] + st["evictions_for_entries"]
     assert st["peak_pages_used"] == SMALL_ENGINE["num_blocks"]
     assert st["decode_rounds"] == engine.backend.inner.rounds
-    assert st["backend_s_total"] > 0 and st["sched_s_total"] > 0
+    assert st["backend"] == "PagedModelBackend (numpy)"
 
 
 def test_model_engine_end_token_and_tenants():
@@ -145,7 +142,7 @@ def test_tenants_do_not_share_prefixes():
 # -- decode-only backends ---------------------------------------------------------------------
 
 
-def test_c_backend_engine_matches_the_reference_rule():
+def test_c_backend_engine_matches_the_hash_rule():
     requests = Workload(requests=400, seed=5, prompt_len=(8, 80), output_len=(4, 40),
                         system_prompts=5, system_prompt_len=24, share_ratio=0.7, tenants=3,
                         arrival_rate=4.0, vocab=32000).generate()
@@ -154,15 +151,16 @@ def test_c_backend_engine_matches_the_reference_rule():
     result = engine.run(requests, check=True)
     st = result.stats
     assert result.check.ok, result.check.describe()
-    assert "pure-Python reference decode rule" in result.check.describe()
+    assert result.check.describe() == "all 400 requests match the pure-Python hash rule"
     assert_clean_end(engine, 400)
     assert st["preemptions"] > 0 and st["prefix_hits"] > 0 and st["pages_copied"] > 0
     assert st["evictions"] > 0
     assert isinstance(engine.backend, qualia.HashBackend)
     assert engine.backend.calls == st["decode_rounds"]
+    assert st["backend"] == "HashBackend (C)"
     for rid, out in engine.outputs.items():
         req = engine._requests[rid]
-        assert out == reference_generate(rid, req.prompt, req.max_new_tokens)
+        assert out == hash_generate(rid, req.prompt, req.max_new_tokens)
 
 
 def test_c_backend_small_vocab_end_token_and_tiny_pool():
@@ -197,9 +195,9 @@ def test_oversize_request_is_rejected_at_submission():
     engine = Engine("c", num_blocks=8, max_requests=2, page_tokens=4, logical_pages=16)
     assert pages_needed(30, 3, 4) == 8
     engine.submit(Request(0, 0, list(range(30)), 0, 3))  # 32 positions = 8 pages: fits
-    with pytest.raises(ValueError, match="whole pool has only 8 pages"):
+    with pytest.raises(UnservableRequest, match="whole pool has only 8 pages"):
         engine.submit(Request(1, 0, list(range(30)), 0, 4))
-    with pytest.raises(ValueError, match="logical_pages=16"):
+    with pytest.raises(UnservableRequest, match="logical_pages=16"):
         engine.submit(Request(2, 0, list(range(60)), 0, 10))
     with pytest.raises(ValueError, match="duplicate"):
         engine.submit(Request(0, 0, [1, 2], 0, 1))
@@ -223,70 +221,8 @@ def test_is_exhausted():
     assert not is_exhausted(RuntimeError("Exhausted"))
 
 
-# -- the CLI ----------------------------------------------------------------------------------
-
-SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16",
-             "--system-prompts", "2", "--system-prompt-len", "20", "--share-ratio", "0.8",
-             "--arrival-rate", "2", "--num-blocks", "32", "--max-requests", "10",
-             "--page-tokens", "8", "--logical-pages", "8", "--prefix-entries", "3",
-             "--no-progress"]
-
-
-def test_cli_simulate_check_json(tmp_path, capsys):
-    path = tmp_path / "run.json"
-    rc = main(["simulate", *SMALL_CLI, "--check", "--json", str(path)])
-    out = capsys.readouterr().out
-    assert rc == 0
-    assert "all 16 requests match the dense reference" in out
-    for label in ("requests completed", "tokens generated", "decode rounds", "prefix hit rate",
-                  "pages copied", "evictions", "preemptions", "peak pool use",
-                  "scheduler time / round", "backend time / round", "wall time"):
-        assert label in out
-    data = json.loads(path.read_text())
-    st = data["stats"]
-    assert st["requests_completed"] == 16 and st["check_ok"] is True
-    assert data["check"]["ok"] is True and data["check"]["checked"] == 16
-    assert data["check"]["message"] == "all 16 requests match the dense reference"
-    assert data["config"]["num_blocks"] == 32 and data["config"]["prompt_len"] == [16, 40]
-    assert data["config"]["backend"] == "model"
-    for key in ("tokens_generated", "decode_rounds", "prefix_hit_rate", "pages_copied",
-                "evictions", "preemptions", "peak_pool_use", "sched_us_per_round_p50",
-                "sched_us_per_round_p99", "backend_us_per_round_p50",
-                "backend_us_per_round_p99", "wall_s"):
-        assert key in st
-    assert st["preemptions"] > 0 and st["prefix_hits"] > 0
-
-
-def test_cli_c_backend_json_stdout(capsys):
-    rc = main(["simulate", "--backend", "c", "--requests", "200", "--arrival-rate", "inf",
-               "--check", "--json", "-", "--no-progress"])
-    captured = capsys.readouterr()
-    assert rc == 0
-    data = json.loads(captured.out)
-    assert data["stats"]["requests_completed"] == 200
-    assert data["check"]["ok"] and data["config"]["arrival_rate"] == "inf"
-
-
-def test_cli_rejects_what_cannot_fit(capsys):
-    rc = main(["simulate", "--requests", "4", "--prompt-len", "100,120", "--logical-pages", "4",
-               "--no-progress", "--backend", "c"])
-    assert rc == 2
-    assert "can never be served" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["simulate", "--prompt-len", "9,3"])
-    with pytest.raises(SystemExit):
-        main([])
-
-
-def test_cli_quiet_and_demo(capsys):
-    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--quiet"]) == 0
-    assert capsys.readouterr().out == ""
-    assert main(["demo", "--no-progress", "--backend", "c"]) == 0
-    assert "all 12 requests match" in capsys.readouterr().out
-
-
 class _OffByOne(PyHashBackend):
-    """Deviates from the reference rule for request 3 only."""
+    """Deviates from the hash rule for request 3 only."""
 
     def execute_ragged(self, items, block_table, outputs):
         receipt = super().execute_ragged(items, block_table, outputs)
@@ -306,14 +242,256 @@ def test_check_reports_a_mismatch():
     assert result.stats["check_ok"] is False
 
 
-def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
-    from qualia import engine as engine_mod
+# -- workload edge cases ----------------------------------------------------------------------
 
-    def bad_check(self, on_checked=None):
-        return engine_mod.CheckResult(False, len(self.outputs), [0], "dense reference")
 
-    monkeypatch.setattr(engine_mod.Engine, "check", bad_check)
-    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--check"]) == 1
-    assert "DIFFER" in capsys.readouterr().out
-    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--check", "--quiet"]) == 1
-    assert "check FAILED" in capsys.readouterr().err
+def test_workload_refuses_what_would_overflow_its_steps():
+    with pytest.raises(ValueError, match="too small"):
+        Workload(requests=5, arrival_rate=1e-300).generate()
+    with pytest.raises(ValueError, match="too small"):
+        Workload(requests=5, arrival_rate=5e-324).generate()
+    for bad in (0.0, -1.0, float("nan"), float("-inf")):
+        with pytest.raises(ValueError, match="arrival_rate"):
+            Workload(arrival_rate=bad)
+    slow = Workload(requests=5, arrival_rate=1e-6).generate()  # far apart, still int steps
+    assert all(isinstance(r.arrival_step, int) for r in slow) and slow[-1].arrival_step > 10**5
+    with pytest.raises(ValueError, match="seed"):
+        Workload(seed=-1)
+    import numpy as np
+
+    assert Workload(requests=3, seed=np.uint64(7)).generate()[0].prompt == \
+        Workload(requests=3, seed=7).generate()[0].prompt
+
+
+# -- counters and the one pressure-relief path ------------------------------------------------
+
+
+def test_counters_are_typed():
+    c = Counters()
+    c.evictions += 1
+    assert c.evictions == 1
+    with pytest.raises(AttributeError):
+        c.evictons += 1  # a typo is an error, not a silent zero
+    with pytest.raises(AttributeError):
+        c.evictons = 1
+    assert isinstance(Engine("c").counters, Counters)
+
+
+class _Recording(Engine):
+    """Records every outcome of the engine's pressure relief."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.relief = collections.Counter()
+
+    def _relieve_pressure(self, requeue_as):
+        done = super()._relieve_pressure(requeue_as)
+        self.relief[requeue_as, done] += 1
+        return done
+
+
+@pytest.mark.parametrize("backend", ["model", "c"])
+def test_every_preemption_and_rollback_goes_through_the_one_relief_path(backend):
+    vocab = 512 if backend == "model" else 32000
+    requests = Workload(**{**SMALL_WORKLOAD, "vocab": vocab}).generate()
+    engine = _Recording(backend, **SMALL_ENGINE)
+    st = engine.run(requests).stats
+    assert st["preemptions"] > 0
+    assert engine.relief["preemption", "requeued"] == st["preemptions"]
+    assert engine.relief["rollback", "requeued"] == st["admission_rollbacks"]
+    assert sum(engine.relief.values()) == st["decode_exhausted"] + sum(
+        n for (kind, _), n in engine.relief.items() if kind == "rollback")
+
+
+# -- where the time goes ----------------------------------------------------------------------
+
+
+def test_stopwatch_charges_every_second_to_one_row():
+    clock = Stopwatch()
+    time.sleep(0.01)
+    prev = clock.switch(3)
+    time.sleep(0.02)
+    token = clock.enter(5)
+    time.sleep(0.01)
+    clock.leave(token)
+    assert clock.row == 3
+    clock.switch(prev)
+    clock.stop()
+    wall = clock.wall_s
+    time.sleep(0.01)  # stopped: not counted
+    assert clock.wall_s == wall == pytest.approx(sum(clock.seconds), abs=1e-12)
+    assert clock.seconds[0] >= 0.01 and clock.seconds[3] >= 0.02 and clock.seconds[5] >= 0.01
+    token = clock.enter(2)  # a stopped clock starts, and stops again on leave
+    assert clock.running and token is None
+    clock.leave(token)
+    assert not clock.running
+
+
+class _Sleepy(PyHashBackend):
+    """A Python decode-only backend that sleeps in every call (and knows for how long)."""
+
+    def __init__(self, nap, **kwargs):
+        super().__init__(**kwargs)
+        self.nap, self.slept = nap, 0.0
+
+    def _sleep(self):
+        t0 = time.perf_counter()
+        time.sleep(self.nap)
+        self.slept += time.perf_counter() - t0
+
+    def execute_ragged(self, items, block_table, outputs):
+        self._sleep()
+        return super().execute_ragged(items, block_table, outputs)
+
+    def copy_pages(self, copies):
+        self._sleep()
+        return super().copy_pages(copies)
+
+
+def _sum_rows(stats):
+    assert set(stats["time_s"]) == set(ROWS)
+    assert sum(stats["time_s"].values()) == pytest.approx(stats["wall_s"], rel=1e-9, abs=1e-9)
+    return stats["wall_s"]
+
+
+def test_python_backend_time_lands_in_the_backend_row():
+    backend = _Sleepy(0.002, vocab=1000)
+    requests = Workload(**{**SMALL_WORKLOAD, "vocab": 1000}).generate()
+    t0 = time.perf_counter()
+    engine = Engine(backend, **SMALL_ENGINE)
+    st = engine.run(requests).stats
+    elapsed = time.perf_counter() - t0
+    t = st["time_s"]
+    assert backend.slept > 0 and st["pages_copied"] > 0
+    # the sleep is inside the backend row (not the scheduler's, whose decode call it is in) ...
+    assert t["backend"] >= backend.slept
+    assert sum(engine.round_backend_s) >= backend.slept
+    assert t["decode_round"] == 0.0  # a Python backend's round is split, not lumped
+    # ... and counted once: the rows add up to the wall time, which is within the real time
+    assert _sum_rows(st) <= elapsed
+    assert st["backend"] == "_Sleepy (Python)"
+
+
+class _SlowScheduler:
+    """A qualia.Scheduler that sleeps in decode (scheduler + backend) and in admit
+    (bookkeeping)."""
+
+    def __init__(self, inner, nap):
+        self._inner, self.nap = inner, nap
+        self.slept = collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _sleep(self, what):
+        t0 = time.perf_counter()
+        time.sleep(self.nap)
+        self.slept[what] += time.perf_counter() - t0
+
+    def decode(self, backend):
+        self._sleep("decode")
+        return self._inner.decode(backend)
+
+    def admit(self, *args, **kwargs):
+        self._sleep("admit")
+        return self._inner.admit(*args, **kwargs)
+
+
+def test_c_backend_decode_call_lands_in_the_decode_round_row():
+    requests = Workload(**{**SMALL_WORKLOAD, "vocab": 32000}).generate()
+    t0 = time.perf_counter()
+    engine = Engine("c", **SMALL_ENGINE)
+    engine.scheduler = slow = _SlowScheduler(engine.scheduler, 0.001)
+    st = engine.run(requests).stats
+    elapsed = time.perf_counter() - t0
+    t = st["time_s"]
+    assert t["decode_round"] >= slow.slept["decode"] > 0
+    assert sum(engine.round_decode_s) >= slow.slept["decode"]
+    assert t["scheduler"] >= slow.slept["admit"] > 0
+    assert _sum_rows(st) <= elapsed
+    assert st["backend"] == "HashBackend (C)" and st["c_backend"] is True
+
+
+def test_engine_clock_counts_only_inside_engine_calls():
+    requests = Workload(requests=8, seed=4, vocab=32000).generate()
+    t0 = time.perf_counter()
+    engine = Engine("c")
+    time.sleep(0.1)  # the caller's time, not the engine's
+    engine.submit_all(requests)
+    time.sleep(0.1)
+    st = engine.run(check=True).stats
+    elapsed = time.perf_counter() - t0
+    assert _sum_rows(st) <= elapsed - 0.2
+    assert st["check_s"] == st["time_s"]["check"] > 0
+    assert st["time_s"]["submission"] > 0 and st["time_s"]["engine"] > 0
+
+
+def test_workload_generation_and_submission_have_their_rows():
+    clock = Stopwatch()
+    engine = Engine("c", clock=clock)
+    w = Workload(requests=20, vocab=32000)
+    slept = [0.0]
+    generate = w.generate
+
+    def slow_generate():
+        t0 = time.perf_counter()
+        time.sleep(0.05)
+        slept[0] = time.perf_counter() - t0
+        return generate()
+
+    w.generate = slow_generate
+    assert engine.submit_all(w) == 20
+    st = engine.run().stats
+    assert st["time_s"]["workload"] >= slept[0] > 0
+    assert st["wall_s"] >= slept[0]
+    _sum_rows(st)
+
+
+# -- the summary table ------------------------------------------------------------------------
+
+
+def _table_rows(text):
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("where the time went"))
+    rows = {}
+    for ln in lines[start + 1:]:
+        if not ln or ln.startswith("("):
+            break
+        label = ln[:36].rstrip()
+        rows[label] = float(ln[36:].split()[0])
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["model", "c"])
+def test_summary_rows_add_up_and_fit_80_columns(backend):
+    vocab = 512 if backend == "model" else 32000
+    requests = Workload(**{**SMALL_WORKLOAD, "vocab": vocab}).generate()
+    result = Engine(backend, **SMALL_ENGINE).run(requests, check=True)
+    text = format_summary(result.stats, result.check.describe())
+    assert max(len(ln) for ln in text.splitlines()) <= WIDTH == 80
+    rows = _table_rows(text)
+    wall = rows.pop("wall time (sum of the rows)")
+    assert wall == pytest.approx(result.stats["wall_s"], abs=1e-3)
+    assert sum(rows.values()) == pytest.approx(wall, abs=1e-3 * len(rows))
+    label = "backend: PagedModelBackend (numpy)" if backend == "model" else \
+        "backend: HashBackend (C)"
+    assert label in rows
+    assert ("decode round (scheduler + C backend)" in rows) == (backend == "c")
+
+
+def test_summary_fits_80_columns_with_huge_figures():
+    requests = Workload(requests=6, vocab=32000).generate()
+    engine = Engine(_OffByOne(vocab=32000), num_blocks=64, logical_pages=16)
+    result = engine.run(requests, check=True)
+    stats = {k: (10**15 + 7 if isinstance(v, int) and not isinstance(v, bool) else v)
+             for k, v in result.stats.items()}
+    stats["backend"] = "AVeryLongBackendClassNameThatGoesOnAndOn (Python)"
+    stats["time_s"] = {k: 12345.678 for k in stats["time_s"]}
+    stats["wall_s"] = 12345.678 * len(ROWS)
+    for key in [k for k in stats if k.endswith("_us_per_round_p50") or k.endswith("_p99")]:
+        stats[key] = 999_999.0
+    message = ("1234 of 100000 requests DIFFER from the dense model: "
+               + ", ".join(str(10**12 + i) for i in range(10)) + " (+99990 more)")
+    text = format_summary(stats, message)
+    assert max(len(ln) for ln in text.splitlines()) <= WIDTH
+    assert "+99990 more" in text  # wrapped, not cut

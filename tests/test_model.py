@@ -1,4 +1,4 @@
-"""The numpy reference transformer: paged backend (prefix sharing, copy-on-write, page reuse,
+"""The numpy test transformer (qualia.model): paged backend (prefix sharing, copy-on-write, page reuse,
 preemption/recompute, ragged batched decode) against the dense model, token for token.
 
 No dependency on the scheduler core: a tiny page allocator lives in this file.
@@ -11,7 +11,7 @@ import pytest
 
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend
 
-# SPEC §1 layouts, built by hand (the package will ship the same as qualia.RAGGED_BATCH_ITEM ...)
+# the ragged batch layouts, built by hand (the package ships the same as qualia.RAGGED_BATCH_ITEM ...)
 ITEM = np.dtype(
     {
         "names": [
@@ -97,7 +97,7 @@ class Req:
 
 
 class Engine:
-    """Drives PagedModelBackend the way SPEC §9 describes an engine driving the scheduler."""
+    """Drives PagedModelBackend the way a serving engine drives the scheduler."""
 
     def __init__(self, weights, num_blocks, page_tokens):
         self.backend = PagedModelBackend(weights, num_blocks, page_tokens)
@@ -106,7 +106,7 @@ class Engine:
         self.prefixes = {}  # name -> (pages, tokens)
         self.cow = 0
 
-    # ensure_writable, SPEC §3 semantics; returns a copy op or None
+    # ensure_writable semantics (copy-on-write); returns a copy op or None
     def writable(self, req, logical):
         assert logical <= len(req.pages)
         if logical == len(req.pages):
@@ -225,7 +225,7 @@ class Engine:
 # ------------------------------------------------------------------------------------------
 
 
-def test_layouts_match_spec():
+def test_layouts_have_the_abi_sizes():
     assert (ITEM.itemsize, OUTPUT.itemsize, COPY_OP.itemsize) == (32, 16, 8)
 
 

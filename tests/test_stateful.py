@@ -18,10 +18,10 @@ Two hypothesis state machines:
   token count and the store unchanged, and reference counts are conserved after every step.
 
 Fast profile (default, a few seconds):
-    QUALIA_TEST_INSTALLED=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+    pytest tests/test_stateful.py -q -p no:cacheprovider
 Long profile (2000 examples x up to 60 steps per machine: about 110k steps per machine,
 220k in all; 4.5 minutes here):
-    QUALIA_LONG=1 QUALIA_TEST_INSTALLED=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+    QUALIA_LONG=1 pytest tests/test_stateful.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations

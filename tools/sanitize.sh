@@ -13,7 +13,7 @@
 #   2. creates a venv ($QUALIA_SANITIZE_VENV, default /tmp/qualia-sanitize-venv, recreated each
 #      run) with Cython, numpy, pytest, hypothesis and setuptools pinned to the versions of the
 #      python that runs this script, and pip-installs the copy into it (--no-build-isolation);
-#   3. runs pytest from outside the checkout with QUALIA_TEST_INSTALLED=1, PYTHONMALLOC=malloc
+#   3. runs pytest from outside the checkout with PYTHONMALLOC=malloc
 #      (so that PyMem blocks go through ASan's malloc instead of pymalloc arenas),
 #      LD_PRELOAD=$(gcc -print-file-name=libasan.so),
 #      ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:
@@ -121,7 +121,7 @@ fi
 RUN_DIR="$(mktemp -d /tmp/qualia-sanitize-run.XXXXXX)"
 cd "$RUN_DIR"
 status=0
-env QUALIA_TEST_INSTALLED=1 QUALIA_LEAK_CYCLES="${QUALIA_LEAK_CYCLES:-2000}" \
+env QUALIA_LEAK_CYCLES="${QUALIA_LEAK_CYCLES:-2000}" \
     PYTHONMALLOC=malloc PYTHONFAULTHANDLER=1 \
     LD_PRELOAD="$LIBASAN" \
     ASAN_OPTIONS="$ASAN_OPTS" UBSAN_OPTIONS="$UBSAN_OPTS" \

@@ -1,0 +1,244 @@
+"""Requests and synthetic traces: what ``python -m qualia simulate`` serves.
+
+:class:`Workload` makes a reproducible synthetic trace: ``N`` requests with Poisson arrivals
+(``arrival_rate`` requests per decode step), prompt and output lengths drawn from clipped
+uniform or lognormal distributions, ``K`` shared system prompts that a fraction
+(``share_ratio``) of the prompts start with, and ``T`` tenants, each with its own prefix-cache
+namespace (``b"tenant-3"``): two tenants never share KV pages, even for the same system prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+__all__ = ["Request", "Workload", "UnservableRequest", "checked_request", "pages_needed",
+           "MAX_ARRIVAL_STEP"]
+
+#: The last arrival step a trace may have.  Steps are held in int64 arrays; an arrival rate so
+#: small that the trace would run past this is refused (``Workload.generate`` raises
+#: ``ValueError``) rather than overflowing the cast.
+MAX_ARRIVAL_STEP = 2**62
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a trace.
+
+    ``prompt`` is a list of token ids; ``shared_prefix_len`` is the length of the prompt's
+    cacheable prefix (its system prompt; 0 for none); ``arrival_step`` is the decode step at
+    which the request reaches the engine.  ``namespace`` (``b"tenant-<tenant>"``) scopes the
+    prefix cache."""
+
+    request_id: int
+    tenant: int
+    prompt: List[int]
+    shared_prefix_len: int
+    max_new_tokens: int
+    arrival_step: int = 0
+    system_prompt: Optional[int] = None  # index of the system prompt, None for none
+
+    @property
+    def namespace(self) -> bytes:
+        return f"tenant-{self.tenant}".encode()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prompt"] = [int(t) for t in self.prompt]
+        return d
+
+
+class UnservableRequest(ValueError):
+    """A request that needs more pages than the whole pool or than ``logical_pages``."""
+
+
+def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
+    """Pages a request occupies at its peak: the K/V of the prompt and of every generated token
+    but the last (which is never fed back)."""
+    positions = prompt_len + max(max_new_tokens, 1) - 1
+    return -(-positions // page_tokens)
+
+
+def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logical_pages: int,
+                    vocab: Optional[int] = None) -> Request:
+    """``request`` with plain ``int`` fields and a list prompt, once it is known servable by a
+    scheduler of ``num_blocks`` pages of ``page_tokens`` tokens and ``logical_pages`` pages per
+    request.  Raises :class:`UnservableRequest` (a ``ValueError``) for a request that needs more
+    pages than either, and ``ValueError`` for an empty prompt, no tokens to generate, a token id
+    outside ``[0, vocab)`` (u32 when ``vocab`` is None) or a request id that is not a u64."""
+    rid = int(request.request_id)
+    if not 0 <= rid <= 2**64 - 1:
+        raise ValueError(f"request {rid}: request_id must be a u64")
+    prompt = [int(t) for t in request.prompt]
+    if not prompt:
+        raise ValueError(f"request {rid}: the prompt is empty")
+    max_new = int(request.max_new_tokens)
+    if max_new < 1:
+        raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
+    if vocab is not None and any(not 0 <= t < vocab for t in prompt):
+        raise ValueError(f"request {rid}: prompt token ids must be in [0, {vocab})")
+    if any(not 0 <= t < 2**32 for t in prompt):
+        raise ValueError(f"request {rid}: prompt token ids must be u32")
+    if not 0 <= int(request.shared_prefix_len) <= len(prompt):
+        raise ValueError(f"request {rid}: shared_prefix_len must be in [0, len(prompt)]")
+    need = pages_needed(len(prompt), max_new, page_tokens)
+    limits = []
+    if need > num_blocks:
+        limits.append(f"the whole pool has only {num_blocks} pages")
+    if need > logical_pages:
+        limits.append(f"a request may map at most logical_pages={logical_pages} pages")
+    if limits:
+        raise UnservableRequest(
+            f"request {rid} can never be served: prompt of {len(prompt)} tokens + "
+            f"max_new_tokens={max_new} needs {need} pages of {page_tokens} tokens, but "
+            + " and ".join(limits))
+    return dataclasses.replace(request, request_id=rid, prompt=prompt,
+                               shared_prefix_len=int(request.shared_prefix_len),
+                               max_new_tokens=max_new, arrival_step=int(request.arrival_step))
+
+
+def _length_range(value, what: str) -> Tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a (min, max) pair of integers, got {value!r}") from None
+    if lo < 1 or hi < lo:
+        raise ValueError(f"{what} must satisfy 1 <= min <= max, got ({lo}, {hi})")
+    return lo, hi
+
+
+@dataclass
+class Workload:
+    """A seedable synthetic trace (see the module docstring).
+
+    ``prompt_len`` and ``output_len`` are inclusive ``(min, max)`` ranges; ``length_dist`` is
+    ``"uniform"`` or ``"lognormal"`` (median at the geometric mean of the range, ``sigma`` 0.5,
+    clipped to the range).  ``end_token`` (optional) is the id that ends a generation; it never
+    appears in a prompt (pass the same id to the engine).  A shared prompt is one of the
+    ``system_prompts`` system prompts (each ``system_prompt_len`` tokens, the same token ids for
+    every tenant) followed by the user's part; its total length is drawn like any other prompt
+    but is at least ``system_prompt_len + 1``.  Token ids are drawn uniformly from
+    ``[0, vocab)``.  ``seed`` is any non-negative integer.  ``arrival_rate`` is in requests per
+    decode step, ``inf`` for everything at step 0; a rate so small that the last arrival would
+    come after step :data:`MAX_ARRIVAL_STEP` is refused by :meth:`generate`."""
+
+    requests: int = 48
+    seed: int = 0
+    arrival_rate: float = 1.0
+    prompt_len: Tuple[int, int] = (24, 96)
+    output_len: Tuple[int, int] = (16, 48)
+    system_prompts: int = 4
+    system_prompt_len: int = 40
+    share_ratio: float = 0.75
+    tenants: int = 2
+    vocab: int = 512
+    length_dist: str = "uniform"
+    first_request_id: int = 0
+    end_token: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.prompt_len = _length_range(self.prompt_len, "prompt_len")
+        self.output_len = _length_range(self.output_len, "output_len")
+        if self.requests < 0:
+            raise ValueError("requests must be >= 0")
+        try:
+            seed = None if isinstance(self.seed, bool) else operator.index(self.seed)
+        except TypeError:
+            seed = None
+        if seed is None or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not self.arrival_rate > 0:  # also refuses nan
+            raise ValueError("arrival_rate must be > 0 (requests per decode step; inf: all at 0)")
+        if self.system_prompts < 0 or self.tenants < 1 or self.vocab < 1:
+            raise ValueError("system_prompts must be >= 0, tenants and vocab >= 1")
+        if not 0.0 <= self.share_ratio <= 1.0:
+            raise ValueError("share_ratio must be in [0, 1]")
+        if self.system_prompts and self.system_prompt_len < 1:
+            raise ValueError("system_prompt_len must be >= 1")
+        if self.length_dist not in ("uniform", "lognormal"):
+            raise ValueError("length_dist must be 'uniform' or 'lognormal'")
+        if self.end_token is not None and not 0 <= self.end_token < self.vocab:
+            raise ValueError(f"end_token must be in [0, {self.vocab}), got {self.end_token}")
+        if self.end_token is not None and self.vocab < 2:
+            raise ValueError("an end token needs vocab >= 2")
+
+    def memory_estimate(self) -> int:
+        """Rough bytes the trace takes once generated and served: the prompts (a Python int and
+        list slots per token), the outputs and per-request bookkeeping, at the mean lengths."""
+        mean_prompt = max(sum(self.prompt_len) / 2, self.system_prompt_len if self.system_prompts
+                          else 0)
+        mean_output = sum(self.output_len) / 2
+        return int(self.requests * (48 * mean_prompt + 52 * mean_output + 700))
+
+    def _tokens(self, rng: np.random.Generator, n: int) -> List[int]:
+        toks = rng.integers(0, self.vocab, size=n)
+        if self.end_token is not None:  # prompts never hold the end token
+            toks[toks == self.end_token] = (self.end_token + 1) % self.vocab
+        return toks.tolist()
+
+    def _lengths(self, rng: np.random.Generator, rng_range: Tuple[int, int], n: int) -> np.ndarray:
+        lo, hi = rng_range
+        if self.length_dist == "uniform":
+            return rng.integers(lo, hi + 1, size=n)
+        median = math.sqrt(lo * hi)
+        values = np.rint(rng.lognormal(math.log(median), 0.5, size=n))
+        return np.clip(values, lo, hi).astype(np.int64)
+
+    def _arrivals(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if math.isinf(self.arrival_rate):
+            return np.zeros(n, dtype=np.int64)
+        with np.errstate(over="ignore"):
+            steps = np.floor(np.cumsum(rng.exponential(1.0 / self.arrival_rate, size=n)))
+        if n and not steps[-1] <= MAX_ARRIVAL_STEP:  # inf, or past what int64 steps may hold
+            raise ValueError(
+                f"arrival_rate={self.arrival_rate!r} is too small: the last of {n} arrivals "
+                f"would come after step {MAX_ARRIVAL_STEP}")
+        return steps.astype(np.int64)
+
+    def system_prompt_tokens(self) -> List[List[int]]:
+        """The ``K`` system prompts (drawn from their own stream of the seed)."""
+        rng = np.random.default_rng([self.seed, 1])
+        return [self._tokens(rng, self.system_prompt_len) for _ in range(self.system_prompts)]
+
+    def generate(self) -> List[Request]:
+        n = self.requests
+        rng = np.random.default_rng([self.seed, 0])
+        systems = self.system_prompt_tokens()
+        arrivals = self._arrivals(rng, n)
+        prompt_lens = self._lengths(rng, self.prompt_len, n)
+        output_lens = self._lengths(rng, self.output_len, n)
+        shared = rng.random(n) < self.share_ratio if systems else np.zeros(n, dtype=bool)
+        which = rng.integers(0, max(1, len(systems)), size=n)
+        tenants = rng.integers(0, self.tenants, size=n)
+        out = []
+        for i in range(n):
+            length = int(prompt_lens[i])
+            if shared[i]:
+                sp = int(which[i])
+                system = systems[sp]
+                length = max(length, len(system) + 1)
+                user = self._tokens(rng, length - len(system))
+                prompt, prefix = system + user, len(system)
+            else:
+                sp = None
+                prompt, prefix = self._tokens(rng, length), 0
+            out.append(Request(
+                request_id=self.first_request_id + i,
+                tenant=int(tenants[i]),
+                prompt=[int(t) for t in prompt],
+                shared_prefix_len=prefix,
+                max_new_tokens=int(output_lens[i]),
+                arrival_step=int(arrivals[i]),
+                system_prompt=sp,
+            ))
+        return out
+
+    __call__ = generate
+
+    def __iter__(self):
+        return iter(self.generate())

@@ -1,0 +1,345 @@
+"""``qualia`` / ``python -m qualia``: simulate end to end, bad arguments, output paths, memory,
+Ctrl-C, the usage line and the honesty of the summary's time rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import qualia
+from qualia import __main__ as cli
+from qualia.__main__ import main
+from qualia.timing import ROWS
+
+SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16",
+             "--system-prompts", "2", "--system-prompt-len", "20", "--share-ratio", "0.8",
+             "--arrival-rate", "2", "--num-blocks", "32", "--max-requests", "10",
+             "--page-tokens", "8", "--logical-pages", "8", "--prefix-entries", "3",
+             "--no-progress"]
+
+
+def _no_run(monkeypatch):
+    """Make any attempt to build or run an engine fail the test."""
+    from qualia import engine as engine_mod
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(engine_mod.Engine, "__init__", refuse)
+
+
+# -- runs -------------------------------------------------------------------------------------
+
+
+def test_cli_simulate_check_json(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    rc = main(["simulate", *SMALL_CLI, "--check", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "all 16 requests match the dense model" in out
+    for label in ("requests completed", "tokens generated", "decode rounds", "prefix hit rate",
+                  "pages copied", "evictions", "preemptions", "peak pool use",
+                  "scheduler (qualia.Scheduler calls)", "backend: PagedModelBackend (numpy)",
+                  "engine loop (Python)", "workload generation", "wall time"):
+        assert label in out
+    data = json.loads(path.read_text())
+    st = data["stats"]
+    assert st["requests_completed"] == 16 and st["check_ok"] is True
+    assert data["check"]["ok"] is True and data["check"]["checked"] == 16
+    assert data["check"]["message"] == "all 16 requests match the dense model"
+    assert data["config"]["num_blocks"] == 32 and data["config"]["prompt_len"] == [16, 40]
+    assert data["config"]["backend"] == "model"
+    for key in ("tokens_generated", "decode_rounds", "prefix_hit_rate", "pages_copied",
+                "evictions", "preemptions", "peak_pool_use", "sched_us_per_round_p50",
+                "sched_us_per_round_p99", "backend_us_per_round_p50",
+                "backend_us_per_round_p99", "wall_s", "time_s"):
+        assert key in st
+    assert st["preemptions"] > 0 and st["prefix_hits"] > 0
+    assert sum(st["time_s"].values()) == pytest.approx(st["wall_s"], rel=1e-9)
+
+
+def test_cli_c_backend_json_stdout(capsys):
+    rc = main(["simulate", "--backend", "c", "--requests", "200", "--arrival-rate", "inf",
+               "--check", "--json", "-", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    data = json.loads(captured.out)
+    assert data["stats"]["requests_completed"] == 200
+    assert data["stats"]["backend"] == "HashBackend (C)"
+    assert data["check"]["ok"] and data["config"]["arrival_rate"] == "inf"
+
+
+def test_cli_rejects_what_cannot_fit(capsys):
+    rc = main(["simulate", "--requests", "4", "--prompt-len", "100,120", "--logical-pages", "4",
+               "--no-progress", "--backend", "c"])
+    assert rc == 2
+    assert "can never be served" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--prompt-len", "9,3"])
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_cli_quiet_and_demo(capsys):
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--quiet"]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["demo", "--no-progress", "--backend", "c"]) == 0
+    assert "all 12 requests match the pure-Python hash rule" in capsys.readouterr().out
+
+
+def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
+    from qualia import engine as engine_mod
+    from qualia.check import CheckResult
+
+    def bad_check(self, on_checked=None):
+        return CheckResult(False, len(self.outputs), [0], "pure-Python hash rule")
+
+    monkeypatch.setattr(engine_mod.Engine, "check", bad_check)
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--check"]) == 1
+    assert "DIFFER" in capsys.readouterr().out
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--check", "--quiet"]) == 1
+    assert "check FAILED" in capsys.readouterr().err
+
+
+# -- the summary is honest about time ---------------------------------------------------------
+
+
+def test_cli_rows_add_up_to_a_wall_time_that_includes_the_workload(monkeypatch, tmp_path,
+                                                                   capsys):
+    from qualia.workload import Workload
+
+    slept = [0.0]
+    generate = Workload.generate
+
+    def slow_generate(self):
+        t0 = time.perf_counter()
+        time.sleep(0.3)
+        slept[0] += time.perf_counter() - t0
+        return generate(self)
+
+    monkeypatch.setattr(Workload, "generate", slow_generate)
+    path = tmp_path / "run.json"
+    t0 = time.perf_counter()
+    rc = main(["simulate", *SMALL_CLI, "--backend", "c", "--check", "--json", str(path)])
+    elapsed = time.perf_counter() - t0
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    st = json.loads(path.read_text())["stats"]
+    t = st["time_s"]
+    assert set(t) == set(ROWS)
+    assert t["workload"] >= slept[0] >= 0.3  # generation is in the run, in its own row
+    assert t["check"] == st["check_s"] > 0
+    # every second in exactly one row: the rows add up to the wall time, and the wall time is
+    # the command's own time less what happens outside the run (argument parsing, printing)
+    assert sum(t.values()) == pytest.approx(st["wall_s"], rel=1e-9)
+    assert st["wall_s"] <= elapsed
+    assert elapsed - st["wall_s"] <= 0.1 * elapsed + 0.1
+
+
+# -- bad arguments: each message names its own option, exit 2 -------------------------------
+
+INT_OPTIONS = {  # option: (below its minimum, above its maximum)
+    "--requests": ("-1", str(2**63)),
+    "--seed": ("-1", str(2**64)),
+    "--system-prompts": ("-1", str(2**32)),
+    "--system-prompt-len": ("0", str(2**32)),
+    "--tenants": ("0", str(2**32)),
+    "--end-token": ("-1", str(2**32)),
+    "--num-blocks": ("0", str(2**32)),
+    "--max-requests": ("0", "65537"),
+    "--page-tokens": ("0", str(2**32)),
+    "--logical-pages": ("0", str(2**32)),
+    "--prefix-entries": ("0", str(2**30 + 1)),
+}
+
+
+@pytest.mark.parametrize("option", sorted(INT_OPTIONS))
+def test_integer_bounds_name_their_option(option, capsys):
+    for value in (*INT_OPTIONS[option], "x"):
+        with pytest.raises(SystemExit) as exc:
+            main(["simulate", option, value])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {option}:" in err, err
+        others = [o for o in INT_OPTIONS if o != option and o not in option]
+        assert not any(o in err.split("error:")[-1] for o in others), err
+
+
+def test_seed_minus_one_names_seed(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--seed", "-1"])
+    err = capsys.readouterr().err
+    message = err.split("error:")[-1]
+    assert "argument --seed: must be >= 0, got -1" in message and "--num-blocks" not in message
+
+
+def test_end_token_outside_the_vocabulary(capsys):
+    assert main(["simulate", "--end-token", "512", "--no-progress"]) == 2
+    assert "--end-token" in capsys.readouterr().err
+    assert main(["simulate", "--end-token", "511", "--requests", "2", "--no-progress",
+                 "-q"]) == 0
+
+
+@pytest.mark.parametrize("rate", ["1e-300", "5e-324", "0", "-1", "nan", "-inf", "1e-7"])
+def test_arrival_rate_bounds(rate, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", f"--arrival-rate={rate}", "--backend", "c"])
+    assert exc.value.code == 2
+    assert "argument --arrival-rate: must be >= 1e-06" in capsys.readouterr().err
+
+
+def test_smallest_arrival_rate_runs(capsys):
+    assert main(["simulate", "--arrival-rate", "1e-6", "--requests", "3", "--backend", "c",
+                 "--json", "-", "--no-progress"]) == 0
+    st = json.loads(capsys.readouterr().out)["stats"]
+    assert st["requests_completed"] == 3 and st["idle_steps"] > 10**5
+
+
+# -- output paths are checked before the run --------------------------------------------------
+
+
+def test_json_path_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    bad = {
+        "/nonexistent/x.json": "does not exist",
+        str(tmp_path): "is a directory",
+        str(a_file / "x.json"): "is not a directory",
+    }
+    for path, why in bad.items():
+        assert main(["simulate", "--backend", "c", "--no-progress", "--json", path]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--json" in err and why in err, err
+        assert "Traceback" not in err
+
+
+def test_json_path_in_a_read_only_directory(tmp_path, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if getattr(os, "geteuid", lambda: -1)() == 0:  # root writes anywhere: deny it here
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: (
+            os.path.abspath(path) != str(ro) and access(path, mode, **kw)))
+    try:
+        assert main(["simulate", "--backend", "c", "--json", str(ro / "x.json")]) == 2
+        assert "not writable" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
+
+
+# -- memory is estimated before it is committed -----------------------------------------------
+
+
+def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
+    _no_run(monkeypatch)
+    # a model pool of 2**32 - 1 pages needs ~128 TiB of KV: no machine holds it
+    assert main(["simulate", "--num-blocks", "4294967295", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "memory" in err and "--num-blocks" in err and err.count("\n") == 1
+    # page tokens x logical pages sizes the token scratch: 2**64 tokens
+    assert main(["simulate", "--backend", "c", "--page-tokens", "4294967295",
+                 "--logical-pages", "4294967295"]) == 2
+    assert "--logical-pages x --page-tokens" in capsys.readouterr().err
+    # the C backend's pool of 2**32 - 1 pages is 32 GiB: refused on a machine with 8 GiB free
+    monkeypatch.setattr(cli, "available_memory", lambda: 8 * 2**30)
+    assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295"]) == 2
+    err = capsys.readouterr().err
+    assert "32.0 GiB" in err and "8.0 GiB available" in err and "--num-blocks" in err
+    assert main(["simulate", "--backend", "c", "--requests", str(10**9)]) == 2
+    assert "--requests" in capsys.readouterr().err
+
+
+def test_memory_error_is_a_clean_exit_2(monkeypatch, capsys):
+    from qualia import engine as engine_mod
+
+    def oom(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(engine_mod.Engine, "__init__", oom)
+    assert main(["simulate", "--backend", "c"]) == 2
+    err = capsys.readouterr().err
+    assert "out of memory" in err and "Traceback" not in err
+
+
+def test_the_estimate_counts_the_model_kv():
+    from qualia.model import ModelConfig
+    from qualia.resources import memory_estimate
+
+    c = ModelConfig()
+    parts = memory_estimate("model", num_blocks=1000, page_tokens=16)
+    assert parts["model KV"] == 1000 * 16 * c.layers * 2 * c.heads * c.head_dim * 8
+    assert "model KV" not in memory_estimate("c", num_blocks=1000)
+    assert cli.available_memory() is None or cli.available_memory() > 0
+
+
+# -- usage, version, help ---------------------------------------------------------------------
+
+
+def _run(args, **kwargs):
+    return subprocess.run(args, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def test_usage_names_how_it_was_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert qualia.__version__ in capsys.readouterr().out
+    assert cli.build_parser("qualia").format_usage().startswith("usage: qualia ")
+    r = _run([sys.executable, "-m", "qualia", "--help"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m qualia ")
+    assert "demo" in r.stdout and "simulate" in r.stdout
+    script = shutil.which("qualia", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the console script is not installed beside this interpreter")
+    r = _run([script, "--help"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("usage: qualia "), r.stdout
+    r = _run([script, "simulate", "--seed", "-1"], cwd=tmp_path)
+    assert r.returncode == 2 and "usage: qualia simulate" in r.stderr
+
+
+# -- Ctrl-C -----------------------------------------------------------------------------------
+
+
+def _cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
+def test_ctrl_c_stops_cleanly(tmp_path):
+    # a long run: one slot, long outputs, so that the interrupt lands in the middle of it
+    args = [sys.executable, "-m", "qualia", "simulate", "--backend", "c", "--requests", "50",
+            "--prompt-len", "4,8", "--output-len", "20000,40000", "--max-requests", "1",
+            "--num-blocks", "4096", "--logical-pages", "4096", "--no-progress"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        if os.path.exists(f"/proc/{proc.pid}/stat"):  # past start-up: into the run itself
+            while _cpu_seconds(proc.pid) < 1.0 and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.05)
+        else:  # pragma: no cover
+            time.sleep(3)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # pragma: no cover
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, (out, err)
+    assert err == "qualia: interrupted\n" and out == ""
