@@ -26,8 +26,8 @@ from ._core import (
     SequenceBlockTable,
     hash_next_token,
 )
-from ._types import (Admission, CacheEntry, CacheStats, CopyOnWrite, RaggedBatchReceipt,
-                     RequestState)
+from ._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
+                     RaggedBatchReceipt, RequestState)
 from .backend import CopyPagesBackend, RaggedBackend
 from .errors import (
     BackendAbiError,
@@ -52,11 +52,11 @@ def get_include() -> str:
 
 __all__ = [
     "Admission", "BACKEND_ABI_VERSION", "BACKEND_CAPSULE_NAME", "BackendAbiError", "BlockPool",
-    "BusyError", "CacheEntry", "CacheStats", "COPY_OP", "CopyOnWrite", "CopyPagesBackend",
-    "DecodeRoundError", "errors", "get_include", "hash_next_token", "HashBackend", "KV_EVENT",
-    "PoolError", "PrefixCacheError", "PrefixIdentity", "PrefixKvError", "PrefixKvStore",
-    "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT", "RAGGED_BATCH_RECEIPT",
-    "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt", "REQUEST_VIEW",
-    "RequestScheduler", "RequestState", "Scheduler", "SchedulerError", "SequenceBlockTable",
-    "TableError",
+    "BusyError", "CachedPrefix", "CacheEntry", "CacheStats", "COPY_OP", "CopyOnWrite",
+    "CopyPagesBackend", "DecodeRoundError", "errors", "get_include", "hash_next_token",
+    "HashBackend", "KV_EVENT", "PoolError", "PrefixCacheError", "PrefixIdentity", "PrefixKvError",
+    "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT",
+    "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
+    "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
+    "SequenceBlockTable", "TableError",
 ]

@@ -50,8 +50,8 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-from qualia._types import (Admission, CacheEntry, CacheStats, CopyOnWrite, RaggedBatchReceipt,
-                           RequestState)
+from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
+                           RaggedBatchReceipt, RequestState)
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
                            PrefixCacheError, PrefixKvError, QualiaError, RaggedBackendError,
                            SchedulerError, TableError)

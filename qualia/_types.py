@@ -6,7 +6,7 @@ import enum
 from typing import NamedTuple, Optional
 
 __all__ = ["RequestState", "Admission", "RaggedBatchReceipt", "CopyOnWrite", "CacheStats",
-           "CacheEntry"]
+           "CacheEntry", "CachedPrefix"]
 
 
 class RequestState(enum.IntEnum):
@@ -80,6 +80,16 @@ class CacheStats(NamedTuple):
     def hit_rate(self) -> float:
         """``hit_tokens / lookup_tokens`` (0.0 before the first lookup)."""
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+class CachedPrefix(NamedTuple):
+    """What an admission of a prompt would take from the cache now
+    (``Scheduler.cached_prefix``): ``tokens`` reused in ``pages`` pages, of which
+    ``reclaimable`` are reclaimable now (the admission takes them out of ``free_pages``)."""
+
+    tokens: int
+    pages: int
+    reclaimable: int
 
 
 class CacheEntry(NamedTuple):

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from qualia._types import Admission, CacheEntry, CacheStats, RaggedBatchReceipt, RequestState
+from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, RaggedBatchReceipt,
+                           RequestState)
 from qualia.errors import (DecodeRoundError, PoolError, PrefixCacheError, QualiaError,
                            SchedulerError, TableError)
 from qualia.twin import (COPY_OP, RAGGED_BATCH_ITEM, RAGGED_BATCH_OUTPUT, REQUEST_VIEW, U32_MAX,
@@ -716,16 +717,21 @@ class Scheduler:
             k += 1
         return k, ids, canon, collided
 
-    def cached_prefix_tokens(self, prompt_tokens, namespace=b"") -> int:
+    def cached_prefix(self, prompt_tokens, namespace=b"") -> CachedPrefix:
         ns_name = _namespace_bytes(namespace)
         if len(ns_name) > NS_MAX_BYTES:
             raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {len(ns_name)}")
         tok = self._load_tokens(prompt_tokens)
         ns = self._ns_ids.get(ns_name)
         if ns is None:
-            return 0
+            return CachedPrefix(0, 0, 0)
         cap = (len(tok) - 1) // self.page_tokens if tok else 0
-        return self._match(tok, ns, self._ns[ns][1], cap)[0] * self.page_tokens
+        k, _, canon, _ = self._match(tok, ns, self._ns[ns][1], cap)
+        return CachedPrefix(k * self.page_tokens, k,
+                            sum(1 for q, _ in canon if q in self._reclaimable))
+
+    def cached_prefix_tokens(self, prompt_tokens, namespace=b"") -> int:
+        return self.cached_prefix(prompt_tokens, namespace).tokens
 
     def drain_events(self, out=None):
         if out is None:

@@ -99,8 +99,10 @@ def test_cached_prefix_tokens_predicts_the_admission_and_changes_nothing(make):
     assert s.cached_prefix_tokens(probe, "a") == 3 * PT
     assert s.cached_prefix_tokens(probe) == 0
     assert s.cached_prefix_tokens(probe, "unknown") == 0
+    assert s.cached_prefix(probe, "a") == (3 * PT, 3, 3)     # all three pages reclaimable
     assert state(s) == before
     assert s.admit(2, probe, namespace="a").prefix_tokens == 3 * PT
+    assert s.cached_prefix(probe, "a") == (3 * PT, 3, 0)     # request 2 holds them now
 
 
 def test_at_least_one_token_is_left_to_compute(make):

@@ -165,6 +165,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         tokens = self.history[-1 - cont % len(self.history)] + list(PROMPTS[prompt])
         before = self.state()
         self.both("cached_prefix_tokens", tokens, ns)
+        self.both("cached_prefix", tokens, ns)
         assert self.state() == before
 
     @rule(rid=RIDS)

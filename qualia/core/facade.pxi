@@ -617,12 +617,21 @@ cdef class Scheduler:
         """How many tokens of ``prompt_tokens`` an admission in ``namespace`` would take from
         the cache right now (verified, at least one token left to compute).  Changes nothing,
         counts nothing."""
+        return self._probe(prompt_tokens, namespace, "cached_prefix_tokens", False)
+
+    def cached_prefix(self, prompt_tokens, namespace=b""):
+        """``CachedPrefix(tokens, pages, reclaimable)``: what an admission of ``prompt_tokens``
+        in ``namespace`` would take from the cache right now, and how many of those pages are
+        reclaimable now (the admission takes them out of ``free_pages``).  Changes nothing."""
+        return self._probe(prompt_tokens, namespace, "cached_prefix", True)
+
+    cdef object _probe(self, object prompt_tokens, object namespace, str what, bint detail):
         cdef Py_ssize_t n, nsl
-        cdef uint32_t ns, hashed
+        cdef uint32_t ns, hashed, k, i, rec = 0
         cdef bint collided
         cdef uint64_t nsh
         if self.mode != MODE_AUTO:
-            raise ValueError(f"cached_prefix_tokens is for prefix_caching='auto'; this "
+            raise ValueError(f"{what} is for prefix_caching='auto'; this "
                              f"scheduler uses prefix_caching={_MODE_NAMES[self.mode]!r}")
         cdef bytes nsb = _namespace_bytes(namespace)
         nsl = len(nsb)
@@ -633,11 +642,16 @@ cdef class Scheduler:
             pc_ns_hash(&self.cache, <const uint8_t *><char *>nsb, <uint32_t>nsl)
         ns = ns_find(&self.cache.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
         if ns == U32_MAX:
-            return 0
+            return CachedPrefix(0, 0, 0) if detail else 0
         hashed = (n - 1) // self.page_tokens if n else 0
-        return auto_match(&self.cache, self.tokens_p, <uint32_t>n, ns, nsh, hashed,
-                          self.streams.probe_ident, self.streams.probe_canon,
-                          self.streams.probe_gen, &collided) * self.page_tokens
+        k = auto_match(&self.cache, self.tokens_p, <uint32_t>n, ns, nsh, hashed,
+                       self.streams.probe_ident, self.streams.probe_canon,
+                       self.streams.probe_gen, &collided)
+        if not detail:
+            return k * self.page_tokens
+        for i in range(k):
+            rec += pc_rec(&self.cache, self.streams.probe_canon[i]).state == PC_RECLAIMABLE
+        return CachedPrefix(k * self.page_tokens, k, rec)
 
     def drain_events(self, out=None):
         """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
