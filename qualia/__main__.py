@@ -42,6 +42,9 @@ DEFAULTS = dict(
     logical_pages=16,
     prefix_entries=6,
     backend="model",
+    turns=2,
+    user_len=(8, 32),
+    prefix_caching="auto",
 )
 
 U32_MAX = 2**32 - 1
@@ -133,6 +136,13 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
                    help="system prompt length in tokens (default %(default)s)")
     w.add_argument("--tenants", type=_int_in(1, U32_MAX), default=d["tenants"], metavar="T",
                    help="tenants, each with its own prefix namespace (default %(default)s)")
+    w.add_argument("--turns", type=_int_in(1, 1 << 20), default=d["turns"], metavar="N",
+                   help="turns per conversation: each request opens one, and each later turn's "
+                        "prompt is the previous prompt + its answer + a new user message "
+                        "(default %(default)s)")
+    w.add_argument("--user-len", type=_pair, default=d["user_len"], metavar="MIN,MAX",
+                   help="length of a later turn's new user message (default %s,%s)"
+                        % d["user_len"])
     w.add_argument("--end-token", type=_int_in(0, U32_MAX), default=None, metavar="ID",
                    help="stop a request after it generates this token; below the backend's "
                         "vocabulary: 512 (model), 32000 (c) (default: none)")
@@ -145,8 +155,13 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
                    metavar="N", help="tokens per KV page (default %(default)s)")
     s.add_argument("--logical-pages", type=_int_in(1, U32_MAX), default=d["logical_pages"],
                    metavar="N", help="max pages per request (default %(default)s)")
+    s.add_argument("--prefix-caching", choices=("auto", "explicit", "off"),
+                   default=d["prefix_caching"],
+                   help="'auto': reuse the longest cached run of every context's pages, verified "
+                        "page by page; 'explicit': system-prompt breakpoints in a prefix store; "
+                        "'off' (default %(default)s)")
     s.add_argument("--prefix-entries", type=_int_in(1, 2**30), default=d["prefix_entries"],
-                   metavar="N", help="prefix store entries (default %(default)s)")
+                   metavar="N", help="prefix store entries, explicit mode (default %(default)s)")
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
                    help="'model': the numpy paged-attention model; 'c': the built-in C hash "
                         "backend, qualia.HashBackend (default %(default)s)")
@@ -171,10 +186,10 @@ def _prog() -> str:
 
 _EPILOG = """\
 commands:
-  simulate   serve a synthetic workload (shared system prompts, tenants, Poisson arrivals)
-             and print a summary; see `%(prog)s simulate --help`
-  demo       a tiny simulate run (12 requests, a small pool) checked against the dense
-             model; takes the same options
+  simulate   serve a synthetic workload (multi-turn conversations, shared system prompts,
+             tenants, Poisson arrivals) and print a summary; see `%(prog)s simulate --help`
+  demo       a tiny simulate run (12 two-turn conversations, a small pool) checked against
+             the dense model; takes the same options
 
 examples:
   %(prog)s simulate --check
@@ -193,8 +208,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
         description="qualia: an LLM-serving request scheduler core. `simulate` serves a\n"
-                    "synthetic workload on qualia.Scheduler with prefix caching, copy-on-write,\n"
-                    "eviction and preemption, and reports what happened.")
+                    "synthetic workload on qualia.Scheduler with automatic prefix caching,\n"
+                    "copy-on-write, reclaim and preemption, and reports what happened.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -204,8 +219,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     demo_defaults = dict(DEFAULTS, requests=12, num_blocks=48, max_requests=8,
                          prompt_len=(20, 60), output_len=(8, 24))
     demo = sub.add_parser("demo", help="a tiny simulate run with --check",
-                          description="A tiny simulate run (12 requests, small pool) checked "
-                                      "against the dense model (the hash rule with --backend c).")
+                          description="A tiny simulate run (12 two-turn conversations, small "
+                                      "pool) checked against the dense model (the hash rule "
+                                      "with --backend c).")
     _add_simulate_options(demo, demo_defaults)
     demo.set_defaults(check=True)
     return parser
@@ -242,6 +258,8 @@ _SET_BY = {
     "block tables": "--max-requests x --logical-pages",
     "request slots": "--max-requests",
     "prefix store": "--prefix-entries x --logical-pages",
+    "prefix cache": "--num-blocks x --page-tokens",
+    "token streams": "--max-requests x --logical-pages x --page-tokens",
     "token scratch": "--logical-pages x --page-tokens",
     "undo log": "--max-requests, --logical-pages",
     "workload": "--requests x --prompt-len, --output-len",
@@ -253,7 +271,7 @@ def memory_needed(args, workload) -> Dict[str, int]:
     parts = memory_estimate(
         args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
         page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-        prefix_entries=args.prefix_entries)
+        prefix_entries=args.prefix_entries, prefix_caching=args.prefix_caching)
     parts["workload"] = workload.memory_estimate()
     return parts
 
@@ -283,7 +301,7 @@ def _progress_bar(args, err):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    return tqdm(total=args.requests, desc="simulate", unit="req", file=err,
+    return tqdm(total=args.requests * args.turns, desc="simulate", unit="req", file=err,
                 dynamic_ncols=True, leave=False)
 
 
@@ -307,7 +325,7 @@ def _simulate(args, out=None, err=None) -> int:
             prompt_len=args.prompt_len, output_len=args.output_len,
             system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
             share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
-            vocab=vocab, end_token=args.end_token)
+            vocab=vocab, end_token=args.end_token, turns=args.turns, user_len=args.user_len)
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return 2
@@ -333,7 +351,8 @@ def _simulate(args, out=None, err=None) -> int:
             engine = Engine(
                 args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
                 page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-                prefix_entries=args.prefix_entries, end_token=args.end_token, clock=clock)
+                prefix_entries=args.prefix_entries, end_token=args.end_token, clock=clock,
+                prefix_caching=args.prefix_caching)
         except (ValueError, TypeError, OverflowError) as exc:
             print(f"error: {exc}", file=err)
             return 2
@@ -359,7 +378,9 @@ def _simulate(args, out=None, err=None) -> int:
         "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
         "length_dist": args.length_dist, "system_prompts": args.system_prompts,
         "share_ratio": args.share_ratio, "system_prompt_len": args.system_prompt_len,
-        "tenants": args.tenants, "end_token": args.end_token, "num_blocks": args.num_blocks,
+        "tenants": args.tenants, "turns": args.turns, "user_len": list(args.user_len),
+        "prefix_caching": args.prefix_caching,
+        "end_token": args.end_token, "num_blocks": args.num_blocks,
         "max_requests": args.max_requests, "page_tokens": args.page_tokens,
         "logical_pages": args.logical_pages, "prefix_entries": args.prefix_entries,
         "backend": args.backend, "check": bool(args.check),

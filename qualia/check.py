@@ -113,7 +113,8 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
     """Raise ``RuntimeError`` unless every request of ``submitted`` completed exactly once
     (``completions`` maps request id -> times completed), none is ``pending`` or active in
     ``scheduler`` (a ``qualia.Scheduler``), and the pool holds nothing but the prefix store's
-    pages, each with the refcount of the entries that hold it."""
+    pages, each with the refcount of the entries that hold it, and cached pages that only the
+    cache holds."""
     s = scheduler
     problems = []
     done = set(completions)
@@ -133,6 +134,14 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
     if s.free_pages + len(held) != s.num_blocks:
         problems.append(
             f"pool leak: {s.free_pages} free + {len(held)} store pages != {s.num_blocks}")
+    cache = s.cache_stats()  # automatic caching: every cached page is the cache's alone
+    if cache.cached_pages != cache.reclaimable_pages:
+        problems.append(f"{cache.cached_pages - cache.reclaimable_pages} cached pages still "
+                        f"held by a request")
+    for page in s.reclaimable_pages().tolist():
+        if s.pool.refcount(page) != 1:
+            problems.append(f"cached page {page}: refcount {s.pool.refcount(page)}, expected 1")
+            break
     for page, count in held.items():
         if s.pool.refcount(page) != count:
             problems.append(f"page {page}: refcount {s.pool.refcount(page)}, store holds "

@@ -4,10 +4,11 @@ This is what ``python -m qualia simulate`` runs.  :class:`Engine` serves request
 (:class:`qualia.workload.Request`, e.g. from a :class:`qualia.workload.Workload` trace) on one
 :class:`qualia.Scheduler`, step by step.  Every step admits waiting requests (first come, first
 served) while a request slot is free and the pool has the pages for the prompt plus one page of
-headroom, prefills them, publishes their shared prefix to the prefix store, then runs one decode
-round over every running request.  The other jobs live beside it: the check in
-:mod:`qualia.check`, the accounting of time in :mod:`qualia.timing`, the summary in
-:mod:`qualia.report`.
+headroom, prefills them, then runs one decode round over every running request.  When a request
+of a multi-turn :class:`~qualia.workload.Workload` completes, its conversation's next turn is
+submitted (:meth:`Workload.next_turn <qualia.workload.Workload.next_turn>`).  The other jobs
+live beside it: the check in :mod:`qualia.check`, the accounting of time in
+:mod:`qualia.timing`, the summary in :mod:`qualia.report`.
 
 The backend is either a *model* (it has ``prefill(tokens, start_position, block_table)``, e.g.
 :class:`qualia.model.PagedModelBackend`): the engine prefills prompts through it and the
@@ -16,19 +17,25 @@ built-in C ``qualia.HashBackend``: prefill then only reserves and advances the p
 first token is the hash decode rule (``qualia.hash_next_token``) applied to the last prompt
 token at its position.
 
-Prefix caching uses explicit breakpoints: a request's ``shared_prefix_len`` (its system prompt)
-is what is looked up at admission and published after its prefill, capped at
-``len(prompt) - 1`` so that a hit always leaves at least one prompt token to prefill (the one
-whose logits give the first generated token).
+Prefix caching (``prefix_caching``) is automatic by default: the scheduler shares the longest
+cached run of a context's full pages at admission (the previous turns of a conversation
+included), caches every page as it fills, and reclaims least recently used cached pages when it
+needs pages; the engine only admits the context and reads the KV events.  ``"explicit"`` uses
+breakpoints instead: a request's ``shared_prefix_len`` (its system prompt) is looked up at
+admission and published after its prefill, capped at ``len(prompt) - 1`` so that a hit always
+leaves at least one prompt token to prefill (the one whose logits give the first generated
+token).  ``"off"`` shares nothing.
 
 Memory pressure has one remedy, :meth:`Engine._relieve_pressure`, used when a ``reserve`` or a
-``decode`` fails with ``TableError.Exhausted`` somewhere in its error chain: evict the least
-recently used prefix entry that no running request holds; if there is none and other requests
-are running, requeue the most recently admitted one (rolled back if it was being admitted,
+``decode`` fails with ``TableError.Exhausted`` somewhere in its error chain (with automatic
+caching: when even the reclaimable cached pages are not enough): in explicit mode, evict the
+least recently used prefix entry that no running request holds; then, if other requests are
+running, requeue the most recently admitted one (rolled back if it was being admitted,
 *preempted* otherwise: its pages are released and it goes back to the front of the waiting queue
 keeping the tokens generated so far; on re-admission it is prefilled with ``prompt +
-generated[:-1]`` (recompute) and decoding continues from ``generated[-1]``); with a single
-request running, evict any prefix entry even if that request shares it, which turns its shared
+generated[:-1]`` (recompute; with automatic caching the pages it had filled are usually still
+cached) and decoding continues from ``generated[-1]``); with a single request running, in
+explicit mode, evict any prefix entry even if that request shares it, which turns its shared
 pages into exclusive ones.  Admission itself only evicts unused entries, then waits.  A request
 whose ``prompt + max_new_tokens`` cannot fit in the whole pool (or in ``logical_pages``) is
 rejected by :meth:`Engine.submit` (:class:`UnservableRequest`), so the engine cannot deadlock:
@@ -39,6 +46,8 @@ from __future__ import annotations
 
 import collections
 from typing import Callable, Dict, Iterable, List, Optional
+
+import numpy as np
 
 from .check import CheckResult, check_outputs, progress_reporter, verify_end_state
 from .report import Counters, EngineResult, backend_label, collect_stats
@@ -118,6 +127,9 @@ class Engine:
     together (row ``decode_round``).  A Python backend is wrapped in a
     :class:`~qualia.timing.TimedBackend`, so that its time is told apart from the scheduler's.
 
+    ``prefix_caching`` is ``"auto"`` (the default), ``"explicit"`` or ``"off"`` (see the module
+    docstring and ``qualia.Scheduler``).
+
     ``clock`` is the :class:`~qualia.timing.Stopwatch` the engine charges its time to (the CLI
     passes one started before anything else); by default the engine makes one that counts only
     while an engine method runs.  ``on_complete(request_id, tokens)`` is called whenever a
@@ -138,6 +150,7 @@ class Engine:
         vocab: Optional[int] = None,
         on_complete: Optional[Callable[[int, List[int]], None]] = None,
         clock: Optional[Stopwatch] = None,
+        prefix_caching: str = "auto",
     ) -> None:
         import qualia
 
@@ -147,7 +160,11 @@ class Engine:
         self.page_tokens = int(page_tokens)
         self.scheduler = qualia.Scheduler(
             max_requests, num_blocks, page_tokens, logical_pages,
-            prefix_entries=prefix_entries, prefix_pages=prefix_pages, prefix_caching="explicit")
+            prefix_entries=prefix_entries, prefix_pages=prefix_pages,
+            prefix_caching=prefix_caching)
+        self.caching = self.scheduler.prefix_caching
+        self._auto = self.caching == "auto"
+        self._events = np.zeros(256, dtype=qualia.KV_EVENT)  # drained each step
         self.end_token = None if end_token is None else int(end_token)
         self.weights = None
         if isinstance(backend, str):
@@ -195,6 +212,8 @@ class Engine:
         self._completions: Dict[int, int] = {}
         self.outputs: Dict[int, List[int]] = {}
         self._sorted = True
+        # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
+        self._next_turn: Optional[Callable[[Request, List[int], int], Optional[Request]]] = None
 
         # per step with work: seconds in the scheduler calls, in the decode call of a C backend
         # (scheduler and backend together) and in the backend
@@ -255,6 +274,8 @@ class Engine:
         token = self.clock.enter(WORKLOAD)
         try:
             if isinstance(requests, Workload):
+                if requests.turns > 1:
+                    self._next_turn = requests.next_turn
                 requests = requests.generate()
             self.clock.switch(SUBMISSION)
             for req in requests:
@@ -328,6 +349,8 @@ class Engine:
         s0, d0, b0 = secs[SCHEDULER], secs[DECODE_ROUND], secs[BACKEND]
         self._admit_waiting()
         self._decode_round()
+        if self._auto:
+            self._drain_events()
         self.round_sched_s.append(secs[SCHEDULER] - s0)
         self.round_decode_s.append(secs[DECODE_ROUND] - d0)
         self.round_backend_s.append(secs[BACKEND] - b0)
@@ -349,18 +372,22 @@ class Engine:
     def _admission_pages(self, live: _Live) -> int:
         """Free pages the head of the queue needs to be admitted: the pages its prefill
         allocates (less the full pages a prefix hit would share), plus one of headroom, capped
-        at what the request needs at its peak."""
+        at what the request needs at its peak; with automatic caching, plus the shared pages
+        that are reclaimable now (sharing them takes them out of ``free_pages``)."""
         s, pt, req = self.scheduler, self.page_tokens, live.req
         ctx = len(req.prompt) + max(0, len(live.generated) - 1)
-        shared = 0
-        plen = self._prefix_len(req)
-        if plen:
+        shared = taken = 0
+        plen = self._prefix_len(req) if self.caching == "explicit" else 0
+        if self._auto:
+            hit = self._call(s.cached_prefix, live.context(), req.namespace)
+            shared, taken = hit.pages, hit.reclaimable
+        elif plen:
             ident = self._call(s.identity_for, req.prompt, plen, req.namespace)
             if self._call(s.prefixes.contains, ident):
                 shared = self._call(s.prefixes.tokens_of, ident) // pt
         total = pages_needed(len(req.prompt), req.max_new_tokens, pt)
         prefill_pages = -(-ctx // pt) - shared
-        return max(0, min(prefill_pages + 1, total - shared))
+        return max(0, min(prefill_pages + 1, total - shared)) + taken
 
     def _admit_waiting(self) -> None:
         s = self.scheduler
@@ -385,8 +412,11 @@ class Engine:
         """Admit ``live`` and prefill its context; returns False if it had to be put back."""
         s, c, req, rid = self.scheduler, self.counters, live.req, live.req.request_id
         ctx = live.context()
-        plen = self._prefix_len(req)
-        if plen:
+        plen = self._prefix_len(req) if self.caching == "explicit" else 0
+        if self._auto:  # the whole context: a recompute finds the pages it filled before
+            adm = self._call(s.admit, rid, ctx, namespace=req.namespace)
+            c.prefix_lookups += 1
+        elif plen:
             adm = self._call(s.admit, rid, req.prompt, namespace=req.namespace, prefix_len=plen)
             c.prefix_lookups += 1
         else:
@@ -399,8 +429,9 @@ class Engine:
         if live.generated:
             c.recomputes += 1
 
-        # _prefix_len() caps the looked-up prefix at len(prompt) - 1, so a hit always leaves
-        # at least the last prompt token to prefill (its logits give the first token)
+        # _prefix_len() caps the looked-up prefix at len(prompt) - 1, and automatic caching
+        # reuses at most (len(ctx) - 1) // page_tokens pages, so a hit always leaves at least
+        # the last token to prefill (its logits give the first token)
         assert start < len(ctx), "prefix hit covers the whole context"
         n = len(ctx) - start
         copies = self._reserve_for_prefill(live, n)
@@ -470,6 +501,8 @@ class Engine:
 
     def _publish(self, live: _Live) -> None:
         s, req = self.scheduler, live.req
+        if self.caching != "explicit":
+            return
         plen = self._prefix_len(req)
         if not plen:
             return
@@ -490,8 +523,11 @@ class Engine:
 
     def _evict(self, *, unused_only: bool, for_entries: bool = False) -> bool:
         """Evict the least recently used prefix entry (one no running request holds, if
-        ``unused_only``); count it, for store entries or for pages.  False if none was left."""
+        ``unused_only``); count it, for store entries or for pages.  False if none was left (and
+        always outside explicit mode: there is no store to evict from)."""
         s = self.scheduler
+        if self.caching != "explicit":
+            return False
         victim = self._call(s.evict_unused_lru if unused_only else s.evict_lru)
         if victim is None:
             return False
@@ -568,8 +604,36 @@ class Engine:
         self.counters.completed += 1
         if self.on_complete is not None:
             self.on_complete(rid, self.outputs[rid])
+        if self._next_turn is not None:
+            self._submit_next_turn(live)
         if self._progress is not None:
             self._progress("serve", len(self.outputs), len(self._requests))
+
+    def _submit_next_turn(self, live: _Live) -> None:
+        """Submit the next turn of ``live``'s conversation, if it has one and it fits."""
+        nxt = self._next_turn(live.req, live.generated, self.step_no)
+        if nxt is None:
+            return
+        prev = self.clock.switch(SUBMISSION)
+        try:
+            self._submit(nxt)
+            self.counters.follow_up_turns += 1
+        except UnservableRequest:  # the conversation outgrew the pool or logical_pages
+            self.counters.conversations_cut += 1
+        finally:
+            self.clock.switch(prev)
+
+    def _drain_events(self) -> None:
+        """Count the KV events of the step by kind (a router would forward them)."""
+        s, buf, c = self.scheduler, self._events, self.counters
+        while True:
+            n = self._call(s.drain_events, buf)
+            if not n:
+                return
+            kinds = np.bincount(buf["kind"][:n], minlength=4)
+            c.kv_events_stored += int(kinds[1])
+            c.kv_events_removed += int(kinds[2])
+            c.kv_events_cleared += int(kinds[3])
 
     # -- end state, check, stats --------------------------------------------------------------
 

@@ -62,6 +62,11 @@ class Counters:
     preemptions: int = 0
     admission_waits: int = 0
     admission_rollbacks: int = 0
+    follow_up_turns: int = 0
+    conversations_cut: int = 0
+    kv_events_stored: int = 0
+    kv_events_removed: int = 0
+    kv_events_cleared: int = 0
 
     def __setattr__(self, name: str, value) -> None:
         if name not in self.__dataclass_fields__:
@@ -107,11 +112,13 @@ def _per_round(values: List[float], prefix: str) -> Dict[str, float]:
 def collect_stats(engine) -> Dict[str, object]:
     """The figures of ``engine``'s run so far (a :class:`qualia.engine.Engine`)."""
     s, c = engine.scheduler, engine.counters
+    cache = s.cache_stats()
     time_s = engine.clock.as_dict()
     lookups = c.prefix_lookups
     generated = sum(len(v) for v in engine.outputs.values())
     out: Dict[str, object] = {
         "backend": engine.backend_label,
+        "prefix_caching": engine.caching,
         "requests_submitted": len(engine._requests),
         "requests_completed": c.completed,
         "tokens_generated": generated,
@@ -128,6 +135,20 @@ def collect_stats(engine) -> Dict[str, object]:
         "prefix_tokens_reused": c.prefix_tokens_reused,
         "prefixes_published": c.prefixes_published,
         "publish_skipped_too_long": c.publish_skipped_too_long,
+        "cache_lookup_tokens": cache.lookup_tokens,
+        "cache_hit_tokens": cache.hit_tokens,
+        "cached_token_hit_rate": cache.hit_rate,
+        "cache_reclaims": cache.reclaims,
+        "cache_pages_stored": cache.stored,
+        "cache_duplicates": cache.duplicates,
+        "cache_collisions": cache.collisions,
+        "cached_pages_at_end": cache.cached_pages,
+        "kv_events_stored": c.kv_events_stored,
+        "kv_events_removed": c.kv_events_removed,
+        "kv_events_cleared": c.kv_events_cleared,
+        "kv_events_dropped": cache.events_dropped,
+        "follow_up_turns": c.follow_up_turns,
+        "conversations_cut": c.conversations_cut,
         "pages_copied": engine.pages_copied(),
         "pages_copied_prefill": c.pages_copied_prefill,
         "evictions": c.evictions,
@@ -243,9 +264,25 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
                              f"recomputed {s['tokens_recomputed']})"),
         ("decode rounds", f"{s['decode_rounds']}  (mean batch {s['mean_batch']:.1f}, "
                           f"peak running {s['peak_running']})"),
+        ("prefix caching", str(s.get("prefix_caching", "explicit"))),
         ("prefix hit rate", f"{100 * s['prefix_hit_rate']:.1f}%  ({s['prefix_hits']} of "
                             f"{s['prefix_lookups']} lookups, {s['prefix_tokens_reused']} tokens "
                             f"reused)"),
+    ]
+    if s.get("prefix_caching") == "auto":
+        kv += [
+            ("cached tokens", f"{100 * s['cached_token_hit_rate']:.1f}% of prompt tokens  "
+                              f"({s['cache_hit_tokens']} of {s['cache_lookup_tokens']})"),
+            ("reclaims", f"{s['cache_reclaims']}  (cached pages reused for new ones, least "
+                         f"recently used first)"),
+            ("KV events", f"{s['kv_events_stored']} stored, {s['kv_events_removed']} removed, "
+                          f"{s['kv_events_dropped']} dropped"),
+        ]
+    if s.get("follow_up_turns") or s.get("conversations_cut"):
+        kv.append(("conversations", f"{s['follow_up_turns']} follow-up turns  "
+                                    f"({s['conversations_cut']} cut: past the pool or "
+                                    f"logical_pages)"))
+    kv += [
         ("pages copied", f"{s['pages_copied']}  (copy-on-write)"),
         ("evictions", f"{s['evictions']}  ({s['evictions_for_pages']} for pages, "
                       f"{s['evictions_for_entries']} for store entries)"),

@@ -15,7 +15,8 @@ __all__ = ["memory_estimate", "available_memory", "format_bytes"]
 
 def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int = 96,
                     page_tokens: int = 16, logical_pages: int = 16, prefix_entries: int = 6,
-                    prefix_pages: Optional[int] = None, model_config=None) -> Dict[str, int]:
+                    prefix_pages: Optional[int] = None, model_config=None,
+                    prefix_caching: str = "auto") -> Dict[str, int]:
     """Bytes a :class:`qualia.engine.Engine` with these arguments allocates up front, by part (a close lower
     bound: the arrays and C buffers sized in the constructors).  ``backend`` is ``"model"``,
     ``"c"`` or anything else (counted as a backend with no memory of its own).
@@ -25,7 +26,10 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
     stack entry per page); ``"block tables"`` (``max_requests x logical_pages`` page ids, held
     twice: the tables and the decode scratch); ``"request slots"``; ``"prefix store"``
     (``prefix_entries x prefix_pages`` page ids); ``"token scratch"`` (``logical_pages x
-    page_tokens`` token ids); ``"undo log"``."""
+    page_tokens`` token ids); ``"undo log"``; with ``prefix_caching="auto"``, ``"prefix cache"``
+    (a record of ``round_up(56 + 4 x page_tokens, 64)`` bytes per page, the index, namespaces and
+    the event ring) and ``"token streams"`` (``max_requests x logical_pages x (4 x page_tokens +
+    20)`` bytes)."""
     mr, nb, pt, lp = int(max_requests), int(num_blocks), int(page_tokens), int(logical_pages)
     pp = int(prefix_pages) if prefix_pages is not None else max(lp, 1)
     parts = {
@@ -36,6 +40,13 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
         "token scratch": max(lp * pt, 1) * 4,
         "undo log": max(mr, lp, 1) * (20 + 8),
     }
+    if prefix_caching == "auto":
+        index = 2
+        while index < 2 * nb:
+            index *= 2
+        parts["prefix cache"] = (nb * ((56 + 4 * pt + 63) // 64 * 64) + 4 * index
+                                 + 1024 * (256 + 32) + 4096 * 32)
+        parts["token streams"] = mr * max(lp, 1) * (4 * pt + 20) + mr * 32
     if backend == "model":
         import numpy as np
 

@@ -5,6 +5,9 @@
 uniform or lognormal distributions, ``K`` shared system prompts that a fraction
 (``share_ratio``) of the prompts start with, and ``T`` tenants, each with its own prefix-cache
 namespace (``b"tenant-3"``): two tenants never share KV pages, even for the same system prompt.
+With ``turns > 1`` every request opens a conversation: when a turn completes, the next turn's
+prompt is the previous prompt + its answer + a new user message (:meth:`Workload.next_turn`), so
+automatic prefix caching can reuse the previous turn's answer too.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 import math
 import operator
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,6 +45,8 @@ class Request:
     max_new_tokens: int
     arrival_step: int = 0
     system_prompt: Optional[int] = None  # index of the system prompt, None for none
+    conversation: Optional[int] = None  # the conversation a turn belongs to, None for none
+    turn: int = 0  # 0 for the first turn of a conversation
 
     @property
     def namespace(self) -> bytes:
@@ -125,7 +130,13 @@ class Workload:
     but is at least ``system_prompt_len + 1``.  Token ids are drawn uniformly from
     ``[0, vocab)``.  ``seed`` is any non-negative integer.  ``arrival_rate`` is in requests per
     decode step, ``inf`` for everything at step 0; a rate so small that the last arrival would
-    come after step :data:`MAX_ARRIVAL_STEP` is refused by :meth:`generate`."""
+    come after step :data:`MAX_ARRIVAL_STEP` is refused by :meth:`generate`.
+
+    ``turns`` (>= 1) is the number of turns of each conversation: :meth:`generate` makes the
+    ``requests`` first turns; each later turn is made by :meth:`next_turn` when the previous one
+    completes (its prompt: the previous prompt, the answer less a final end token, and a new
+    user message of ``user_len`` tokens; it arrives at the next step).  Turn ``t`` of
+    conversation ``c`` has request id ``first_request_id + t * requests + c``."""
 
     requests: int = 48
     seed: int = 0
@@ -140,8 +151,13 @@ class Workload:
     length_dist: str = "uniform"
     first_request_id: int = 0
     end_token: Optional[int] = None
+    turns: int = 1
+    user_len: Tuple[int, int] = (8, 32)
 
     def __post_init__(self) -> None:
+        self.user_len = _length_range(self.user_len, "user_len")
+        if isinstance(self.turns, bool) or not isinstance(self.turns, int) or self.turns < 1:
+            raise ValueError(f"turns must be an integer >= 1, got {self.turns!r}")
         self.prompt_len = _length_range(self.prompt_len, "prompt_len")
         self.output_len = _length_range(self.output_len, "output_len")
         if self.requests < 0:
@@ -173,7 +189,9 @@ class Workload:
         mean_prompt = max(sum(self.prompt_len) / 2, self.system_prompt_len if self.system_prompts
                           else 0)
         mean_output = sum(self.output_len) / 2
-        return int(self.requests * (48 * mean_prompt + 52 * mean_output + 700))
+        mean_user = sum(self.user_len) / 2
+        per_turn = [mean_prompt + t * (mean_output + mean_user) for t in range(self.turns)]
+        return int(self.requests * sum(48 * p + 52 * mean_output + 700 for p in per_turn))
 
     def _tokens(self, rng: np.random.Generator, n: int) -> List[int]:
         toks = rng.integers(0, self.vocab, size=n)
@@ -235,8 +253,33 @@ class Workload:
                 max_new_tokens=int(output_lens[i]),
                 arrival_step=int(arrivals[i]),
                 system_prompt=sp,
+                conversation=i,
             ))
         return out
+
+    def next_turn(self, request: Request, answer: Sequence[int], step: int) -> Optional[Request]:
+        """The turn after ``request`` (which completed at ``step`` with ``answer``), or None
+        when its conversation has no more turns.  Deterministic: drawn from the seed, the
+        conversation and the turn."""
+        c, t = request.conversation, int(request.turn) + 1
+        if c is None or t >= self.turns:
+            return None
+        rng = np.random.default_rng([int(self.seed), 2, int(c), t])
+        said = [int(x) for x in answer]
+        if said and self.end_token is not None and said[-1] == self.end_token:
+            said.pop()  # prompts never hold the end token
+        user = self._tokens(rng, int(self._lengths(rng, self.user_len, 1)[0]))
+        return Request(
+            request_id=self.first_request_id + t * self.requests + int(c),
+            tenant=request.tenant,
+            prompt=list(request.prompt) + said + user,
+            shared_prefix_len=request.shared_prefix_len,
+            max_new_tokens=int(self._lengths(rng, self.output_len, 1)[0]),
+            arrival_step=int(step) + 1,
+            system_prompt=request.system_prompt,
+            conversation=int(c),
+            turn=t,
+        )
 
     __call__ = generate
 

@@ -448,6 +448,8 @@ def test_off_and_explicit_modes_do_not_cache():
         assert s.admit(2, PROMPT[:9]).prefix_tokens == 0
         assert s.cache_stats().cached_pages == 0 and len(s.drain_events()) == 0
         assert s.free_pages == s.pool.free_count
+        assert s.reclaimable_pages().tolist() == [] and s.cache_entry(0) is None
+        assert s.clear_cache() == 0
     off = qualia.Scheduler(2, 16, 4, 4, prefix_caching="off")
     with pytest.raises(ValueError):
         off.admit(3, [1], prefix_len=1)

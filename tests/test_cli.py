@@ -22,7 +22,7 @@ SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16"
              "--system-prompts", "2", "--system-prompt-len", "20", "--share-ratio", "0.8",
              "--arrival-rate", "2", "--num-blocks", "32", "--max-requests", "10",
              "--page-tokens", "8", "--logical-pages", "8", "--prefix-entries", "3",
-             "--no-progress"]
+             "--turns", "1", "--no-progress"]
 
 
 def _no_run(monkeypatch):
@@ -71,7 +71,10 @@ def test_cli_c_backend_json_stdout(capsys):
     captured = capsys.readouterr()
     assert rc == 0
     data = json.loads(captured.out)
-    assert data["stats"]["requests_completed"] == 200
+    # 200 conversations of the default 2 turns, automatic prefix caching
+    assert data["stats"]["requests_completed"] == 400
+    assert data["stats"]["follow_up_turns"] == 200
+    assert data["stats"]["prefix_caching"] == "auto" and data["stats"]["cache_hit_tokens"] > 0
     assert data["stats"]["backend"] == "HashBackend (C)"
     assert data["check"]["ok"] and data["config"]["arrival_rate"] == "inf"
 
@@ -91,7 +94,8 @@ def test_cli_quiet_and_demo(capsys):
     assert main(["simulate", *SMALL_CLI, "--backend", "c", "--quiet"]) == 0
     assert capsys.readouterr().out == ""
     assert main(["demo", "--no-progress", "--backend", "c"]) == 0
-    assert "all 12 requests match the pure-Python hash rule" in capsys.readouterr().out
+    # 12 conversations of 2 turns
+    assert "all 24 requests match the pure-Python hash rule" in capsys.readouterr().out
 
 
 def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
@@ -198,7 +202,7 @@ def test_arrival_rate_bounds(rate, capsys):
 
 def test_smallest_arrival_rate_runs(capsys):
     assert main(["simulate", "--arrival-rate", "1e-6", "--requests", "3", "--backend", "c",
-                 "--json", "-", "--no-progress"]) == 0
+                 "--turns", "1", "--json", "-", "--no-progress"]) == 0
     st = json.loads(capsys.readouterr().out)["stats"]
     assert st["requests_completed"] == 3 and st["idle_steps"] > 10**5
 
@@ -253,9 +257,14 @@ def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
     assert "--logical-pages x --page-tokens" in capsys.readouterr().err
     # the C backend's pool of 2**32 - 1 pages is 32 GiB: refused on a machine with 8 GiB free
     monkeypatch.setattr(cli, "available_memory", lambda: 8 * 2**30)
-    assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295"]) == 2
+    assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295",
+                 "--prefix-caching", "explicit"]) == 2
     err = capsys.readouterr().err
     assert "32.0 GiB" in err and "8.0 GiB available" in err and "--num-blocks" in err
+    # with automatic caching, the cache's page records are the largest part
+    assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295"]) == 2
+    err = capsys.readouterr().err
+    assert "prefix cache" in err and "--num-blocks x --page-tokens" in err
     assert main(["simulate", "--backend", "c", "--requests", str(10**9)]) == 2
     assert "--requests" in capsys.readouterr().err
 
@@ -343,3 +352,24 @@ def test_ctrl_c_stops_cleanly(tmp_path):
             proc.communicate()
     assert proc.returncode == 130, (out, err)
     assert err == "qualia: interrupted\n" and out == ""
+
+
+def test_cli_multi_turn_auto_caching_check(tmp_path, capsys):
+    """The default: conversations of several turns, automatic prefix caching, checked against
+    the dense model; the summary shows the cached-token hit rate, reclaims and events."""
+    path = tmp_path / "run.json"
+    small = [a for a in SMALL_CLI if a not in ("--turns", "1")]
+    rc = main(["simulate", *small, "--turns", "3", "--logical-pages", "16", "--check",
+               "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for label in ("prefix caching", "cached tokens", "reclaims", "KV events", "conversations"):
+        assert label in out
+    st = json.loads(path.read_text())["stats"]
+    assert st["check_ok"] is True and st["follow_up_turns"] > 0
+    assert st["requests_completed"] == 16 + st["follow_up_turns"]
+    assert st["cache_hit_tokens"] > 0 and st["cache_reclaims"] > 0
+    assert st["kv_events_stored"] > 0 and st["kv_events_dropped"] == 0
+    assert main(["simulate", *SMALL_CLI, "--prefix-caching", "explicit", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "prefix caching          explicit" in out and "cached tokens" not in out

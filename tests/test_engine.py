@@ -16,12 +16,15 @@ from qualia.timing import ROWS, Stopwatch
 from qualia.twin import PyHashBackend
 from qualia.workload import Request, Workload, pages_needed
 
-# A pool small enough that prefix eviction, preemption and copy-on-write all happen.
+# A pool small enough that prefix eviction, preemption and copy-on-write all happen (explicit
+# prefix caching: the breakpoint mode these tests were written for; automatic caching has its
+# own tests below).
 SMALL_WORKLOAD = dict(requests=24, seed=1, prompt_len=(16, 48), output_len=(8, 24),
                       system_prompts=3, system_prompt_len=20, share_ratio=0.8, tenants=2,
                       arrival_rate=2.0)
 SMALL_ENGINE = dict(num_blocks=40, max_requests=12, page_tokens=8, logical_pages=12,
-                    prefix_entries=4)
+                    prefix_entries=4, prefix_caching="explicit")
+EXPLICIT = dict(prefix_caching="explicit")
 
 
 def assert_clean_end(engine: Engine, n_requests: int) -> None:
@@ -109,12 +112,13 @@ def test_model_engine_end_token_and_tenants():
     requests = Workload(requests=10, seed=3, prompt_len=(10, 30), output_len=(12, 20),
                         system_prompts=1, system_prompt_len=9, share_ratio=1.0, tenants=1,
                         arrival_rate=float("inf")).generate()
-    free_run = Engine("model", num_blocks=64, max_requests=10, page_tokens=4, logical_pages=16)
+    free_run = Engine("model", num_blocks=64, max_requests=10, page_tokens=4, logical_pages=16,
+                      **EXPLICIT)
     free_run.run(requests)
     counts = collections.Counter(t for out in free_run.outputs.values() for t in out[:-1])
     end = counts.most_common(1)[0][0]
     engine = Engine("model", num_blocks=64, max_requests=10, page_tokens=4, logical_pages=16,
-                    end_token=end)
+                    end_token=end, **EXPLICIT)
     result = engine.run(requests, check=True)
     assert result.check.ok, result.check.describe()
     stopped = [rid for rid, out in engine.outputs.items()
@@ -131,7 +135,8 @@ def test_tenants_do_not_share_prefixes():
                     share_ratio=1.0).generate()[0]
     reqs = [Request(i, tenant, list(base.prompt[:12]) + [i] * 18, 12, 4, arrival_step=i)
             for i, tenant in enumerate([0, 1, 0, 1, 2])]
-    engine = Engine("model", num_blocks=64, max_requests=4, page_tokens=8, logical_pages=8)
+    engine = Engine("model", num_blocks=64, max_requests=4, page_tokens=8, logical_pages=8,
+                    **EXPLICIT)
     result = engine.run(reqs, check=True)
     assert result.check.ok
     assert result.stats["prefixes_published"] == 3  # one per tenant
@@ -147,7 +152,7 @@ def test_c_backend_engine_matches_the_hash_rule():
                         system_prompts=5, system_prompt_len=24, share_ratio=0.7, tenants=3,
                         arrival_rate=4.0, vocab=32000).generate()
     engine = Engine("c", num_blocks=120, max_requests=32, page_tokens=16, logical_pages=8,
-                    prefix_entries=8)
+                    prefix_entries=8, **EXPLICIT)
     result = engine.run(requests, check=True)
     st = result.stats
     assert result.check.ok, result.check.describe()
@@ -495,3 +500,81 @@ def test_summary_fits_80_columns_with_huge_figures():
     text = format_summary(stats, message)
     assert max(len(ln) for ln in text.splitlines()) <= WIDTH
     assert "+99990 more" in text  # wrapped, not cut
+
+
+# -- automatic prefix caching and multi-turn conversations -----------------------------------
+
+AUTO_ENGINE = dict(SMALL_ENGINE, prefix_caching="auto")
+
+
+def test_next_turn_continues_the_conversation():
+    w = Workload(requests=5, seed=4, turns=3, user_len=(3, 6), end_token=7, vocab=50,
+                 system_prompts=1, system_prompt_len=6)
+    first = w.generate()
+    assert [(r.conversation, r.turn) for r in first] == [(i, 0) for i in range(5)]
+    answer = [1, 2, 7]  # ends with the end token: it is not carried into the next prompt
+    nxt = w.next_turn(first[2], answer, step=40)
+    assert nxt.request_id == 5 + 2 and (nxt.conversation, nxt.turn) == (2, 1)
+    assert nxt.prompt[:len(first[2].prompt) + 2] == first[2].prompt + [1, 2]
+    assert 3 <= len(nxt.prompt) - len(first[2].prompt) - 2 <= 6 and 7 not in nxt.prompt
+    assert nxt.arrival_step == 41 and nxt.tenant == first[2].tenant
+    assert w.next_turn(first[2], answer, step=40).to_dict() == nxt.to_dict()  # seeded
+    last = w.next_turn(nxt, [3], step=50)
+    assert last.request_id == 2 * 5 + 2 and last.turn == 2
+    assert w.next_turn(last, [4], step=60) is None
+    assert Workload(requests=2).next_turn(first[0], [1], 3) is None  # one turn by default
+    with pytest.raises(ValueError):
+        Workload(turns=0)
+    with pytest.raises(ValueError):
+        Workload(user_len=(4, 2))
+
+
+def test_auto_engine_matches_the_dense_model_under_pressure():
+    workload = Workload(**SMALL_WORKLOAD, turns=3, user_len=(4, 12))
+    engine = Engine("model", **AUTO_ENGINE)
+    result = engine.run(workload, check=True)
+    st = result.stats
+    assert result.check.ok, result.check.describe()
+    assert st["prefix_caching"] == "auto"
+    assert st["follow_up_turns"] > 0 and st["requests_completed"] == 24 + st["follow_up_turns"]
+    assert st["cache_hit_tokens"] > 0 and 0 < st["cached_token_hit_rate"] < 1
+    assert st["cache_reclaims"] > 0 and st["preemptions"] > 0
+    assert st["kv_events_stored"] == st["cache_pages_stored"]
+    assert st["kv_events_removed"] == st["cache_reclaims"] and st["kv_events_dropped"] == 0
+    assert st["evictions"] == 0 and st["prefixes_published"] == 0
+    assert st["pages_copied"] == 0  # a full page is never written again: no copy-on-write
+    assert st["recompute_mismatches"] == 0
+    s = engine.scheduler
+    assert s.active_count == 0 and s.free_pages == s.num_blocks
+    assert s.cache_stats().cached_pages == st["cached_pages_at_end"] == len(s.reclaimable_pages())
+
+
+def test_a_later_turn_reuses_the_previous_answer():
+    w = Workload(requests=1, seed=2, turns=2, system_prompts=0, prompt_len=(40, 40),
+                 output_len=(20, 20), user_len=(5, 5), vocab=32000)
+    engine = Engine("c", num_blocks=64, max_requests=2, page_tokens=4, logical_pages=32)
+    result = engine.run(w, check=True)
+    assert result.check.ok
+    st = result.stats
+    # turn 1 filled 40 prompt + 19 fed answer tokens: 14 full pages; turn 2 reuses them all
+    assert st["follow_up_turns"] == 1 and st["prefix_tokens_reused"] == 56
+    assert st["cache_hit_tokens"] == 56 > 40
+
+
+def test_auto_tenants_never_share_pages():
+    prompt = list(range(1, 40))
+    reqs = [Request(i, tenant, prompt, 0, 4, arrival_step=2 * i)
+            for i, tenant in enumerate([0, 1, 0, 2])]
+    engine = Engine("c", num_blocks=64, max_requests=4, page_tokens=8, logical_pages=8)
+    result = engine.run(reqs, check=True)
+    assert result.check.ok
+    assert result.stats["prefix_hits"] == 1  # request 2, tenant 0 again
+    assert result.stats["cache_hit_tokens"] == 32
+
+
+def test_prefix_caching_off_and_bad_mode():
+    engine = Engine("c", **dict(SMALL_ENGINE, prefix_caching="off"))
+    result = engine.run(Workload(**{**SMALL_WORKLOAD, "vocab": 32000}), check=True)
+    assert result.check.ok and result.stats["prefix_hits"] == 0
+    with pytest.raises(ValueError):
+        Engine("c", prefix_caching="sometimes")

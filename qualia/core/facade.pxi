@@ -693,6 +693,8 @@ cdef class Scheduler:
     def reclaimable_pages(self):
         """The reclaimable cached pages, least recently used (next to be reclaimed) first."""
         out = np.empty(self.cache.n_state[PC_RECLAIMABLE], dtype=np.uint32)
+        if self.mode != MODE_AUTO:
+            return out  # no cache: empty
         cdef uint32_t[::1] v = out
         cdef uint32_t p = self.cache.head[PC_RECLAIMABLE]
         cdef Py_ssize_t k = 0
