@@ -677,7 +677,8 @@ def bench_facade(budget, batches, ctx=2048):
         st = w.s.stats()
         rows.append({"batch": n, "context": ctx, "round": s,
                      "ns_per_request": s["median_ns"] / n,
-                     "pages_allocated": st["pages_allocated"], "decode_rounds": st["decode_rounds"]})
+                     "pages_allocated": st["pages_allocated"],
+                     "decode_rounds": st["decode_rounds"]})
         log(f"  f    facade n={n:5d}: {fmt_ns(s['median_ns'])} ({s['median_ns'] / n:.1f} ns/req)")
     return rows
 
@@ -843,7 +844,8 @@ def evaluate(results):
         for name, r in results["alloc"].items():
             t.append((f"{name}: zero net allocations over {r['rounds']} rounds",
                       r["allocated_blocks_delta"] <= 2 and r["traced_bytes_delta"] <= 0,
-                      f"blocks {r['allocated_blocks_delta']:+d}, traced {r['traced_bytes_delta']:+d} B"))
+                      f"blocks {r['allocated_blocks_delta']:+d}, "
+                      f"traced {r['traced_bytes_delta']:+d} B"))
             t.append((f"{name}: zero transient allocations per round",
                       r["transient_peak_bytes_one_round"] <= 0,
                       f"peak {r['transient_peak_bytes_one_round']} B above start within a round"))
@@ -869,7 +871,8 @@ def render(results, md=False):
     for key, title in (("c_backend", "a. decode round, built-in C backend "
                                      "(RequestScheduler.execute_decode_round)"),
                        ("py_backend", "b. decode round, Python numpy-echo backend "
-                                      "(crossing = round - backend body - null-C round, rounds < 100 us)")):
+                                      "(crossing = round - backend body - null-C round, "
+                                      "rounds < 100 us)")):
         rows = []
         for r in results["decode"]:
             c = r[key]

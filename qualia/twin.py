@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Sequence as _AbcSequence
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -153,13 +153,15 @@ def _u32_list(values, name: str) -> List[int]:
     try:
         items = list(values)
     except TypeError:
-        raise TypeError(f"{name} must be an iterable of integers, not {type(values).__name__}") from None
+        raise TypeError(
+            f"{name} must be an iterable of integers, not {type(values).__name__}") from None
     return [_u32(v, f"{name}[{i}]") for i, v in enumerate(items)]
 
 
 def _need(obj, cls, name: str):
     if not isinstance(obj, cls):
-        raise TypeError(f"{name} must be a {cls.__module__}.{cls.__name__}, not {type(obj).__name__}")
+        raise TypeError(
+            f"{name} must be a {cls.__module__}.{cls.__name__}, not {type(obj).__name__}")
     return obj
 
 
@@ -252,10 +254,11 @@ class BlockPool:
         """The error ``retain`` would raise for the first failing page if every page of
         ``pages`` were retained in order, or None.  Lets callers be atomic: validate, then
         retain."""
-        pending = {}
+        pending: Dict[int, int] = {}
         for page in pages:
             if page >= len(self._refcounts):
-                return PoolError.InvalidPage(None, f"page {page} >= num_blocks {len(self._refcounts)}")
+                return PoolError.InvalidPage(
+                    None, f"page {page} >= num_blocks {len(self._refcounts)}")
             count = self._refcounts[page]
             if count == 0:
                 return PoolError.NotAllocated(None, f"page {page}")
@@ -305,10 +308,12 @@ class SequenceBlockTable:
         _need(pool, BlockPool, "pool")
         # 1. past the capacity
         if logical_page >= self._capacity:
-            raise TableError.OutOfRange(None, f"logical page {logical_page} >= capacity {self._capacity}")
+            raise TableError.OutOfRange(
+                None, f"logical page {logical_page} >= capacity {self._capacity}")
         # 2. pages are mapped contiguously from 0
         if logical_page > len(self._entries):
-            raise TableError.Gap(None, f"logical page {logical_page} > mapped length {len(self._entries)}")
+            raise TableError.Gap(
+                None, f"logical page {logical_page} > mapped length {len(self._entries)}")
         # 3. the next page: allocate and append
         if logical_page == len(self._entries):
             try:
@@ -728,7 +733,7 @@ class RequestScheduler:
 
         # Lowering, seed L269-L291.  `lowered` is the scheduler's own record of the batch's
         # identities (DESIGN.md: outputs are checked against it, not against the scratch).
-        lowered = []
+        lowered: List[Tuple[int, int]] = []
         table_offset = 0
         for index, slot in decoding:
             if not slot.token_ready:
