@@ -277,6 +277,22 @@ void *qualia_bench_null_backend(void) { return &iface; }
 """
 
 _KEEP = []
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _where(filename):
+    """A source file as results may name it: relative to the checkout, or to its package folder
+    (no machine's absolute paths in saved results)."""
+    path = os.path.abspath(filename)
+    if path.startswith(_ROOT + os.sep):
+        return os.path.relpath(path, _ROOT)
+    parts = path.split(os.sep)
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + 1:])
+    if len(parts) >= 2 and parts[-2].startswith("python3"):
+        return "<stdlib>/" + parts[-1]
+    return os.path.basename(path)
 
 
 def null_c_backend():
@@ -290,14 +306,16 @@ def null_c_backend():
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler"
-    d = tempfile.mkdtemp(prefix="qualia-bench-")
-    src, so = os.path.join(d, "null.c"), os.path.join(d, "null.so")
-    with open(src, "w") as f:
-        f.write(_NULL_BACKEND_C)
     try:
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", qualia.get_include(), src, "-o", so],
-                       check=True, capture_output=True, timeout=60)
-        lib = ctypes.CDLL(so)
+        # dlopen keeps the library mapped after its file is gone: build it in a temporary folder
+        # that is removed at once, so that no run leaves anything behind
+        with tempfile.TemporaryDirectory(prefix="qualia-bench-") as d:
+            src, so = os.path.join(d, "null.c"), os.path.join(d, "null.so")
+            with open(src, "w") as f:
+                f.write(_NULL_BACKEND_C)
+            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", qualia.get_include(), src, "-o",
+                            so], check=True, capture_output=True, timeout=60)
+            lib = ctypes.CDLL(so)
         lib.qualia_bench_null_backend.restype = ctypes.c_void_p
         new = ctypes.pythonapi.PyCapsule_New
         new.restype = ctypes.py_object
@@ -739,7 +757,7 @@ def alloc_probe(run, rounds=1000, frames=25):
         if os.path.abspath(fr.filename) == here and fr.lineno in lines:
             continue  # the probe's own bookkeeping
         grown.append({"size_diff": st.size_diff, "count_diff": st.count_diff,
-                      "traceback": [f"{f.filename}:{f.lineno}" for f in st.traceback]})
+                      "traceback": [f"{_where(f.filename)}:{f.lineno}" for f in st.traceback]})
     return {
         "rounds": rounds,
         "allocated_blocks_delta": got[0] - base[0],

@@ -164,7 +164,7 @@ def impl(request):
     return _namespace(request.param)
 
 
-# Bad integer arguments and the exception each must raise (DESIGN.md "Argument checking").
+# Bad integer arguments and the exception each must raise (DESIGN.md "Bad input").
 BAD_U32 = [
     (-1, OverflowError),
     (2**32, OverflowError),

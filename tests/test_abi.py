@@ -1,4 +1,5 @@
-"""The C ABI: the numpy dtypes match the compiled structs, and both match SPEC §1."""
+"""The C ABI: the numpy dtypes match the compiled structs, and both match the table of
+DESIGN.md "C layouts"."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,7 @@ import pytest
 import qualia
 from qualia import _core
 
-SPEC = {
+LAYOUTS = {
     "item": (qualia.RAGGED_BATCH_ITEM, 32, [("request_id", 0, "u8"), ("slot", 8, "u4"),
              ("token_id", 12, "u4"), ("position", 16, "u4"), ("block_table_offset", 20, "u4"),
              ("logical_pages", 24, "u4"), ("_reserved", 28, "u4")]),
@@ -20,9 +21,9 @@ SPEC = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SPEC))
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_dtype_matches_spec_and_compiled_struct(name):
-    dtype, size, fields = SPEC[name]
+    dtype, size, fields = LAYOUTS[name]
     csize, calign, cfields = _core._layout()[name]
     assert dtype.itemsize == size == csize
     assert dtype.alignment == calign

@@ -6,7 +6,7 @@ Python backends that misbehave in every way we could think of.  Each must raise 
 exception with a clear message (TypeError / ValueError / OverflowError, or the seed's error
 class), never crash, and leave the state exactly as it was (snapshot before / after).
 
-    QUALIA_TEST_INSTALLED=1 pytest tests/test_bad_input.py -q -p no:cacheprovider
+    pytest tests/test_bad_input.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations
@@ -585,7 +585,8 @@ def test_receipt_that_is_no_sequence_is_rejected_by_both(impl, receipt):
                          ids=["index_of_size", "index_of_launches", "iter"])
 def test_receipt_whose_methods_raise_is_a_backend_error(impl, receipt):
     """A receipt's __index__ / __iter__ is backend code: what it raises is the backend failing
-    (SPEC §6: DecodeRoundError.Backend with the original chained), not a bare exception."""
+    (DESIGN.md "Backends": DecodeRoundError.Backend with the original chained), not a bare
+    exception."""
     w = World(impl)
     err = expect_unchanged(w, lambda: w.round(Scripted(receipt=receipt)),
                            (DecodeRoundError.Backend, RuntimeError))

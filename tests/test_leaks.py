@@ -6,7 +6,7 @@ the core, numpy data) to come back to within SLACK of where it was after the war
 resident set size (/proc/self/statm) to within RSS_SLACK.  A leak of one 8-byte block per cycle
 shows as 80 KB, past SLACK; `test_harness_detects_a_small_leak` checks that it does.
 
-    QUALIA_TEST_INSTALLED=1 pytest tests/test_leaks.py -q -p no:cacheprovider
+    pytest tests/test_leaks.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPEC §4: prefix identity and the prefix KV store."""
+"""Prefix identity and the prefix KV store (DESIGN.md "Prefix identity", "Prefix KV store")."""
 
 import hashlib
 import pickle

@@ -1,4 +1,4 @@
-"""SPEC §5: the request scheduler (the seed) and decode rounds."""
+"""The request scheduler and decode rounds (DESIGN.md "Request scheduler", "Decode round")."""
 
 import numpy as np
 import pytest
@@ -762,7 +762,7 @@ def test_wrong_object_types(impl):
     assert full_state(impl, pool, store, sched) == before
 
 
-# -- an engine's life cycle (SPEC §9) ---------------------------------------------------------
+# -- an engine's life cycle (DESIGN.md "Driving the scheduler") ---------------------------------
 
 
 def test_engine_life_cycle(impl):

@@ -1,4 +1,4 @@
-"""Proof of correctness: the compiled core and the pure-Python reference, step by step.
+"""Proof of correctness: the compiled core and the pure-Python twin, step by step.
 
 Two hypothesis state machines:
 
@@ -18,10 +18,13 @@ Two hypothesis state machines:
   token count and the store unchanged, and reference counts are conserved after every step.
 
 Fast profile (default, a few seconds):
-    QUALIA_TEST_INSTALLED=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+    pytest tests/test_stateful.py -q -p no:cacheprovider
 Long profile (2000 examples x up to 60 steps per machine: about 110k steps per machine,
 220k in all; 4.5 minutes here):
-    QUALIA_LONG=1 QUALIA_TEST_INSTALLED=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+    QUALIA_LONG=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+
+No hypothesis health check is suppressed: the machines draw small data quickly, and a slow or
+filter-heavy strategy should fail loudly rather than quietly shrink the search.
 """
 
 from __future__ import annotations
@@ -783,9 +786,9 @@ class FacadeInvariants(RuleBasedStateMachine):
           publish=st.sampled_from([True, False]), ns=NAMESPACES,
           make_room=st.sampled_from([True, False]), first=TOKENS)
     def serve(self, rid, prompt, prefix_len, publish, ns, make_room, first):
-        """The engine's prefill path (SPEC §9) in one rule, every call guarded: admit with the
-        prompt's prefix, reserve and advance the uncovered tokens, complete the prefill, maybe
-        publish the prefix."""
+        """The engine's prefill path (DESIGN.md "Driving the scheduler") in one rule, every call
+        guarded: admit with the prompt's prefix, reserve and advance the uncovered tokens,
+        complete the prefill, maybe publish the prefix."""
         tokens = list(PROMPTS[prompt])
         prefix_len = plen(tokens, prefix_len)
         ids = self.active()
