@@ -1,4 +1,4 @@
-"""SPEC §2: the block pool."""
+"""The block pool (DESIGN.md "Block pool")."""
 
 import numpy as np
 import pytest
