@@ -31,6 +31,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -56,14 +57,38 @@ def log(msg: str) -> None:
     print(f"[build_wheels {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+_CHILD: subprocess.Popen | None = None
+
+
+def stop_child() -> None:
+    """End the running step and everything it started (its own process group)."""
+    p = _CHILD
+    if p is None or p.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except OSError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def run(cmd, logfile: str, cwd: str | None = None, env: dict | None = None,
         check: bool = True) -> int:
     """Run cmd with its output appended to logfile; on failure show the log's tail."""
+    global _CHILD
     with open(logfile, "a") as f:
         f.write(f"\n$ {' '.join(map(str, cmd))}\n")
         f.flush()
-        rc = subprocess.call([str(c) for c in cmd], cwd=cwd, env=env, stdout=f,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _CHILD = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=f,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+        rc = _CHILD.wait()
+        _CHILD = None
     if rc != 0 and check:
         with open(logfile) as f:
             tail = f.readlines()[-40:]
@@ -235,8 +260,14 @@ def main(argv=None) -> int:
     specs = args.python or DEFAULT_PYTHONS
 
     start = time.time()
+    # SIGTERM (a CI timeout, kill PID) unwinds like Ctrl-C: the running step is ended and the
+    # temporary folder removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     work = tempfile.mkdtemp(prefix="qualia-wheels.")
     log(f"work folder {work}")
+    # every step's temporary files (build's isolated environments, pip's) go in there too
+    os.makedirs(os.path.join(work, "tmp"))
+    os.environ["TMPDIR"] = os.path.join(work, "tmp")
     rows = []
     tags = {}
     status = 0
@@ -358,6 +389,7 @@ def main(argv=None) -> int:
         log(f"FAILED: {exc}")
         status = 1
     finally:
+        stop_child()  # (after Ctrl-C or SIGTERM: nothing may write into the folder any more)
         if args.keep:
             log(f"kept {work}")
         else:
