@@ -705,7 +705,8 @@ def test_backend_writing_garbage_outputs(impl):
 
 def test_backend_writing_outputs_of_the_wrong_type_raises_inside(impl):
     w = World(impl)
-    for act in (lambda b, i, t, o: o.__setitem__("next_token_id", -1),
+    # (2**64, not -1: numpy < 2 silently wraps -1 into a uint32 field)
+    for act in (lambda b, i, t, o: o.__setitem__("next_token_id", 2**64),
                 lambda b, i, t, o: o.__setitem__("request_id", "x"),
                 lambda b, i, t, o: o.__setitem__(0, (1, 2))):
         err = expect_unchanged(w, lambda: w.round(Scripted(act)), DecodeRoundError.Backend)
