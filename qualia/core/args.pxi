@@ -165,15 +165,18 @@ cdef _Region _region_new(Py_ssize_t size, bint writable):
     return r
 
 
-cdef _Region _region_export(object obj, bint writable):
-    """A region over a caller's (already validated, contiguous) buffer; holds an export of it
-    for as long as any view lives, so the caller's memory cannot be freed or resized under it."""
+cdef _Region _region_acquire(object obj, str what, str kind, Py_ssize_t itemsize, size_t align,
+                             bint export_writable):
+    """A region over a caller's buffer, acquired and checked once by the buffer validator (the
+    caller's memory must be writable: the core writes it).  The region holds that export for
+    as long as any view of it lives, so the memory cannot be freed or resized under a view; it
+    re-exports the bytes read-only unless `export_writable`."""
     cdef _Region r = _Region.__new__(_Region)
-    PyObject_GetBuffer(obj, &r.src, PyBUF_WRITABLE if writable else PyBUF_SIMPLE)
+    _get_buffer(obj, &r.src, what, kind, itemsize, align, True)
     r.held = True
     r.ptr = <char *>r.src.buf
-    r.size = r.src.len
-    r.writable = writable
+    r.size = r.src.shape[0] * itemsize
+    r.writable = export_writable
     return r
 
 

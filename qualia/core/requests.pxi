@@ -440,9 +440,28 @@ cdef class RequestScheduler:
         cdef Py_ssize_t ni = 0, nt = 0, no = 0
         cdef qualia_backend *cb = NULL
         cdef uint64_t tok
+        cdef _Region ri, rt, ro
         # RESOLVE: the backend first (a wrong one fails every round, empty or not), then the
         # buffers; both can run user code
         handle = _resolve_backend(backend, &cb)
+        if cb == NULL:
+            # a Python backend: each buffer is acquired and checked once, into a region that
+            # keeps it alive and backs the views the backend gets
+            ri = _region_acquire(item_scratch, "item_scratch", "item", sizeof(qualia_batch_item),
+                                 QUALIA_ALIGN_ITEM, False)
+            rt = _region_acquire(block_table_scratch, "block_table_scratch", "u32",
+                                 sizeof(uint32_t), sizeof(uint32_t), False)
+            ro = _region_acquire(output_scratch, "output_scratch", "output",
+                                 sizeof(qualia_batch_output), QUALIA_ALIGN_OUTPUT, True)
+            tok = own_acquire(&self.owner, NULL, NULL, NULL)
+            try:
+                return self._round(NULL, handle,
+                                   <qualia_batch_item *>ri.ptr, ri.src.shape[0], ri,
+                                   <uint32_t *>rt.ptr, rt.src.shape[0], rt,
+                                   <qualia_batch_output *>ro.ptr, ro.src.shape[0], ro)
+            finally:
+                own_release(tok, &self.owner, NULL, NULL, NULL)
+        # a C backend: the steady-state path creates no Python object
         try:
             if not _fast_array(item_scratch, _DT_ITEM, QUALIA_ALIGN_ITEM, True, &pi, &ni):
                 _get_buffer(item_scratch, &bi, "item_scratch", "item", sizeof(qualia_batch_item),
@@ -465,9 +484,8 @@ cdef class RequestScheduler:
             # ACQUIRE, then everything else reads the state as it is now
             tok = own_acquire(&self.owner, NULL, NULL, NULL)
             try:
-                return self._round(cb, handle, <qualia_batch_item *>pi, ni, item_scratch,
-                                   <uint32_t *>pt, nt, block_table_scratch,
-                                   <qualia_batch_output *>po, no, output_scratch)
+                return self._round(cb, handle, <qualia_batch_item *>pi, ni, None,
+                                   <uint32_t *>pt, nt, None, <qualia_batch_output *>po, no, None)
             finally:
                 own_release(tok, &self.owner, NULL, NULL, NULL)
         finally:
@@ -479,11 +497,12 @@ cdef class RequestScheduler:
                 PyBuffer_Release(&bi)
 
     cdef object _round(self, qualia_backend *cb, object fn,
-                       qualia_batch_item *items, Py_ssize_t items_cap, object items_obj,
-                       uint32_t *table, Py_ssize_t table_cap, object table_obj,
-                       qualia_batch_output *outs, Py_ssize_t outs_cap, object outs_obj):
+                       qualia_batch_item *items, Py_ssize_t items_cap, _Region items_r,
+                       uint32_t *table, Py_ssize_t table_cap, _Region table_r,
+                       qualia_batch_output *outs, Py_ssize_t outs_cap, _Region outs_r):
         # One ragged decode round, the seed's checks in the seed's order; the caller owns the
-        # scheduler.  Nothing is committed before the outputs are verified.
+        # scheduler.  Nothing is committed before the outputs are verified.  The regions back a
+        # Python backend's views (None for a C backend).
         cdef uint32_t n = 0, off = 0
         cdef qualia_batch_receipt rec
         cdef int rc = round_sizes(&self.s, items_cap, table_cap, outs_cap)
@@ -497,9 +516,9 @@ cdef class RequestScheduler:
             _run_backend(cb, None, items, n, table, off, outs, None, None, None, &rec)
         else:
             _run_backend(NULL, fn, items, n, table, off, outs,
-                         _np_view(_region_export(items_obj, False), _DT_ITEM, n, False),
-                         _np_view(_region_export(table_obj, False), _DT_U32, off, False),
-                         _np_view(_region_export(outs_obj, True), _DT_OUTPUT, n, True), &rec)
+                         _np_view(items_r, _DT_ITEM, n, False),
+                         _np_view(table_r, _DT_U32, off, False),
+                         _np_view(outs_r, _DT_OUTPUT, n, True), &rec)
         rc = round_verify(&self.s, outs, n, &rec)
         if rc:
             raise _error(E_ROUND, rc)
