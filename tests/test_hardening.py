@@ -786,3 +786,30 @@ def test_block_pool_of_zero_pages(mod):
         assert pool.refcounts().tolist() == []
         with pytest.raises(ValueError):
             qualia.Scheduler(max_requests=1, num_blocks=0, page_tokens=1, logical_pages=1)
+
+
+def test_rejected_token_lists_free_their_scratch():
+    """A long exact-int list with an id out of range is converted into heap memory first; the
+    error path frees it (measured with tracemalloc over many calls)."""
+    import tracemalloc
+
+    bad = list(range(1000)) + [2**32]
+    s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=1024, logical_pages=2)
+    calls = (lambda: qualia.PrefixIdentity.of_tokens(bad), lambda: s.identity_for(bad),
+             lambda: s.admit(1, bad), lambda: s.publish_prefix(1, bad))
+    for call in calls:
+        with pytest.raises(OverflowError):
+            call()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(500):
+            for call in calls:
+                try:
+                    call()
+                except OverflowError:
+                    pass
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 500 * 4000 // 4, grown  # a leak would keep 4 KB per call

@@ -26,7 +26,9 @@
 #   2. creates a venv there with Cython, numpy, pytest, hypothesis and setuptools pinned to the
 #      versions of the python that runs this script, and pip-installs the copy into it
 #      (--no-build-isolation), then checks that the extension really is instrumented;
-#   3. runs pytest from outside the checkout with QUALIA_TEST_INSTALLED=1, PYTHONMALLOC=malloc
+#   3. runs pytest from outside the checkout, capturing sys.stdout/stderr only (--capture=sys:
+#      a sanitizer report goes to file descriptor 2, which fd capture would swallow when the
+#      report aborts the interpreter), with QUALIA_TEST_INSTALLED=1, PYTHONMALLOC=malloc
 #      (so that PyMem blocks go through ASan's malloc instead of pymalloc arenas),
 #      LD_PRELOAD=$(gcc -print-file-name=libasan.so),
 #      ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:
@@ -178,8 +180,13 @@ run_tests() {
         PYTHONMALLOC=malloc PYTHONFAULTHANDLER=1 \
         LD_PRELOAD="$LIBASAN" \
         ASAN_OPTIONS="$ASAN_OPTS" UBSAN_OPTIONS="$UBSAN_OPTS" \
-        "$VENV/bin/python" -m pytest -p no:cacheprovider -q --rootdir="$ROOT" "$@") || st=$?
+        "$VENV/bin/python" -m pytest -p no:cacheprovider -q --capture=sys --rootdir="$ROOT" \
+        "$@") 2>&1 | tee "$run_dir/pytest.log" || st=$?
     echo "sanitize.sh: $name build: pytest exit status $st in $(( $(date +%s) - t0 )) s" >&2
+    if grep -qE "ERROR: AddressSanitizer|runtime error:|Fatal Python error" "$run_dir/pytest.log"; then
+        echo "sanitize.sh: $name build: a sanitizer report or a crash (see above)" >&2
+        [ $st -ne 0 ] || st=3
+    fi
     return $st
 }
 
@@ -216,7 +223,8 @@ for name in $BUILDS; do
         first=0
     fi
     # pytest exit 1 = some tests failed (reported above); an ASan/UBSan report aborts the
-    # interpreter instead (exit status 134 / a signal), which is never confused with it.
+    # interpreter (usually exit status 134; ASan's nested-error path exits 1), and the log is
+    # searched for reports so that either way the run says which happened.
     run_tests "$name" "${sel[@]}" || { st=$?; [ $status -ne 0 ] || status=$st; }
 done
 echo "sanitize.sh: builds '$BUILDS': exit status $status, $(( $(date +%s) - START )) s in all" >&2

@@ -120,7 +120,8 @@ cdef object _tokens_resolve(object tokens, Toks *t, Py_ssize_t limit, str limit_
 
     str, bytes, bytearray and memoryview are rejected with TypeError.  With limit >= 0, more
     than `limit` tokens is a ValueError (an iterator is read at most limit + 1 items far).
-    Returns the object that keeps t.ptr alive; the caller calls _tokens_free(t) when done."""
+    Returns the object that keeps t.ptr alive; the caller calls _tokens_free(t) when done (on an
+    exception t holds nothing)."""
     cdef const uint32_t *p
     cdef Py_ssize_t n, i, bad
     cdef int why = 0
@@ -152,9 +153,10 @@ cdef object _tokens_resolve(object tokens, Toks *t, Py_ssize_t limit, str limit_
             t.ptr = dst
             t.n = n
             return None
+        _tokens_free(t)  # on every path below, t holds no memory if an exception is raised
         if why == 2:
             _u32(tokens[bad], "token id")  # raises the out-of-range error for that id
-        _tokens_free(t)  # not all exact ints: take the general path below
+        # not all exact ints: take the general path below
     if isinstance(tokens, _BYTES_LIKE):
         raise TypeError(f"tokens must be a sequence of token ids, not {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
