@@ -119,6 +119,8 @@ cdef class _Region:
     cdef bint owns
     cdef bint held
     cdef Py_buffer src
+    cdef object keep        # a caller's exact ndarray whose data the region points into
+    cdef Py_ssize_t nitems  # records of the caller's buffer (_region_acquire)
 
     def __cinit__(self):
         self.one = 1
@@ -165,17 +167,28 @@ cdef _Region _region_new(Py_ssize_t size, bint writable):
     return r
 
 
-cdef _Region _region_acquire(object obj, str what, str kind, Py_ssize_t itemsize, size_t align,
-                             bint export_writable):
-    """A region over a caller's buffer, acquired and checked once by the buffer validator (the
-    caller's memory must be writable: the core writes it).  The region holds that export for
-    as long as any view of it lives, so the memory cannot be freed or resized under a view; it
-    re-exports the bytes read-only unless `export_writable`."""
+cdef _Region _region_acquire(object obj, str what, str kind, object dtype, Py_ssize_t itemsize,
+                             size_t align, bint export_writable):
+    """A region over a caller's buffer, checked once (the caller's memory must be writable: the
+    core writes it).  A plain ndarray of exactly `dtype` is kept by reference (numpy builds a
+    format string on every buffer export of a structured dtype: a microsecond); anything else
+    is acquired by the buffer validator and the export is held.  Either way the memory stays
+    alive, and cannot be resized (short of numpy's unsafe ``refcheck=False``), for as long as a
+    view of the region lives.  The region re-exports the bytes read-only unless
+    `export_writable`."""
     cdef _Region r = _Region.__new__(_Region)
-    _get_buffer(obj, &r.src, what, kind, itemsize, align, True)
-    r.held = True
-    r.ptr = <char *>r.src.buf
-    r.size = r.src.shape[0] * itemsize
+    cdef void *p
+    cdef Py_ssize_t n
+    if _fast_array(obj, dtype, align, True, &p, &n):
+        r.keep = obj
+        r.ptr = <char *>p
+        r.nitems = n
+    else:
+        _get_buffer(obj, &r.src, what, kind, itemsize, align, True)
+        r.held = True
+        r.ptr = <char *>r.src.buf
+        r.nitems = r.src.shape[0]
+    r.size = r.nitems * itemsize
     r.writable = export_writable
     return r
 

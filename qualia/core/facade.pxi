@@ -427,8 +427,13 @@ cdef class Scheduler:
                 rc = round_lower(s, self.items_p, self.table_p, &n, &off)
             if rc == Q_OK and n:
                 if cb != NULL:
-                    _run_backend(cb, None, self.items_p, n, self.table_p, off, self.bout_p,
-                                 None, None, None, &rec)
+                    rec.batch_size = 0
+                    rec.backend_launches = 0
+                    with nogil:  # everything is owned; the core touches nothing meanwhile
+                        status = cb.execute_ragged(cb.ctx, self.items_p, n, self.table_p, off,
+                                                   self.bout_p, &rec)
+                    if status != 0:
+                        raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
                 else:
                     _run_backend(NULL, fn, self.items_p, n, self.table_p, off, self.bout_p,
                                  self._item_view(n), _np_view(self._table_r, _DT_U32, off, False),

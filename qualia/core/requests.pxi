@@ -116,8 +116,8 @@ cdef int sched_finish(Sched *s, int32_t index, Pool *p) noexcept nogil:
 
 # -- the decode round, in C: sizes, lowering, verification, commit ---------------------------
 
-cdef int round_sizes(Sched *s, Py_ssize_t items_cap, Py_ssize_t table_cap,
-                     Py_ssize_t outs_cap) noexcept nogil:
+cdef inline int round_sizes(Sched *s, Py_ssize_t items_cap, Py_ssize_t table_cap,
+                            Py_ssize_t outs_cap) noexcept nogil:
     # the seed's buffer checks, in the seed's order, against the decode count read now
     cdef uint32_t w
     cdef uint64_t bits
@@ -138,8 +138,8 @@ cdef int round_sizes(Sched *s, Py_ssize_t items_cap, Py_ssize_t table_cap,
     return Q_OK
 
 
-cdef int round_lower(Sched *s, qualia_batch_item *items, uint32_t *table, uint32_t *n_out,
-                     uint32_t *off_out) noexcept nogil:
+cdef inline int round_lower(Sched *s, qualia_batch_item *items, uint32_t *table,
+                            uint32_t *n_out, uint32_t *off_out) noexcept nogil:
     # Write every decoding request (slot order) into items and its pages into table, and
     # remember the batch's identities in s.lowered: outputs are checked against those, never
     # against the scratch a backend saw.  The caller checked the sizes (round_sizes) with no
@@ -173,8 +173,8 @@ cdef int round_lower(Sched *s, qualia_batch_item *items, uint32_t *table, uint32
     return Q_OK
 
 
-cdef int round_verify(Sched *s, const qualia_batch_output *outs, uint32_t n,
-                      const qualia_batch_receipt *rec) noexcept nogil:
+cdef inline int round_verify(Sched *s, const qualia_batch_output *outs, uint32_t n,
+                             const qualia_batch_receipt *rec) noexcept nogil:
     cdef uint32_t i, j
     if rec.batch_size != n:
         return Q_OUTPUT_IDENTITY_MISMATCH
@@ -187,7 +187,8 @@ cdef int round_verify(Sched *s, const qualia_batch_output *outs, uint32_t n,
     return Q_OK
 
 
-cdef void round_commit(Sched *s, const qualia_batch_output *outs, uint32_t n) noexcept nogil:
+cdef inline void round_commit(Sched *s, const qualia_batch_output *outs,
+                              uint32_t n) noexcept nogil:
     cdef uint32_t j
     cdef Slot *sl
     for j in range(n):
@@ -447,18 +448,18 @@ cdef class RequestScheduler:
         if cb == NULL:
             # a Python backend: each buffer is acquired and checked once, into a region that
             # keeps it alive and backs the views the backend gets
-            ri = _region_acquire(item_scratch, "item_scratch", "item", sizeof(qualia_batch_item),
-                                 QUALIA_ALIGN_ITEM, False)
-            rt = _region_acquire(block_table_scratch, "block_table_scratch", "u32",
+            ri = _region_acquire(item_scratch, "item_scratch", "item", _DT_ITEM,
+                                 sizeof(qualia_batch_item), QUALIA_ALIGN_ITEM, False)
+            rt = _region_acquire(block_table_scratch, "block_table_scratch", "u32", _DT_U32,
                                  sizeof(uint32_t), sizeof(uint32_t), False)
-            ro = _region_acquire(output_scratch, "output_scratch", "output",
+            ro = _region_acquire(output_scratch, "output_scratch", "output", _DT_OUTPUT,
                                  sizeof(qualia_batch_output), QUALIA_ALIGN_OUTPUT, True)
             tok = own_acquire(&self.owner, NULL, NULL, NULL)
             try:
                 return self._round(NULL, handle,
-                                   <qualia_batch_item *>ri.ptr, ri.src.shape[0], ri,
-                                   <uint32_t *>rt.ptr, rt.src.shape[0], rt,
-                                   <qualia_batch_output *>ro.ptr, ro.src.shape[0], ro)
+                                   <qualia_batch_item *>ri.ptr, ri.nitems, ri,
+                                   <uint32_t *>rt.ptr, rt.nitems, rt,
+                                   <qualia_batch_output *>ro.ptr, ro.nitems, ro)
             finally:
                 own_release(tok, &self.owner, NULL, NULL, NULL)
         # a C backend: the steady-state path creates no Python object
@@ -484,8 +485,8 @@ cdef class RequestScheduler:
             # ACQUIRE, then everything else reads the state as it is now
             tok = own_acquire(&self.owner, NULL, NULL, NULL)
             try:
-                return self._round(cb, handle, <qualia_batch_item *>pi, ni, None,
-                                   <uint32_t *>pt, nt, None, <qualia_batch_output *>po, no, None)
+                return self._round_c(cb, <qualia_batch_item *>pi, ni, <uint32_t *>pt, nt,
+                                     <qualia_batch_output *>po, no)
             finally:
                 own_release(tok, &self.owner, NULL, NULL, NULL)
         finally:
@@ -496,13 +497,39 @@ cdef class RequestScheduler:
             if held & 1:
                 PyBuffer_Release(&bi)
 
+    cdef object _round_c(self, qualia_backend *cb, qualia_batch_item *items, Py_ssize_t items_cap,
+                         uint32_t *table, Py_ssize_t table_cap, qualia_batch_output *outs,
+                         Py_ssize_t outs_cap):
+        # One ragged decode round with a C backend, the seed's checks in the seed's order; the
+        # caller owns the scheduler.  Nothing is committed before the outputs are verified.
+        cdef uint32_t n = 0, off = 0
+        cdef int32_t status = 0
+        cdef qualia_batch_receipt rec
+        cdef int rc = round_sizes(&self.s, items_cap, table_cap, outs_cap)
+        if rc == Q_OK:
+            rc = round_lower(&self.s, items, table, &n, &off)
+        if rc:
+            raise _error(E_ROUND, rc)
+        if n == 0:
+            return _ZERO_RECEIPT
+        rec.batch_size = 0
+        rec.backend_launches = 0
+        with nogil:  # the round owns the scheduler; the core touches nothing meanwhile
+            status = cb.execute_ragged(cb.ctx, items, n, table, off, outs, &rec)
+        if status != 0:
+            raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
+        rc = round_verify(&self.s, outs, n, &rec)
+        if rc:
+            raise _error(E_ROUND, rc)
+        receipt = _receipt(self._receipts, n)
+        round_commit(&self.s, outs, n)
+        return receipt
+
     cdef object _round(self, qualia_backend *cb, object fn,
                        qualia_batch_item *items, Py_ssize_t items_cap, _Region items_r,
                        uint32_t *table, Py_ssize_t table_cap, _Region table_r,
                        qualia_batch_output *outs, Py_ssize_t outs_cap, _Region outs_r):
-        # One ragged decode round, the seed's checks in the seed's order; the caller owns the
-        # scheduler.  Nothing is committed before the outputs are verified.  The regions back a
-        # Python backend's views (None for a C backend).
+        # The same round with a Python backend, which gets views of the regions.
         cdef uint32_t n = 0, off = 0
         cdef qualia_batch_receipt rec
         cdef int rc = round_sizes(&self.s, items_cap, table_cap, outs_cap)
@@ -512,13 +539,10 @@ cdef class RequestScheduler:
             raise _error(E_ROUND, rc)
         if n == 0:
             return _ZERO_RECEIPT
-        if cb != NULL:
-            _run_backend(cb, None, items, n, table, off, outs, None, None, None, &rec)
-        else:
-            _run_backend(NULL, fn, items, n, table, off, outs,
-                         _np_view(items_r, _DT_ITEM, n, False),
-                         _np_view(table_r, _DT_U32, off, False),
-                         _np_view(outs_r, _DT_OUTPUT, n, True), &rec)
+        _run_backend(NULL, fn, items, n, table, off, outs,
+                     _np_view(items_r, _DT_ITEM, n, False),
+                     _np_view(table_r, _DT_U32, off, False),
+                     _np_view(outs_r, _DT_OUTPUT, n, True), &rec)
         rc = round_verify(&self.s, outs, n, &rec)
         if rc:
             raise _error(E_ROUND, rc)
