@@ -271,7 +271,8 @@ cdef class PrefixIdentity:
     def __hash__(self):
         # the same value as qualia.twin.PrefixIdentity.__hash__ (64-bit platforms)
         cdef uint64_t h = self.hi ^ (self.lo * <uint64_t>0x9E3779B97F4A7C15)
-        return <Py_ssize_t>(h >> 1)
+        cdef Py_ssize_t r = <Py_ssize_t>(h >> 1)  # never -1 on 64-bit platforms
+        return r if r != -1 else -2
 
     def __eq__(self, other):
         if not isinstance(other, PrefixIdentity):
