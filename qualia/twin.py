@@ -160,10 +160,11 @@ class BlockPool:
     """Physical KV pages ``0 .. num_blocks-1``, each with a u32 reference count.
 
     One free stack: it starts holding every page with page 0 on top, so never-used pages come out
-    ascending; a released page is pushed on top (last freed, first reused)."""
+    ascending; a released page is pushed on top (last freed, first reused).  ``BlockPool(0)`` is
+    valid: every ``allocate`` is ``Exhausted`` and every page id ``InvalidPage``."""
 
     def __init__(self, num_blocks) -> None:
-        n = _int(num_blocks, "num_blocks", U32_MAX, minimum=1)
+        n = _int(num_blocks, "num_blocks", U32_MAX)
         self._refcounts: List[int] = [0] * n
         self._free: List[int] = list(range(n - 1, -1, -1))  # top of stack is the end
 
@@ -348,11 +349,14 @@ def _namespace_bytes(namespace) -> bytes:
 
 
 class PrefixIdentity:
-    """A 128-bit digest naming a prompt prefix."""
+    """A 128-bit digest naming a prompt prefix.  Immutable: ``__init__`` runs once;
+    ``bytes(ident)`` is the digest, ``int(ident)`` its big-endian value."""
 
     __slots__ = ("_digest",)
 
     def __init__(self, digest) -> None:
+        if hasattr(self, "_digest"):
+            raise TypeError("PrefixIdentity is immutable: __init__ cannot be called again")
         if not isinstance(digest, (bytes, bytearray, memoryview)):
             raise TypeError(f"digest must be 16 bytes, not {type(digest).__name__}")
         digest = bytes(digest)
@@ -405,7 +409,10 @@ class PrefixIdentity:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self._digest)
+        # the same value as the compiled core's PrefixIdentity (64-bit platforms)
+        hi = int.from_bytes(self._digest[:8], "big")
+        lo = int.from_bytes(self._digest[8:], "big")
+        return (hi ^ ((lo * 0x9E3779B97F4A7C15) & _MASK64)) >> 1
 
     def __repr__(self) -> str:
         return f"PrefixIdentity.fromhex('{self.hex()}')"
@@ -709,10 +716,11 @@ class RequestScheduler:
         if item_count == 0:  # step 6
             return RaggedBatchReceipt(0, 0)
 
-        items_view = items[:item_count].view()
-        items_view.flags.writeable = False
-        table_view = table[:table_offset].view()
-        table_view.flags.writeable = False
+        # truly read-only: based on read-only memoryviews, so flags.writeable = True raises
+        items_view = np.frombuffer(memoryview(items[:item_count]).toreadonly(),
+                                   dtype=RAGGED_BATCH_ITEM)
+        table_view = np.frombuffer(memoryview(table[:table_offset]).toreadonly(),
+                                   dtype=_PAGE_TABLE)
         outputs_view = outputs[:item_count]
 
         self._busy = True  # a backend calling back into a mutating method gets BusyError

@@ -321,7 +321,7 @@ def test_numpy_integers_are_integers(impl, value):
 
 
 @pytest.mark.parametrize("args, exc", [
-    ((0,), ValueError), ((-1,), OverflowError), ((2**32,), OverflowError), ((True,), TypeError),
+    ((-1,), OverflowError), ((2**32,), OverflowError), ((True,), TypeError),
     ((1.0,), TypeError), ((None,), TypeError), (("4",), TypeError),
 ])
 def test_block_pool_constructor(impl, args, exc):
@@ -649,19 +649,27 @@ def test_backend_mutating_its_inputs(impl, name):
 
 def test_backend_flipping_writeable_cannot_defeat_the_identity_check(impl):
     w = World(impl)
+    refused = []
 
     def act(self, items, table, outputs):
         try:
             items.flags.writeable = True
         except ValueError:
-            return  # numpy refused: fine too
+            refused.append(True)
+            return  # numpy refused (the views are truly read-only): the round runs normally
         # claim the outputs' (swapped) identities were the inputs'
         items["request_id"][:] = items["request_id"][::-1].copy()
         items["slot"][:] = items["slot"][::-1].copy()
         outputs["request_id"][:] = items["request_id"]
         outputs["slot"][:] = items["slot"]
 
-    expect_unchanged(w, lambda: w.round(Scripted(act)), DecodeRoundError.OutputIdentityMismatch)
+    before = w.state()
+    try:
+        w.round(Scripted(act))
+    except DecodeRoundError.OutputIdentityMismatch:
+        assert not refused and w.state() == before
+    else:
+        assert refused
 
 
 def test_backend_keeping_outputs_and_writing_later(impl):

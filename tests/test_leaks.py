@@ -312,7 +312,7 @@ def cycle_pool_errors(i):
     fails(lambda: w.pool.retain(-1))
     fails(lambda: w.pool.release(True))
     fails(lambda: w.pool.refcount(1.5))
-    fails(lambda: qualia.BlockPool(0))
+    fails(lambda: qualia.BlockPool(0).allocate())
     fails(lambda: qualia.BlockPool(-1))
     fails(lambda: qualia.BlockPool(None))
 
