@@ -451,9 +451,9 @@ class _BackendFailed(RaggedBackendError):
 
 
 class BusyError(QualiaError, RuntimeError):
-    """The object is in use by a decode round running without the GIL in another thread
-    (or a backend called back into the scheduler mid-round).  Nothing was changed; retry
-    after the round."""
+    """The object is owned by another mutating call still in progress: a decode round running
+    without the GIL in another thread, or a call re-entered from a backend, a GC callback or a
+    finalizer (docs/DESIGN.md, "Ownership").  Nothing was changed; retry after that call."""
 
     family = "BusyError"
 
