@@ -283,6 +283,22 @@ void *qualia_bench_null_backend(void) { return &iface; }
 """
 
 _KEEP = []
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _where(filename):
+    """A source file as results may name it: relative to the checkout, or to its package folder
+    (no machine's absolute paths in saved results)."""
+    path = os.path.abspath(filename)
+    if path.startswith(_ROOT + os.sep):
+        return os.path.relpath(path, _ROOT)
+    parts = path.split(os.sep)
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + 1:])
+    if len(parts) >= 2 and parts[-2].startswith("python3"):
+        return "<stdlib>/" + parts[-1]
+    return os.path.basename(path)
 
 
 def null_c_backend():
@@ -296,14 +312,16 @@ def null_c_backend():
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler"
-    d = tempfile.mkdtemp(prefix="qualia-bench-")
-    src, so = os.path.join(d, "null.c"), os.path.join(d, "null.so")
-    with open(src, "w") as f:
-        f.write(_NULL_BACKEND_C)
     try:
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", qualia.get_include(), src, "-o", so],
-                       check=True, capture_output=True, timeout=60)
-        lib = ctypes.CDLL(so)
+        # dlopen keeps the library mapped after its file is gone: build it in a temporary folder
+        # that is removed at once, so that no run leaves anything behind
+        with tempfile.TemporaryDirectory(prefix="qualia-bench-") as d:
+            src, so = os.path.join(d, "null.c"), os.path.join(d, "null.so")
+            with open(src, "w") as f:
+                f.write(_NULL_BACKEND_C)
+            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", qualia.get_include(), src, "-o",
+                            so], check=True, capture_output=True, timeout=60)
+            lib = ctypes.CDLL(so)
         lib.qualia_bench_null_backend.restype = ctypes.c_void_p
         new = ctypes.pythonapi.PyCapsule_New
         new.restype = ctypes.py_object
@@ -683,7 +701,8 @@ def bench_facade(budget, batches, ctx=2048):
         st = w.s.stats()
         rows.append({"batch": n, "context": ctx, "round": s,
                      "ns_per_request": s["median_ns"] / n,
-                     "pages_allocated": st["pages_allocated"], "decode_rounds": st["decode_rounds"]})
+                     "pages_allocated": st["pages_allocated"],
+                     "decode_rounds": st["decode_rounds"]})
         log(f"  f    facade n={n:5d}: {fmt_ns(s['median_ns'])} ({s['median_ns'] / n:.1f} ns/req)")
     return rows
 
@@ -744,7 +763,7 @@ def alloc_probe(run, rounds=1000, frames=25):
         if os.path.abspath(fr.filename) == here and fr.lineno in lines:
             continue  # the probe's own bookkeeping
         grown.append({"size_diff": st.size_diff, "count_diff": st.count_diff,
-                      "traceback": [f"{f.filename}:{f.lineno}" for f in st.traceback]})
+                      "traceback": [f"{_where(f.filename)}:{f.lineno}" for f in st.traceback]})
     return {
         "rounds": rounds,
         "allocated_blocks_delta": got[0] - base[0],
@@ -849,7 +868,8 @@ def evaluate(results):
         for name, r in results["alloc"].items():
             t.append((f"{name}: zero net allocations over {r['rounds']} rounds",
                       r["allocated_blocks_delta"] <= 2 and r["traced_bytes_delta"] <= 0,
-                      f"blocks {r['allocated_blocks_delta']:+d}, traced {r['traced_bytes_delta']:+d} B"))
+                      f"blocks {r['allocated_blocks_delta']:+d}, "
+                      f"traced {r['traced_bytes_delta']:+d} B"))
             t.append((f"{name}: zero transient allocations per round",
                       r["transient_peak_bytes_one_round"] <= 0,
                       f"peak {r['transient_peak_bytes_one_round']} B above start within a round"))
@@ -885,7 +905,8 @@ def render(results, md=False):
     for key, title in (("c_backend", "a. decode round, built-in C backend "
                                      "(RequestScheduler.execute_decode_round)"),
                        ("py_backend", "b. decode round, Python numpy-echo backend "
-                                      "(crossing = round - backend body - null-C round, rounds < 100 us)")):
+                                      "(crossing = round - backend body - null-C round, "
+                                      "rounds < 100 us)")):
         rows = []
         for r in results["decode"]:
             c = r[key]

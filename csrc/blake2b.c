@@ -1,6 +1,6 @@
 /* BLAKE2b (RFC 7693), unkeyed, written for the prefix identity: hashing a prompt prefix happens on
- * every admission, so it runs in C without the GIL and without building a bytes object.  The tests
- * check it against hashlib.blake2b. */
+ * every admission, so it runs in C without building a bytes object (with the GIL held: see
+ * docs/DESIGN.md, "Ownership").  The tests check it against hashlib.blake2b. */
 #include <string.h>
 #include "qualia_internal.h"
 
@@ -120,9 +120,12 @@ void qualia_blake2b_final(qualia_blake2b *s, uint8_t *out)
     for (size_t i = 0; i < s->outlen; i++) out[i] = (uint8_t)(s->h[i >> 3] >> (8 * (i & 7)));
 }
 
-void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const uint32_t *tokens, size_t n,
+void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const void *tokens, size_t n,
                           uint8_t out[16])
 {
+    /* `tokens` need not be 4-byte aligned: each id is read with memcpy, never through a
+       uint32_t pointer (a misaligned u32 load is undefined behaviour). */
+    const unsigned char *src = (const unsigned char *)tokens;
     qualia_blake2b s;
     uint8_t le[4];
     uint8_t chunk[128];
@@ -137,14 +140,15 @@ void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const uint32_t *to
     while (n > 0) {
         size_t k = n < 32 ? n : 32;
         for (size_t i = 0; i < k; i++) {
-            uint32_t t = tokens[i];
+            uint32_t t;
+            memcpy(&t, src + 4 * i, sizeof t);
             chunk[4 * i] = (uint8_t)t;
             chunk[4 * i + 1] = (uint8_t)(t >> 8);
             chunk[4 * i + 2] = (uint8_t)(t >> 16);
             chunk[4 * i + 3] = (uint8_t)(t >> 24);
         }
         qualia_blake2b_update(&s, chunk, 4 * k);
-        tokens += k;
+        src += 4 * k;
         n -= k;
     }
     qualia_blake2b_final(&s, out);

@@ -8,24 +8,33 @@ facade over them.  `qualia.twin` is the same semantics in plain Python.
 import os as _os
 
 from . import errors
-from ._core import (
-    BACKEND_ABI_VERSION,
-    BACKEND_CAPSULE_NAME,
-    COPY_OP,
-    KV_EVENT,
-    RAGGED_BATCH_ITEM,
-    RAGGED_BATCH_OUTPUT,
-    RAGGED_BATCH_RECEIPT,
-    REQUEST_VIEW,
-    BlockPool,
-    PrefixIdentity,
-    PrefixKvStore,
-    HashBackend,
-    RequestScheduler,
-    Scheduler,
-    SequenceBlockTable,
-    hash_next_token,
-)
+
+try:
+    from ._core import (
+        BACKEND_ABI_VERSION,
+        BACKEND_CAPSULE_NAME,
+        COPY_OP,
+        KV_EVENT,
+        RAGGED_BATCH_ITEM,
+        RAGGED_BATCH_OUTPUT,
+        RAGGED_BATCH_RECEIPT,
+        REQUEST_VIEW,
+        BlockPool,
+        HashBackend,
+        PrefixIdentity,
+        PrefixKvStore,
+        RequestScheduler,
+        Scheduler,
+        SequenceBlockTable,
+        hash_next_token,
+    )
+except ImportError as _exc:
+    from ._source_tree import explain_missing_core as _explain
+
+    _why = _explain(__name__, _os.path.dirname(_os.path.abspath(__file__)))
+    if _why is None:  # the compiled core is there but failed to load: show the real reason
+        raise
+    raise ImportError(_why, name=__name__) from _exc
 from ._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
                      RaggedBatchReceipt, RequestState)
 from .backend import CopyPagesBackend, RaggedBackend

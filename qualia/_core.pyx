@@ -7,14 +7,17 @@
 # the backend ABI in csrc/qualia.h (mirrored by qualia/_abi.pxd).
 #
 # Every operation is a `noexcept nogil` C function returning a status code (Q_OK or the code of
-# one error variant), wrapped by a thin `def` that resolves Python arguments, takes ownership
-# (core/ownership.pxi) and maps a failing code to an exception through the one table in
-# core/errors.pxi.  All memory is allocated in __cinit__; the operations never allocate.
+# one error variant), wrapped by a thin `def` that resolves every Python argument first (anything
+# that can run user code), then takes ownership of every object it touches (core/ownership.pxi),
+# mutates, releases, and maps a failing code to an exception through the one table in
+# core/errors.pxi.  State memory is allocated in __cinit__; the steady-state operations allocate
+# nothing.  The GIL is released only around calls into C backends, while the core's state is owned
+# and the core does not touch it.
 #
 # Where each concept lives:
 #   core/structs.pxi     C structs, status codes, C declarations
 #   core/abi.pxi         numpy dtypes derived from the compiled ABI structs
-#   core/args.pxi        argument resolution: integers, buffers
+#   core/args.pxi        argument resolution: integers, the one buffer validator, views
 #   core/errors.pxi      status code -> exception class, one table
 #   core/ownership.pxi   the ownership rule (who may mutate an object, and when)
 #   core/pool.pxi        block pool
@@ -28,11 +31,13 @@
 #   core/autoprefix.pxi  automatic prefix caching: the facade's token streams, admit/fill/finish
 #   core/facade.pxi      qualia.Scheduler: admit / reserve / decode / finish
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
+                             PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ND)
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 from cpython.long cimport PyLong_CheckExact
 from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free
+from cpython.ref cimport Py_INCREF
 from cpython.pycapsule cimport (PyCapsule_New, PyCapsule_CheckExact, PyCapsule_GetName,
                                 PyCapsule_GetPointer)
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
@@ -42,6 +47,8 @@ from qualia._abi cimport *
 
 import operator
 import os
+import re as _re
+from itertools import islice as _islice
 from collections.abc import Sequence as _AbcSequence
 
 import numpy as np

@@ -53,7 +53,7 @@ class CopyOnWrite(NamedTuple):
         return cls("allocated", page, None)
 
     @classmethod
-    def copy(cls, src: int, dst: int) -> "CopyOnWrite":  # type: ignore[override]
+    def copy(cls, src: int, dst: int) -> "CopyOnWrite":
         return cls("copy", dst, src)
 
 

@@ -1,4 +1,4 @@
-"""The Python backend protocol (SPEC §6).
+"""The Python backend protocol (DESIGN.md "Backends").
 
 A decode backend is any object with ``execute_ragged``; it is called exactly once per decode round
 with zero-copy numpy views of the scheduler's buffers.  A backend that also implements

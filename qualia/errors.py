@@ -1,4 +1,4 @@
-"""The error families of the seed, one Python exception class per variant.
+"""The error families of the scheduler core, one Python exception class per variant.
 
 Every family (``PoolError``, ``TableError``, ``PrefixKvError``, ``SchedulerError``,
 ``DecodeRoundError``, ``RaggedBackendError``) is a subclass of :class:`QualiaError`, and each of
@@ -8,16 +8,21 @@ its variants is a subclass of the family, reachable as an attribute of it::
         sched.admit_with_prefix(7, identity, store, pool)
     except qualia.SchedulerError.Prefix as err:
         err.cause            # PrefixKvError.Table(...)
-        err.chain            # ('SchedulerError.Prefix', 'PrefixKvError.Table', 'TableError.OutOfRange')
+        err.chain   # ('SchedulerError.Prefix', 'PrefixKvError.Table', 'TableError.OutOfRange')
 
 Wrapping variants (``SchedulerError.Prefix``, ``DecodeRoundError.Backend`` ...) carry the inner
-error as ``.cause``; it is also chained as ``__cause__`` so tracebacks show it.  The Rust seed
-reports these as nested enum values; Python users get the same nesting without parsing strings.
+error as ``.cause``; it is also chained as ``__cause__`` so tracebacks show it.  The nesting is that
+of the error enums in docs/DESIGN.md ("Errors"); Python users get it without parsing strings.
+
+Every family and variant is written out below as a class statement, so that type checkers see
+``SchedulerError.Prefix`` as an exception class: a family declares its variants as class
+attributes, and each variant class is attached to its family by ``@_variant`` (which also names it
+``Family.Variant`` for reprs and pickling, and records it in the family's ``VARIANTS``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type, TypeVar
 
 __all__ = [
     "QualiaError",
@@ -34,11 +39,15 @@ __all__ = [
 
 
 class QualiaError(Exception):
-    """Base of every error the package raises for a seed or SPEC error variant."""
+    """Base of every error the package raises for one of its error variants."""
 
     family: ClassVar[str] = "QualiaError"
     variant: ClassVar[str] = ""
-    VARIANTS: ClassVar[Dict[str, Type["QualiaError"]]] = {}
+    #: Each family's variants by name (``PoolError.VARIANTS["Exhausted"] is PoolError.Exhausted``).
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+
+    cause: Optional[BaseException]
+    detail: str
 
     def __init__(self, cause: Optional[BaseException] = None, detail: str = "") -> None:
         self.cause = cause
@@ -83,124 +92,387 @@ class QualiaError(Exception):
             err = err.cause
         return err
 
-    def __reduce__(self):  # keep pickling (multiprocessing engines) working
+    def __reduce__(self) -> Tuple[Any, ...]:  # keep pickling (multiprocessing engines) working
         return (type(self), (self.cause, self.detail))
 
 
-def _family(name: str, doc: str, variants: Dict[str, str]) -> Type[QualiaError]:
-    family = type(name, (QualiaError,), {"__doc__": doc, "family": name, "__module__": __name__})
-    table: Dict[str, Type[QualiaError]] = {}
-    for variant, vdoc in variants.items():
-        cls = type(
-            variant,
-            (family,),
-            {"__doc__": vdoc, "variant": variant, "__module__": __name__,
-             "__qualname__": f"{name}.{variant}"},
-        )
-        setattr(family, variant, cls)
-        table[variant] = cls
-    family.VARIANTS = table
-    return family
+_V = TypeVar("_V", bound=Type[QualiaError])
 
 
-PoolError = _family(
-    "PoolError",
-    "Errors of the block pool (SPEC §2).",
-    {
-        "Exhausted": "No free page is left.",
-        "InvalidPage": "The page id is past the end of the pool.",
-        "NotAllocated": "The page's reference count is 0.",
-        "Overflow": "The page's reference count is already 2**32 - 1.",
-    },
-)
-
-TableError = _family(
-    "TableError",
-    "Errors of a sequence block table (SPEC §3); pool errors met by a table are flattened in.",
-    {
-        "OutOfRange": "The logical page is at or past the table's capacity.",
-        "Gap": "The logical page is past the mapped length; pages map contiguously from 0.",
-        "Exhausted": "The pool had no free page for a new or copied page.",
-        "InvalidPage": "A mapped page id is past the end of the pool.",
-        "NotAllocated": "A mapped page was released behind the table's back.",
-        "Overflow": "A page's reference count would overflow.",
-        "NotEmpty": "attach() needs an empty table.",
-    },
-)
-
-PrefixKvError = _family(
-    "PrefixKvError",
-    "Errors of the prefix KV store (SPEC §4).",
-    {
-        "EmptyPrefix": "A prefix needs at least one page and one token.",
-        "TooManyPages": "The prefix has more pages than an entry holds.",
-        "Duplicate": "The identity is already published.",
-        "Full": "Every entry of the store is in use.",
-        "Unknown": "The identity is not in the store.",
-        "Table": "A block-table error while attaching; see .cause.",
-        "Pool": "A pool error while publishing or evicting; see .cause.",
-    },
-)
-
-SchedulerError = _family(
-    "SchedulerError",
-    "Errors of the request scheduler (the seed's SchedulerError).",
-    {
-        "DuplicateRequest": "A request with this id is already active.",
-        "Full": "Every request slot is in use.",
-        "UnknownRequest": "No active request has this id.",
-        "OutputTooSmall": "The output buffer is smaller than the number of active requests.",
-        "Prefix": "A prefix-store error during admission; see .cause.",
-        "Table": "A block-table error; see .cause.",
-    },
-)
-
-DecodeRoundError = _family(
-    "DecodeRoundError",
-    "Errors of one decode round (the seed's DecodeRoundError).",
-    {
-        "Scheduler": "A scheduler error; see .cause.",
-        "ItemBufferTooSmall": "The item scratch holds fewer items than decoding requests.",
-        "BlockTableBufferTooSmall": "The block-table scratch is smaller than the lowered tables.",
-        "OutputBufferTooSmall": "The output scratch holds fewer outputs than decoding requests.",
-        "MissingInputToken": "A decoding request has no seeded input token.",
-        "Backend": "The backend failed; .cause is RaggedBackendError.Failed or the Python exception.",
-        "BackendLaunchCount": "The backend reported a launch count other than 1.",
-        "OutputIdentityMismatch": "The backend's outputs do not match the lowered batch.",
-    },
-)
-
-RaggedBackendError = _family(
-    "RaggedBackendError",
-    "An error reported by a decode backend itself.",
-    {"Failed": "The backend failed with its own i32 status code (.code)."},
-)
+def _variant(cls: _V) -> _V:
+    """Attach a variant class to its family (its direct base): ``Family.<variant>``, an entry of
+    ``Family.VARIANTS``, and the qualified name ``Family.Variant`` (reprs, pickling)."""
+    family: Type[QualiaError] = cls.__bases__[0]
+    name = cls.variant
+    if name not in family.__annotations__:  # declared in the family's class body
+        raise TypeError(f"{family.__name__} does not declare the variant {name}")
+    cls.__name__ = name
+    cls.__qualname__ = f"{family.__name__}.{name}"
+    setattr(family, name, cls)
+    family.VARIANTS[name] = cls
+    return cls
 
 
-PrefixCacheError = _family(
-    "PrefixCacheError",
-    "Errors of automatic prefix caching (docs/DESIGN.md, \"Automatic prefix caching\").",
-    {"NamespaceTableFull": "Every namespace id is in use by a live request or a cached page."},
-)
+# -- the families, each declaring its variants ---------------------------------------------------
 
 
-def _failed_init(self, code: int = -1, detail: str = "") -> None:
-    self.code = int(code)
-    QualiaError.__init__(self, None, detail or f"backend status {self.code}")
+class PoolError(QualiaError):
+    """Errors of the block pool."""
+
+    family = "PoolError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    Exhausted: ClassVar[Type[_PoolExhausted]]
+    InvalidPage: ClassVar[Type[_PoolInvalidPage]]
+    NotAllocated: ClassVar[Type[_PoolNotAllocated]]
+    Overflow: ClassVar[Type[_PoolOverflow]]
 
 
-def _failed_reduce(self):
-    return (type(self), (self.code, self.detail))
+class TableError(QualiaError):
+    """Errors of a sequence block table; pool errors met by a table are flattened in."""
+
+    family = "TableError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    OutOfRange: ClassVar[Type[_TableOutOfRange]]
+    Gap: ClassVar[Type[_TableGap]]
+    Exhausted: ClassVar[Type[_TableExhausted]]
+    InvalidPage: ClassVar[Type[_TableInvalidPage]]
+    NotAllocated: ClassVar[Type[_TableNotAllocated]]
+    Overflow: ClassVar[Type[_TableOverflow]]
+    NotEmpty: ClassVar[Type[_TableNotEmpty]]
 
 
-RaggedBackendError.Failed.__init__ = _failed_init  # type: ignore[attr-defined]
-RaggedBackendError.Failed.__reduce__ = _failed_reduce  # type: ignore[attr-defined]
+class PrefixKvError(QualiaError):
+    """Errors of the prefix KV store."""
+
+    family = "PrefixKvError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    EmptyPrefix: ClassVar[Type[_PrefixEmptyPrefix]]
+    TooManyPages: ClassVar[Type[_PrefixTooManyPages]]
+    Duplicate: ClassVar[Type[_PrefixDuplicate]]
+    Full: ClassVar[Type[_PrefixFull]]
+    Unknown: ClassVar[Type[_PrefixUnknown]]
+    Table: ClassVar[Type[_PrefixTable]]
+    Pool: ClassVar[Type[_PrefixPool]]
+
+
+class SchedulerError(QualiaError):
+    """Errors of the request scheduler."""
+
+    family = "SchedulerError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    DuplicateRequest: ClassVar[Type[_SchedulerDuplicateRequest]]
+    Full: ClassVar[Type[_SchedulerFull]]
+    UnknownRequest: ClassVar[Type[_SchedulerUnknownRequest]]
+    OutputTooSmall: ClassVar[Type[_SchedulerOutputTooSmall]]
+    Prefix: ClassVar[Type[_SchedulerPrefix]]
+    Table: ClassVar[Type[_SchedulerTable]]
+
+
+class DecodeRoundError(QualiaError):
+    """Errors of one decode round."""
+
+    family = "DecodeRoundError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    Scheduler: ClassVar[Type[_RoundScheduler]]
+    ItemBufferTooSmall: ClassVar[Type[_RoundItemBufferTooSmall]]
+    BlockTableBufferTooSmall: ClassVar[Type[_RoundBlockTableBufferTooSmall]]
+    OutputBufferTooSmall: ClassVar[Type[_RoundOutputBufferTooSmall]]
+    MissingInputToken: ClassVar[Type[_RoundMissingInputToken]]
+    Backend: ClassVar[Type[_RoundBackend]]
+    BackendLaunchCount: ClassVar[Type[_RoundBackendLaunchCount]]
+    OutputIdentityMismatch: ClassVar[Type[_RoundOutputIdentityMismatch]]
+
+
+class RaggedBackendError(QualiaError):
+    """An error reported by a decode backend itself."""
+
+    family = "RaggedBackendError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    Failed: ClassVar[Type[_BackendFailed]]
+
+
+class PrefixCacheError(QualiaError):
+    """Errors of automatic prefix caching (docs/DESIGN.md, "Automatic prefix caching")."""
+
+    family = "PrefixCacheError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    NamespaceTableFull: ClassVar[Type[_CacheNamespaceTableFull]]
+
+
+# -- PoolError -----------------------------------------------------------------------------------
+
+
+@_variant
+class _PoolExhausted(PoolError):
+    """No free page is left."""
+
+    variant = "Exhausted"
+
+
+@_variant
+class _PoolInvalidPage(PoolError):
+    """The page id is past the end of the pool."""
+
+    variant = "InvalidPage"
+
+
+@_variant
+class _PoolNotAllocated(PoolError):
+    """The page's reference count is 0."""
+
+    variant = "NotAllocated"
+
+
+@_variant
+class _PoolOverflow(PoolError):
+    """The page's reference count is already 2**32 - 1."""
+
+    variant = "Overflow"
+
+
+# -- TableError ----------------------------------------------------------------------------------
+
+
+@_variant
+class _TableOutOfRange(TableError):
+    """The logical page is at or past the table's capacity."""
+
+    variant = "OutOfRange"
+
+
+@_variant
+class _TableGap(TableError):
+    """The logical page is past the mapped length; pages map contiguously from 0."""
+
+    variant = "Gap"
+
+
+@_variant
+class _TableExhausted(TableError):
+    """The pool had no free page for a new or copied page."""
+
+    variant = "Exhausted"
+
+
+@_variant
+class _TableInvalidPage(TableError):
+    """A mapped page id is past the end of the pool."""
+
+    variant = "InvalidPage"
+
+
+@_variant
+class _TableNotAllocated(TableError):
+    """A mapped page was released behind the table's back."""
+
+    variant = "NotAllocated"
+
+
+@_variant
+class _TableOverflow(TableError):
+    """A page's reference count would overflow."""
+
+    variant = "Overflow"
+
+
+@_variant
+class _TableNotEmpty(TableError):
+    """attach() needs an empty table."""
+
+    variant = "NotEmpty"
+
+
+# -- PrefixKvError -------------------------------------------------------------------------------
+
+
+@_variant
+class _PrefixEmptyPrefix(PrefixKvError):
+    """A prefix needs at least one page and one token."""
+
+    variant = "EmptyPrefix"
+
+
+@_variant
+class _PrefixTooManyPages(PrefixKvError):
+    """The prefix has more pages than an entry holds."""
+
+    variant = "TooManyPages"
+
+
+@_variant
+class _PrefixDuplicate(PrefixKvError):
+    """The identity is already published."""
+
+    variant = "Duplicate"
+
+
+@_variant
+class _PrefixFull(PrefixKvError):
+    """Every entry of the store is in use."""
+
+    variant = "Full"
+
+
+@_variant
+class _PrefixUnknown(PrefixKvError):
+    """The identity is not in the store."""
+
+    variant = "Unknown"
+
+
+@_variant
+class _PrefixTable(PrefixKvError):
+    """A block-table error while attaching; see .cause."""
+
+    variant = "Table"
+
+
+@_variant
+class _PrefixPool(PrefixKvError):
+    """A pool error while publishing or evicting; see .cause."""
+
+    variant = "Pool"
+
+
+# -- SchedulerError ------------------------------------------------------------------------------
+
+
+@_variant
+class _SchedulerDuplicateRequest(SchedulerError):
+    """A request with this id is already active."""
+
+    variant = "DuplicateRequest"
+
+
+@_variant
+class _SchedulerFull(SchedulerError):
+    """Every request slot is in use."""
+
+    variant = "Full"
+
+
+@_variant
+class _SchedulerUnknownRequest(SchedulerError):
+    """No active request has this id."""
+
+    variant = "UnknownRequest"
+
+
+@_variant
+class _SchedulerOutputTooSmall(SchedulerError):
+    """The output buffer is smaller than the number of active requests."""
+
+    variant = "OutputTooSmall"
+
+
+@_variant
+class _SchedulerPrefix(SchedulerError):
+    """A prefix-store error during admission; see .cause."""
+
+    variant = "Prefix"
+
+
+@_variant
+class _SchedulerTable(SchedulerError):
+    """A block-table error; see .cause."""
+
+    variant = "Table"
+
+
+# -- DecodeRoundError ----------------------------------------------------------------------------
+
+
+@_variant
+class _RoundScheduler(DecodeRoundError):
+    """A scheduler error; see .cause."""
+
+    variant = "Scheduler"
+
+
+@_variant
+class _RoundItemBufferTooSmall(DecodeRoundError):
+    """The item scratch holds fewer items than decoding requests."""
+
+    variant = "ItemBufferTooSmall"
+
+
+@_variant
+class _RoundBlockTableBufferTooSmall(DecodeRoundError):
+    """The block-table scratch is smaller than the lowered tables."""
+
+    variant = "BlockTableBufferTooSmall"
+
+
+@_variant
+class _RoundOutputBufferTooSmall(DecodeRoundError):
+    """The output scratch holds fewer outputs than decoding requests."""
+
+    variant = "OutputBufferTooSmall"
+
+
+@_variant
+class _RoundMissingInputToken(DecodeRoundError):
+    """A decoding request has no seeded input token."""
+
+    variant = "MissingInputToken"
+
+
+@_variant
+class _RoundBackend(DecodeRoundError):
+    """The backend failed; .cause is RaggedBackendError.Failed or the Python exception."""
+
+    variant = "Backend"
+
+
+@_variant
+class _RoundBackendLaunchCount(DecodeRoundError):
+    """The backend reported a launch count other than 1."""
+
+    variant = "BackendLaunchCount"
+
+
+@_variant
+class _RoundOutputIdentityMismatch(DecodeRoundError):
+    """The backend's outputs do not match the lowered batch."""
+
+    variant = "OutputIdentityMismatch"
+
+
+# -- RaggedBackendError --------------------------------------------------------------------------
+
+
+@_variant
+class _BackendFailed(RaggedBackendError):
+    """The backend failed with its own i32 status code (``.code``)."""
+
+    variant = "Failed"
+    code: int
+
+    def __init__(self, code: int = -1, detail: str = "") -> None:
+        self.code = int(code)
+        super().__init__(None, detail or f"backend status {self.code}")
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (type(self), (self.code, self.detail))
+
+
+# -- PrefixCacheError ----------------------------------------------------------------------------
+
+
+@_variant
+class _CacheNamespaceTableFull(PrefixCacheError):
+    """Every namespace id is in use by a live request or a cached page."""
+
+    variant = "NamespaceTableFull"
+
+
+# -- errors outside the families -----------------------------------------------------------------
 
 
 class BusyError(QualiaError, RuntimeError):
-    """The object is in use by a decode round running without the GIL in another thread
-    (or a backend called back into the scheduler mid-round).  Nothing was changed; retry
-    after the round."""
+    """The object is owned by another mutating call still in progress: a decode round running
+    without the GIL in another thread, or a call re-entered from a backend, a GC callback or a
+    finalizer (docs/DESIGN.md, "Ownership").  Nothing was changed; retry after that call."""
 
     family = "BusyError"
 

@@ -1,11 +1,10 @@
-"""Pure-Python reference model of the scheduler core (SPEC §2-§5 and the Rust seed).
+"""The pure-Python twin of the compiled core: the semantics of docs/DESIGN.md in plain Python.
 
-This module is meant to be read beside ``/work/shared/seed/request_table.rs`` and SPEC.md: every
-class is a plain transliteration (lists, dicts and ints), every check is made in the seed's /
-SPEC's order, and every failed call leaves all state as it was.  Comments of the form
-``seed L142`` point at lines of ``request_table.rs``.  It shares the public API of the compiled
-core (docs/DESIGN.md, "API") and raises the same error classes (``qualia.errors``), so the test
-suite runs unchanged against both.
+This module is meant to be read beside docs/DESIGN.md: every class is a plain transliteration of
+its section there (lists, dicts and ints), every check is made in the order that section gives,
+and every failed call leaves all state as it was.  Comments cite the sections by name.  It shares
+the public API of the compiled core (DESIGN.md "API") and raises the same error classes
+(``qualia.errors``), so the test suite runs unchanged against both.
 
 It is a model, not a fast path: the block pool keeps one Python list per page, and decode rounds
 walk numpy records one at a time.
@@ -20,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Sequence as _AbcSequence
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -70,7 +69,7 @@ _PAGE_TABLE = np.dtype("<u4")  # the block-table scratch: one u32 page id per en
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checking (DESIGN.md "Argument checking")
+# Argument checking (DESIGN.md "Bad input")
 # ---------------------------------------------------------------------------------------------
 
 
@@ -114,13 +113,15 @@ def _u32_list(values, name: str) -> List[int]:
     try:
         items = list(values)
     except TypeError:
-        raise TypeError(f"{name} must be an iterable of integers, not {type(values).__name__}") from None
+        raise TypeError(
+            f"{name} must be an iterable of integers, not {type(values).__name__}") from None
     return [_u32(v, f"{name}[{i}]") for i, v in enumerate(items)]
 
 
 def _need(obj, cls, name: str):
     if not isinstance(obj, cls):
-        raise TypeError(f"{name} must be a {cls.__module__}.{cls.__name__}, not {type(obj).__name__}")
+        raise TypeError(
+            f"{name} must be a {cls.__module__}.{cls.__name__}, not {type(obj).__name__}")
     return obj
 
 
@@ -145,12 +146,13 @@ def _buffer(obj, dtype: np.dtype, name: str, align: int) -> np.ndarray:
 
 
 def _flatten(err: QualiaError, family) -> QualiaError:
-    """A pool error met by a table becomes the same-named variant of ``family`` (SPEC §3)."""
+    """A pool error met by a table becomes the same-named variant of ``family`` (DESIGN.md
+    "Errors")."""
     return family.VARIANTS[err.variant](None, err.detail)
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §2: block pool
+# Block pool (DESIGN.md "Block pool")
 # ---------------------------------------------------------------------------------------------
 
 
@@ -158,10 +160,11 @@ class BlockPool:
     """Physical KV pages ``0 .. num_blocks-1``, each with a u32 reference count.
 
     One free stack: it starts holding every page with page 0 on top, so never-used pages come out
-    ascending; a released page is pushed on top (last freed, first reused)."""
+    ascending; a released page is pushed on top (last freed, first reused).  ``BlockPool(0)`` is
+    valid: every ``allocate`` is ``Exhausted`` and every page id ``InvalidPage``."""
 
     def __init__(self, num_blocks) -> None:
-        n = _int(num_blocks, "num_blocks", U32_MAX, minimum=1)
+        n = _int(num_blocks, "num_blocks", U32_MAX)
         self._refcounts: List[int] = [0] * n
         self._free: List[int] = list(range(n - 1, -1, -1))  # top of stack is the end
 
@@ -213,10 +216,11 @@ class BlockPool:
         """The error ``retain`` would raise for the first failing page if every page of
         ``pages`` were retained in order, or None.  Lets callers be atomic: validate, then
         retain."""
-        pending = {}
+        pending: Dict[int, int] = {}
         for page in pages:
             if page >= len(self._refcounts):
-                return PoolError.InvalidPage(None, f"page {page} >= num_blocks {len(self._refcounts)}")
+                return PoolError.InvalidPage(
+                    None, f"page {page} >= num_blocks {len(self._refcounts)}")
             count = self._refcounts[page]
             if count == 0:
                 return PoolError.NotAllocated(None, f"page {page}")
@@ -240,7 +244,7 @@ class BlockPool:
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §3: sequence block table with copy-on-write
+# Sequence block table with copy-on-write (DESIGN.md "Sequence block table and copy-on-write")
 # ---------------------------------------------------------------------------------------------
 
 
@@ -266,10 +270,12 @@ class SequenceBlockTable:
         _need(pool, BlockPool, "pool")
         # 1. past the capacity
         if logical_page >= self._capacity:
-            raise TableError.OutOfRange(None, f"logical page {logical_page} >= capacity {self._capacity}")
+            raise TableError.OutOfRange(
+                None, f"logical page {logical_page} >= capacity {self._capacity}")
         # 2. pages are mapped contiguously from 0
         if logical_page > len(self._entries):
-            raise TableError.Gap(None, f"logical page {logical_page} > mapped length {len(self._entries)}")
+            raise TableError.Gap(
+                None, f"logical page {logical_page} > mapped length {len(self._entries)}")
         # 3. the next page: allocate and append
         if logical_page == len(self._entries):
             try:
@@ -281,15 +287,15 @@ class SequenceBlockTable:
         src = self._entries[logical_page]
         try:
             count = pool.refcount(src)
-        except PoolError as err:  # a page id past this pool's end
+        except PoolError as err:  # 4. a page id past this pool's end
             raise _flatten(err, TableError) from None
-        # 4. released behind the table's back
+        # 5. released behind the table's back
         if count == 0:
             raise TableError.NotAllocated(None, f"mapped page {src}")
-        # 5. sole holder: write in place
+        # 6. sole holder: write in place
         if count == 1:
             return CopyOnWrite.exclusive(src)
-        # 6. shared: allocate dst, drop our reference on src, map dst
+        # 7. shared: allocate dst, drop our reference on src, map dst
         try:
             dst = pool.allocate()
         except PoolError as err:
@@ -330,7 +336,7 @@ class SequenceBlockTable:
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §4: prefix identity and prefix KV store
+# Prefix identity and prefix KV store (DESIGN.md "Prefix identity", "Prefix KV store")
 # ---------------------------------------------------------------------------------------------
 
 
@@ -343,11 +349,14 @@ def _namespace_bytes(namespace) -> bytes:
 
 
 class PrefixIdentity:
-    """A 128-bit digest naming a prompt prefix."""
+    """A 128-bit digest naming a prompt prefix.  Immutable: ``__init__`` runs once;
+    ``bytes(ident)`` is the digest, ``int(ident)`` its big-endian value."""
 
     __slots__ = ("_digest",)
 
     def __init__(self, digest) -> None:
+        if hasattr(self, "_digest"):
+            raise TypeError("PrefixIdentity is immutable: __init__ cannot be called again")
         if not isinstance(digest, (bytes, bytearray, memoryview)):
             raise TypeError(f"digest must be 16 bytes, not {type(digest).__name__}")
         digest = bytes(digest)
@@ -400,7 +409,10 @@ class PrefixIdentity:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self._digest)
+        # the same value as the compiled core's PrefixIdentity (64-bit platforms)
+        hi = int.from_bytes(self._digest[:8], "big")
+        lo = int.from_bytes(self._digest[8:], "big")
+        return (hi ^ ((lo * 0x9E3779B97F4A7C15) & _MASK64)) >> 1
 
     def __repr__(self) -> str:
         return f"PrefixIdentity.fromhex('{self.hex()}')"
@@ -538,11 +550,11 @@ class PrefixKvStore:
 
 
 # ---------------------------------------------------------------------------------------------
-# SPEC §5: the request scheduler (the seed, request_table.rs)
+# The request scheduler (DESIGN.md "Request scheduler", "Decode round")
 # ---------------------------------------------------------------------------------------------
 
 
-class _RequestSlot:  # seed L81-L112
+class _RequestSlot:  # one fixed request slot
     __slots__ = ("request_id", "state", "token_count", "prefix_tokens", "next_token_id",
                  "token_ready", "blocks")
 
@@ -562,7 +574,7 @@ class _RequestSlot:  # seed L81-L112
 class RequestScheduler:
     """Fixed-request-capacity scheduler; ``max_requests`` is the seed's ``REQUESTS``."""
 
-    def __init__(self, max_requests, logical_pages) -> None:  # seed L121
+    def __init__(self, max_requests, logical_pages) -> None:
         max_requests = _int(max_requests, "max_requests", U16_MAX + 1, minimum=1)
         self._logical_pages = _u32(logical_pages, "logical_pages")
         self._slots = [_RequestSlot(self._logical_pages) for _ in range(max_requests)]
@@ -580,16 +592,16 @@ class RequestScheduler:
         if self._busy:
             raise BusyError(None, "the scheduler is running a decode round")
 
-    def active_count(self) -> int:  # seed L127
+    def active_count(self) -> int:
         return sum(1 for slot in self._slots if slot.state != RequestState.EMPTY)
 
-    def _find(self, request_id: int) -> _RequestSlot:  # seed L332
+    def _find(self, request_id: int) -> _RequestSlot:  # the seed's scan; the core uses an index
         for slot in self._slots:
             if slot.state != RequestState.EMPTY and slot.request_id == request_id:
                 return slot
         raise SchedulerError.UnknownRequest(None, f"request {request_id}")
 
-    def admit_with_prefix(self, request_id, identity, prefixes, pool) -> Admission:  # seed L135
+    def admit_with_prefix(self, request_id, identity, prefixes, pool) -> Admission:
         request_id = _u64(request_id, "request_id")
         if identity is not None:
             _need(identity, PrefixIdentity, "identity")
@@ -615,7 +627,7 @@ class RequestScheduler:
         slot.prefix_tokens = prefix_tokens
         return Admission(index, prefix_tokens != 0, prefix_tokens)
 
-    def ensure_writable(self, request_id, logical_page, pool) -> CopyOnWrite:  # seed L178
+    def ensure_writable(self, request_id, logical_page, pool) -> CopyOnWrite:
         request_id = _u64(request_id, "request_id")
         logical_page = _u32(logical_page, "logical_page")
         _need(pool, BlockPool, "pool")
@@ -626,12 +638,12 @@ class RequestScheduler:
         except TableError as err:
             raise SchedulerError.Table(err) from err
 
-    def mark_prefill_complete(self, request_id) -> None:  # seed L190
+    def mark_prefill_complete(self, request_id) -> None:  # in any active state
         request_id = _u64(request_id, "request_id")
         self._enter()
         self._find(request_id).state = RequestState.DECODE
 
-    def seed_decode_token(self, request_id, token_id) -> None:  # seed L196
+    def seed_decode_token(self, request_id, token_id) -> None:
         request_id = _u64(request_id, "request_id")
         token_id = _u32(token_id, "token_id")
         self._enter()
@@ -639,14 +651,14 @@ class RequestScheduler:
         slot.next_token_id = token_id
         slot.token_ready = True
 
-    def record_token(self, request_id) -> int:  # seed L207
+    def record_token(self, request_id) -> int:
         request_id = _u64(request_id, "request_id")
         self._enter()
         slot = self._find(request_id)
         slot.token_count = min(slot.token_count + 1, U32_MAX)  # saturating_add
         return slot.token_count
 
-    def runnable_into(self, out) -> int:  # seed L214
+    def runnable_into(self, out) -> int:
         out = _buffer(out, REQUEST_VIEW, "out", 8)
         required = self.active_count()
         if len(out) < required:
@@ -666,7 +678,7 @@ class RequestScheduler:
         return out
 
     def execute_decode_round(self, backend, item_scratch, block_table_scratch,
-                             output_scratch) -> RaggedBatchReceipt:  # seed L241
+                             output_scratch) -> RaggedBatchReceipt:  # DESIGN.md "Decode round"
         execute = getattr(backend, "execute_ragged", None)
         if not callable(execute):
             raise TypeError(
@@ -678,18 +690,18 @@ class RequestScheduler:
         self._enter()
 
         decoding = [(i, s) for i, s in enumerate(self._slots) if s.state == RequestState.DECODE]
-        if len(items) < len(decoding):  # seed L253
+        if len(items) < len(decoding):  # check 2
             raise DecodeRoundError.ItemBufferTooSmall(None, f"{len(items)} < {len(decoding)}")
-        if len(outputs) < len(decoding):  # seed L256
+        if len(outputs) < len(decoding):  # check 3
             raise DecodeRoundError.OutputBufferTooSmall(None, f"{len(outputs)} < {len(decoding)}")
-        required_table_entries = sum(len(s.blocks) for _, s in decoding)  # seed L259
+        required_table_entries = sum(len(s.blocks) for _, s in decoding)  # check 4
         if len(table) < required_table_entries:
             raise DecodeRoundError.BlockTableBufferTooSmall(
                 None, f"{len(table)} < {required_table_entries}")
 
-        # Lowering, seed L269-L291.  `lowered` is the scheduler's own record of the batch's
-        # identities (DESIGN.md: outputs are checked against it, not against the scratch).
-        lowered = []
+        # Step 5, lowering.  `lowered` is the scheduler's own record of the batch's identities
+        # (step 10 checks the outputs against it, not against the scratch).
+        lowered: List[Tuple[int, int]] = []
         table_offset = 0
         for index, slot in decoding:
             if not slot.token_ready:
@@ -701,45 +713,46 @@ class RequestScheduler:
             lowered.append((slot.request_id, index))
             table_offset += len(entries)
         item_count = len(lowered)
-        if item_count == 0:  # seed L292
+        if item_count == 0:  # step 6
             return RaggedBatchReceipt(0, 0)
 
-        items_view = items[:item_count].view()
-        items_view.flags.writeable = False
-        table_view = table[:table_offset].view()
-        table_view.flags.writeable = False
+        # truly read-only: based on read-only memoryviews, so flags.writeable = True raises
+        items_view = np.frombuffer(memoryview(items[:item_count]).toreadonly(),
+                                   dtype=RAGGED_BATCH_ITEM)
+        table_view = np.frombuffer(memoryview(table[:table_offset]).toreadonly(),
+                                   dtype=_PAGE_TABLE)
         outputs_view = outputs[:item_count]
 
         self._busy = True  # a backend calling back into a mutating method gets BusyError
         try:
-            result = execute(items_view, table_view, outputs_view)  # seed L296
+            result = execute(items_view, table_view, outputs_view)  # step 7
         except Exception as exc:
             raise DecodeRoundError.Backend(exc) from exc
         finally:
             self._busy = False
         batch_size, launches = _receipt(result)
 
-        if batch_size != item_count:  # seed L301
+        if batch_size != item_count:  # check 8
             raise DecodeRoundError.OutputIdentityMismatch(
                 None, f"batch_size {batch_size} != {item_count} items")
-        if launches != 1:  # seed L304
+        if launches != 1:  # check 9
             raise DecodeRoundError.BackendLaunchCount(None, f"{launches} launches")
         out_ids = outputs_view["request_id"].tolist()
         out_slots = outputs_view["slot"].tolist()
         out_tokens = outputs_view["next_token_id"].tolist()
-        for i, (request_id, index) in enumerate(lowered):  # seed L307
+        for i, (request_id, index) in enumerate(lowered):  # check 10
             if out_ids[i] != request_id or out_slots[i] != index:
                 raise DecodeRoundError.OutputIdentityMismatch(
                     None, f"output {i} is ({out_ids[i]}, {out_slots[i]}), "
                           f"expected ({request_id}, {index})")
-        for i, (_, index) in enumerate(lowered):  # seed L315
+        for i, (_, index) in enumerate(lowered):  # step 11: only now does state change
             slot = self._slots[index]
             slot.next_token_id = out_tokens[i]
             slot.token_count = min(slot.token_count + 1, U32_MAX)
             slot.token_ready = True
         return RaggedBatchReceipt(batch_size, launches)
 
-    def finish(self, request_id, pool) -> None:  # seed L325
+    def finish(self, request_id, pool) -> None:
         request_id = _u64(request_id, "request_id")
         _need(pool, BlockPool, "pool")
         self._enter()
@@ -787,7 +800,7 @@ def _receipt(result):
 
 
 # ---------------------------------------------------------------------------------------------
-# DESIGN.md "Reference decode backend"
+# The hash backend's twin (DESIGN.md "Hash backend")
 # ---------------------------------------------------------------------------------------------
 
 _FAULTS = (None, "error", "batch_size", "launches", "swap", "raise")

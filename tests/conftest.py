@@ -1,19 +1,25 @@
-"""Shared fixtures: every test runs against the compiled core and the pure-Python reference.
+"""Shared fixtures: every test runs against the compiled core and the pure-Python twin.
 
 ``impl`` is a namespace with the implementation's classes (BlockPool, SequenceBlockTable,
-PrefixIdentity, PrefixKvStore, RequestScheduler), the reference's PyHashBackend (for both),
+PrefixIdentity, PrefixKvStore, RequestScheduler), the twin's PyHashBackend (for both),
 the numpy dtypes, and a few state-snapshot helpers used to assert "a failed call changed nothing".
 """
 
 from __future__ import annotations
 
-import os
+import importlib
+import importlib.util
 import pathlib
+import sys
 import types
 
 import pytest
 
-SOURCE_PACKAGE = (pathlib.Path(__file__).resolve().parent.parent / "qualia").resolve()
+CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+SOURCE_PACKAGE = CHECKOUT / "qualia"
+# What the compiled core of an in-place (editable) build is made from.
+CORE_SOURCES = ("qualia/*.pyx", "qualia/*.pxd", "qualia/*.pxi", "qualia/core/*.pxi",
+                "csrc/*.c", "csrc/*.h")
 
 
 def _qualia_dir() -> pathlib.Path:
@@ -22,23 +28,35 @@ def _qualia_dir() -> pathlib.Path:
     return pathlib.Path(qualia.__file__).resolve().parent
 
 
+def _stale_sources(core: pathlib.Path) -> list:
+    built = core.stat().st_mtime
+    return sorted(str(p.relative_to(CHECKOUT)) for pattern in CORE_SOURCES
+                  for p in CHECKOUT.glob(pattern) if p.stat().st_mtime > built)
+
+
 def pytest_sessionstart(session):
-    """The tests exercise the installed package, not the source tree that `python -m pytest` or
-    PYTHONPATH would put first on sys.path (QUALIA_TEST_SOURCE=1 allows an in-place build)."""
-    if os.environ.get("QUALIA_TEST_SOURCE") == "1":
-        return
+    """The tests need a compiled qualia: an installed one (`pip install ".[test]"`), or this
+    checkout built in place (`pip install -e ".[test]"`).  A source tree without its compiled core
+    that shadows the installed package (`python -m pytest` in the checkout puts the current
+    directory first on sys.path) gets qualia's own explanation of what to do."""
     try:
         where = _qualia_dir()
-    except ImportError as exc:
-        pytest.exit(f"qualia is not installed ({exc}); run `pip install '.[test]'` first",
+    except ModuleNotFoundError as exc:
+        if exc.name != "qualia":
+            raise
+        pytest.exit(f"qualia is not installed: run `python -m pip install \".[test]\"` in "
+                    f"{CHECKOUT} (or `python -m pip install -e \".[test]\"` to develop)",
                     returncode=4)
-    if where == SOURCE_PACKAGE:
-        pytest.exit(
-            f"`import qualia` resolved to the source tree {where}; "
-            "run the tests from outside the checkout (or with `python -P` / without PYTHONPATH) "
-            "so that the installed package is tested.",
-            returncode=4,
-        )
+    except ImportError as exc:
+        pytest.exit(f"cannot import qualia:\n{exc}", returncode=4)
+    if where == SOURCE_PACKAGE:  # an editable install or an in-place build: is it current?
+        from qualia._source_tree import compiled_core
+
+        stale = _stale_sources(pathlib.Path(compiled_core(str(where))))
+        if stale:
+            pytest.exit(f"the compiled core in {where} is older than {', '.join(stale[:3])}"
+                        f"{' ...' if len(stale) > 3 else ''}: rebuild it with "
+                        f"`python -m pip install -e \".[test]\"` in {CHECKOUT}", returncode=4)
 
 
 def pytest_report_header(config):
@@ -46,6 +64,38 @@ def pytest_report_header(config):
         return f"qualia imported from: {_qualia_dir()}"
     except Exception as exc:  # pragma: no cover
         return f"qualia import failed: {exc!r}"
+
+
+# -- out-of-tree backends, compiled against the installed package --------------------------------
+
+EXAMPLES = CHECKOUT / "examples"
+
+
+def build_example(folder: str, module: str, out: pathlib.Path):
+    """Run examples/<folder>/build.py's build() into `out` and import the module it made."""
+    script = EXAMPLES / folder / "build.py"
+    spec = importlib.util.spec_from_file_location(f"_build_{folder}", script)
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    builder.build(str(out))
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(out))
+
+
+@pytest.fixture(scope="session")
+def example_backend(tmp_path_factory):
+    """examples/c_backend: a C extension that includes only qualia.h (qualia.get_include())."""
+    return build_example("c_backend", "example_backend", tmp_path_factory.mktemp("c_backend"))
+
+
+@pytest.fixture(scope="session")
+def cython_backend(tmp_path_factory):
+    """examples/cython_backend: a Cython extension that cimports only qualia/_abi.pxd."""
+    return build_example("cython_backend", "cython_backend",
+                         tmp_path_factory.mktemp("cython_backend"))
 
 
 # -- state snapshots --------------------------------------------------------------------------
@@ -77,10 +127,7 @@ def sched_state(sched):
 
 
 def _set_refcount(pool, page, count):
-    hook = getattr(pool, "_debug_set_refcount", None)
-    if hook is None:
-        pytest.skip("implementation has no _debug_set_refcount test hook")
-    hook(page, count)
+    pool._debug_set_refcount(page, count)  # a test hook of both implementations
 
 
 def _namespace(name):
@@ -88,9 +135,6 @@ def _namespace(name):
 
     if name == "core":
         import qualia as mod
-
-        if not hasattr(mod, "BlockPool"):
-            pytest.skip("qualia.BlockPool is not available yet (compiled core not built)")
     else:
         mod = twin
     return types.SimpleNamespace(
@@ -103,7 +147,7 @@ def _namespace(name):
         PyHashBackend=twin.PyHashBackend,
         RAGGED_BATCH_ITEM=mod.RAGGED_BATCH_ITEM,
         RAGGED_BATCH_OUTPUT=mod.RAGGED_BATCH_OUTPUT,
-        RAGGED_BATCH_RECEIPT=getattr(mod, "RAGGED_BATCH_RECEIPT", twin.RAGGED_BATCH_RECEIPT),
+        RAGGED_BATCH_RECEIPT=mod.RAGGED_BATCH_RECEIPT,
         REQUEST_VIEW=mod.REQUEST_VIEW,
         COPY_OP=mod.COPY_OP,
         pool_state=pool_state,
@@ -120,7 +164,7 @@ def impl(request):
     return _namespace(request.param)
 
 
-# Bad integer arguments and the exception each must raise (DESIGN.md "Argument checking").
+# Bad integer arguments and the exception each must raise (DESIGN.md "Bad input").
 BAD_U32 = [
     (-1, OverflowError),
     (2**32, OverflowError),

@@ -321,7 +321,7 @@ def test_numpy_integers_are_integers(impl, value):
 
 
 @pytest.mark.parametrize("args, exc", [
-    ((0,), ValueError), ((-1,), OverflowError), ((2**32,), OverflowError), ((True,), TypeError),
+    ((-1,), OverflowError), ((2**32,), OverflowError), ((True,), TypeError),
     ((1.0,), TypeError), ((None,), TypeError), (("4",), TypeError),
 ])
 def test_block_pool_constructor(impl, args, exc):
@@ -367,7 +367,8 @@ BAD_PAGE_LISTS = [
     ("floats", [0.0], TypeError), ("bools", [True], TypeError), ("negative", [-1], OverflowError),
     ("too_big", [2**32], OverflowError), ("float_array", np.zeros(1, np.float64), TypeError),
     ("bool_array", np.zeros(1, np.bool_), TypeError), ("nested", [[0]], TypeError),
-    ("mixed", [0, "1"], TypeError), ("2d_array", np.zeros((1, 1), np.uint32), (TypeError, ValueError)),
+    ("mixed", [0, "1"], TypeError),
+    ("2d_array", np.zeros((1, 1), np.uint32), (TypeError, ValueError)),
 ]
 
 
@@ -397,7 +398,8 @@ BAD_TOKENS = [
     ("str", "abc", TypeError), ("bytes", b"ab", TypeError), ("int", 5, TypeError),
     ("none", None, TypeError), ("floats", [1.0], TypeError), ("bools", [False], TypeError),
     ("negative", [-1], OverflowError), ("too_big", [2**32], OverflowError),
-    ("float_array", np.ones(2, np.float32), TypeError), ("bool_array", np.ones(2, np.bool_), TypeError),
+    ("float_array", np.ones(2, np.float32), TypeError),
+    ("bool_array", np.ones(2, np.bool_), TypeError),
     ("negative_array", np.array([-1], np.int64), OverflowError),
     ("too_big_array", np.array([2**32], np.int64), OverflowError),
     ("2d_array", np.zeros((2, 2), np.uint32), ValueError),
@@ -454,7 +456,8 @@ def test_wrong_objects_where_pool_store_table_identity_expected(impl, bad):
         lambda: t.ensure_writable(0, bad), lambda: t.attach([0], bad), lambda: t.release_all(bad),
         lambda: st.publish(bad, [0], 1, p), lambda: st.publish(w.ident, [0], 1, bad),
         lambda: st.attach(bad, impl.SequenceBlockTable(2), p),
-        lambda: st.attach(w.ident, bad, p), lambda: st.attach(w.ident, impl.SequenceBlockTable(2), bad),
+        lambda: st.attach(w.ident, bad, p),
+        lambda: st.attach(w.ident, impl.SequenceBlockTable(2), bad),
         lambda: st.evict(bad, p), lambda: st.evict(w.ident, bad), lambda: st.evict_lru(bad),
         lambda: st.pages_of(bad), lambda: st.tokens_of(bad),
         lambda: s.admit_with_prefix(1, None, bad, p), lambda: s.admit_with_prefix(1, None, st, bad),
@@ -469,7 +472,8 @@ def test_wrong_objects_where_pool_store_table_identity_expected(impl, bad):
 def test_objects_of_the_other_implementation_are_rejected(impl):
     other = R if impl.name == "core" else qualia
     w = World(impl)
-    opool, ostore, otable = other.BlockPool(4), other.PrefixKvStore(1, 1), other.SequenceBlockTable(2)
+    opool, ostore = other.BlockPool(4), other.PrefixKvStore(1, 1)
+    otable = other.SequenceBlockTable(2)
     oident = other.PrefixIdentity.of_tokens([1, 2, 3])
     for call in (lambda: w.table.ensure_writable(0, opool),
                  lambda: w.store.attach(w.ident, otable, w.pool),
@@ -481,7 +485,7 @@ def test_objects_of_the_other_implementation_are_rejected(impl):
         expect_unchanged(w, call, TypeError)
 
 
-# -- Python backends that misbehave ------------------------------------------------------------------
+# -- Python backends that misbehave ----------------------------------------------------------------
 
 
 class Scripted:
@@ -557,7 +561,8 @@ def test_backend_returning_wrong_counts(impl, receipt, err):
 
 @pytest.mark.parametrize("receipt", [
     lambda n: [n, 1], lambda n: (np.uint32(n), np.int64(1)), lambda n: np.array([n, 1], np.uint8),
-    lambda n: RaggedBatchReceipt(n, 1), lambda n: np.array([(n, 1)], qualia.RAGGED_BATCH_RECEIPT)[0],
+    lambda n: RaggedBatchReceipt(n, 1),
+    lambda n: np.array([(n, 1)], qualia.RAGGED_BATCH_RECEIPT)[0],
 ], ids=["list", "numpy_ints", "u8_array", "receipt", "receipt_record"])
 def test_backend_receipt_forms_accepted(impl, receipt):
     w = World(impl)
@@ -580,7 +585,8 @@ def test_receipt_that_is_no_sequence_is_rejected_by_both(impl, receipt):
                          ids=["index_of_size", "index_of_launches", "iter"])
 def test_receipt_whose_methods_raise_is_a_backend_error(impl, receipt):
     """A receipt's __index__ / __iter__ is backend code: what it raises is the backend failing
-    (SPEC §6: DecodeRoundError.Backend with the original chained), not a bare exception."""
+    (DESIGN.md "Backends": DecodeRoundError.Backend with the original chained), not a bare
+    exception."""
     w = World(impl)
     err = expect_unchanged(w, lambda: w.round(Scripted(receipt=receipt)),
                            (DecodeRoundError.Backend, RuntimeError))
@@ -643,19 +649,27 @@ def test_backend_mutating_its_inputs(impl, name):
 
 def test_backend_flipping_writeable_cannot_defeat_the_identity_check(impl):
     w = World(impl)
+    refused = []
 
     def act(self, items, table, outputs):
         try:
             items.flags.writeable = True
         except ValueError:
-            return  # numpy refused: fine too
+            refused.append(True)
+            return  # numpy refused (the views are truly read-only): the round runs normally
         # claim the outputs' (swapped) identities were the inputs'
         items["request_id"][:] = items["request_id"][::-1].copy()
         items["slot"][:] = items["slot"][::-1].copy()
         outputs["request_id"][:] = items["request_id"]
         outputs["slot"][:] = items["slot"]
 
-    expect_unchanged(w, lambda: w.round(Scripted(act)), DecodeRoundError.OutputIdentityMismatch)
+    before = w.state()
+    try:
+        w.round(Scripted(act))
+    except DecodeRoundError.OutputIdentityMismatch:
+        assert not refused and w.state() == before
+    else:
+        assert refused
 
 
 def test_backend_keeping_outputs_and_writing_later(impl):
@@ -699,7 +713,8 @@ def test_backend_writing_garbage_outputs(impl):
 
 def test_backend_writing_outputs_of_the_wrong_type_raises_inside(impl):
     w = World(impl)
-    for act in (lambda b, i, t, o: o.__setitem__("next_token_id", -1),
+    # (2**64, not -1: numpy < 2 silently wraps -1 into a uint32 field)
+    for act in (lambda b, i, t, o: o.__setitem__("next_token_id", 2**64),
                 lambda b, i, t, o: o.__setitem__("request_id", "x"),
                 lambda b, i, t, o: o.__setitem__(0, (1, 2))):
         err = expect_unchanged(w, lambda: w.round(Scripted(act)), DecodeRoundError.Backend)
@@ -796,7 +811,7 @@ def test_aliased_scratch_buffers_do_not_crash(impl):
         assert views["token_count"].tolist() in ([2, 1, 1], [3, 2, 1])
 
 
-# -- the C reference backend's Python methods -------------------------------------------------------
+# -- the C reference backend's Python methods ------------------------------------------------------
 
 
 def lowered(n=2):
@@ -855,10 +870,13 @@ def test_hash_backend_copy_pages_bad_buffers(kind):
 
 
 @pytest.mark.parametrize("kwargs, exc", [
-    (dict(vocab=0), ValueError), (dict(vocab=-1), OverflowError), (dict(vocab=2**32), OverflowError),
+    (dict(vocab=0), ValueError), (dict(vocab=-1), OverflowError),
+    (dict(vocab=2**32), OverflowError),
     (dict(vocab=1.0), TypeError), (dict(vocab=True), TypeError), (dict(vocab=None), TypeError),
-    (dict(fault="bogus"), ValueError), (dict(fault=1), ValueError), (dict(fault="raise"), ValueError),
-    (dict(code=0), ValueError), (dict(code=2**31), OverflowError), (dict(code=-(2**31) - 1), OverflowError),
+    (dict(fault="bogus"), ValueError), (dict(fault=1), ValueError),
+    (dict(fault="raise"), ValueError),
+    (dict(code=0), ValueError), (dict(code=2**31), OverflowError),
+    (dict(code=-(2**31) - 1), OverflowError),
     (dict(code=1.0), TypeError), (dict(code=True), TypeError), (dict(code=None), TypeError),
 ])
 def test_hash_backend_constructor(kwargs, exc):
@@ -958,6 +976,9 @@ FACADE_INT_CALLS = {
     "block_table[rid]": lambda s, v: s.block_table(v),
     "token_count[rid]": lambda s, v: s.token_count(v),
 }
+# The prompt length of each `[prefix_len]` call above (prefix_len=None means the whole prompt).
+PREFIX_LEN_PROMPT = {"publish_prefix[prefix_len]": 10, "admit[prefix_len]": 3,
+                     "identity_for[prefix_len]": 3}
 BAD_INTS = [(-1, OverflowError), (2**64, OverflowError), (1.0, TypeError), (None, TypeError),
             (True, TypeError), ("1", TypeError)]
 
@@ -967,7 +988,13 @@ BAD_INTS = [(-1, OverflowError), (2**64, OverflowError), (1.0, TypeError), (None
 def test_facade_bad_ints(call, value, exc):
     s = facade()
     if value is None and call.endswith("[prefix_len]"):
-        return  # None means "the whole prompt"
+        # None is no bad int here: it means "the whole prompt", exactly like passing its length
+        whole = facade()
+        got = FACADE_INT_CALLS[call](s, None)
+        want = FACADE_INT_CALLS[call](whole, PREFIX_LEN_PROMPT[call])
+        assert got == want
+        assert facade_state(s) == facade_state(whole)
+        return
     facade_unchanged(s, lambda: FACADE_INT_CALLS[call](s, value), exc)
 
 
@@ -988,7 +1015,8 @@ def test_facade_prefix_len_rules():
     s = facade()
     facade_unchanged(s, lambda: s.admit(9, [1, 2], prefix_len=3), ValueError)
     facade_unchanged(s, lambda: s.admit(9, None, prefix_len=1), ValueError)
-    facade_unchanged(s, lambda: s.publish_prefix(1, [1, 2], prefix_len=0), PrefixKvError.EmptyPrefix)
+    facade_unchanged(s, lambda: s.publish_prefix(1, [1, 2], prefix_len=0),
+                     PrefixKvError.EmptyPrefix)
     facade_unchanged(s, lambda: s.publish_prefix(3, [1, 2]), ValueError)  # holds no tokens
 
 

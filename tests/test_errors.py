@@ -1,5 +1,5 @@
-"""SPEC §7: error classes, every variant reachable, bad input never crashes; the reference
-decode backend."""
+"""Error classes (DESIGN.md "Errors"): every variant reachable and raised as its class, declared
+statically; bad input never crashes; the hash backend's twin."""
 
 import pickle
 
@@ -33,6 +33,19 @@ def test_error_hierarchy(impl):
             assert cls().name == f"{family.__name__}.{name}"
     assert issubclass(BusyError, QualiaError) and issubclass(BusyError, RuntimeError)
     assert set(TableError.VARIANTS) >= set(PoolError.VARIANTS)  # pool errors flatten into tables
+
+
+def test_every_variant_is_declared_in_its_family():
+    """Type checkers see the variants: each family's class body declares every variant it has
+    (a ClassVar annotation), and nothing else is attached at run time."""
+    for family in FAMILIES:
+        declared = {name for name, hint in vars(family)["__annotations__"].items()
+                    if "Type[" in str(hint) and name != "VARIANTS"}
+        assert declared == set(family.VARIANTS), family.__name__
+        for name, cls in family.VARIANTS.items():
+            assert cls.__qualname__ == f"{family.__name__}.{name}" and cls.__name__ == name
+            assert cls.__module__ == "qualia.errors" and cls.__bases__ == (family,)
+            assert cls.__doc__
 
 
 # -- every variant raised by an operation, as exactly its class ---------------------------------
@@ -214,7 +227,7 @@ def test_junk_arguments(impl, which, a, b):
         assert a is not None and not isinstance(a, (bool, float, str))
 
 
-# -- the reference decode backend (DESIGN.md) -----------------------------------------------------
+# -- the hash backend's twin (DESIGN.md "Hash backend") -------------------------------------
 
 
 def splitmix_token(request_id, position, token_id, vocab=32000):

@@ -133,7 +133,7 @@ def cycle_table(i):
     u = qualia.SequenceBlockTable(4)
     u.attach(t.entries(), pool)
     u.ensure_writable(0, pool)  # copy
-    u.attach  # bound method
+    _ = u.attach  # a bound method
     t.release_all(pool)
     u.release_all(pool)
     repr(t)
@@ -164,7 +164,7 @@ def cycle_store(i):
     store.identities()
     store.pages_of(ident)
     store.tokens_of(ident)
-    ident in store
+    _ = ident in store
     store.contains(ident)
     t.release_all(pool)
     store.evict(ident, pool)
@@ -265,7 +265,7 @@ def test_create_use_destroy(name):
     assert_flat(CREATE_USE_DESTROY[name])
 
 
-# -- failing calls ------------------------------------------------------------------------------------
+# -- failing calls ---------------------------------------------------------------------------------
 
 
 class ErrWorld:
@@ -312,7 +312,7 @@ def cycle_pool_errors(i):
     fails(lambda: w.pool.retain(-1))
     fails(lambda: w.pool.release(True))
     fails(lambda: w.pool.refcount(1.5))
-    fails(lambda: qualia.BlockPool(0))
+    fails(lambda: qualia.BlockPool(0).allocate())
     fails(lambda: qualia.BlockPool(-1))
     fails(lambda: qualia.BlockPool(None))
 
@@ -423,7 +423,8 @@ def cycle_decode_errors(i):
 
 
 def decoding_world():
-    pool, store, sched = qualia.BlockPool(8), qualia.PrefixKvStore(1, 1), qualia.RequestScheduler(2, 2)
+    pool, store = qualia.BlockPool(8), qualia.PrefixKvStore(1, 1)
+    sched = qualia.RequestScheduler(2, 2)
     for rid in (1, 2):
         sched.admit_with_prefix(rid, None, store, pool)
         sched.ensure_writable(rid, 0, pool)
@@ -546,7 +547,7 @@ def test_failing_calls_left_the_long_lived_objects_intact():
         assert tiny.free_pages == 1 and tiny.block_table(1).tolist() == []
 
 
-# -- the harness itself ------------------------------------------------------------------------------
+# -- the harness itself ----------------------------------------------------------------------------
 
 
 def test_harness_detects_a_small_leak():

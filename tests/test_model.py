@@ -11,7 +11,7 @@ import pytest
 
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend
 
-# the ragged batch layouts, built by hand (the package ships the same as qualia.RAGGED_BATCH_ITEM ...)
+# DESIGN.md "C layouts" by hand (the package will ship the same as qualia.RAGGED_BATCH_ITEM ...)
 ITEM = np.dtype(
     {
         "names": [
@@ -97,7 +97,7 @@ class Req:
 
 
 class Engine:
-    """Drives PagedModelBackend the way a serving engine drives the scheduler."""
+    """Drives PagedModelBackend the way DESIGN.md "Driving the scheduler" describes."""
 
     def __init__(self, weights, num_blocks, page_tokens):
         self.backend = PagedModelBackend(weights, num_blocks, page_tokens)
@@ -106,7 +106,7 @@ class Engine:
         self.prefixes = {}  # name -> (pages, tokens)
         self.cow = 0
 
-    # ensure_writable semantics (copy-on-write); returns a copy op or None
+    # ensure_writable (DESIGN.md "Sequence block table and copy-on-write"); a copy op or None
     def writable(self, req, logical):
         assert logical <= len(req.pages)
         if logical == len(req.pages):

@@ -1,4 +1,4 @@
-"""SPEC §4: prefix identity and the prefix KV store."""
+"""Prefix identity and the prefix KV store (DESIGN.md "Prefix identity", "Prefix KV store")."""
 
 import hashlib
 import pickle
@@ -357,7 +357,7 @@ def test_attach_wrong_types(impl):
     assert store.misses == 0
 
 
-# -- evict ------------------------------------------------------------------------------------------
+# -- evict -----------------------------------------------------------------------------------------
 
 
 def test_evict_drops_its_pages(impl):

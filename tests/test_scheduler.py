@@ -1,4 +1,4 @@
-"""SPEC §5: the request scheduler (the seed) and decode rounds."""
+"""The request scheduler and decode rounds (DESIGN.md "Request scheduler", "Decode round")."""
 
 import numpy as np
 import pytest
@@ -108,7 +108,7 @@ def test_bad_construction(impl, args, exc):
         impl.RequestScheduler(*args)
 
 
-# -- admission --------------------------------------------------------------------------------------
+# -- admission -------------------------------------------------------------------------------------
 
 
 def test_admit_miss_starts_in_prefill(impl):
@@ -300,7 +300,8 @@ def test_unknown_request(impl, call):
     sched.ensure_writable(1, 0, pool)
     sched.admit_with_prefix(2, None, store, pool)
     sched.finish(2, pool)  # a finished request is unknown too
-    args = {"ensure_writable": (0, pool), "seed_decode_token": (5,), "finish": (pool,)}.get(call, ())
+    args = {"ensure_writable": (0, pool), "seed_decode_token": (5,),
+            "finish": (pool,)}.get(call, ())
     before = full_state(impl, pool, store, sched)
     for rid in (2, 3):
         with pytest.raises(SchedulerError.UnknownRequest):
@@ -326,7 +327,7 @@ def test_ensure_writable_table_errors_wrapped(impl):
     assert info.value.chain == ("SchedulerError.Table", "TableError.Exhausted")
 
 
-# -- runnable_into ----------------------------------------------------------------------------------
+# -- runnable_into ---------------------------------------------------------------------------------
 
 
 def test_runnable_into_stable_slot_order(impl):
@@ -761,7 +762,7 @@ def test_wrong_object_types(impl):
     assert full_state(impl, pool, store, sched) == before
 
 
-# -- an engine's life cycle (SPEC §9) ---------------------------------------------------------
+# -- an engine's life cycle (DESIGN.md "Driving the scheduler") ---------------------------------
 
 
 def test_engine_life_cycle(impl):

@@ -1,4 +1,4 @@
-"""Proof of correctness: the compiled core and the pure-Python reference, step by step.
+"""Proof of correctness: the compiled core and the pure-Python twin, step by step.
 
 Two hypothesis state machines:
 
@@ -22,6 +22,9 @@ Fast profile (default, a few seconds):
 Long profile (2000 examples x up to 60 steps per machine: about 110k steps per machine,
 220k in all; 4.5 minutes here):
     QUALIA_LONG=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+
+No hypothesis health check is suppressed: the machines draw small data quickly, and a slow or
+filter-heavy strategy should fail loudly rather than quietly shrink the search.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import types
 from collections import Counter
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -45,7 +48,6 @@ SETTINGS = settings(
     max_examples=2000 if LONG else 60,
     stateful_step_count=60 if LONG else 50,
     deadline=None,
-    suppress_health_check=list(HealthCheck),
 )
 
 U32_MAX = 2**32 - 1
@@ -103,7 +105,7 @@ def check_allowed(out, what):
         assert isinstance(out.exc, ALLOWED), f"{what} raised an unexpected {out.exc!r}"
 
 
-# -- prompts, identities, Python backends -----------------------------------------------------------
+# -- prompts, identities, Python backends ----------------------------------------------------------
 
 IDENTS = [
     ((1, 2, 3), b""),
@@ -200,7 +202,7 @@ class PyBackend:
         }.get(kind, (n, 1))
 
 
-# -- the core vs reference machine --------------------------------------------------------------------
+# -- the core vs reference machine -----------------------------------------------------------------
 
 
 def op(group, pre=None, **strategies):
@@ -248,7 +250,7 @@ class CoreVsReference(RuleBasedStateMachine):
         if publish and any(self.ref.sched.block_table(r) for r in self.active()):
             self.publish_request_prefix(0, 0, 1, "count")
 
-    # -- helpers ------------------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     @property
     def ref(self):
         return self.worlds[1][1]
@@ -314,7 +316,7 @@ class CoreVsReference(RuleBasedStateMachine):
             else:
                 self.corrupt = True
 
-    # -- scheduler ----------------------------------------------------------------------------------
+    # -- scheduler ---------------------------------------------------------------------------------
     @op('request', rid=RIDS, ident=st.one_of(st.none(), IDENT))
     def admit(self, rid, ident):
         ident = self.pick_ident(ident)
@@ -431,7 +433,8 @@ class CoreVsReference(RuleBasedStateMachine):
     def decode_round_again(self, data):
         self.decode_round(**data.draw(st.fixed_dictionaries(DECODE_ARGS)))
 
-    @op('store', pre=lambda self: any(b.kept for _, w in self.worlds for b in w.backends if isinstance(b, PyBackend)), token=TOKENS)
+    @op('store', pre=lambda self: any(b.kept for _, w in self.worlds for b in w.backends
+                                      if isinstance(b, PyBackend)), token=TOKENS)
     def late_write_into_kept_outputs(self, token):
         # a backend that kept its outputs view writes later: only the old scratch changes
         for _, w in self.worlds:
@@ -441,7 +444,7 @@ class CoreVsReference(RuleBasedStateMachine):
                         v["next_token_id"] = token
                         v["request_id"] = 999
 
-    # -- prefix store -------------------------------------------------------------------------------
+    # -- prefix store ------------------------------------------------------------------------------
     @rule(
         ident=IDENT,
         source=st.sampled_from(["request", "request_dup", "request", "held", "table", "random",
@@ -497,14 +500,15 @@ class CoreVsReference(RuleBasedStateMachine):
         self.both("pages_of", lambda m, w: w.store.pages_of(self.ident(m, ident)))
         self.both("tokens_of", lambda m, w: w.store.tokens_of(self.ident(m, ident)))
 
-    @op('store', tokens=st.lists(TOKENS, max_size=8), ns=st.sampled_from([b"", b"a", "a", "\u00e9", b"\x00" * 3, bytearray(b"zz")]))
+    @op('store', tokens=st.lists(TOKENS, max_size=8),
+        ns=st.sampled_from([b"", b"a", "a", "\u00e9", b"\x00" * 3, bytearray(b"zz")]))
     def identity(self, tokens, ns):
         out = self.both("of_tokens", lambda m, w: m.PrefixIdentity.of_tokens(tokens, ns))
         self.both("fromhex", lambda m, w: m.PrefixIdentity.fromhex(out.hex()))
         self.both("digest", lambda m, w: m.PrefixIdentity(out.digest).digest)
         self.both("int", lambda m, w: int(m.PrefixIdentity(out.digest)))
 
-    # -- standalone tables --------------------------------------------------------------------------
+    # -- standalone tables -------------------------------------------------------------------------
     @op('table', pre=lambda self: len(self.ref.tables) < 4, capacity=st.integers(0, 6))
     def new_table(self, capacity):
         for m, w in self.worlds:
@@ -515,7 +519,10 @@ class CoreVsReference(RuleBasedStateMachine):
         t %= len(self.ref.tables)
         self.both("table.ensure_writable", lambda m, w: w.tables[t].ensure_writable(lp, w.pool))
 
-    @op('table', pre=lambda self: self.ref.tables, t=st.integers(0, 7), source=st.sampled_from(["request", "request_dup", "held", "table", "random", "empty"]), k=st.integers(0, 6), pick=st.integers(0, 31), rand=st.lists(st.integers(0, 24), max_size=7))
+    @op('table', pre=lambda self: self.ref.tables, t=st.integers(0, 7),
+        source=st.sampled_from(["request", "request_dup", "held", "table", "random", "empty"]),
+        k=st.integers(0, 6), pick=st.integers(0, 31),
+        rand=st.lists(st.integers(0, 24), max_size=7))
     def table_attach(self, t, source, k, pick, rand):
         t %= len(self.ref.tables)
         pages = self.pages_from(source, k, pick, rand)
@@ -544,14 +551,16 @@ class CoreVsReference(RuleBasedStateMachine):
                 return mapped[pick % len(mapped)]
         return page
 
-    @op('pool', source=st.sampled_from(["held", "mapped", "random"]), pick=st.integers(0, 31), page=st.one_of(st.integers(0, 24), st.sampled_from([U32_MAX])))
+    @op('pool', source=st.sampled_from(["held", "mapped", "random"]), pick=st.integers(0, 31),
+        page=st.one_of(st.integers(0, 24), st.sampled_from([U32_MAX])))
     def pool_retain(self, source, pick, page):
         page = self.any_page(source, pick, page)
         out = self.both("retain", lambda m, w: w.pool.retain(page))
         if not isinstance(out, Raised):
             self.held[page] += 1
 
-    @op('pool', source=st.sampled_from(["held", "held", "held", "mapped", "random"]), pick=st.integers(0, 31), page=st.integers(0, 24))
+    @op('pool', source=st.sampled_from(["held", "held", "held", "mapped", "random"]),
+        pick=st.integers(0, 31), page=st.integers(0, 24))
     def pool_release(self, source, pick, page):
         page = self.any_page(source, pick, page)
         out = self.both("release", lambda m, w: w.pool.release(page))
@@ -571,7 +580,7 @@ class CoreVsReference(RuleBasedStateMachine):
         self.both("_debug_set_refcount", lambda m, w: w.pool._debug_set_refcount(page, new))
         self.held[page] += new - old
 
-    # -- bad arguments (consistently ordered cases; see test_bad_input.py for the rest) ----------------
+    # -- bad arguments (consistently ordered cases; see test_bad_input.py for the rest) ------------
     @rule(bad=st.sampled_from(BAD_INTS),
           call=st.sampled_from(["retain", "release", "refcount", "record_token", "finish",
                                 "mark_prefill_complete", "seed_rid", "seed_token",
@@ -604,7 +613,7 @@ class CoreVsReference(RuleBasedStateMachine):
         out = self.both(f"bad argument {call}({bad!r})", fn)
         assert isinstance(out, Raised) and isinstance(out.exc, (TypeError, OverflowError)), out
 
-    # -- dispatch ------------------------------------------------------------------------------------
+    # -- dispatch ----------------------------------------------------------------------------------
     def dispatch(self, data, group):
         names = [n for n, (g, pre, _) in OPS.items() if g == group and (pre is None or pre(self))]
         if not names:
@@ -637,7 +646,7 @@ class CoreVsReference(RuleBasedStateMachine):
     def pool_op(self, data):
         self.dispatch(data, "pool")
 
-    # -- comparison of the whole state after every step ------------------------------------------------
+    # -- comparison of the whole state after every step --------------------------------------------
     @invariant()
     def agree(self):
         if not hasattr(self, "worlds"):
@@ -717,7 +726,7 @@ TestCoreVsReference = CoreVsReference.TestCase
 TestCoreVsReference.settings = SETTINGS
 
 
-# -- the facade ---------------------------------------------------------------------------------------
+# -- the facade ------------------------------------------------------------------------------------
 
 PROMPTS = [
     tuple(range(1, 9)),
@@ -778,9 +787,9 @@ class FacadeInvariants(RuleBasedStateMachine):
           publish=st.sampled_from([True, False]), ns=NAMESPACES,
           make_room=st.sampled_from([True, False]), first=TOKENS)
     def serve(self, rid, prompt, prefix_len, publish, ns, make_room, first):
-        """The engine's prefill path (SPEC §9) in one rule, every call guarded: admit with the
-        prompt's prefix, reserve and advance the uncovered tokens, complete the prefill, maybe
-        publish the prefix."""
+        """The engine's prefill path (DESIGN.md "Driving the scheduler") in one rule, every call
+        guarded: admit with the prompt's prefix, reserve and advance the uncovered tokens,
+        complete the prefill, maybe publish the prefix."""
         tokens = list(PROMPTS[prompt])
         prefix_len = plen(tokens, prefix_len)
         ids = self.active()

@@ -1,4 +1,5 @@
-"""SPEC §3: the sequence block table and copy-on-write."""
+"""The sequence block table and copy-on-write (DESIGN.md "Sequence block table and
+copy-on-write")."""
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def test_construction_bad_capacity(impl, value, exc):
         impl.SequenceBlockTable(value)
 
 
-# -- ensure_writable, in SPEC §3 order ----------------------------------------------------------
+# -- ensure_writable, in the order of DESIGN.md ------------------------------------------------
 
 
 def test_allocated_appends(impl):

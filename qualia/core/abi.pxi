@@ -62,12 +62,21 @@ BACKEND_STRUCT_SIZE = sizeof(qualia_backend)
 
 
 def _normalize_format(fmt):
-    # Buffer exporters spell the same little-endian layout in several ways ('@', '=', '<',
-    # 'Q' or 'L' for u64 on LP64): compare the canonical form.
-    out = fmt.replace("@", "").replace("=", "").replace("<", "")
-    if sizeof(long) == 8:
-        out = out.replace("Q", "L").replace("q", "l")
-    return out
+    # Buffer exporters spell the same little-endian layout in several ways ('@', '=', '<', 'Q' or
+    # 'L' for u64 on LP64, padding 'x' written out by numpy but left implicit by ctypes): compare
+    # the canonical form.  In a struct "T{code:name:code:name:...}" only the codes are
+    # rewritten, never the field names.  Memory safety never rests on the format: the core
+    # checks the itemsize, the length and the alignment.
+    def code(c):
+        c = c.replace("@", "").replace("=", "").replace("<", "")
+        c = _re.sub(r"[0-9]*x", "", c)
+        if sizeof(long) == 8:
+            c = c.replace("Q", "L").replace("q", "l")
+        return c
+    if fmt.startswith("T{") and fmt.endswith("}"):
+        parts = fmt[2:-1].split(":")
+        return "T{" + ":".join(code(p) if k % 2 == 0 else p for k, p in enumerate(parts)) + "}"
+    return code(fmt)
 
 
 cdef dict _FORMATS = {}

@@ -1,5 +1,10 @@
 # Argument checking: ints only (bools rejected), range checked, clear messages.
 
+# Iterating these yields one int per byte (or a str per character): never a sequence of token or
+# page ids, so they are rejected with TypeError wherever ids are expected.
+cdef tuple _BYTES_LIKE = (str, bytes, bytearray, memoryview)
+
+
 cdef uint64_t _int_slow(object v, str what, uint64_t maxval) except? 0xFFFFFFFFFFFFFFFF:
     if isinstance(v, bool) or isinstance(v, np.bool_):
         raise TypeError(f"{what} must be an integer, not bool")
@@ -46,10 +51,13 @@ cdef class _Buffer:
 
 cdef int _get_buffer(object obj, Py_buffer *view, str what, str kind, Py_ssize_t itemsize,
                      size_t align, bint writable) except -1:
+    # THE buffer validator: every caller buffer (scratch of execute_decode_round, runnable_into's
+    # out, copy_pages' copies, HashBackend.execute_ragged's arguments) goes through here.
     # Acquire and check `obj` as a 1-D C-contiguous aligned buffer of one ABI dtype.  On success
     # the caller owns `view` (PyBuffer_Release); on failure nothing is held.  The success path
     # creates no Python object, so a steady-state decode round allocates nothing.
     cdef tuple spec = <tuple>_FORMATS[kind]
+    cdef Py_ssize_t stride
     try:
         PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT)
     except (TypeError, BufferError, ValueError) as exc:
@@ -62,11 +70,15 @@ cdef int _get_buffer(object obj, Py_buffer *view, str what, str kind, Py_ssize_t
             if _normalize_format(got) != spec[1] or view.itemsize != itemsize:
                 raise TypeError(f"{what} must have dtype {_dtype_name(kind)} (buffer format "
                                 f"{spec[0]!r}), got format {got!r} with itemsize {view.itemsize}")
-        if view.ndim != 1:
+        if view.ndim != 1 or view.shape == NULL:
             raise ValueError(f"{what} must be 1-D, got {view.ndim} dimensions")
-        if view.shape[0] > 1 and view.strides[0] != itemsize:
+        if view.suboffsets != NULL and view.suboffsets[0] >= 0:
+            raise ValueError(f"{what} must be C-contiguous, got an indirect (suboffset) buffer")
+        # NULL strides mean C-contiguous (ctypes exports its arrays that way)
+        stride = view.strides[0] if view.strides != NULL else itemsize
+        if view.shape[0] > 1 and stride != itemsize:
             raise ValueError(f"{what} must be C-contiguous (stride {itemsize}), "
-                             f"got stride {view.strides[0]}")
+                             f"got stride {stride}")
         if view.shape[0] > 0 and (<uintptr_t>view.buf) % align != 0:
             raise ValueError(f"{what} is misaligned: its data must be {align}-byte aligned")
         if writable and view.readonly:
@@ -90,3 +102,160 @@ cdef _Buffer _acquire(object obj, str what, str kind, Py_ssize_t itemsize, size_
 def _dtype_name(kind):
     return {"item": "RAGGED_BATCH_ITEM", "output": "RAGGED_BATCH_OUTPUT",
             "request_view": "REQUEST_VIEW", "copy_op": "COPY_OP", "u32": "uint32"}[kind]
+
+
+# -- memory handed to Python as numpy views ------------------------------------------------------
+
+cdef class _Region:
+    """Bytes that numpy views are made over: a PyMem block this object owns (the facade's
+    scratch), or a held buffer export of a caller's object (the views a Python backend gets of
+    execute_decode_round's scratch).  It exports itself read-only unless made writable, and a
+    view's base is the region: numpy asks the base for a writable buffer when someone sets
+    ``flags.writeable = True``, so a read-only view can never be made writable again."""
+    cdef char *ptr
+    cdef Py_ssize_t size
+    cdef Py_ssize_t one
+    cdef bint writable
+    cdef bint owns
+    cdef bint held
+    cdef Py_buffer src
+    cdef object keep        # a caller's exact ndarray whose data the region points into
+    cdef Py_ssize_t nitems  # records of the caller's buffer (_region_acquire)
+
+    def __cinit__(self):
+        self.one = 1
+
+    def __dealloc__(self):
+        if self.owns:
+            PyMem_Free(self.ptr)
+            self.ptr = NULL
+        if self.held:
+            PyBuffer_Release(&self.src)
+            self.held = False
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        if (flags & PyBUF_WRITABLE) == PyBUF_WRITABLE and not self.writable:
+            raise BufferError("this qualia buffer is read-only")
+        buffer.buf = self.ptr
+        buffer.obj = self
+        buffer.len = self.size
+        buffer.readonly = 0 if self.writable else 1
+        buffer.itemsize = 1
+        buffer.format = <char *>"B" if (flags & PyBUF_FORMAT) == PyBUF_FORMAT else NULL
+        buffer.ndim = 1
+        buffer.shape = &self.size if (flags & PyBUF_ND) == PyBUF_ND else NULL
+        buffer.strides = &self.one if (flags & PyBUF_STRIDES) == PyBUF_STRIDES else NULL
+        buffer.suboffsets = NULL
+        buffer.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        pass
+
+    def __reduce__(self):
+        raise TypeError("qualia scratch memory cannot be pickled")
+
+
+cdef _Region _region_new(Py_ssize_t size, bint writable):
+    """A zeroed PyMem block of `size` bytes (at least 16-byte aligned), owned by the region."""
+    cdef _Region r = _Region.__new__(_Region)
+    r.ptr = <char *>PyMem_Calloc(size if size > 0 else 1, 1)
+    if r.ptr == NULL:
+        raise MemoryError(f"cannot allocate {size} bytes of scratch")
+    r.owns = True
+    r.size = size
+    r.writable = writable
+    return r
+
+
+cdef _Region _region_acquire(object obj, str what, str kind, object dtype, Py_ssize_t itemsize,
+                             size_t align, bint export_writable):
+    """A region over a caller's buffer, checked once (the caller's memory must be writable: the
+    core writes it).  A plain ndarray of exactly `dtype` is kept by reference (numpy builds a
+    format string on every buffer export of a structured dtype: a microsecond); anything else
+    is acquired by the buffer validator and the export is held.  Either way the memory stays
+    alive, and cannot be resized (short of numpy's unsafe ``refcheck=False``), for as long as a
+    view of the region lives.  The region re-exports the bytes read-only unless
+    `export_writable`."""
+    cdef _Region r = _Region.__new__(_Region)
+    cdef void *p
+    cdef Py_ssize_t n
+    if _fast_array(obj, dtype, align, True, &p, &n):
+        r.keep = obj
+        r.ptr = <char *>p
+        r.nitems = n
+    else:
+        _get_buffer(obj, &r.src, what, kind, itemsize, align, True)
+        r.held = True
+        r.ptr = <char *>r.src.buf
+        r.nitems = r.src.shape[0]
+    r.size = r.nitems * itemsize
+    r.writable = export_writable
+    return r
+
+
+cdef extern from *:
+    """
+    /* A 1-D ndarray of n records of `dtype` at `data`, with `base` as its base object. */
+    static PyObject *qualia_np_view(PyObject *dtype, void *data, npy_intp n, int writable,
+                                    PyObject *base)
+    {
+        PyObject *arr;
+        int flags = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_ALIGNED;
+        if (writable) flags |= NPY_ARRAY_WRITEABLE;
+        Py_INCREF(dtype); /* PyArray_NewFromDescr steals the descriptor */
+        arr = PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr *)dtype, 1, &n, NULL, data,
+                                   flags, NULL);
+        if (arr == NULL) return NULL;
+        Py_INCREF(base); /* PyArray_SetBaseObject steals the base, even on failure */
+        if (PyArray_SetBaseObject((PyArrayObject *)arr, base) < 0) {
+            Py_DECREF(arr);
+            return NULL;
+        }
+        return arr;
+    }
+    """
+    object qualia_np_view(object dtype, void *data, cnp.npy_intp n, int writable, object base)
+
+
+cdef object _np_view(_Region r, object dtype, Py_ssize_t n, bint writable):
+    """A 1-D ndarray of the first `n` records of `dtype` in `r`, based on `r`."""
+    if n * (<cnp.dtype>dtype).itemsize > r.size:
+        raise SystemError("qualia internal error: a view past the end of its region")
+    if writable and not r.writable:
+        raise SystemError("qualia internal error: a writable view of a read-only region")
+    return qualia_np_view(dtype, r.ptr, n, writable, r)
+
+
+# -- snapshots for read-only calls -------------------------------------------------------------
+# Building a Python object allocates, and an allocation can run a GC callback or a finalizer that
+# mutates the state being read.  So read-only calls copy what they read into C memory first
+# (PyMem_Malloc runs no Python code), then build the result from the copy.
+
+cdef list _list_of(const uint32_t *src, uint32_t n):
+    cdef uint32_t i
+    cdef uint32_t *tmp = <uint32_t *>PyMem_Malloc((n if n > 0 else 1) * sizeof(uint32_t))
+    if tmp == NULL:
+        raise MemoryError()
+    if n:
+        memcpy(tmp, src, n * sizeof(uint32_t))
+    try:
+        return [tmp[i] for i in range(n)]
+    finally:
+        PyMem_Free(tmp)
+
+
+cdef object _array_of(const uint32_t *src, uint32_t n):
+    cdef uint32_t *tmp = <uint32_t *>PyMem_Malloc((n if n > 0 else 1) * sizeof(uint32_t))
+    cdef uint32_t[::1] v
+    if tmp == NULL:
+        raise MemoryError()
+    if n:
+        memcpy(tmp, src, n * sizeof(uint32_t))
+    try:
+        out = np.empty(n, dtype=np.uint32)
+        if n:
+            v = out
+            memcpy(&v[0], tmp, n * sizeof(uint32_t))
+        return out
+    finally:
+        PyMem_Free(tmp)

@@ -48,13 +48,45 @@ cdef object _c_backend(object backend, qualia_backend **out):
     return cap
 
 
-cdef object _readonly_view(object arr, Py_ssize_t n):
-    if cnp.PyArray_CheckExact(arr) and not (cnp.PyArray_FLAGS(<cnp.ndarray>arr)
-                                             & cnp.NPY_ARRAY_WRITEABLE):
-        return arr[:n]  # already a read-only base (the facade's buffers)
-    v = np.asarray(arr)[:n]
-    v.setflags(write=False)
-    return v
+cdef object _resolve_backend(object backend, qualia_backend **cb):
+    # RESOLVE for a decode round: for a C backend, set *cb and return its capsule (which keeps
+    # *cb alive); for a Python backend, leave *cb NULL and return its bound execute_ragged.
+    # Runs user code (properties, __getattr__), so it is called before the round owns anything.
+    cb[0] = NULL
+    cap = _c_backend(backend, cb)
+    if cap is not None:
+        return cap
+    fn = getattr(backend, "execute_ragged", None)
+    if not callable(fn):
+        raise TypeError(f"backend must be a C backend (__qualia_backend__ capsule) or have an "
+                        f"execute_ragged(items, block_table, outputs) method, not "
+                        f"{type(backend).__name__}")
+    return fn
+
+
+cdef int _run_backend(qualia_backend *cb, object fn,
+                      qualia_batch_item *items, uint32_t n, uint32_t *table, uint32_t off,
+                      qualia_batch_output *outs, object items_v, object table_v, object outs_v,
+                      qualia_batch_receipt *rec) except -1:
+    # Call the backend once, with the round's objects owned.  A C backend (cb != NULL) runs
+    # without the GIL while the core touches nothing; a Python backend gets the views.
+    cdef int32_t status = 0
+    rec.batch_size = 0
+    rec.backend_launches = 0
+    if cb != NULL:
+        with nogil:
+            status = cb.execute_ragged(cb.ctx, items, n, table, off, outs, rec)
+        if status != 0:
+            raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
+        return 0
+    try:
+        result = fn(items_v, table_v, outs_v)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt and friends pass through untouched
+        raise DecodeRoundError.Backend(exc) from exc
+    _parse_receipt(result, rec)
+    return 0
 
 
 cdef int _parse_receipt(object result, qualia_batch_receipt *rec) except -1:

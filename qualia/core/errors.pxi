@@ -15,17 +15,21 @@ cdef enum:
     E_ATTACH = 3    # PrefixKvStore.attach (table errors wrapped as PrefixKvError.Table)
     E_SCHED = 4     # RequestScheduler (table errors wrapped as SchedulerError.Table)
     E_ADMIT = 5     # admission: a prefix attach failure is SchedulerError.Prefix(...)
-    E_DECODE = 6    # the facade's decode: DecodeRoundError.Scheduler(SchedulerError.Table(...))
-    E_AUTO = 7      # automatic prefix caching's admission: SchedulerError, SchedulerError.Table,
+    E_DECODE = 6    # the facade's decode: DecodeRoundError.Scheduler(SchedulerError.Table(...)),
+                    # and the round's own DecodeRoundError variants
+    E_ROUND = 7     # RequestScheduler.execute_decode_round: the round's DecodeRoundError variants
+    E_AUTO = 8      # automatic prefix caching's admission: SchedulerError, SchedulerError.Table,
                     # PrefixCacheError
-    E_LAYERS = 8
+    E_LAYERS = 9
 
 # code -> variant name (Q_STORE_FULL and Q_FULL are both "Full", in different families)
 cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Overflow",
                           "OutOfRange", "Gap", "NotEmpty",
                           "EmptyPrefix", "TooManyPages", "Duplicate", "Full", "Unknown",
                           "DuplicateRequest", "Full", "UnknownRequest", "OutputTooSmall",
-                          "NamespaceTableFull")
+                          "ItemBufferTooSmall", "OutputBufferTooSmall", "BlockTableBufferTooSmall",
+                          "MissingInputToken", "OutputIdentityMismatch", "BackendLaunchCount",
+                          None, "NamespaceTableFull")
 
 
 def _error_table():
@@ -33,6 +37,7 @@ def _error_table():
     table_codes = range(Q_EXHAUSTED, Q_NOT_EMPTY + 1)
     store_codes = range(Q_EMPTY_PREFIX, Q_UNKNOWN + 1)
     sched_codes = range(Q_DUPLICATE_REQUEST, Q_OUTPUT_TOO_SMALL + 1)
+    round_codes = range(Q_ITEM_BUFFER_TOO_SMALL, Q_BACKEND_LAUNCH_COUNT + 1)
     cache_codes = range(Q_NAMESPACES_FULL, Q_NAMESPACES_FULL + 1)
     # layer -> [(codes, wrappers outermost first, family of the leaf)]
     rules = {
@@ -45,7 +50,9 @@ def _error_table():
                   (table_codes, (SchedulerError.Table,), TableError)],
         E_ADMIT: [(sched_codes, (), SchedulerError),
                   (table_codes, (SchedulerError.Prefix, PrefixKvError.Table), TableError)],
-        E_DECODE: [(table_codes, (DecodeRoundError.Scheduler, SchedulerError.Table), TableError)],
+        E_DECODE: [(table_codes, (DecodeRoundError.Scheduler, SchedulerError.Table), TableError),
+                   (round_codes, (), DecodeRoundError)],
+        E_ROUND: [(round_codes, (), DecodeRoundError)],
         E_AUTO: [(sched_codes, (), SchedulerError),
                  (table_codes, (SchedulerError.Table,), TableError),
                  (cache_codes, (), PrefixCacheError)],
@@ -69,6 +76,8 @@ cdef tuple _ERRORS = _error_table()
 
 cdef object _error(int layer, int rc):
     """The exception for status code `rc` returned to `layer` (see the table above)."""
+    if rc == Q_ROUND_TOO_LARGE:  # not an error variant of the seed: a plain OverflowError
+        return OverflowError("the lowered block table exceeds 2**32-1 entries")
     chain = (<tuple>_ERRORS[layer])[rc]
     if chain is None:
         return SystemError(f"qualia internal error: status {rc} in error layer {layer}")

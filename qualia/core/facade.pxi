@@ -42,24 +42,28 @@ cdef class Scheduler:
     """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
 
     Everything (pages, prefix entries, request slots, every scratch buffer) is sized here, once.
+    Every mutating method owns the facade and its pool, store and request scheduler for the whole
+    call (docs/DESIGN.md, "Ownership"): a call made meanwhile -- from a backend, a GC callback or
+    another thread, on the facade or on ``pool``/``prefixes``/``requests`` -- raises
+    ``BusyError`` and changes nothing.
     """
     cdef readonly BlockPool pool
     cdef readonly PrefixKvStore prefixes
     cdef readonly RequestScheduler requests
     cdef readonly uint32_t page_tokens
-    cdef object _items
-    cdef object _outputs
-    cdef object _table
-    cdef object _copies
-    cdef object _items_ro
-    cdef object _table_ro
-    cdef object _copies_ro
-    cdef object _tokens
+    cdef uint64_t owner
+    # Scratch, written only by the core under ownership.  items/table/copies/results are exported
+    # to Python read-only; backend_out is the one buffer a backend writes.
+    cdef _Region _items_r
+    cdef _Region _table_r
+    cdef _Region _copies_r
+    cdef _Region _bout_r
+    cdef _Region _results_r
     cdef qualia_batch_item *items_p
-    cdef qualia_batch_output *outs_p
     cdef uint32_t *table_p
     cdef qualia_copy_op *copies_p
-    cdef uint32_t *tokens_p
+    cdef qualia_batch_output *bout_p
+    cdef qualia_batch_output *results_p
     cdef Py_ssize_t items_cap
     cdef Py_ssize_t table_cap
     cdef Py_ssize_t tokens_cap
@@ -68,19 +72,23 @@ cdef class Scheduler:
     cdef uint64_t pages_copied
     cdef uint64_t pages_allocated
     cdef uint64_t rounds
-    cdef list _results
+    cdef list _results      # batch size -> (receipt, read-only view of the results)
+    cdef list _item_views   # batch size -> read-only view of the items (Python backends)
+    cdef list _bout_views   # batch size -> writable view of backend_out (Python backends)
     cdef int mode
     cdef PageCache cache
     cdef Streams streams
-    cdef uint64_t tok_epoch
-    cdef list _admissions      # per slot: the last Admission returned for it (immutable, reused)
+    cdef list _admissions   # per slot: the last Admission returned for it (immutable, reused)
 
     def __cinit__(self, max_requests, num_blocks, page_tokens, logical_pages,
                   prefix_entries=64, prefix_pages=None, prefix_caching="auto", cache_key=None,
                   max_namespaces=1024, event_capacity=4096):
         cdef uint32_t pt = _u32(page_tokens, "page_tokens")
+        cdef uint32_t nb = _u32(num_blocks, "num_blocks")
         if pt == 0:
             raise ValueError("page_tokens must be at least 1")
+        if nb == 0:
+            raise ValueError("num_blocks must be at least 1")
         if not isinstance(prefix_caching, str):
             raise TypeError(f"prefix_caching must be 'auto', 'explicit' or 'off', "
                             f"not {type(prefix_caching).__name__}")
@@ -96,46 +104,55 @@ cdef class Scheduler:
         if ev_cap > (1 << 26):
             raise ValueError(f"event_capacity must be in [0, 67108864], got {ev_cap}")
         self.page_tokens = pt
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(nb)
         self.requests = RequestScheduler(max_requests, logical_pages)
         lp = self.requests.logical_pages
         self.prefixes = PrefixKvStore(prefix_entries,
                                       prefix_pages if prefix_pages is not None else max(lp, 1))
         mr = self.requests.max_requests
-        self._items = np.zeros(mr, dtype=RAGGED_BATCH_ITEM)
-        self._outputs = np.zeros(mr, dtype=RAGGED_BATCH_OUTPUT)
-        self._table = np.zeros(max(mr * lp, 1), dtype=np.uint32)
-        self.undo_cap = max(mr, lp, 1)
-        self._copies = np.zeros(self.undo_cap, dtype=COPY_OP)
-        self._items_ro = self._items.view()
-        self._items_ro.setflags(write=False)
-        self._table_ro = self._table.view()
-        self._table_ro.setflags(write=False)
-        self._copies_ro = self._copies.view()
-        self._copies_ro.setflags(write=False)
-        self.tokens_cap = max(<Py_ssize_t>lp * pt, 1)
-        self._tokens = np.zeros(self.tokens_cap, dtype=np.uint32)
         self.items_cap = mr
         self.table_cap = max(mr * lp, 1)
-        self.items_p = <qualia_batch_item *><uintptr_t>self._items.ctypes.data
-        self.outs_p = <qualia_batch_output *><uintptr_t>self._outputs.ctypes.data
-        self.table_p = <uint32_t *><uintptr_t>self._table.ctypes.data
-        self.copies_p = <qualia_copy_op *><uintptr_t>self._copies.ctypes.data
-        self.tokens_p = <uint32_t *><uintptr_t>self._tokens.ctypes.data
+        self.undo_cap = max(mr, lp, 1)
+        self.tokens_cap = max(<Py_ssize_t>lp * pt, 1)
+        self._items_r = _region_new(mr * sizeof(qualia_batch_item), False)
+        self._table_r = _region_new(self.table_cap * sizeof(uint32_t), False)
+        self._copies_r = _region_new(self.undo_cap * sizeof(qualia_copy_op), False)
+        self._bout_r = _region_new(mr * sizeof(qualia_batch_output), True)
+        self._results_r = _region_new(mr * sizeof(qualia_batch_output), False)
+        self.items_p = <qualia_batch_item *>self._items_r.ptr
+        self.table_p = <uint32_t *>self._table_r.ptr
+        self.copies_p = <qualia_copy_op *>self._copies_r.ptr
+        self.bout_p = <qualia_batch_output *>self._bout_r.ptr
+        self.results_p = <qualia_batch_output *>self._results_r.ptr
+        if ((<uintptr_t>self.items_p) % QUALIA_ALIGN_ITEM
+                or (<uintptr_t>self.bout_p) % QUALIA_ALIGN_OUTPUT
+                or (<uintptr_t>self.results_p) % QUALIA_ALIGN_OUTPUT
+                or (<uintptr_t>self.copies_p) % QUALIA_ALIGN_COPY):
+            raise SystemError("qualia internal error: misaligned scratch")
         self.undo = <Undo *>PyMem_Malloc(self.undo_cap * sizeof(Undo))
         if self.undo == NULL:
             raise MemoryError()
         self._results = [None] * (mr + 1)
+        self._item_views = [None] * (mr + 1)
+        self._bout_views = [None] * (mr + 1)
         self._admissions = [None] * mr
         if self.mode == MODE_AUTO:
-            pc_init(&self.cache, self.pool.pool.num_blocks, pt, max_ns, ev_cap,
-                    <const uint8_t *><char *>key)
+            pc_init(&self.cache, nb, pt, max_ns, ev_cap, <const uint8_t *><char *>key)
             streams_init(&self.streams, mr, lp, pt)
 
     def __dealloc__(self):
         PyMem_Free(self.undo)
         pc_free(&self.cache)
         streams_free(&self.streams)
+
+    # -- ownership -------------------------------------------------------------------------------
+    cdef inline uint64_t _own(self) except 0:
+        return own_acquire(&self.owner, &self.requests.owner, &self.prefixes.owner,
+                           &self.pool.owner)
+
+    cdef inline void _unown(self, uint64_t token) noexcept:
+        own_release(token, &self.owner, &self.requests.owner, &self.prefixes.owner,
+                    &self.pool.owner)
 
     # -- properties and stats ------------------------------------------------------------------
     @property
@@ -164,56 +181,57 @@ cdef class Scheduler:
         return _MODE_NAMES[self.mode]
 
     def stats(self):
+        # C values first: building the dict runs Python code
+        cdef uint32_t active = self.requests.s.active, mr = self.requests.s.max_requests
+        cdef uint32_t nb = self.pool.pool.num_blocks
         cdef uint32_t free = self.pool.pool.free_top + self.cache.n_state[PC_RECLAIMABLE]
+        cdef uint32_t cached = self.cache.n_state[PC_INUSE] + self.cache.n_state[PC_RECLAIMABLE]
+        cdef uint32_t reclaimable = self.cache.n_state[PC_RECLAIMABLE]
+        cdef uint32_t entries = self.prefixes.store.count
+        cdef uint64_t hits = self.prefixes.store.hits, misses = self.prefixes.store.misses
+        cdef uint64_t copied = self.pages_copied, allocated = self.pages_allocated
+        cdef uint64_t rounds = self.rounds
         return {
-            "active": self.requests.s.active,
-            "max_requests": self.requests.s.max_requests,
-            "num_blocks": self.pool.pool.num_blocks,
+            "active": active,
+            "max_requests": mr,
+            "num_blocks": nb,
             "free_pages": free,
-            "used_pages": self.pool.pool.num_blocks - free,
-            "cached_pages": self.cache.n_state[PC_INUSE] + self.cache.n_state[PC_RECLAIMABLE],
-            "reclaimable_pages": self.cache.n_state[PC_RECLAIMABLE],
-            "prefix_entries": self.prefixes.store.count,
-            "prefix_hits": self.prefixes.store.hits,
-            "prefix_misses": self.prefixes.store.misses,
-            "pages_copied": self.pages_copied,
-            "pages_allocated": self.pages_allocated,
-            "decode_rounds": self.rounds,
+            "used_pages": nb - free,
+            "cached_pages": cached,
+            "reclaimable_pages": reclaimable,
+            "prefix_entries": entries,
+            "prefix_hits": hits,
+            "prefix_misses": misses,
+            "pages_copied": copied,
+            "pages_allocated": allocated,
+            "decode_rounds": rounds,
         }
 
-    cdef int _check_idle(self) except -1:
-        _check_busy(self.requests.busy, "scheduler")
-        _check_busy(self.prefixes.busy, "prefix store")
-        _check_busy(self.pool.busy, "pool")
-        return 0
-
-    cdef void _set_busy(self, int v) noexcept:
-        self.requests.busy = v
-        self.prefixes.busy = v
-        self.pool.busy = v
-
     # -- identities ----------------------------------------------------------------------------
-    cdef Py_ssize_t _load_tokens(self, object prompt_tokens) except -1:
-        cdef Py_ssize_t n = _tokens_into(prompt_tokens, self.tokens_p, self.tokens_cap)
-        if n > self.tokens_cap:
-            raise ValueError(f"the prompt has {len(prompt_tokens)} tokens, more than "
-                             f"logical_pages x page_tokens = {self.tokens_cap}")
-        return n
+    cdef object _prompt(self, object prompt_tokens, Toks *t):
+        return _tokens_resolve(prompt_tokens, t, self.tokens_cap, "logical_pages x page_tokens")
 
     cdef Py_ssize_t _prefix_len(self, object prefix_len, Py_ssize_t n) except -1:
+        # prefix_len was resolved to an int before the tokens (see admit)
         if prefix_len is None:
             return n
-        cdef uint32_t L = _u32(prefix_len, "prefix_len")
+        cdef uint32_t L = <uint32_t>prefix_len
         if L > n:
             raise ValueError(f"prefix_len {L} is longer than the prompt ({n} tokens)")
         return L
 
     def identity_for(self, prompt_tokens, prefix_len=None, namespace=b""):
-        """The PrefixIdentity of ``prompt_tokens[:prefix_len]`` in ``namespace``."""
+        """The PrefixIdentity of ``prompt_tokens[:prefix_len]`` in ``namespace`` (reads nothing
+        of the scheduler's state)."""
+        cdef Toks t
         cdef bytes ns = _namespace_bytes(namespace)
-        cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
-        cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
-        return _identity_of(self.tokens_p, L, ns)
+        if prefix_len is not None:
+            prefix_len = _u32(prefix_len, "prefix_len")
+        keep = self._prompt(prompt_tokens, &t)
+        try:
+            return _identity_of(t.ptr, self._prefix_len(prefix_len, t.n), ns)
+        finally:
+            _tokens_free(&t)
 
     # -- admission and prefill -----------------------------------------------------------------
     def admit(self, request_id, prompt_tokens=None, namespace=b"", prefix_len=None):
@@ -222,269 +240,422 @@ cdef class Scheduler:
         up ``prompt_tokens[:prefix_len]`` in the prefix store and attach its pages on a hit."""
         if self.mode != MODE_EXPLICIT:
             return self._admit_auto(request_id, prompt_tokens, namespace, prefix_len)
-        identity = None
-        if prompt_tokens is not None:
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef Toks t
+        cdef Py_ssize_t L = 0
+        cdef bytes ns = b""
+        cdef uint64_t hi = 0, lo = 0, tok
+        cdef Admission_c adm
+        cdef int rc
+        t.heap = NULL
+        keep = None
+        if prompt_tokens is None:
+            if prefix_len is not None:
+                raise ValueError("prefix_len needs prompt_tokens")
+        else:
             ns = _namespace_bytes(namespace)
-            n = self._load_tokens(prompt_tokens)
-            L = self._prefix_len(prefix_len, n)
-            if L > 0:
-                identity = _identity_of(self.tokens_p, L, ns)
-        elif prefix_len is not None:
-            raise ValueError("prefix_len needs prompt_tokens")
-        return self.requests.admit_with_prefix(request_id, identity, self.prefixes, self.pool)
+            if prefix_len is not None:
+                prefix_len = _u32(prefix_len, "prefix_len")
+            keep = self._prompt(prompt_tokens, &t)  # last: no user code runs after it
+        try:
+            if prompt_tokens is not None:
+                L = self._prefix_len(prefix_len, t.n)
+            tok = self._own()
+            try:
+                if L > 0:
+                    _digest_hilo(t.ptr, L, ns, &hi, &lo)
+                rc = sched_admit(&self.requests.s, rid, L > 0, hi, lo, &self.prefixes.store,
+                                 &self.pool.pool, &adm)
+            finally:
+                self._unown(tok)
+        finally:
+            _tokens_free(&t)
+        if rc:
+            raise _error(E_ADMIT, rc)
+        return Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
 
-    cdef int _make_writable(self, int32_t index, uint32_t first, uint32_t last,
-                                   Py_ssize_t *n_undo, Py_ssize_t *n_copies) except -1:
-        # ensure_writable for logical pages first..last of one request, logging for undo
+    cdef int _make_writable(self, int32_t index, uint64_t first, uint64_t last,
+                            Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept:
+        # ensure_writable for logical pages first..last of one request, logging for undo.  The
+        # loop runs in 64 bits: `last` may be 2**32-1, where a u32 `last + 1` would wrap and
+        # skip the check.
         cdef Cow c
-        cdef uint32_t lp
+        cdef uint64_t lp = first
         cdef int rc
         cdef Sched *s = &self.requests.s
-        for lp in range(first, last + 1):
-            rc = table_ensure_writable(&s.slots[index].blocks, lp, &self.pool.pool, &c)
+        while lp <= last:
+            if lp > U32_MAX:
+                return Q_OUT_OF_RANGE
+            rc = table_ensure_writable(&s.slots[index].blocks, <uint32_t>lp, &self.pool.pool, &c)
             if rc:
                 return rc
-            if c.kind == COW_EXCLUSIVE:
-                continue
-            self.undo[n_undo[0]].slot = index
-            self.undo[n_undo[0]].logical_page = lp
-            self.undo[n_undo[0]].kind = c.kind
-            self.undo[n_undo[0]].src = c.src
-            self.undo[n_undo[0]].dst = c.page
-            n_undo[0] += 1
-            if c.kind == COW_COPY:
-                self.copies_p[n_copies[0]].src_page = c.src
-                self.copies_p[n_copies[0]].dst_page = c.page
-                n_copies[0] += 1
+            if c.kind != COW_EXCLUSIVE:
+                self.undo[n_undo[0]].slot = index
+                self.undo[n_undo[0]].logical_page = <uint32_t>lp
+                self.undo[n_undo[0]].kind = c.kind
+                self.undo[n_undo[0]].src = c.src
+                self.undo[n_undo[0]].dst = c.page
+                n_undo[0] += 1
+                if c.kind == COW_COPY:
+                    self.copies_p[n_copies[0]].src_page = c.src
+                    self.copies_p[n_copies[0]].dst_page = c.page
+                    n_copies[0] += 1
+            lp += 1
         return Q_OK
 
     def reserve(self, request_id, num_tokens):
         """Make writable every page of the next ``num_tokens`` positions; return the copies."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
-        self._check_idle()
-        cdef int32_t index = self.requests._find(request_id)
         cdef Sched *s = &self.requests.s
-        cdef uint64_t start = s.slots[index].token_count
         cdef Py_ssize_t n_undo = 0, n_copies = 0
-        cdef int rc
-        if n == 0:
-            return np.zeros(0, dtype=COPY_OP)
-        if start + n - 1 > U32_MAX:
-            raise OverflowError("token_count would pass 2**32-1")
-        cdef uint64_t first = start // self.page_tokens
-        cdef uint64_t last = (start + n - 1) // self.page_tokens
-        if last >= s.logical_pages:
-            raise SchedulerError.Table(TableError.OutOfRange())
-        if self.mode == MODE_AUTO:
-            rc = self._auto_make_room(index, <uint32_t>first, <uint32_t>last)
-            if rc:
-                raise _error(E_SCHED, rc)
-        rc = self._make_writable(index, <uint32_t>first, <uint32_t>last, &n_undo, &n_copies)
+        cdef int rc = Q_OK
+        cdef int32_t index
+        cdef uint64_t start, first, last
+        cdef uint64_t tok = self._own()
+        try:
+            index = _slot_of(s, rid)
+            if n == 0:
+                return np.zeros(0, dtype=COPY_OP)
+            start = s.slots[index].token_count
+            if start + n - 1 > U32_MAX:
+                raise OverflowError("token_count would pass 2**32-1")
+            first = start // self.page_tokens
+            last = (start + n - 1) // self.page_tokens
+            if last >= s.logical_pages:
+                raise SchedulerError.Table(TableError.OutOfRange())
+            if self.mode == MODE_AUTO:  # reclaim what the call allocates, or change nothing
+                rc = self._auto_make_room(index, <uint32_t>first, <uint32_t>last)
+            if rc == Q_OK:
+                rc = self._make_writable(index, first, last, &n_undo, &n_copies)
+            if rc == Q_OK:
+                try:
+                    copies = np.empty(n_copies, dtype=COPY_OP)
+                    if n_copies:
+                        memcpy(<void *>cnp.PyArray_DATA(<cnp.ndarray>copies), self.copies_p,
+                               n_copies * sizeof(qualia_copy_op))
+                except BaseException:
+                    _undo(s, &self.pool.pool, self.undo, n_undo)
+                    raise
+                self.pages_copied += n_copies
+                self.pages_allocated += n_undo
+                if self.mode == MODE_AUTO:
+                    auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
+            else:
+                _undo(s, &self.pool.pool, self.undo, n_undo)
+        finally:
+            self._unown(tok)
         if rc:
-            _undo(s, &self.pool.pool, self.undo, n_undo)
             raise _error(E_SCHED, rc)
-        if self.mode == MODE_AUTO:
-            auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
-        self.pages_copied += n_copies
-        self.pages_allocated += n_undo
-        return self._copies[:n_copies].copy()
+        return copies
 
     def advance(self, request_id, num_tokens):
         """``record_token`` ``num_tokens`` times (saturating); returns the new token count."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
-        self._check_idle()
-        cdef int32_t index = self.requests._find(request_id)
-        cdef Slot *sl = &self.requests.s.slots[index]
-        cdef uint64_t t = <uint64_t>sl.token_count + n
-        sl.token_count = <uint32_t>(t if t <= U32_MAX else U32_MAX)
-        if self.mode == MODE_AUTO:
-            auto_fill(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, index)
-        return sl.token_count
+        cdef Slot *sl
+        cdef uint64_t t
+        cdef uint32_t count
+        cdef int32_t index
+        cdef uint64_t tok = self._own()
+        try:
+            index = _slot_of(&self.requests.s, rid)
+            sl = &self.requests.s.slots[index]
+            t = <uint64_t>sl.token_count + n
+            sl.token_count = <uint32_t>(t if t <= U32_MAX else U32_MAX)
+            count = sl.token_count
+            if self.mode == MODE_AUTO:  # pages that filled go to the cache
+                auto_fill(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
+                          <uint32_t>index)
+        finally:
+            self._unown(tok)
+        return count
 
     def complete_prefill(self, request_id, first_token):
         """The prompt is prefilled: go to Decode with ``first_token`` as the next input."""
-        cdef uint32_t tok = _u32(first_token, "first_token")
-        self._check_idle()
-        cdef int32_t index = self.requests._find(request_id)
-        slot_set_decode(&self.requests.s, index)
-        self.requests.s.slots[index].next_token_id = tok
-        self.requests.s.slots[index].token_ready = 1
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef uint32_t t = _u32(first_token, "first_token")
+        cdef int32_t index
+        cdef uint64_t tok = self._own()
+        try:
+            index = _slot_of(&self.requests.s, rid)
+            slot_set_decode(&self.requests.s, index)
+            self.requests.s.slots[index].next_token_id = t
+            self.requests.s.slots[index].token_ready = 1
+        finally:
+            self._unown(tok)
 
     def publish_prefix(self, request_id, prompt_tokens, prefix_len=None, namespace=b""):
         """Publish the request's pages covering ``prompt_tokens[:prefix_len]`` to the store
         (explicit mode only)."""
         self._explicit_only("publish_prefix")
+        cdef uint64_t rid = _u64(request_id, "request_id")
         cdef bytes ns = _namespace_bytes(namespace)
-        cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
-        cdef Py_ssize_t L = self._prefix_len(prefix_len, n)
-        self._check_idle()
-        cdef int32_t index = self.requests._find(request_id)
-        cdef Slot *sl = &self.requests.s.slots[index]
-        cdef uint32_t pages
-        if L == 0:
-            raise PrefixKvError.EmptyPrefix()
-        pages = <uint32_t>((L + self.page_tokens - 1) // self.page_tokens)
-        if sl.token_count < L or sl.blocks.len < pages:
-            raise ValueError(f"request {request_id} holds {sl.token_count} tokens in "
-                             f"{sl.blocks.len} pages; it cannot publish a {L}-token prefix")
-        identity = _identity_of(self.tokens_p, L, ns)
-        cdef int rc = store_publish(&self.prefixes.store, (<PrefixIdentity>identity).hi,
-                                    (<PrefixIdentity>identity).lo, sl.blocks.entries, pages,
-                                    <uint32_t>L, &self.pool.pool)
+        cdef Toks t
+        cdef Py_ssize_t L
+        cdef uint64_t hi = 0, lo = 0, tok
+        cdef uint32_t pages, count, held
+        cdef Slot *sl
+        cdef int rc = Q_OK
+        if prefix_len is not None:
+            prefix_len = _u32(prefix_len, "prefix_len")
+        keep = self._prompt(prompt_tokens, &t)
+        try:
+            L = self._prefix_len(prefix_len, t.n)
+            tok = self._own()
+            try:
+                # the slot is looked up, checked, hashed for and published from in one owned,
+                # GIL-held stretch: no other call can finish or replace the request meanwhile
+                sl = &self.requests.s.slots[_slot_of(&self.requests.s, rid)]
+                if L == 0:
+                    raise PrefixKvError.EmptyPrefix()
+                pages = <uint32_t>((L + self.page_tokens - 1) // self.page_tokens)
+                count = sl.token_count
+                held = sl.blocks.len
+                if count < L or held < pages:
+                    raise ValueError(f"request {rid} holds {count} tokens in {held} pages; it "
+                                     f"cannot publish a {L}-token prefix")
+                _digest_hilo(t.ptr, L, ns, &hi, &lo)
+                rc = store_publish(&self.prefixes.store, hi, lo, sl.blocks.entries, pages,
+                                   <uint32_t>L, &self.pool.pool)
+            finally:
+                self._unown(tok)
+        finally:
+            _tokens_free(&t)
         if rc:
             raise _error(E_STORE, rc)
-        return identity
+        return _identity_from_hilo(hi, lo)
 
     # -- decode --------------------------------------------------------------------------------
     def decode(self, backend):
         """Make each decoding request's next page writable, hand the copies to the backend, run
-        one round.  Returns ``(receipt, outputs)``; on any failure nothing changed."""
+        one round.  Returns ``(receipt, outputs)``; on any failure nothing changed.
+
+        ``outputs`` is a read-only view of the round's RAGGED_BATCH_OUTPUT records, valid until
+        the next ``decode`` on this scheduler (which overwrites it; copy it to keep it).  A
+        Python backend writes into its own output buffer; the core checks and copies the
+        records, so a backend that keeps its ``outputs`` cannot change what ``decode``
+        returned.  The read-only ``items``, ``block_table`` and ``copies`` views a Python
+        backend gets are valid during the call."""
+        cdef qualia_backend *cb = NULL
+        cdef int rc = Q_OK
+        # RESOLVE the whole backend before anything is owned or read: its capsule or bound
+        # methods (properties and __getattr__ run user code)
+        handle = _resolve_backend(backend, &cb)
+        copy_fn = None
+        if cb == NULL or cb.copy_pages == NULL:
+            copy_fn = getattr(backend, "copy_pages", None)
+        cdef uint64_t tok = self._own()
+        try:
+            result = self._decode(cb, handle, copy_fn, &rc)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_DECODE, rc)
+        return result
+
+    cdef object _decode(self, qualia_backend *cb, object fn, object copy_fn, int *rc_out):
+        # The round, with the facade, scheduler, store and pool owned by the caller.  A status
+        # error returns None with *rc_out set; a Python exception propagates.  Either way every
+        # page change is undone first.  Nothing is committed before the outputs are verified.
         cdef Sched *s = &self.requests.s
         cdef Py_ssize_t n_undo = 0, n_copies = 0
-        cdef uint32_t i, w, lp
+        cdef uint32_t i, w, n = 0, off = 0
         cdef uint64_t bits
-        cdef int rc
+        cdef int rc = Q_OK
         cdef int32_t status = 0
-        cdef qualia_backend *cb = NULL
-        cdef object holder = None
-        self._check_idle()
+        cdef qualia_batch_receipt rec
+        result = None
         if self.mode == MODE_AUTO:
+            # reclaim what the make-writable steps below allocate, or fail changing nothing
             rc = self._auto_decode_prepare()
             if rc:
-                raise _error(E_DECODE, rc)
+                rc_out[0] = rc
+                return None
         for w in range(s.n_words):
             bits = s.decode_bits[w]
             while bits:
                 i = w * 64 + __builtin_ctzll(bits)
                 bits &= bits - 1
-                lp = s.slots[i].token_count // self.page_tokens
-                rc = self._make_writable(i, lp, lp, &n_undo, &n_copies)
+                rc = self._make_writable(i, s.slots[i].token_count // self.page_tokens,
+                                         s.slots[i].token_count // self.page_tokens,
+                                         &n_undo, &n_copies)
                 if rc:
                     _undo(s, &self.pool.pool, self.undo, n_undo)
-                    raise _error(E_DECODE, rc)
+                    rc_out[0] = rc
+                    return None
         try:
             if n_copies:
-                holder = _c_backend(backend, &cb)
-                if holder is not None and cb.copy_pages != NULL:
-                    self._set_busy(1)
+                if cb != NULL and cb.copy_pages != NULL:
+                    with nogil:
+                        status = cb.copy_pages(cb.ctx, self.copies_p, <uint32_t>n_copies)
+                    if status != 0:
+                        raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
+                elif copy_fn is None:
+                    raise TypeError(f"this round needs {n_copies} page copies but the backend "
+                                    f"has no copy_pages")
+                else:
                     try:
-                        with nogil:
-                            status = cb.copy_pages(cb.ctx, self.copies_p, <uint32_t>n_copies)
-                    finally:
-                        self._set_busy(0)
+                        copy_fn(_np_view(self._copies_r, _DT_COPY, n_copies, False))
+                    except BaseException as exc:
+                        if not isinstance(exc, Exception):
+                            raise
+                        raise DecodeRoundError.Backend(exc) from exc
+            rc = round_sizes(s, self.items_cap, self.table_cap, self.items_cap)
+            if rc == Q_OK:
+                rc = round_lower(s, self.items_p, self.table_p, &n, &off)
+            if rc == Q_OK and n:
+                if cb != NULL:
+                    rec.batch_size = 0
+                    rec.backend_launches = 0
+                    with nogil:  # everything is owned; the core touches nothing meanwhile
+                        status = cb.execute_ragged(cb.ctx, self.items_p, n, self.table_p, off,
+                                                   self.bout_p, &rec)
                     if status != 0:
                         raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
                 else:
-                    fn = getattr(backend, "copy_pages", None)
-                    if fn is None:
-                        raise TypeError(f"this round needs {n_copies} page copies but backend "
-                                        f"{type(backend).__name__} has no copy_pages")
-                    self._set_busy(1)
-                    try:
-                        fn(self._copies_ro[:n_copies])
-                    except Exception as exc:
-                        raise DecodeRoundError.Backend(exc) from exc
-                    finally:
-                        self._set_busy(0)
-            # the round itself holds the scheduler busy; hold the pool and store too
-            self.pool.busy = 1
-            self.prefixes.busy = 1
-            try:
-                receipt = self.requests._round(backend, self.items_p, self.items_cap,
-                                               self._items_ro, self.table_p, self.table_cap,
-                                               self._table_ro,
-                                               self.outs_p, self.items_cap, self._outputs)
-            finally:
-                self.pool.busy = 0
-                self.prefixes.busy = 0
+                    _run_backend(NULL, fn, self.items_p, n, self.table_p, off, self.bout_p,
+                                 self._item_view(n), _np_view(self._table_r, _DT_U32, off, False),
+                                 self._bout_view(n), &rec)
+                rc = round_verify(s, self.bout_p, n, &rec)
+            if rc == Q_OK:
+                result = self._results[n]
+                if result is None:
+                    result = (_receipt(self.requests._receipts, n) if n else _ZERO_RECEIPT,
+                              _np_view(self._results_r, _DT_OUTPUT, n, False))
+                    self._results[n] = result
         except BaseException:
             _undo(s, &self.pool.pool, self.undo, n_undo)
             raise
-        self.pages_copied += n_copies
-        self.pages_allocated += n_undo - n_copies
-        self.rounds += 1
-        n = (<tuple>receipt)[0]
+        if rc:
+            _undo(s, &self.pool.pool, self.undo, n_undo)
+            rc_out[0] = rc
+            return None
+        # commit: from here nothing can fail or run Python code
+        if n:
+            memcpy(self.results_p, self.bout_p, n * sizeof(qualia_batch_output))
+            round_commit(s, self.bout_p, n)
         if self.mode == MODE_AUTO:
             self._auto_after_round(n)
             auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
-        r = self._results[n]
-        if r is None:
-            v = self._outputs[:n]
-            v.flags.writeable = False
-            r = (receipt, v)
-            self._results[n] = r
-        return r
+        self.pages_copied += n_copies
+        self.pages_allocated += n_undo - n_copies
+        self.rounds += 1
+        return result
+
+    cdef object _item_view(self, uint32_t n):
+        v = self._item_views[n]
+        if v is None:
+            v = _np_view(self._items_r, _DT_ITEM, n, False)
+            self._item_views[n] = v
+        return v
+
+    cdef object _bout_view(self, uint32_t n):
+        v = self._bout_views[n]
+        if v is None:
+            v = _np_view(self._bout_r, _DT_OUTPUT, n, True)
+            self._bout_views[n] = v
+        return v
 
     def finish(self, request_id):
         """Release the request's pages and free its slot.  Automatic mode: pages are released
         last page first; cached pages nobody else holds become reclaimable."""
-        cdef uint64_t rid
-        cdef int32_t index
+        cdef uint64_t rid = _u64(request_id, "request_id")
         cdef int rc
-        if self.mode != MODE_AUTO:
-            self.requests.finish(request_id, self.pool)
-            return
-        rid = _u64(request_id, "request_id")
-        self._check_idle()
-        index = sched_find(&self.requests.s, rid)
-        if index < 0:
-            raise SchedulerError.UnknownRequest()
-        rc = auto_finish(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, index)
+        cdef uint64_t tok = self._own()
+        try:
+            if self.mode == MODE_AUTO:
+                rc = auto_finish(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
+                                 _slot_of(&self.requests.s, rid))
+            else:
+                rc = sched_finish(&self.requests.s, _slot_of(&self.requests.s, rid),
+                                  &self.pool.pool)
+        finally:
+            self._unown(tok)
         if rc:
             raise _error(E_SCHED, rc)
 
-    # -- pass-throughs ---------------------------------------------------------------------------
-    def evict(self, identity):
-        self.prefixes.evict(identity, self.pool)
+    # -- prefix store --------------------------------------------------------------------------
+    def evict(self, PrefixIdentity identity not None):
+        cdef int rc
+        cdef uint64_t tok = self._own()
+        try:
+            rc = store_evict(&self.prefixes.store, identity.hi, identity.lo, &self.pool.pool)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_STORE, rc)
 
     def evict_lru(self):
-        return self.prefixes.evict_lru(self.pool)
+        cdef int rc = Q_OK
+        cdef int32_t e
+        cdef uint64_t hi = 0, lo = 0
+        cdef Store *st = &self.prefixes.store
+        cdef uint64_t tok = self._own()
+        try:
+            e = st.lru_head
+            if e >= 0:
+                hi = st.entries[e].hi
+                lo = st.entries[e].lo
+                rc = store_evict_entry(st, e, &self.pool.pool)
+        finally:
+            self._unown(tok)
+        if e < 0:
+            return None
+        if rc:
+            raise _error(E_STORE, rc)
+        return _identity_from_hilo(hi, lo)
 
     def evict_unused_lru(self):
         """Evict the least recent entry whose pages only the store holds (so eviction frees
         them); None when there is none."""
         cdef Store *st = &self.prefixes.store
         cdef Pool *p = &self.pool.pool
-        cdef int32_t e = st.lru_head
+        cdef int32_t e
         cdef uint32_t k, m, occ
         cdef uint32_t *pg
-        cdef bint unused
-        cdef int rc
-        self._check_idle()
-        while e >= 0:
-            pg = &st.pages[<size_t>e * st.max_pages]
-            unused = True
-            for k in range(st.entries[e].npages):
-                occ = 0
-                for m in range(st.entries[e].npages):
-                    if pg[m] == pg[k]:
-                        occ += 1
-                if pg[k] >= p.num_blocks or p.refcount[pg[k]] != occ:
-                    unused = False
+        cdef bint unused = False
+        cdef int rc = Q_OK
+        cdef uint64_t hi = 0, lo = 0
+        cdef uint64_t tok = self._own()
+        try:
+            e = st.lru_head
+            while e >= 0:
+                pg = &st.pages[<size_t>e * st.max_pages]
+                unused = True
+                for k in range(st.entries[e].npages):
+                    occ = 0
+                    for m in range(st.entries[e].npages):
+                        if pg[m] == pg[k]:
+                            occ += 1
+                    if pg[k] >= p.num_blocks or p.refcount[pg[k]] != occ:
+                        unused = False
+                        break
+                if unused:
+                    hi = st.entries[e].hi
+                    lo = st.entries[e].lo
+                    rc = store_evict_entry(st, e, p)
                     break
-            if unused:
-                ident = _identity_from_entry(&st.entries[e])
-                rc = store_evict_entry(st, e, p)
-                if rc:
-                    raise _error(E_STORE, rc)
-                return ident
-            e = st.entries[e].next
-        return None
+                e = st.entries[e].next
+        finally:
+            self._unown(tok)
+        if not unused:
+            return None
+        if rc:
+            raise _error(E_STORE, rc)
+        return _identity_from_hilo(hi, lo)
 
+    # -- reads ---------------------------------------------------------------------------------
     def block_table(self, request_id):
         cdef int32_t index = self.requests._find(request_id)
         cdef Table *t = &self.requests.s.slots[index].blocks
-        out = np.empty(t.len, dtype=np.uint32)
-        cdef uint32_t[::1] v = out
-        if t.len:
-            memcpy(&v[0], t.entries, t.len * sizeof(uint32_t))
-        return out
+        return _array_of(t.entries, t.len)
 
     def token_count(self, request_id):
         return self.requests.s.slots[self.requests._find(request_id)].token_count
 
     def runnable(self):
-        return self.requests.runnable()
+        return _views_array(&self.requests.s)
 
     def __repr__(self):
         return (f"Scheduler(max_requests={self.max_requests}, num_blocks={self.num_blocks}, "
@@ -499,39 +670,50 @@ cdef class Scheduler:
                              f"prefix_caching={_MODE_NAMES[self.mode]!r}")
         return 0
 
-    cdef Py_ssize_t _load_tokens_once(self, object prompt_tokens) except -1:
-        # convert into the token scratch; a call re-entered from a token's __index__ would
-        # overwrite the scratch, so it is detected and refused
-        self.tok_epoch += 1
-        cdef uint64_t epoch = self.tok_epoch
-        cdef Py_ssize_t n = self._load_tokens(prompt_tokens)
-        if self.tok_epoch != epoch:
-            raise BusyError(None, "the scheduler was re-entered while converting prompt tokens")
-        return n
+    cdef int _auto_only(self, str what) except -1:
+        if self.mode != MODE_AUTO:
+            raise ValueError(f"{what} is for prefix_caching='auto'; this scheduler uses "
+                             f"prefix_caching={_MODE_NAMES[self.mode]!r}")
+        return 0
 
     cdef object _admit_auto(self, object request_id, object prompt_tokens, object namespace,
                             object prefix_len):
+        # admit in the automatic and the off modes: RESOLVE (id, namespace, tokens into private
+        # memory), OWN, admit in C, RELEASE, then report
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef Admission_c adm
-        cdef Py_ssize_t n = 0, nsl
-        cdef uint64_t nsh
+        cdef Toks t
+        cdef Py_ssize_t nsl
+        cdef uint64_t nsh, tok
         cdef int rc
+        t.heap = NULL
+        t.ptr = t.local
+        t.n = 0
         if prefix_len is not None:
             self._explicit_only("prefix_len")
         cdef bytes ns = _namespace_bytes(namespace)
         nsl = len(ns)
         if nsl > NS_MAX_BYTES:
             raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
+        keep = None
         if prompt_tokens is not None:
-            n = self._load_tokens_once(prompt_tokens)
-        if self.mode == MODE_OFF:
-            return self.requests.admit_with_prefix(rid, None, self.prefixes, self.pool)
-        self._check_idle()
-        nsh = self.cache.ns.hashes[0] if nsl == 0 else \
-            pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
-        rc = auto_admit(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, rid,
-                        self.tokens_p, <uint32_t>n, <const uint8_t *><char *>ns, <uint32_t>nsl,
-                        nsh, &adm)
+            keep = self._prompt(prompt_tokens, &t)  # last: no user code runs after it
+        try:
+            tok = self._own()
+            try:
+                if self.mode == MODE_OFF:
+                    rc = sched_admit(&self.requests.s, rid, False, 0, 0, &self.prefixes.store,
+                                     &self.pool.pool, &adm)
+                else:
+                    nsh = self.cache.ns.hashes[0] if nsl == 0 else \
+                        pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
+                    rc = auto_admit(&self.requests.s, &self.pool.pool, &self.cache,
+                                    &self.streams, rid, t.ptr, <uint32_t>t.n,
+                                    <const uint8_t *><char *>ns, <uint32_t>nsl, nsh, &adm)
+            finally:
+                self._unown(tok)
+        finally:
+            _tokens_free(&t)
         if rc:
             raise _error(E_AUTO, rc)
         # an admission is immutable: reuse the slot's last one when it says the same
@@ -561,13 +743,13 @@ cdef class Scheduler:
         cdef uint64_t avail = <uint64_t>p.free_top + self.cache.n_state[PC_RECLAIMABLE]
         cdef bint count = self.cache.n_state[PC_RECLAIMABLE] != 0
         cdef bint note = self.streams.cacheable != 0
-        if not count and not note:
-            return Q_OK
-        cdef uint32_t i, w, lp, page
+        cdef uint32_t i, w, lp
         cdef uint64_t bits
         cdef int rc
         cdef Slot *sl
         cdef Stream *st
+        if not count and not note:
+            return Q_OK
         for w in range(s.n_words):
             bits = s.decode_bits[w]
             while bits:
@@ -626,45 +808,52 @@ cdef class Scheduler:
         return self._probe(prompt_tokens, namespace, "cached_prefix", True)
 
     cdef object _probe(self, object prompt_tokens, object namespace, str what, bint detail):
-        cdef Py_ssize_t n, nsl
-        cdef uint32_t ns, hashed, k, i, rec = 0
+        # read-only: RESOLVE, then one C stretch that reads the cache into C values
+        cdef Toks t
+        cdef Py_ssize_t nsl
+        cdef uint32_t ns, k = 0, i, rec = 0, hashed
         cdef bint collided
         cdef uint64_t nsh
-        if self.mode != MODE_AUTO:
-            raise ValueError(f"{what} is for prefix_caching='auto'; this "
-                             f"scheduler uses prefix_caching={_MODE_NAMES[self.mode]!r}")
+        self._auto_only(what)
         cdef bytes nsb = _namespace_bytes(namespace)
         nsl = len(nsb)
         if nsl > NS_MAX_BYTES:
             raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
-        n = self._load_tokens_once(prompt_tokens)
-        nsh = self.cache.ns.hashes[0] if nsl == 0 else \
-            pc_ns_hash(&self.cache, <const uint8_t *><char *>nsb, <uint32_t>nsl)
-        ns = ns_find(&self.cache.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
-        if ns == U32_MAX:
-            return CachedPrefix(0, 0, 0) if detail else 0
-        hashed = (n - 1) // self.page_tokens if n else 0
-        k = auto_match(&self.cache, self.tokens_p, <uint32_t>n, ns, nsh, hashed,
-                       self.streams.probe_ident, self.streams.probe_canon,
-                       self.streams.probe_gen, &collided)
+        keep = self._prompt(prompt_tokens, &t)
+        try:
+            nsh = self.cache.ns.hashes[0] if nsl == 0 else \
+                pc_ns_hash(&self.cache, <const uint8_t *><char *>nsb, <uint32_t>nsl)
+            ns = ns_find(&self.cache.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
+            if ns != U32_MAX:
+                hashed = (t.n - 1) // self.page_tokens if t.n else 0
+                k = auto_match(&self.cache, t.ptr, <uint32_t>t.n, ns, nsh, hashed,
+                               self.streams.probe_ident, self.streams.probe_canon,
+                               self.streams.probe_gen, &collided)
+                for i in range(k):
+                    rec += pc_rec(&self.cache, self.streams.probe_canon[i]).state \
+                        == PC_RECLAIMABLE
+        finally:
+            _tokens_free(&t)
         if not detail:
             return k * self.page_tokens
-        for i in range(k):
-            rec += pc_rec(&self.cache, self.streams.probe_canon[i]).state == PC_RECLAIMABLE
         return CachedPrefix(k * self.page_tokens, k, rec)
 
     def drain_events(self, out=None):
         """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
         them.  With ``out`` (a writable 1-D KV_EVENT array): write up to ``len(out)`` events
-        into it and return how many (no allocation).  Events left in the ring stay pending."""
+        into it and return how many (no allocation).  Events left in the ring stay pending.
+        Draining touches only the ring, which no GIL-free section touches: it takes no
+        ownership and may be called at any time, from a backend or a router thread too."""
         cdef void *ptr
         cdef Py_ssize_t n
+        cdef uint32_t count
         if out is None:
-            arr = np.empty(self.cache.ev.count, dtype=_DT_KV_EVENT)
-            if self.cache.ev.count:
-                pc_drain(&self.cache, <KvEvent *>cnp.PyArray_DATA(<cnp.ndarray>arr),
-                         self.cache.ev.count)
-            return arr
+            count = self.cache.ev.count
+            arr = np.empty(count, dtype=_DT_KV_EVENT)
+            # the allocation may have run a GC callback that drained or added events: take at
+            # most what the array holds
+            return arr[:pc_drain(&self.cache, <KvEvent *>cnp.PyArray_DATA(<cnp.ndarray>arr),
+                                 count)]
         if not _fast_array(out, _DT_KV_EVENT, 8, True, &ptr, &n):
             raise TypeError("out must be a writable 1-D C-contiguous numpy array of dtype "
                             "KV_EVENT")
@@ -674,69 +863,87 @@ cdef class Scheduler:
     def clear_cache(self):
         """Drop every cache entry (pages held by requests stay with them); emits one "cleared"
         event.  Returns the number of entries dropped."""
-        self._check_idle()
-        if self.mode != MODE_AUTO:
-            return 0
-        return pc_clear(&self.cache, &self.pool.pool)
+        cdef uint32_t n = 0
+        cdef uint64_t tok = self._own()
+        try:
+            if self.mode == MODE_AUTO:
+                n = pc_clear(&self.cache, &self.pool.pool)
+        finally:
+            self._unown(tok)
+        return n
 
     def cache_stats(self):
         """Counters of automatic prefix caching, as a CacheStats."""
+        # C values first: building the tuple runs Python code
         cdef PageCache *c = &self.cache
         cdef uint32_t nb = self.pool.pool.num_blocks
         cdef uint32_t held = nb - self.pool.pool.free_top - c.n_state[PC_RECLAIMABLE]
-        return CacheStats(c.lookups, c.lookup_tokens, c.hit_tokens, c.reclaims,
-                          c.n_state[PC_INUSE] + c.n_state[PC_RECLAIMABLE],
-                          c.n_state[PC_RECLAIMABLE], c.stored, c.duplicates, c.collisions,
-                          c.pages_hashed, c.ev.count, c.ev.dropped, c.ns.count,
+        cdef uint64_t lookups = c.lookups, lookup_tokens = c.lookup_tokens
+        cdef uint64_t hit_tokens = c.hit_tokens, reclaims = c.reclaims, stored = c.stored
+        cdef uint64_t duplicates = c.duplicates, collisions = c.collisions
+        cdef uint64_t hashed = c.pages_hashed, dropped = c.ev.dropped
+        cdef uint32_t cached = c.n_state[PC_INUSE] + c.n_state[PC_RECLAIMABLE]
+        cdef uint32_t reclaimable = c.n_state[PC_RECLAIMABLE], pending = c.ev.count
+        cdef uint32_t namespaces = c.ns.count
+        return CacheStats(lookups, lookup_tokens, hit_tokens, reclaims, cached, reclaimable,
+                          stored, duplicates, collisions, hashed, pending, dropped, namespaces,
                           (<double>held) / nb if nb else 0.0)
 
     def reclaimable_pages(self):
         """The reclaimable cached pages, least recently used (next to be reclaimed) first."""
-        out = np.empty(self.cache.n_state[PC_RECLAIMABLE], dtype=np.uint32)
-        if self.mode != MODE_AUTO:
-            return out  # no cache: empty
-        cdef uint32_t[::1] v = out
-        cdef uint32_t p = self.cache.head[PC_RECLAIMABLE]
-        cdef Py_ssize_t k = 0
-        while p != U32_MAX:
-            v[k] = p
-            k += 1
-            p = pc_rec(&self.cache, p).next
-        return out
+        cdef uint32_t n = self.cache.n_state[PC_RECLAIMABLE] if self.mode == MODE_AUTO else 0
+        cdef uint32_t *tmp = <uint32_t *>PyMem_Malloc((n if n else 1) * sizeof(uint32_t))
+        cdef uint32_t p, k = 0
+        if tmp == NULL:
+            raise MemoryError()
+        try:
+            if n:
+                p = self.cache.head[PC_RECLAIMABLE]
+                while p != U32_MAX and k < n:
+                    tmp[k] = p
+                    k += 1
+                    p = pc_rec(&self.cache, p).next
+            return _array_of(tmp, k)
+        finally:
+            PyMem_Free(tmp)
 
     def cache_entry(self, page):
         """The cache entry of physical ``page`` as a CacheEntry, or None when it is not
         cached."""
         cdef uint32_t pg = _u32(page, "page")
-        cdef CachePage *x
+        cdef CachePage x
         if pg >= self.pool.pool.num_blocks:
             raise PoolError.InvalidPage()
         if self.mode != MODE_AUTO or pc_rec(&self.cache, pg).state == PC_NONE:
             return None
-        x = pc_rec(&self.cache, pg)
+        x = pc_rec(&self.cache, pg)[0]  # a copy: building the result runs Python code
         return CacheEntry(x.ident, x.parent_ident if x.has_parent else None, x.ns, x.gen,
                           x.state == PC_RECLAIMABLE)
 
     def page_identities(self, tokens, namespace=b""):
         """The chained identities of the full pages of ``tokens`` in ``namespace`` under this
-        scheduler's cache key (a uint64 array): what a router computes to predict hits."""
-        if self.mode != MODE_AUTO:
-            raise ValueError(f"page_identities is for prefix_caching='auto'; this scheduler "
-                             f"uses prefix_caching={_MODE_NAMES[self.mode]!r}")
+        scheduler's cache key (a uint64 array): what a router computes to predict hits.  Reads
+        only the key."""
+        cdef Toks t
+        cdef Py_ssize_t k, pages, nsl
+        cdef uint64_t nsh, chain = 0
+        cdef uint64_t[::1] v
+        self._auto_only("page_identities")
         cdef bytes ns = _namespace_bytes(namespace)
-        cdef Py_ssize_t nsl = len(ns)
+        nsl = len(ns)
         if nsl > NS_MAX_BYTES:
             raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
-        arr = _token_array(tokens)
-        cdef const uint32_t[::1] t = arr
-        cdef Py_ssize_t k, pages = arr.shape[0] // self.page_tokens
-        out = np.empty(pages, dtype=np.uint64)
-        cdef uint64_t[::1] v = out
-        cdef uint64_t nsh = pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
-        cdef uint64_t chain = 0
-        for k in range(pages):
-            chain = pc_chain(&self.cache, chain, k > 0, nsh, &t[k * self.page_tokens])
-            v[k] = pc_ident(&self.cache, chain)
+        keep = _tokens_resolve(tokens, &t, -1, "")
+        try:
+            pages = t.n // self.page_tokens
+            out = np.empty(pages, dtype=np.uint64)
+            v = out
+            nsh = pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
+            for k in range(pages):
+                chain = pc_chain(&self.cache, chain, k > 0, nsh, &t.ptr[k * self.page_tokens])
+                v[k] = pc_ident(&self.cache, chain)
+        finally:
+            _tokens_free(&t)
         return out
 
     def _debug_identity_mask(self, mask, parent_mask=0xFFFFFFFFFFFFFFFF):
@@ -746,5 +953,10 @@ cdef class Scheduler:
         hit."""
         cdef uint64_t m = _u64(mask, "mask")
         cdef uint64_t pm = _u64(parent_mask, "parent_mask")
-        self.cache.ident_mask = m
-        self.cache.parent_mask = pm
+        cdef uint64_t tok = self._own()
+        try:
+            self.cache.ident_mask = m
+            self.cache.parent_mask = pm
+        finally:
+            self._unown(tok)
+

@@ -1,6 +1,58 @@
-# Ownership: a mutating call on an object that a decode round holds raises BusyError.
+# Ownership (docs/DESIGN.md, "Ownership"): who may mutate an object, and when.
+#
+# BlockPool, PrefixKvStore, RequestScheduler and the facade Scheduler each have an `owner` field:
+# 0 when free, otherwise the token of the call that holds the object.  Every mutating call
+#
+#   1. RESOLVES everything that can run Python code before it looks at any state: integer
+#      arguments (__index__), namespaces, tokens (into private memory), the backend (capsule
+#      lookup, bound methods), caller buffers;
+#   2. ACQUIRES every object it will touch with own_acquire(): with the GIL held and no Python
+#      code in between, either every object is free and all are stamped with one fresh token, or
+#      BusyError is raised and nothing changes;
+#   3. MUTATES (C functions), builds its result, and RELEASES in a `finally` clause with
+#      own_release(), which clears only the fields that still hold its token: only the owner
+#      releases.
+#
+# While a call owns an object, anything else that runs -- a Python backend, a GC callback, a
+# weakref finalizer, another thread while a C backend runs without the GIL -- gets BusyError from
+# every mutating call on it and changes nothing.  Read-only calls take no ownership: they copy
+# the state they read into C memory before they build Python objects (an allocation can run a GC
+# callback that mutates), and the core never mutates state without the GIL.
 
-cdef inline int _check_busy(int busy, str what) except -1:
-    if busy:
-        raise BusyError(None, f"the {what} is in use by a decode round; retry after it")
-    return 0
+cdef uint64_t _own_seq = 0
+
+
+cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) except 0:
+    """Stamp every non-NULL owner field with a fresh token if all are free; else BusyError."""
+    global _own_seq
+    cdef uint64_t token
+    if ((a != NULL and a[0] != 0) or (b != NULL and b[0] != 0)
+            or (c != NULL and c[0] != 0) or (d != NULL and d[0] != 0)):
+        raise BusyError(None, "the object is in use by another call (a decode round, its "
+                              "backend, or another thread); nothing was changed, retry after it")
+    _own_seq += 1
+    if _own_seq == 0:  # 2**64 calls later
+        _own_seq = 1
+    token = _own_seq
+    if a != NULL:
+        a[0] = token
+    if b != NULL:
+        b[0] = token
+    if c != NULL:
+        c[0] = token
+    if d != NULL:
+        d[0] = token
+    return token
+
+
+cdef inline void own_release(uint64_t token, uint64_t *a, uint64_t *b, uint64_t *c,
+                             uint64_t *d) noexcept:
+    """Give back what `token` holds; a field some other token holds is left alone."""
+    if a != NULL and a[0] == token:
+        a[0] = 0
+    if b != NULL and b[0] == token:
+        b[0] = 0
+    if c != NULL and c[0] == token:
+        c[0] = 0
+    if d != NULL and d[0] == token:
+        d[0] = 0

@@ -2,9 +2,11 @@
 # order so never-used pages come out ascending; a released page goes on top and is reused first.
 
 cdef int pool_init(Pool *p, uint32_t n) except -1:
+    # n == 0 is a valid pool: every allocate is Exhausted, every page id InvalidPage
     cdef uint32_t i
-    p.refcount = <uint32_t *>PyMem_Calloc(n, sizeof(uint32_t))
-    p.free_stack = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
+    cdef size_t m = n if n > 0 else 1
+    p.refcount = <uint32_t *>PyMem_Calloc(m, sizeof(uint32_t))
+    p.free_stack = <uint32_t *>PyMem_Malloc(m * sizeof(uint32_t))
     if p.refcount == NULL or p.free_stack == NULL:
         raise MemoryError(f"cannot allocate a pool of {n} pages")
     p.num_blocks = n
@@ -57,14 +59,13 @@ cdef int pool_release(Pool *p, uint32_t page) noexcept nogil:
 
 cdef class BlockPool:
     """Physical KV pages ``0 .. num_blocks-1`` with reference counts (docs/DESIGN.md,
-    "Block pool")."""
+    "Block pool").  ``BlockPool(0)`` is valid: every ``allocate`` is ``Exhausted`` and every page
+    id ``InvalidPage``."""
     cdef Pool pool
-    cdef int busy
+    cdef uint64_t owner
 
     def __cinit__(self, num_blocks):
         cdef uint64_t n = _int(num_blocks, "num_blocks", U32_MAX)
-        if n == 0:
-            raise ValueError("num_blocks must be at least 1")
         pool_init(&self.pool, <uint32_t>n)
 
     def __dealloc__(self):
@@ -80,24 +81,36 @@ cdef class BlockPool:
 
     def allocate(self):
         """A free page with reference count 1 (``PoolError.Exhausted`` when none is free)."""
-        cdef uint32_t page
-        _check_busy(self.busy, "pool")
-        cdef int rc = pool_allocate(&self.pool, &page)
+        cdef uint32_t page = 0
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            rc = pool_allocate(&self.pool, &page)
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
         if rc:
             raise _error(E_POOL, rc)
         return page
 
     def retain(self, page):
         cdef uint32_t p = _u32(page, "page")
-        _check_busy(self.busy, "pool")
-        cdef int rc = pool_retain(&self.pool, p)
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            rc = pool_retain(&self.pool, p)
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
         if rc:
             raise _error(E_POOL, rc)
 
     def release(self, page):
         cdef uint32_t p = _u32(page, "page")
-        _check_busy(self.busy, "pool")
-        cdef int rc = pool_release(&self.pool, p)
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            rc = pool_release(&self.pool, p)
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
         if rc:
             raise _error(E_POOL, rc)
 
@@ -112,22 +125,27 @@ cdef class BlockPool:
         stack, to reach ``Overflow`` without 4 billion retains."""
         cdef uint32_t p = _u32(page, "page")
         cdef uint32_t c = _u32(count, "count")
-        _check_busy(self.busy, "pool")
-        if p >= self.pool.num_blocks:
-            raise PoolError.InvalidPage()
-        if c == 0:
+        cdef int rc = Q_OK
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            if p >= self.pool.num_blocks:
+                rc = Q_INVALID_PAGE
+            elif c == 0:
+                rc = -1
+            elif self.pool.refcount[p] == 0:
+                rc = Q_NOT_ALLOCATED
+            else:
+                self.pool.refcount[p] = c
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
+        if rc == -1:
             raise OverflowError("count must be in [1, 4294967295]")
-        if self.pool.refcount[p] == 0:
-            raise PoolError.NotAllocated()
-        self.pool.refcount[p] = c
+        if rc:
+            raise _error(E_POOL, rc)
 
     def refcounts(self):
         """Every page's reference count, as a fresh numpy array."""
-        out = np.empty(self.pool.num_blocks, dtype=np.uint32)
-        cdef uint32_t[::1] v = out
-        if self.pool.num_blocks:
-            memcpy(&v[0], self.pool.refcount, self.pool.num_blocks * sizeof(uint32_t))
-        return out
+        return _array_of(self.pool.refcount, self.pool.num_blocks)
 
     def __repr__(self):
         return f"BlockPool(num_blocks={self.pool.num_blocks}, free_count={self.pool.free_top})"

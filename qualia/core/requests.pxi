@@ -114,10 +114,145 @@ cdef int sched_finish(Sched *s, int32_t index, Pool *p) noexcept nogil:
     return Q_OK
 
 
+# -- the decode round, in C: sizes, lowering, verification, commit ---------------------------
+
+cdef inline int round_sizes(Sched *s, Py_ssize_t items_cap, Py_ssize_t table_cap,
+                            Py_ssize_t outs_cap) noexcept nogil:
+    # the seed's buffer checks, in the seed's order, against the decode count read now
+    cdef uint32_t w
+    cdef uint64_t bits
+    cdef size_t need = 0
+    for w in range(s.n_words):
+        bits = s.decode_bits[w]
+        while bits:
+            need += s.slots[w * 64 + __builtin_ctzll(bits)].blocks.len
+            bits &= bits - 1
+    if items_cap < <Py_ssize_t>s.n_decode:
+        return Q_ITEM_BUFFER_TOO_SMALL
+    if outs_cap < <Py_ssize_t>s.n_decode:
+        return Q_OUTPUT_BUFFER_TOO_SMALL
+    if <size_t>table_cap < need:
+        return Q_TABLE_BUFFER_TOO_SMALL
+    if need > U32_MAX:
+        return Q_ROUND_TOO_LARGE
+    return Q_OK
+
+
+cdef inline int round_lower(Sched *s, qualia_batch_item *items, uint32_t *table,
+                            uint32_t *n_out, uint32_t *off_out) noexcept nogil:
+    # Write every decoding request (slot order) into items and its pages into table, and
+    # remember the batch's identities in s.lowered: outputs are checked against those, never
+    # against the scratch a backend saw.  The caller checked the sizes (round_sizes) with no
+    # Python code run since.
+    cdef uint32_t i, w, n = 0
+    cdef uint64_t bits
+    cdef size_t off = 0
+    cdef Slot *sl
+    for w in range(s.n_words):
+        bits = s.decode_bits[w]
+        while bits:
+            i = w * 64 + __builtin_ctzll(bits)
+            bits &= bits - 1
+            sl = &s.slots[i]
+            if not sl.token_ready:
+                return Q_MISSING_INPUT_TOKEN
+            if sl.blocks.len:
+                memcpy(&table[off], sl.blocks.entries, sl.blocks.len * sizeof(uint32_t))
+            items[n].request_id = sl.request_id
+            items[n].slot = i
+            items[n].token_id = sl.next_token_id
+            items[n].position = sl.token_count
+            items[n].block_table_offset = <uint32_t>off
+            items[n].logical_pages = sl.blocks.len
+            items[n]._reserved = 0
+            s.lowered[n] = i
+            n += 1
+            off += sl.blocks.len
+    n_out[0] = n
+    off_out[0] = <uint32_t>off
+    return Q_OK
+
+
+cdef inline int round_verify(Sched *s, const qualia_batch_output *outs, uint32_t n,
+                             const qualia_batch_receipt *rec) noexcept nogil:
+    cdef uint32_t i, j
+    if rec.batch_size != n:
+        return Q_OUTPUT_IDENTITY_MISMATCH
+    if rec.backend_launches != 1:
+        return Q_BACKEND_LAUNCH_COUNT
+    for j in range(n):
+        i = s.lowered[j]
+        if outs[j].request_id != s.slots[i].request_id or outs[j].slot != i:
+            return Q_OUTPUT_IDENTITY_MISMATCH
+    return Q_OK
+
+
+cdef inline void round_commit(Sched *s, const qualia_batch_output *outs,
+                              uint32_t n) noexcept nogil:
+    cdef uint32_t j
+    cdef Slot *sl
+    for j in range(n):
+        sl = &s.slots[s.lowered[j]]
+        sl.next_token_id = outs[j].next_token_id
+        sl.token_count = sat_add1(sl.token_count)
+        sl.token_ready = 1
+
+
+cdef int sched_views(Sched *s, qualia_request_view *out, Py_ssize_t cap,
+                     Py_ssize_t *written) noexcept nogil:
+    cdef uint32_t i
+    cdef Py_ssize_t k = 0
+    cdef Slot *sl
+    if cap < <Py_ssize_t>s.active:
+        return Q_OUTPUT_TOO_SMALL
+    for i in range(s.max_requests):
+        sl = &s.slots[i]
+        if sl.state == QUALIA_STATE_EMPTY:
+            continue
+        memset(&out[k], 0, sizeof(qualia_request_view))
+        out[k].request_id = sl.request_id
+        out[k].slot = <uint16_t>i
+        out[k].state = sl.state
+        out[k].token_count = sl.token_count
+        out[k].prefix_tokens = sl.prefix_tokens
+        k += 1
+    written[0] = k
+    return Q_OK
+
+
+cdef object _views_array(Sched *s):
+    # runnable(): snapshot the views into C memory, then build the array (see _list_of)
+    cdef Py_ssize_t written = 0
+    cdef qualia_request_view *tmp = <qualia_request_view *>PyMem_Malloc(
+        (s.active if s.active else 1) * sizeof(qualia_request_view))
+    if tmp == NULL:
+        raise MemoryError()
+    try:
+        sched_views(s, tmp, s.active, &written)
+        arr = np.empty(written, dtype=REQUEST_VIEW)
+        if written:
+            memcpy(<void *>cnp.PyArray_DATA(<cnp.ndarray>arr), tmp,
+                   written * sizeof(qualia_request_view))
+        return arr
+    finally:
+        PyMem_Free(tmp)
+
+
+cdef int32_t _slot_of(Sched *s, uint64_t rid) except -2:
+    cdef int32_t index = sched_find(s, rid)
+    if index < 0:
+        raise SchedulerError.UnknownRequest()
+    return index
+
+
 cdef class RequestScheduler:
-    """The seed's fixed-capacity request scheduler (``RequestScheduler<REQUESTS>``)."""
+    """The seed's fixed-capacity request scheduler (``RequestScheduler<REQUESTS>``).
+
+    Mutating methods take ownership of the scheduler (and of the pool and store they are given):
+    a call made while another call owns one of them -- from a decode round's backend, a GC
+    callback, or another thread -- raises ``BusyError`` and changes nothing."""
     cdef Sched s
-    cdef int busy
+    cdef uint64_t owner
     cdef list _receipts
 
     def __cinit__(self, max_requests, logical_pages):
@@ -173,21 +308,10 @@ cdef class RequestScheduler:
         return self.s.active
 
     cdef int32_t _find(self, object request_id) except -2:
-        cdef uint64_t rid = _u64(request_id, "request_id")
-        cdef int32_t index = sched_find(&self.s, rid)
-        if index < 0:
-            raise SchedulerError.UnknownRequest()
-        return index
-
-    cdef int32_t _find_idle(self, object request_id) except -2:
-        # mutating methods: arguments first, then Busy, then the lookup, so a backend calling
-        # back mid-round gets BusyError whatever id it passes
-        cdef uint64_t rid = _u64(request_id, "request_id")
-        _check_busy(self.busy, "scheduler")
-        cdef int32_t index = sched_find(&self.s, rid)
-        if index < 0:
-            raise SchedulerError.UnknownRequest()
-        return index
+        # read-only lookups; mutating methods look up under ownership (arguments first, then
+        # ownership, then the lookup, so a call made mid-round gets BusyError whatever id it
+        # passes)
+        return _slot_of(&self.s, _u64(request_id, "request_id"))
 
     def admit_with_prefix(self, request_id, identity, PrefixKvStore prefixes not None,
                           BlockPool pool not None):
@@ -195,59 +319,86 @@ cdef class RequestScheduler:
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef Admission_c adm
         cdef uint64_t hi = 0, lo = 0
+        cdef int rc
         if identity is not None:
             if not isinstance(identity, PrefixIdentity):
                 raise TypeError(f"identity must be a PrefixIdentity or None, "
                                 f"not {type(identity).__name__}")
             hi = (<PrefixIdentity>identity).hi
             lo = (<PrefixIdentity>identity).lo
-        _check_busy(self.busy, "scheduler")
-        _check_busy(prefixes.busy, "prefix store")
-        _check_busy(pool.busy, "pool")
-        cdef int rc = sched_admit(&self.s, rid, identity is not None, hi, lo, &prefixes.store,
-                                  &pool.pool, &adm)
+        cdef uint64_t tok = own_acquire(&self.owner, &prefixes.owner, &pool.owner, NULL)
+        try:
+            rc = sched_admit(&self.s, rid, identity is not None, hi, lo, &prefixes.store,
+                             &pool.pool, &adm)
+        finally:
+            own_release(tok, &self.owner, &prefixes.owner, &pool.owner, NULL)
         if rc:
             raise _error(E_ADMIT, rc)
         return Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
 
     def ensure_writable(self, request_id, logical_page, BlockPool pool not None):
+        cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t lp = _u32(logical_page, "logical_page")
-        cdef int32_t index = self._find_idle(request_id)
         cdef Cow c
-        _check_busy(pool.busy, "pool")
-        cdef int rc = table_ensure_writable(&self.s.slots[index].blocks, lp, &pool.pool, &c)
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+        try:
+            rc = table_ensure_writable(&self.s.slots[_slot_of(&self.s, rid)].blocks, lp,
+                                       &pool.pool, &c)
+        finally:
+            own_release(tok, &self.owner, &pool.owner, NULL, NULL)
         if rc:
             raise _error(E_SCHED, rc)
         return _cow(&c)
 
     def mark_prefill_complete(self, request_id):
-        cdef int32_t index = self._find_idle(request_id)
-        slot_set_decode(&self.s, index)
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            slot_set_decode(&self.s, _slot_of(&self.s, rid))
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
 
     def seed_decode_token(self, request_id, token_id):
-        cdef uint32_t tok = _u32(token_id, "token_id")
-        cdef int32_t index = self._find_idle(request_id)
-        self.s.slots[index].next_token_id = tok
-        self.s.slots[index].token_ready = 1
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef uint32_t t = _u32(token_id, "token_id")
+        cdef Slot *sl
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            sl = &self.s.slots[_slot_of(&self.s, rid)]
+            sl.next_token_id = t
+            sl.token_ready = 1
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
 
     def record_token(self, request_id):
-        cdef int32_t index = self._find_idle(request_id)
-        self.s.slots[index].token_count = sat_add1(self.s.slots[index].token_count)
-        return self.s.slots[index].token_count
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef uint32_t count
+        cdef Slot *sl
+        cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
+        try:
+            sl = &self.s.slots[_slot_of(&self.s, rid)]
+            sl.token_count = sat_add1(sl.token_count)
+            count = sl.token_count
+        finally:
+            own_release(tok, &self.owner, NULL, NULL, NULL)
+        return count
 
     def finish(self, request_id, BlockPool pool not None):
         """Release the request's pages and free its slot (completion and cancellation alike)."""
-        cdef int32_t index = self._find_idle(request_id)
-        _check_busy(pool.busy, "pool")
-        cdef int rc = sched_finish(&self.s, index, &pool.pool)
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+        try:
+            rc = sched_finish(&self.s, _slot_of(&self.s, rid), &pool.pool)
+        finally:
+            own_release(tok, &self.owner, &pool.owner, NULL, NULL)
         if rc:
             raise _error(E_SCHED, rc)
 
     def block_table(self, request_id):
         cdef int32_t index = self._find(request_id)
-        cdef Table *t = &self.s.slots[index].blocks
-        cdef uint32_t i
-        return [t.entries[i] for i in range(t.len)]
+        return _list_of(self.s.slots[index].blocks.entries, self.s.slots[index].blocks.len)
 
     def pending_token(self, request_id):
         """The input token of the request's next decode step, or None if none was seeded."""
@@ -258,144 +409,60 @@ cdef class RequestScheduler:
 
     def request_view(self, request_id):
         cdef int32_t index = self._find(request_id)
-        cdef Slot *sl = &self.s.slots[index]
+        # C values first: building the tuple runs Python code
+        cdef Slot sl = self.s.slots[index]
         return (sl.request_id, index, RequestState(sl.state), sl.token_count, sl.prefix_tokens)
-
-    cdef Py_ssize_t _runnable_into(self, qualia_request_view *out, Py_ssize_t cap) except -1:
-        cdef uint32_t i
-        cdef Py_ssize_t written = 0
-        cdef Slot *sl
-        if cap < self.s.active:
-            raise SchedulerError.OutputTooSmall()
-        for i in range(self.s.max_requests):
-            sl = &self.s.slots[i]
-            if sl.state == QUALIA_STATE_EMPTY:
-                continue
-            memset(&out[written], 0, sizeof(qualia_request_view))
-            out[written].request_id = sl.request_id
-            out[written].slot = <uint16_t>i
-            out[written].state = sl.state
-            out[written].token_count = sl.token_count
-            out[written].prefix_tokens = sl.prefix_tokens
-            written += 1
-        return written
 
     def runnable_into(self, out):
         """Write every active request's view into ``out`` in slot order; return the count."""
+        cdef Py_ssize_t written = 0
         cdef _Buffer b = _acquire(out, "out", "request_view", sizeof(qualia_request_view),
                                   QUALIA_ALIGN_VIEW, True)
-        return self._runnable_into(<qualia_request_view *>b.ptr, b.length)
+        cdef int rc = sched_views(&self.s, <qualia_request_view *>b.ptr, b.length, &written)
+        if rc:
+            raise _error(E_SCHED, rc)
+        return written
 
     def runnable(self):
         """Every active request's view, as a fresh REQUEST_VIEW array."""
-        arr = np.zeros(self.s.active, dtype=REQUEST_VIEW)
-        cdef _Buffer b = _acquire(arr, "out", "request_view", sizeof(qualia_request_view),
-                                  QUALIA_ALIGN_VIEW, True)
-        self._runnable_into(<qualia_request_view *>b.ptr, b.length)
-        return arr
-
-    cdef object _round(self, object backend,
-                       qualia_batch_item *items, Py_ssize_t items_cap, object items_obj,
-                       uint32_t *table, Py_ssize_t table_cap, object table_obj,
-                       qualia_batch_output *outs, Py_ssize_t outs_cap, object outs_obj):
-        # One ragged decode round, the seed's checks in the seed's order.
-        cdef Sched *s = &self.s
-        cdef uint32_t i, j, w, n = 0, decode_count = s.n_decode
-        cdef uint64_t bits
-        cdef size_t need = 0, off = 0
-        cdef Slot *sl
-        cdef qualia_backend *cb = NULL
-        cdef qualia_batch_receipt rec
-        cdef int32_t status = 0
-        cdef object holder = None
-        cdef object fn = None
-        # the backend is resolved first: a wrong one fails every round, empty or not
-        holder = _c_backend(backend, &cb)
-        if holder is None:
-            fn = getattr(backend, "execute_ragged", None)
-            if not callable(fn):
-                raise TypeError(f"backend must be a C backend (__qualia_backend__ capsule) or have "
-                                f"an execute_ragged(items, block_table, outputs) method, not "
-                                f"{type(backend).__name__}")
-        for w in range(s.n_words):
-            bits = s.decode_bits[w]
-            while bits:
-                need += s.slots[w * 64 + __builtin_ctzll(bits)].blocks.len
-                bits &= bits - 1
-        if items_cap < decode_count:
-            raise DecodeRoundError.ItemBufferTooSmall()
-        if outs_cap < decode_count:
-            raise DecodeRoundError.OutputBufferTooSmall()
-        if <size_t>table_cap < need:
-            raise DecodeRoundError.BlockTableBufferTooSmall()
-        for w in range(s.n_words):
-            bits = s.decode_bits[w]
-            while bits:
-                i = w * 64 + __builtin_ctzll(bits)
-                bits &= bits - 1
-                sl = &s.slots[i]
-                if not sl.token_ready:
-                    raise DecodeRoundError.MissingInputToken()
-                if sl.blocks.len:
-                    memcpy(&table[off], sl.blocks.entries, sl.blocks.len * sizeof(uint32_t))
-                items[n].request_id = sl.request_id
-                items[n].slot = i
-                items[n].token_id = sl.next_token_id
-                items[n].position = sl.token_count
-                items[n].block_table_offset = <uint32_t>off
-                items[n].logical_pages = sl.blocks.len
-                items[n]._reserved = 0
-                s.lowered[n] = i
-                n += 1
-                off += sl.blocks.len
-        if n == 0:
-            return _ZERO_RECEIPT
-        if off > U32_MAX:
-            raise OverflowError("the lowered block table exceeds 2**32-1 entries")
-        rec.batch_size = 0
-        rec.backend_launches = 0
-        self.busy = 1
-        try:
-            if holder is not None:
-                with nogil:
-                    status = cb.execute_ragged(cb.ctx, items, n, table, <uint32_t>off, outs, &rec)
-                if status != 0:
-                    raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
-            else:
-                try:
-                    result = fn(_readonly_view(items_obj, n), _readonly_view(table_obj, off),
-                                np.asarray(outs_obj)[:n])
-                except BaseException as exc:
-                    if not isinstance(exc, Exception):
-                        raise  # KeyboardInterrupt and friends pass through untouched
-                    raise DecodeRoundError.Backend(exc) from exc
-                _parse_receipt(result, &rec)
-        finally:
-            self.busy = 0
-        if rec.batch_size != n:
-            raise DecodeRoundError.OutputIdentityMismatch()
-        if rec.backend_launches != 1:
-            raise DecodeRoundError.BackendLaunchCount()
-        for j in range(n):
-            i = s.lowered[j]
-            if outs[j].request_id != s.slots[i].request_id or outs[j].slot != i:
-                raise DecodeRoundError.OutputIdentityMismatch()
-        for j in range(n):
-            sl = &s.slots[s.lowered[j]]
-            sl.next_token_id = outs[j].next_token_id
-            sl.token_count = sat_add1(sl.token_count)
-            sl.token_ready = 1
-        return _receipt(self._receipts, n)
+        return _views_array(&self.s)
 
     def execute_decode_round(self, backend, item_scratch, block_table_scratch, output_scratch):
-        """Lower every decoding request into the scratch buffers and call the backend once."""
-        _check_busy(self.busy, "scheduler")
+        """Lower every decoding request into the scratch buffers and call the backend once.
+
+        A Python backend gets ``items`` and ``block_table`` as read-only views of the scratch and
+        ``outputs`` as a writable view of ``output_scratch``; they are valid during the call
+        (after it they alias the caller's scratch, which the next round overwrites)."""
         cdef Py_buffer bi, bt, bo
         cdef int held = 0
         cdef void *pi = NULL
         cdef void *pt = NULL
         cdef void *po = NULL
         cdef Py_ssize_t ni = 0, nt = 0, no = 0
+        cdef qualia_backend *cb = NULL
+        cdef uint64_t tok
+        cdef _Region ri, rt, ro
+        # RESOLVE: the backend first (a wrong one fails every round, empty or not), then the
+        # buffers; both can run user code
+        handle = _resolve_backend(backend, &cb)
+        if cb == NULL:
+            # a Python backend: each buffer is acquired and checked once, into a region that
+            # keeps it alive and backs the views the backend gets
+            ri = _region_acquire(item_scratch, "item_scratch", "item", _DT_ITEM,
+                                 sizeof(qualia_batch_item), QUALIA_ALIGN_ITEM, False)
+            rt = _region_acquire(block_table_scratch, "block_table_scratch", "u32", _DT_U32,
+                                 sizeof(uint32_t), sizeof(uint32_t), False)
+            ro = _region_acquire(output_scratch, "output_scratch", "output", _DT_OUTPUT,
+                                 sizeof(qualia_batch_output), QUALIA_ALIGN_OUTPUT, True)
+            tok = own_acquire(&self.owner, NULL, NULL, NULL)
+            try:
+                return self._round(NULL, handle,
+                                   <qualia_batch_item *>ri.ptr, ri.nitems, ri,
+                                   <uint32_t *>rt.ptr, rt.nitems, rt,
+                                   <qualia_batch_output *>ro.ptr, ro.nitems, ro)
+            finally:
+                own_release(tok, &self.owner, NULL, NULL, NULL)
+        # a C backend: the steady-state path creates no Python object
         try:
             if not _fast_array(item_scratch, _DT_ITEM, QUALIA_ALIGN_ITEM, True, &pi, &ni):
                 _get_buffer(item_scratch, &bi, "item_scratch", "item", sizeof(qualia_batch_item),
@@ -415,9 +482,13 @@ cdef class RequestScheduler:
                 held |= 4
                 po = bo.buf
                 no = bo.shape[0]
-            return self._round(backend, <qualia_batch_item *>pi, ni, item_scratch,
-                               <uint32_t *>pt, nt, block_table_scratch,
-                               <qualia_batch_output *>po, no, output_scratch)
+            # ACQUIRE, then everything else reads the state as it is now
+            tok = own_acquire(&self.owner, NULL, NULL, NULL)
+            try:
+                return self._round_c(cb, <qualia_batch_item *>pi, ni, <uint32_t *>pt, nt,
+                                     <qualia_batch_output *>po, no)
+            finally:
+                own_release(tok, &self.owner, NULL, NULL, NULL)
         finally:
             if held & 4:
                 PyBuffer_Release(&bo)
@@ -425,6 +496,59 @@ cdef class RequestScheduler:
                 PyBuffer_Release(&bt)
             if held & 1:
                 PyBuffer_Release(&bi)
+
+    cdef object _round_c(self, qualia_backend *cb, qualia_batch_item *items, Py_ssize_t items_cap,
+                         uint32_t *table, Py_ssize_t table_cap, qualia_batch_output *outs,
+                         Py_ssize_t outs_cap):
+        # One ragged decode round with a C backend, the seed's checks in the seed's order; the
+        # caller owns the scheduler.  Nothing is committed before the outputs are verified.
+        cdef uint32_t n = 0, off = 0
+        cdef int32_t status = 0
+        cdef qualia_batch_receipt rec
+        cdef int rc = round_sizes(&self.s, items_cap, table_cap, outs_cap)
+        if rc == Q_OK:
+            rc = round_lower(&self.s, items, table, &n, &off)
+        if rc:
+            raise _error(E_ROUND, rc)
+        if n == 0:
+            return _ZERO_RECEIPT
+        rec.batch_size = 0
+        rec.backend_launches = 0
+        with nogil:  # the round owns the scheduler; the core touches nothing meanwhile
+            status = cb.execute_ragged(cb.ctx, items, n, table, off, outs, &rec)
+        if status != 0:
+            raise DecodeRoundError.Backend(RaggedBackendError.Failed(status))
+        rc = round_verify(&self.s, outs, n, &rec)
+        if rc:
+            raise _error(E_ROUND, rc)
+        receipt = _receipt(self._receipts, n)
+        round_commit(&self.s, outs, n)
+        return receipt
+
+    cdef object _round(self, qualia_backend *cb, object fn,
+                       qualia_batch_item *items, Py_ssize_t items_cap, _Region items_r,
+                       uint32_t *table, Py_ssize_t table_cap, _Region table_r,
+                       qualia_batch_output *outs, Py_ssize_t outs_cap, _Region outs_r):
+        # The same round with a Python backend, which gets views of the regions.
+        cdef uint32_t n = 0, off = 0
+        cdef qualia_batch_receipt rec
+        cdef int rc = round_sizes(&self.s, items_cap, table_cap, outs_cap)
+        if rc == Q_OK:
+            rc = round_lower(&self.s, items, table, &n, &off)
+        if rc:
+            raise _error(E_ROUND, rc)
+        if n == 0:
+            return _ZERO_RECEIPT
+        _run_backend(NULL, fn, items, n, table, off, outs,
+                     _np_view(items_r, _DT_ITEM, n, False),
+                     _np_view(table_r, _DT_U32, off, False),
+                     _np_view(outs_r, _DT_OUTPUT, n, True), &rec)
+        rc = round_verify(&self.s, outs, n, &rec)
+        if rc:
+            raise _error(E_ROUND, rc)
+        receipt = _receipt(self._receipts, n)
+        round_commit(&self.s, outs, n)
+        return receipt
 
     def __repr__(self):
         return (f"RequestScheduler(max_requests={self.s.max_requests}, "

@@ -125,11 +125,18 @@ cdef int store_evict_entry(Store *st, int32_t e, Pool *p) noexcept nogil:
     return first
 
 
+cdef int store_evict(Store *st, uint64_t hi, uint64_t lo, Pool *p) noexcept nogil:
+    cdef int32_t e = store_find(st, hi, lo)
+    if e < 0:
+        return Q_UNKNOWN
+    return store_evict_entry(st, e, p)
+
+
 cdef class PrefixKvStore:
     """At most ``entries`` published prefixes of at most ``pages`` pages each
     (docs/DESIGN.md, "Prefix store")."""
     cdef Store store
-    cdef int busy
+    cdef uint64_t owner
 
     def __cinit__(self, entries, pages):
         cdef uint32_t ne = _u32(entries, "entries")
@@ -200,72 +207,93 @@ cdef class PrefixKvStore:
     def publish(self, PrefixIdentity identity not None, pages, tokens, BlockPool pool not None):
         cdef uint32_t ntok = _u32(tokens, "tokens")
         cdef uint32_t n
-        _check_busy(self.busy, "prefix store")
-        _check_busy(pool.busy, "pool")
+        cdef int rc
+        cdef uint64_t tok
         cdef uint32_t *buf = _pages_from(pages, &n, "pages")
-        cdef int rc = store_publish(&self.store, identity.hi, identity.lo, buf, n, ntok, &pool.pool)
-        PyMem_Free(buf)
+        try:
+            tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+            try:
+                rc = store_publish(&self.store, identity.hi, identity.lo, buf, n, ntok,
+                                   &pool.pool)
+            finally:
+                own_release(tok, &self.owner, &pool.owner, NULL, NULL)
+        finally:
+            PyMem_Free(buf)
         if rc:
             raise _error(E_STORE, rc)
 
     def attach(self, PrefixIdentity identity not None, SequenceBlockTable table not None,
                BlockPool pool not None):
         """On a hit map the entry's pages into the empty table and return its token count."""
-        cdef uint32_t tokens
-        _check_busy(self.busy, "prefix store")
-        _check_busy(pool.busy, "pool")
-        cdef int rc = store_attach(&self.store, identity.hi, identity.lo, &table.table,
-                                   &pool.pool, &tokens)
+        cdef uint32_t tokens = 0
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+        try:
+            rc = store_attach(&self.store, identity.hi, identity.lo, &table.table,
+                              &pool.pool, &tokens)
+        finally:
+            own_release(tok, &self.owner, &pool.owner, NULL, NULL)
         if rc:
             raise _error(E_ATTACH, rc)
         return tokens if tokens else None
 
     def evict(self, PrefixIdentity identity not None, BlockPool pool not None):
-        _check_busy(self.busy, "prefix store")
-        _check_busy(pool.busy, "pool")
-        cdef int32_t e = self._entry(identity)
-        cdef int rc = store_evict_entry(&self.store, e, &pool.pool)
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+        try:
+            rc = store_evict(&self.store, identity.hi, identity.lo, &pool.pool)
+        finally:
+            own_release(tok, &self.owner, &pool.owner, NULL, NULL)
         if rc:
             raise _error(E_STORE, rc)
 
     def evict_lru(self, BlockPool pool not None):
         """Drop the least recently published-or-hit entry; None when the store is empty."""
-        _check_busy(self.busy, "prefix store")
-        _check_busy(pool.busy, "pool")
-        cdef int32_t e = self.store.lru_head
+        cdef int rc = Q_OK
+        cdef int32_t e
+        cdef uint64_t hi = 0, lo = 0
+        cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+        try:
+            e = self.store.lru_head
+            if e >= 0:
+                hi = self.store.entries[e].hi
+                lo = self.store.entries[e].lo
+                rc = store_evict_entry(&self.store, e, &pool.pool)
+        finally:
+            own_release(tok, &self.owner, &pool.owner, NULL, NULL)
         if e < 0:
             return None
-        ident = _identity_from_entry(&self.store.entries[e])
-        cdef int rc = store_evict_entry(&self.store, e, &pool.pool)
         if rc:
             raise _error(E_STORE, rc)
-        return ident
+        return _identity_from_hilo(hi, lo)
 
     def pages_of(self, PrefixIdentity identity not None):
         cdef int32_t e = self._entry(identity)
-        cdef uint32_t i
-        cdef uint32_t *pg = &self.store.pages[<size_t>e * self.store.max_pages]
-        return [pg[i] for i in range(self.store.entries[e].npages)]
+        return _list_of(&self.store.pages[<size_t>e * self.store.max_pages],
+                        self.store.entries[e].npages)
 
     def tokens_of(self, PrefixIdentity identity not None):
         return self.store.entries[self._entry(identity)].tokens
 
     def identities(self):
         """Published identities, least recent first."""
-        out = []
+        # snapshot the LRU order into C memory first (see _list_of)
+        cdef uint32_t j, k, n = self.store.count
         cdef int32_t e = self.store.lru_head
-        while e >= 0:
-            out.append(_identity_from_entry(&self.store.entries[e]))
-            e = self.store.entries[e].next
-        return out
+        cdef uint64_t *tmp = <uint64_t *>PyMem_Malloc((2 * n if n else 1) * sizeof(uint64_t))
+        if tmp == NULL:
+            raise MemoryError()
+        try:
+            k = 0
+            while e >= 0 and k < n:
+                tmp[2 * k] = self.store.entries[e].hi
+                tmp[2 * k + 1] = self.store.entries[e].lo
+                e = self.store.entries[e].next
+                k += 1
+            return [_identity_from_hilo(tmp[2 * j], tmp[2 * j + 1]) for j in range(k)]
+        finally:
+            PyMem_Free(tmp)
 
     def __repr__(self):
         return (f"PrefixKvStore(entries={self.store.capacity}, pages={self.store.max_pages}, "
                 f"len={self.store.count}, hits={self.store.hits}, misses={self.store.misses})")
-
-
-cdef PrefixIdentity _identity_from_entry(StoreEntry *x):
-    cdef PrefixIdentity ident = PrefixIdentity.__new__(PrefixIdentity)
-    ident.hi = x.hi
-    ident.lo = x.lo
-    return ident

@@ -22,7 +22,14 @@ cdef enum:
     Q_FULL = 14
     Q_UNKNOWN_REQUEST = 15
     Q_OUTPUT_TOO_SMALL = 16
-    Q_NAMESPACES_FULL = 17
+    Q_ITEM_BUFFER_TOO_SMALL = 17
+    Q_OUTPUT_BUFFER_TOO_SMALL = 18
+    Q_TABLE_BUFFER_TOO_SMALL = 19
+    Q_MISSING_INPUT_TOKEN = 20
+    Q_OUTPUT_IDENTITY_MISMATCH = 21
+    Q_BACKEND_LAUNCH_COUNT = 22
+    Q_ROUND_TOO_LARGE = 23      # the lowered block table passes 2**32-1 entries (OverflowError)
+    Q_NAMESPACES_FULL = 24      # automatic prefix caching: every namespace id is in use
 
 cdef enum:
     COW_EXCLUSIVE = 0
@@ -104,7 +111,7 @@ cdef extern from "Python.h":
     Py_ssize_t Py_SIZE(object o)
 
 cdef extern from "qualia_internal.h" nogil:
-    void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const uint32_t *tokens,
+    void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const void *tokens,
                               size_t n, uint8_t *out)
 
 cdef extern from *:

@@ -78,7 +78,9 @@ cdef object _cow(Cow *c):
 
 
 cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
-    # Python sequence (or u32 array) of page ids -> a PyMem buffer the caller frees.
+    # RESOLVE: a Python sequence (or integer array) of page ids -> a private PyMem buffer the
+    # caller frees.  The ids are read from a private list, so an id whose __index__ changes the
+    # caller's container changes nothing here.
     cdef Py_ssize_t n, i
     cdef uint32_t *buf
     if isinstance(pages, np.ndarray):
@@ -87,7 +89,7 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
         if pages.ndim != 1:
             raise ValueError(f"{what} must be 1-D, got {pages.ndim} dimensions")
         seq = pages.tolist()
-    elif isinstance(pages, (str, bytes, bytearray)):
+    elif isinstance(pages, _BYTES_LIKE):
         raise TypeError(f"{what} must be a sequence of page ids, not {type(pages).__name__}")
     else:
         try:
@@ -137,30 +139,48 @@ cdef class SequenceBlockTable:
 
     def entries(self):
         """The mapped pages ``[0, len)`` in logical order."""
-        cdef uint32_t i
-        return [self.table.entries[i] for i in range(self.table.len)]
+        return _list_of(self.table.entries, self.table.len)
+
+    # A table has no owner field: it is only ever mutated inside one C call, with the GIL held
+    # and no Python code running (its arguments are resolved before), so nothing can re-enter
+    # it.  The pool it allocates from can be held across user code, so that is acquired.
 
     def ensure_writable(self, logical_page, BlockPool pool not None):
         cdef uint32_t lp = _u32(logical_page, "logical_page")
         cdef Cow c
-        _check_busy(pool.busy, "pool")
-        cdef int rc = table_ensure_writable(&self.table, lp, &pool.pool, &c)
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&pool.owner, NULL, NULL, NULL)
+        try:
+            rc = table_ensure_writable(&self.table, lp, &pool.pool, &c)
+        finally:
+            own_release(tok, &pool.owner, NULL, NULL, NULL)
         if rc:
             raise _error(E_TABLE, rc)
         return _cow(&c)
 
     def attach(self, pages, BlockPool pool not None):
         cdef uint32_t n
-        _check_busy(pool.busy, "pool")
+        cdef int rc
+        cdef uint64_t tok
         cdef uint32_t *buf = _pages_from(pages, &n, "pages")
-        cdef int rc = table_attach(&self.table, buf, n, &pool.pool)
-        PyMem_Free(buf)
+        try:
+            tok = own_acquire(&pool.owner, NULL, NULL, NULL)
+            try:
+                rc = table_attach(&self.table, buf, n, &pool.pool)
+            finally:
+                own_release(tok, &pool.owner, NULL, NULL, NULL)
+        finally:
+            PyMem_Free(buf)
         if rc:
             raise _error(E_TABLE, rc)
 
     def release_all(self, BlockPool pool not None):
-        _check_busy(pool.busy, "pool")
-        cdef int rc = table_release_all(&self.table, &pool.pool)
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&pool.owner, NULL, NULL, NULL)
+        try:
+            rc = table_release_all(&self.table, &pool.pool)
+        finally:
+            own_release(tok, &pool.owner, NULL, NULL, NULL)
         if rc:
             raise _error(E_TABLE, rc)
 

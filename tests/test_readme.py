@@ -1,0 +1,32 @@
+"""README.md's Python snippets run as printed, and tests/typing/readme_snippets.py (which .ci/run
+type-checks with mypy) holds every one of them word for word."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import runpy
+
+CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+SNIPPETS = CHECKOUT / "tests" / "typing" / "readme_snippets.py"
+
+
+def readme_python_blocks():
+    text = (CHECKOUT / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_every_readme_snippet_is_type_checked():
+    blocks = readme_python_blocks()
+    assert len(blocks) >= 3
+    typed = SNIPPETS.read_text(encoding="utf-8")
+    for block in blocks:
+        assert block in typed, f"README snippet missing from {SNIPPETS.name}:\n{block}"
+
+
+def test_readme_snippets_run(capsys):
+    namespace = runpy.run_path(str(SNIPPETS), run_name="readme_snippets")
+    # the error snippet's admission failed in the store's attach, which then counts nothing
+    assert namespace["sched"].active_count() == 0
+    assert (namespace["store"].hits, namespace["store"].misses) == (0, 0)
+    assert capsys.readouterr().out.startswith("1 ")  # the facade snippet's print(batch_size, ...)

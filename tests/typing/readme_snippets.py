@@ -1,0 +1,76 @@
+"""The Python snippets of README.md, word for word, with what they need around them.
+
+.ci/run type-checks this file with mypy against the installed package (so the README's own
+`except qualia.SchedulerError.Prefix` must type-check), and tests/test_readme.py runs it and checks
+that every snippet of README.md is here unchanged.
+"""
+
+# ruff: noqa: B018, E402, F811, I001
+
+# -- README "The facade: admit / decode / finish" ------------------------------------------------
+
+import qualia
+
+s = qualia.Scheduler(max_requests=64, num_blocks=4096, page_tokens=16, logical_pages=256)
+backend = qualia.HashBackend()          # or your model: see "Backends"
+
+system = list(range(1000, 1040))             # a shared system prompt
+prompt = system + [5, 6, 7]
+adm = s.admit(1, prompt, namespace=b"tenant-a", prefix_len=len(system))
+new = len(prompt) - adm.prefix_tokens        # on a hit, only the suffix needs prefill
+copies = s.reserve(1, new)                   # pages for the prompt; copies to perform first
+# ... the model writes the K/V of the new tokens into s.block_table(1) ...
+s.advance(1, new)
+s.complete_prefill(1, first_token=42)
+if not adm.prefix_hit:
+    s.publish_prefix(1, prompt, prefix_len=len(system), namespace=b"tenant-a")
+
+receipt, outputs = s.decode(backend)         # one backend call for every decoding request
+print(receipt.batch_size, outputs["next_token_id"])
+s.finish(1)                                  # completion and cancellation alike
+
+# -- README "The seed's types": an admission whose shared prefix (two pages) does not fit the
+# request's table (one logical page), so the store's attach fails with TableError.OutOfRange.
+
+pool = qualia.BlockPool(8)
+store = qualia.PrefixKvStore(2, 4)
+sched = qualia.RequestScheduler(2, 1)
+identity = qualia.PrefixIdentity.of_tokens([1, 2, 3, 4, 5], b"tenant-a")
+store.publish(identity, [pool.allocate(), pool.allocate()], 5, pool)
+
+try:
+    sched.admit_with_prefix(7, identity, store, pool)
+except qualia.SchedulerError.Prefix as err:
+    err.chain   # ('SchedulerError.Prefix', 'PrefixKvError.Table', 'TableError.OutOfRange')
+
+assert sched.active_count() == 0  # the admission failed, and changed nothing
+
+# -- README "Backends" ---------------------------------------------------------------------------
+
+import qualia
+
+
+class GreedyBackend:
+    """Next token = (token + position) % vocab; a stand-in for a real model."""
+
+    def __init__(self, vocab=32000):
+        self.vocab = vocab
+
+    def execute_ragged(self, items, block_table, outputs):
+        n = len(items)
+        outputs["request_id"] = items["request_id"]
+        outputs["slot"] = items["slot"]
+        outputs["next_token_id"] = (items["token_id"] + items["position"]) % self.vocab
+        return (n, 1)                        # (batch_size, backend_launches)
+
+    def copy_pages(self, copies):            # COPY_OP records: copy src_page -> dst_page
+        pass
+
+
+greedy: qualia.RaggedBackend = GreedyBackend()
+s.admit(2)
+s.reserve(2, 1)
+s.advance(2, 1)
+s.complete_prefill(2, first_token=7)
+receipt, outputs = s.decode(greedy)
+assert receipt == (1, 1) and int(outputs["next_token_id"][0]) == 7 + 1
