@@ -168,7 +168,8 @@ def _call_execute(capsule, items, table, outputs):
 
 def test_facade_with_consumer_and_python_backends_gives_identical_outputs(consumer):
     def run(backend):
-        s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=12)
+        s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=12,
+                             prefix_caching="explicit")
         prompt = list(range(50, 60))
         outs, copied_by_caller = {}, 0
         for rid in range(4):

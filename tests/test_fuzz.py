@@ -143,7 +143,7 @@ class FacadeFuzz:
     def __init__(self, seed):
         self.rng = random.Random(seed)
         self.s = qualia.Scheduler(max_requests=6, num_blocks=40, page_tokens=4, logical_pages=8,
-                                  prefix_entries=4)
+                                  prefix_entries=4, prefix_caching="explicit")
         base = [self.rng.randrange(1000) for _ in range(32)]
         self.prompts = [base[:k] for k in (5, 8, 13, 20)] + [[7] * 9, list(range(30))]
         self.next_rid = 1

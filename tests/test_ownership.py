@@ -54,7 +54,8 @@ def state(s):
 
 
 def world():
-    s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=6)
+    s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=6,
+                         prefix_caching="explicit")
     prompt = list(range(1, 11))
     s.admit(1)
     s.reserve(1, 10)
@@ -445,7 +446,8 @@ def test_threads_racing_on_one_scheduler():
     """Two decoders (a yielding Python backend and the C backend, which runs without the GIL)
     and two churners (admit with a prefix, reserve, advance, publish, finish, evict) on one
     scheduler: every call runs in full or raises a clean error, and the accounting is exact."""
-    s = qualia.Scheduler(max_requests=8, num_blocks=640, page_tokens=4, logical_pages=64)
+    s = qualia.Scheduler(max_requests=8, num_blocks=640, page_tokens=4, logical_pages=64,
+                         prefix_caching="explicit")
     prompt = list(range(1, 13))
     errors = []
     admitted, decoded, busy = [], [], []  # list.append is atomic; a Counter's += is not
@@ -516,7 +518,8 @@ def test_concurrent_identities_without_the_scheduler():
     even while a round owns the scheduler."""
     s, prompt = world()
     prompts = [list(range(k, k + 3000)) for k in (0, 10**6)]
-    s2 = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=1000, logical_pages=3)
+    s2 = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=1000, logical_pages=3,
+                          prefix_caching="explicit")
     expected = [qualia.PrefixIdentity.of_tokens(p) for p in prompts]
     wrong = []
 

@@ -16,18 +16,17 @@ backend = qualia.HashBackend()          # or your model: see "Backends"
 
 system = list(range(1000, 1040))             # a shared system prompt
 prompt = system + [5, 6, 7]
-adm = s.admit(1, prompt, namespace=b"tenant-a", prefix_len=len(system))
-new = len(prompt) - adm.prefix_tokens        # on a hit, only the suffix needs prefill
+adm = s.admit(1, prompt, namespace=b"tenant-a")  # reuses the longest cached run of full pages
+new = len(prompt) - adm.prefix_tokens        # on a hit, only the rest needs prefill
 copies = s.reserve(1, new)                   # pages for the prompt; copies to perform first
 # ... the model writes the K/V of the new tokens into s.block_table(1) ...
-s.advance(1, new)
+s.advance(1, new)                            # full pages are cached as they fill
 s.complete_prefill(1, first_token=42)
-if not adm.prefix_hit:
-    s.publish_prefix(1, prompt, prefix_len=len(system), namespace=b"tenant-a")
 
 receipt, outputs = s.decode(backend)         # one backend call for every decoding request
 print(receipt.batch_size, outputs["next_token_id"])
 s.finish(1)                                  # completion and cancellation alike
+print(s.cache_stats().cached_pages, s.drain_events()["kind"])  # 2 pages stored, 2 events
 
 # -- README "The seed's types": an admission whose shared prefix (two pages) does not fit the
 # request's table (one logical page), so the store's attach fails with TableError.OutOfRange.
