@@ -60,7 +60,8 @@ extra_compile = ["-fvisibility=hidden"]
 extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3", "-g0"]
 extra_link = [] if DEBUG or SANITIZE else ["-Wl,--strip-all"]
 if SANITIZE:
-    flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
+    flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+             "-fno-sanitize-recover=undefined"]
     extra_compile += flags + ["-g"]
     extra_link += flags
 
@@ -69,7 +70,8 @@ ext = Extension(
     sources=["qualia/_core.pyx", "csrc/blake2b.c", "csrc/hash_backend.c"],
     depends=sorted(glob.glob(os.path.join("qualia", "core", "*.pxi")) + glob.glob("csrc/*.h")),
     include_dirs=["csrc", numpy.get_include()],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"), ("NPY_TARGET_VERSION", "NPY_1_23_API_VERSION")],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                   ("NPY_TARGET_VERSION", "NPY_1_23_API_VERSION")],
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,
 )

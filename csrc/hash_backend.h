@@ -10,7 +10,7 @@ extern "C" {
 
 /*
  * The deterministic hash backend (hash_backend.c): next token = a hash of (request id,
- * position, token id), see docs/DESIGN.md "Hash decode backend".  Tests and benchmarks use it
+ * position, token id), see docs/DESIGN.md "Hash backend".  Tests and benchmarks use it
  * as a backend that costs almost nothing; it is exposed to Python as qualia.HashBackend.
  */
 enum {

@@ -283,9 +283,9 @@ def _memory_problem(args, workload) -> Optional[str]:
     if avail is None or total <= avail:
         return None
     part = max(parts, key=parts.__getitem__)
-    return (f"this run needs about {format_bytes(total)} of memory, more than the {format_bytes(avail)} "
-            f"available; the largest part is the {part} ({format_bytes(parts[part])}, set by "
-            f"{_SET_BY[part]}): lower those options")
+    return (f"this run needs about {format_bytes(total)} of memory, more than the "
+            f"{format_bytes(avail)} available; the largest part is the {part} "
+            f"({format_bytes(parts[part])}, set by {_SET_BY[part]}): lower those options")
 
 
 # --------------------------------------------------------------------------------------------

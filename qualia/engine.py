@@ -461,8 +461,11 @@ class Engine:
         if self.is_model:
             table = self._call(self.scheduler.block_table, rid)
             return int(self.backend.prefill(ctx[start:], start, table))
-        # a decode-only backend: the engine stands in for its prefill with the hash rule
-        return self._hash_next_token(rid, len(ctx) - 1, ctx[-1], self.vocab)
+        # a decode-only backend: the engine stands in for its prefill with the hash rule (its
+        # vocabulary is always set: only a model backend may leave self.vocab None)
+        vocab = self.vocab
+        assert vocab is not None
+        return self._hash_next_token(rid, len(ctx) - 1, ctx[-1], vocab)
 
     def _copy(self, copies) -> None:
         n = len(copies)

@@ -423,9 +423,9 @@ class PagedModelBackend:
                 f"{last // self.page_tokens + 1}"
             )
         kv = _PagedKv(self.kv, pages, self.page_tokens)
-        logits = None
-        for i, tok in enumerate(toks):
-            logits = self.weights.forward_token(tok, start + i, kv)
+        for i, tok in enumerate(toks[:-1]):
+            self.weights.forward_token(tok, start + i, kv)
+        logits = self.weights.forward_token(toks[-1], last, kv)
         self.tokens_prefilled += len(toks)
         return logits
 
@@ -440,10 +440,10 @@ class PagedModelBackend:
     # -- decode round -------------------------------------------------------------------------
 
     def execute_ragged(self, items, block_table, outputs):
-        """One decode round over a ragged batch (the Python backend protocol).  Reads ``items`` and ``block_table``
-        only; writes ``outputs[i] = (request_id, slot, next_token_id)`` for every item.
-        Returns ``(batch_size, backend_launches) = (len(items), 1)``.  All items are validated
-        before any K/V is written."""
+        """One decode round over a ragged batch (the Python backend protocol).  Reads ``items``
+        and ``block_table`` only; writes ``outputs[i] = (request_id, slot, next_token_id)`` for
+        every item.  Returns ``(batch_size, backend_launches) = (len(items), 1)``.  All items
+        are validated before any K/V is written."""
         items = np.asarray(items)
         if items.ndim != 1:
             raise TypeError("items must be a 1-D structured array")
@@ -524,10 +524,11 @@ class DenseSequence:
         if not toks:
             raise ValueError("feed needs at least one token")
         self._reserve(self.length + len(toks))
-        logits = None
-        for tok in toks:
-            logits = self.weights.forward_token(tok, self.length, self)
+        for tok in toks[:-1]:
+            self.weights.forward_token(tok, self.length, self)
             self.length += 1
+        logits = self.weights.forward_token(toks[-1], self.length, self)
+        self.length += 1
         return logits
 
     def start(self, prompt) -> int:

@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Tuple
 from .check import CheckResult
 from .timing import ROWS, percentile
 
-__all__ = ["Counters", "EngineResult", "backend_label", "collect_stats", "format_summary", "jsonable", "WIDTH"]
+__all__ = ["Counters", "EngineResult", "backend_label", "collect_stats", "format_summary",
+           "jsonable", "WIDTH"]
 
 #: The summary table fits a terminal this wide.
 WIDTH = 80

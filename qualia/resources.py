@@ -17,9 +17,9 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
                     page_tokens: int = 16, logical_pages: int = 16, prefix_entries: int = 6,
                     prefix_pages: Optional[int] = None, model_config=None,
                     prefix_caching: str = "auto") -> Dict[str, int]:
-    """Bytes a :class:`qualia.engine.Engine` with these arguments allocates up front, by part (a close lower
-    bound: the arrays and C buffers sized in the constructors).  ``backend`` is ``"model"``,
-    ``"c"`` or anything else (counted as a backend with no memory of its own).
+    """Bytes a :class:`qualia.engine.Engine` with these arguments allocates up front, by part (a
+    close lower bound: the arrays and C buffers sized in the constructors).  ``backend`` is
+    ``"model"``, ``"c"`` or anything else (counted as a backend with no memory of its own).
 
     Parts: ``"model KV"`` (``num_blocks x page_tokens x layers x 2 x heads x head_dim x
     itemsize``) and ``"model weights"`` for the model backend; ``"pool"`` (a refcount and a free

@@ -3,7 +3,7 @@
 A :class:`Stopwatch` holds one accumulator per row of :data:`ROWS`.  At every moment between
 :meth:`Stopwatch.start` and :meth:`Stopwatch.stop` exactly one row is current, and
 :meth:`Stopwatch.switch` charges the time since the last switch to it before making another row
-current.  Nested work switches in and back out (``prev = clock.switch(SCHEDULER) ... 
+current.  Nested work switches in and back out (``prev = clock.switch(SCHEDULER) ...
 clock.switch(prev)``), so a backend call made from inside a scheduler call is charged to the
 backend and not twice.  Every second between start and stop therefore belongs to exactly one
 row, and the rows add up to the wall time by construction.
@@ -143,7 +143,7 @@ class TimedBackend:
                 return fn(*args)
             finally:
                 dt = _now() - t0
-                if clock is not None:
+                if clock is not None and prev is not None:  # prev is set iff there is a clock
                     clock.switch(prev)
                 self.seconds += dt
                 self.by_method[name] += dt

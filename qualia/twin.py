@@ -717,9 +717,9 @@ class RequestScheduler:
             return RaggedBatchReceipt(0, 0)
 
         # truly read-only: based on read-only memoryviews, so flags.writeable = True raises
-        items_view = np.frombuffer(memoryview(items[:item_count]).toreadonly(),
+        items_view = np.frombuffer(items[:item_count].data.toreadonly(),
                                    dtype=RAGGED_BATCH_ITEM)
-        table_view = np.frombuffer(memoryview(table[:table_offset]).toreadonly(),
+        table_view = np.frombuffer(table[:table_offset].data.toreadonly(),
                                    dtype=_PAGE_TABLE)
         outputs_view = outputs[:item_count]
 

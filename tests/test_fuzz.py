@@ -436,7 +436,7 @@ def test_fuzz_facade_threads():
     facade_invariants(f.s)
 
 
-# -- the raw seed types ------------------------------------------------------------------------------
+# -- the raw seed types ----------------------------------------------------------------------------
 
 
 class CItem(ctypes.Structure):

@@ -23,8 +23,7 @@ if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
 from qualia import twin  # noqa: E402
-from qualia.errors import (BusyError, DecodeRoundError, PoolError, SchedulerError,  # noqa: E402
-                           TableError)
+from qualia.errors import BusyError, DecodeRoundError, PoolError, SchedulerError, TableError  # noqa: E402
 
 ITEM, OUTPUT, VIEW, COPY = (qualia.RAGGED_BATCH_ITEM, qualia.RAGGED_BATCH_OUTPUT,
                             qualia.REQUEST_VIEW, qualia.COPY_OP)
@@ -327,7 +326,7 @@ def test_finding_04_decode_count_read_after_backend_resolution():
                                       big_outs[:2]) == (2, 1)
 
 
-# -- finding 5: a token whose __index__ shrinks the list ---------------------------------------------
+# -- finding 5: a token whose __index__ shrinks the list -------------------------------------------
 
 
 @pytest.mark.parametrize("n", [8, 300])
@@ -358,7 +357,7 @@ def test_finding_05_token_index_shrinking_the_list(n):
     invariants(s)
 
 
-# -- finding 6: publish_prefix racing a finish + admit -----------------------------------------------
+# -- finding 6: publish_prefix racing a finish + admit ---------------------------------------------
 
 
 def test_finding_06_publish_prefix_publishes_its_own_pages():
@@ -427,7 +426,7 @@ def test_finding_06_publish_prefix_publishes_its_own_pages():
     assert s.free_pages == s.num_blocks
 
 
-# -- finding 7: two decode rounds of one scheduler in flight ----------------------------------------
+# -- finding 7: two decode rounds of one scheduler in flight ---------------------------------------
 
 
 class BlockingLookup:
@@ -495,7 +494,7 @@ def test_finding_07_two_rounds_in_flight(which):
     assert counts() == [c + 1 for c in before]  # exactly one round ran
 
 
-# -- finding 8: a re-entrant publish_prefix must not expose a page being written ---------------------
+# -- finding 8: a re-entrant publish_prefix must not expose a page being written -------------------
 
 
 class PublishOnLookup(PyBackend):
@@ -538,7 +537,7 @@ def test_finding_08_reentrant_publish_cannot_expose_a_written_page():
     b = PublishOnLookup(s, 1, prompt)
     s.decode(b)
     assert b.fired and len(b.seen) == 2
-    for page, count, in_store in b.seen:
+    for _page, count, in_store in b.seen:
         assert count == 1 and not in_store, b.seen
     ident = qualia.PrefixIdentity.of_tokens(prompt)
     assert b.seen[0][0] not in s.prefixes.pages_of(ident)
@@ -546,7 +545,7 @@ def test_finding_08_reentrant_publish_cannot_expose_a_written_page():
     invariants(s)
 
 
-# -- finding 9: the facade's token scratch was shared across threads ---------------------------------
+# -- finding 9: the facade's token scratch was shared across threads -------------------------------
 
 
 def test_finding_09_concurrent_identities_are_right():
@@ -591,7 +590,7 @@ def test_finding_09_concurrent_identities_are_right():
     invariants(s)
 
 
-# -- finding 10: decode's page check at token_count == 2**32 - 1 -------------------------------------
+# -- finding 10: decode's page check at token_count == 2**32 - 1 -----------------------------------
 
 
 def test_finding_10_decode_page_check_at_u32_max():
@@ -611,7 +610,7 @@ def test_finding_10_decode_page_check_at_u32_max():
     assert state(s) == before
 
 
-# -- finding 11: misaligned token arrays --------------------------------------------------------------
+# -- finding 11: misaligned token arrays -----------------------------------------------------------
 
 
 def _misaligned(tokens):
@@ -641,7 +640,7 @@ def test_finding_11_misaligned_token_arrays(n):
     assert s.publish_prefix(1, _misaligned(tokens)) == expected
 
 
-# -- finding 12: read-only views stay read-only ---------------------------------------------------------
+# -- finding 12: read-only views stay read-only ----------------------------------------------------
 
 
 def _root(arr):
@@ -706,7 +705,7 @@ def test_finding_12_decode_outputs_are_read_only_and_the_backends_own():
     assert invariants(s)
 
 
-# -- finding 13: the smaller ones -------------------------------------------------------------------------
+# -- finding 13: the smaller ones ------------------------------------------------------------------
 
 
 def test_finding_13_too_long_generator_prompt_is_a_value_error():
@@ -775,7 +774,7 @@ def test_finding_13_bytes_like_tokens_are_rejected(tokens):
         t.attach(tokens, s.pool)
 
 
-# -- Also: BlockPool(0) ------------------------------------------------------------------------------------
+# -- Also: BlockPool(0) ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mod", [qualia, twin], ids=["core", "twin"])

@@ -1,5 +1,5 @@
-"""The numpy test transformer (qualia.model): paged backend (prefix sharing, copy-on-write, page reuse,
-preemption/recompute, ragged batched decode) against the dense model, token for token.
+"""The numpy test transformer (qualia.model): paged backend (prefix sharing, copy-on-write, page
+reuse, preemption/recompute, ragged batched decode) against the dense model, token for token.
 
 No dependency on the scheduler core: a tiny page allocator lives in this file.
 """

@@ -23,7 +23,7 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
-from qualia.errors import BusyError, DecodeRoundError, QualiaError  # noqa: E402
+from qualia.errors import BusyError, QualiaError  # noqa: E402
 
 ITEM, OUTPUT = qualia.RAGGED_BATCH_ITEM, qualia.RAGGED_BATCH_OUTPUT
 WAIT = 20
@@ -86,7 +86,8 @@ class Backend:
 
 
 def mutators(s, prompt):
-    """Every mutating call reachable from a facade (on it, its parts, and a table using its pool)."""
+    """Every mutating call reachable from a facade (on it, its parts, and a table using its
+    pool)."""
     ident = qualia.PrefixIdentity.of_tokens(prompt[:6])
     other = qualia.PrefixIdentity.of_tokens([77])
     table = qualia.SequenceBlockTable(4)
@@ -302,7 +303,7 @@ def test_prompt_iteration_runs_before_ownership():
     invariants(s)
 
 
-# -- GC callbacks and finalizers ----------------------------------------------------------------------
+# -- GC callbacks and finalizers -------------------------------------------------------------------
 
 
 class GcHook:
@@ -428,7 +429,7 @@ def test_gc_callbacks_at_every_allocation_keep_the_state_exact():
     assert "ran" in hook.outcomes
 
 
-# -- threads ---------------------------------------------------------------------------------------------
+# -- threads ---------------------------------------------------------------------------------------
 
 
 class YieldingBackend(Backend):

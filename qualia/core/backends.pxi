@@ -151,7 +151,7 @@ cdef dict _FAULTS = {None: QUALIA_FAULT_NONE, "error": QUALIA_FAULT_ERROR,
 
 
 def hash_next_token(request_id, position, token_id, vocab=32000):
-    """The hash backend's deterministic next token (docs/DESIGN.md, "Hash decode backend")."""
+    """The hash backend's deterministic next token (docs/DESIGN.md, "Hash backend")."""
     return qualia_hash_next_token(_u64(request_id, "request_id"), _u32(position, "position"),
                                        _u32(token_id, "token_id"), _u32(vocab, "vocab"))
 
