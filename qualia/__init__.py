@@ -35,8 +35,15 @@ except ImportError as _exc:
     if _why is None:  # the compiled core is there but failed to load: show the real reason
         raise
     raise ImportError(_why, name=__name__) from _exc
-from ._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
-                     RaggedBatchReceipt, RequestState)
+from ._types import (
+    Admission,
+    CachedPrefix,
+    CacheEntry,
+    CacheStats,
+    CopyOnWrite,
+    RaggedBatchReceipt,
+    RequestState,
+)
 from .backend import CopyPagesBackend, RaggedBackend
 from .errors import (
     BackendAbiError,

@@ -18,8 +18,8 @@ from ._core import Scheduler as Scheduler
 from ._core import SequenceBlockTable as SequenceBlockTable
 from ._core import hash_next_token as hash_next_token
 from ._types import Admission as Admission
-from ._types import CacheEntry as CacheEntry
 from ._types import CachedPrefix as CachedPrefix
+from ._types import CacheEntry as CacheEntry
 from ._types import CacheStats as CacheStats
 from ._types import CopyOnWrite as CopyOnWrite
 from ._types import RaggedBatchReceipt as RaggedBatchReceipt

@@ -614,7 +614,8 @@ class Engine:
 
     def _submit_next_turn(self, live: _Live) -> None:
         """Submit the next turn of ``live``'s conversation, if it has one and it fits."""
-        nxt = self._next_turn(live.req, live.generated, self.step_no)
+        next_turn = self._next_turn
+        nxt = None if next_turn is None else next_turn(live.req, live.generated, self.step_no)
         if nxt is None:
             return
         prev = self.clock.switch(SUBMISSION)

@@ -19,13 +19,35 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, RaggedBatchReceipt,
-                           RequestState)
-from qualia.errors import (DecodeRoundError, PoolError, PrefixCacheError, QualiaError,
-                           SchedulerError, TableError)
-from qualia.twin import (COPY_OP, RAGGED_BATCH_ITEM, RAGGED_BATCH_OUTPUT, REQUEST_VIEW, U32_MAX,
-                         BlockPool, SequenceBlockTable, _int, _namespace_bytes, _receipt, _u32,
-                         _u64)
+from qualia._types import (
+    Admission,
+    CachedPrefix,
+    CacheEntry,
+    CacheStats,
+    RaggedBatchReceipt,
+    RequestState,
+)
+from qualia.errors import (
+    DecodeRoundError,
+    PoolError,
+    PrefixCacheError,
+    SchedulerError,
+    TableError,
+)
+from qualia.twin import (
+    COPY_OP,
+    RAGGED_BATCH_ITEM,
+    RAGGED_BATCH_OUTPUT,
+    REQUEST_VIEW,
+    U32_MAX,
+    BlockPool,
+    SequenceBlockTable,
+    _int,
+    _namespace_bytes,
+    _receipt,
+    _u32,
+    _u64,
+)
 
 __all__ = ["Scheduler", "KV_EVENT", "KV_STORED", "KV_REMOVED", "KV_CLEARED", "NS_MAX_BYTES",
            "page_chain", "page_identity", "namespace_hash",
@@ -122,17 +144,40 @@ def _cache_key(cache_key) -> bytes:
 # -- the cache -------------------------------------------------------------------------------------
 
 class _Entry:
+    """One cached page (a record of core/pagecache.pxi)."""
+
     __slots__ = ("ident", "parent_ident", "has_parent", "parent", "parent_gen", "gen", "ns",
                  "tokens")
 
+    def __init__(self) -> None:
+        self.ident = 0
+        self.parent_ident = 0
+        self.has_parent = False
+        self.parent = U32_MAX
+        self.parent_gen = 0
+        self.gen = 0
+        self.ns = 0
+        self.tokens: Tuple[int, ...] = ()
+
 
 class _Stream:
+    """One slot's token stream (core/autoprefix.pxi): known tokens, chain values (``ids``),
+    and the entry standing for each handed-over page (``canon``: (page, generation))."""
+
     __slots__ = ("known", "hashed", "done", "ns", "live", "broken", "tokens", "ids", "canon",
                  "pending")
 
     def __init__(self) -> None:
+        self.known = 0
+        self.hashed = 0
+        self.done = 0
+        self.ns = 0
         self.live = False
-        self.pending = None
+        self.broken = False
+        self.tokens: List[int] = []
+        self.ids: List[int] = []
+        self.canon: List[Tuple[int, int]] = []
+        self.pending: Optional[Tuple[int, int]] = None
 
 
 class _Slot:
