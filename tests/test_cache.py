@@ -497,3 +497,111 @@ def test_admit_finish_cycles_do_not_grow_the_heap():
     assert traced_growth(2000) - probe <= 0
     assert traced_growth(2000) - probe <= 0
     assert s.cache_stats().hit_tokens == 63 * 16 * 4100
+
+
+# -- ownership (docs/DESIGN.md, "Ownership"): the core only ----------------------------------------
+
+class _During:
+    """A Python backend that runs ``fn`` inside its round, then answers like PyHashBackend."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.inner = PyHashBackend()
+
+    def execute_ragged(self, items, block_table, outputs):
+        self.fn()
+        return self.inner.execute_ragged(items, block_table, outputs)
+
+
+def _auto_state(s):
+    return (s.pool.refcounts().tolist(), s.reclaimable_pages().tolist(), s.cache_stats(),
+            tuple(s.cache_entry(p) for p in range(s.num_blocks)), s.runnable().tolist())
+
+
+def test_cache_calls_are_busy_during_a_decode_round():
+    s = qualia.Scheduler(4, 32, PT, 16, cache_key=KEY)
+    serve(s, 1, PROMPT)                      # cached, reclaimable pages
+    s.admit(2, PROMPT)
+    prefill(s, 2, PROMPT)                    # decoding: the round below runs it
+    mutators = {
+        "admit": lambda: s.admit(3, PROMPT),
+        "reserve": lambda: s.reserve(2, 1),
+        "advance": lambda: s.advance(2, 1),
+        "finish": lambda: s.finish(2),
+        "clear_cache": lambda: s.clear_cache(),
+        "identity mask": lambda: s._debug_identity_mask(0),
+    }
+    outcomes = {}
+    reads = []
+
+    def during():
+        before = _auto_state(s)
+        for name, call in mutators.items():
+            try:
+                call()
+                outcomes[name] = "ran"
+            except qualia.BusyError:
+                outcomes[name] = "busy"
+        assert _auto_state(s) == before
+        # reads and draining take no ownership
+        reads.append((s.cached_prefix(PROMPT), s.cache_stats().cached_pages,
+                      len(s.drain_events()), s.page_identities(PROMPT).tolist()))
+
+    s.decode(_During(during))
+    assert outcomes == {name: "busy" for name in mutators}
+    assert reads and reads[0][0] == (4 * PT, 4, 0) and reads[0][1] == 4
+    s.finish(2)
+    assert s.clear_cache() == 4             # free again after the round
+
+
+def test_a_token_that_reenters_admit_cannot_corrupt_the_stream():
+    s = qualia.Scheduler(4, 32, PT, 16, cache_key=KEY)
+    other = [50 + i for i in range(2 * PT + 1)]
+
+    class Sneaky:
+        """A token id whose __index__ admits another request mid-conversion."""
+
+        def __init__(self, value):
+            self.value = value
+
+        def __index__(self):
+            if not s.active_count:
+                s.admit(9, other)
+            return self.value
+
+    mine = list(range(1, 2 * PT + 2))
+    adm = s.admit(1, [Sneaky(t) for t in mine])   # converted first, into private memory
+    assert adm.slot == 1                          # request 9 took slot 0 meanwhile
+    for rid, toks in ((1, mine), (9, other)):
+        prefill(s, rid, toks)
+    ids = s.page_identities(mine).tolist() + s.page_identities(other).tolist()
+    cached = sorted(e.identity for e in map(s.cache_entry, range(s.num_blocks)) if e)
+    assert cached == sorted(ids)                 # each stream cached its own tokens
+
+
+def test_a_gc_callback_during_a_round_cannot_change_the_cache():
+    import gc as _gc
+
+    s = qualia.Scheduler(4, 32, PT, 16, cache_key=KEY)
+    serve(s, 1, PROMPT)
+    s.admit(2, PROMPT)
+    prefill(s, 2, PROMPT)
+    seen = []
+
+    def callback(phase, info):
+        if phase == "start" and not seen:
+            try:
+                s.clear_cache()
+                seen.append("ran")
+            except qualia.BusyError:
+                seen.append("busy")
+
+    def during():
+        _gc.callbacks.append(callback)
+        try:
+            _gc.collect()
+        finally:
+            _gc.callbacks.remove(callback)
+
+    s.decode(_During(during))
+    assert seen == ["busy"] and s.cache_stats().cached_pages == 4
