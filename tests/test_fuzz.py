@@ -30,6 +30,8 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
+from facade_checks import invariants  # noqa: E402
+
 from qualia.errors import BusyError, QualiaError  # noqa: E402
 
 ITEM, OUTPUT, VIEW = qualia.RAGGED_BATCH_ITEM, qualia.RAGGED_BATCH_OUTPUT, qualia.REQUEST_VIEW
@@ -56,17 +58,6 @@ def facade_state(s):
                   for i in s.prefixes.identities()))
 
 
-def facade_invariants(s):
-    held = Counter()
-    for rid in s.runnable()["request_id"].tolist():
-        table = s.block_table(rid).tolist()
-        assert len(table) <= s.logical_pages
-        held.update(table)
-    for ident in s.prefixes.identities():
-        held.update(s.prefixes.pages_of(ident))
-    refcounts = s.pool.refcounts().tolist()
-    assert refcounts == [held[p] for p in range(s.num_blocks)]
-    assert s.free_pages + sum(1 for c in refcounts if c) == s.num_blocks
 
 
 class Reentered:
@@ -294,7 +285,7 @@ class FacadeFuzz:
             self.gc_action = None
         if failed and not log.ran:
             assert facade_state(s) == before, "a failed call changed the state"
-        facade_invariants(s)
+        invariants(s)
 
 
 class _GcFuzzHook:
@@ -372,11 +363,11 @@ def test_fuzz_facade_weakref_finalizers():
             except AssertionError as exc:
                 if "changed the state" not in str(exc):
                     raise
-            facade_invariants(f.s)
+            invariants(f.s)
     finally:
         gc.set_threshold(*old)
         gc.collect()
-    facade_invariants(f.s)
+    invariants(f.s)
     assert fired
 
 
@@ -433,7 +424,7 @@ def test_fuzz_facade_threads():
         t.join(60)
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors
-    facade_invariants(f.s)
+    invariants(f.s)
 
 
 # -- the raw seed types ----------------------------------------------------------------------------

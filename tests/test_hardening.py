@@ -13,7 +13,6 @@ import ctypes
 import operator
 import threading
 import time
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,6 +20,8 @@ import pytest
 qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
+
+from facade_checks import invariants  # noqa: E402
 
 from qualia import twin  # noqa: E402
 from qualia.errors import BusyError, DecodeRoundError, PoolError, SchedulerError, TableError  # noqa: E402
@@ -34,20 +35,6 @@ WAIT = 20  # seconds: the bound of every event wait (never reached when the code
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def invariants(s):
-    """The facade's page accounting is exact: every reference is held by a table or the store."""
-    held = Counter()
-    rids = s.runnable()["request_id"].tolist()
-    for rid in rids:
-        table = s.block_table(rid).tolist()
-        assert len(table) <= s.logical_pages
-        held.update(table)
-    for ident in s.prefixes.identities():
-        held.update(s.prefixes.pages_of(ident))
-    refcounts = s.pool.refcounts().tolist()
-    assert refcounts == [held[p] for p in range(s.num_blocks)]
-    assert s.free_pages + sum(1 for c in refcounts if c) == s.num_blocks
-    return rids
 
 
 def state(s):

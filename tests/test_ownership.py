@@ -14,7 +14,6 @@ import gc
 import threading
 import time
 import weakref
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -23,25 +22,14 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
+from facade_checks import invariants  # noqa: E402
+
 from qualia.errors import BusyError, QualiaError  # noqa: E402
 
 ITEM, OUTPUT = qualia.RAGGED_BATCH_ITEM, qualia.RAGGED_BATCH_OUTPUT
 WAIT = 20
 
 
-def invariants(s):
-    held = Counter()
-    rids = s.runnable()["request_id"].tolist()
-    for rid in rids:
-        table = s.block_table(rid).tolist()
-        assert len(table) <= s.logical_pages
-        held.update(table)
-    for ident in s.prefixes.identities():
-        held.update(s.prefixes.pages_of(ident))
-    refcounts = s.pool.refcounts().tolist()
-    assert refcounts == [held[p] for p in range(s.num_blocks)]
-    assert s.free_pages + sum(1 for c in refcounts if c) == s.num_blocks
-    return rids
 
 
 def state(s):
