@@ -55,6 +55,7 @@ from .errors import (
     QualiaError,
     RaggedBackendError,
     SchedulerError,
+    StepError,
     TableError,
 )
 
@@ -74,5 +75,5 @@ __all__ = [
     "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT",
     "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
-    "SequenceBlockTable", "TableError",
+    "SequenceBlockTable", "StepError", "TableError",
 ]

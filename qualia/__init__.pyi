@@ -35,6 +35,7 @@ from .errors import PrefixKvError as PrefixKvError
 from .errors import QualiaError as QualiaError
 from .errors import RaggedBackendError as RaggedBackendError
 from .errors import SchedulerError as SchedulerError
+from .errors import StepError as StepError
 from .errors import TableError as TableError
 
 __version__: str
@@ -59,6 +60,7 @@ __all__ = [
     "KV_EVENT",
     "PoolError",
     "PrefixCacheError",
+    "StepError",
     "PrefixIdentity",
     "PrefixKvError",
     "PrefixKvStore",

@@ -34,6 +34,7 @@ __all__ = [
     "DecodeRoundError",
     "RaggedBackendError",
     "PrefixCacheError",
+    "StepError",
     "BackendAbiError",
 ]
 
@@ -197,6 +198,21 @@ class PrefixCacheError(QualiaError):
     family = "PrefixCacheError"
     VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
     NamespaceTableFull: ClassVar[Type[_CacheNamespaceTableFull]]
+
+
+class StepError(QualiaError):
+    """Errors of the engine step API: add_request / abort / schedule / update / run
+    (docs/DESIGN.md, "The engine step")."""
+
+    family = "StepError"
+    VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
+    DuplicateRequest: ClassVar[Type[_StepDuplicateRequest]]
+    UnknownRequest: ClassVar[Type[_StepUnknownRequest]]
+    NeverFits: ClassVar[Type[_StepNeverFits]]
+    QueueFull: ClassVar[Type[_StepQueueFull]]
+    PlanPending: ClassVar[Type[_StepPlanPending]]
+    NoPlan: ClassVar[Type[_StepNoPlan]]
+    ModeConflict: ClassVar[Type[_StepModeConflict]]
 
 
 # -- PoolError -----------------------------------------------------------------------------------
@@ -464,6 +480,60 @@ class _CacheNamespaceTableFull(PrefixCacheError):
     """Every namespace id is in use by a live request or a cached page."""
 
     variant = "NamespaceTableFull"
+
+
+# -- StepError -----------------------------------------------------------------------------------
+
+
+@_variant
+class _StepDuplicateRequest(StepError):
+    """The request id is already waiting, running or finished but not yet collected."""
+
+    variant = "DuplicateRequest"
+
+
+@_variant
+class _StepUnknownRequest(StepError):
+    """No step request has this id."""
+
+    variant = "UnknownRequest"
+
+
+@_variant
+class _StepNeverFits(StepError):
+    """The request could never run: its prompt plus max_new_tokens passes the block table
+    (logical_pages x page_tokens tokens) or needs more pages than the pool holds."""
+
+    variant = "NeverFits"
+
+
+@_variant
+class _StepQueueFull(StepError):
+    """Every one of the max_queued request entries is in use."""
+
+    variant = "QueueFull"
+
+
+@_variant
+class _StepPlanPending(StepError):
+    """schedule() was called while the previous plan still waits for its update()."""
+
+    variant = "PlanPending"
+
+
+@_variant
+class _StepNoPlan(StepError):
+    """update() was called with no plan pending (no schedule() since the last update())."""
+
+    variant = "NoPlan"
+
+
+@_variant
+class _StepModeConflict(StepError):
+    """The step API and the manual admit/decode API were mixed on one scheduler, or the step
+    API was used with prefix_caching="explicit"."""
+
+    variant = "ModeConflict"
 
 
 # -- errors outside the families -----------------------------------------------------------------
