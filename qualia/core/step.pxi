@@ -1,0 +1,703 @@
+# The engine step (docs/DESIGN.md, "The engine step"): requests queued in C with their tokens
+# in an arena sized at construction, a waiting heap and a running list, one step planned under
+# a token budget (schedule), its sampled tokens applied (update), and the plan's kernel-ready
+# metadata written into buffers sized once.
+#
+# Built on the facade's primitives, in the order the pure-Python twin (qualia/twin_step.py)
+# uses them: admission (auto_admit with its automatic prefix hit, or the seed's plain admit in
+# mode "off"), page reservation (facade_make_room + facade_make_writable: reclaim, then
+# copy-on-write / allocate), advance (token_count += n and auto_fill), noting a sampled token
+# into the slot's stream (auto_note_token) and finish (auto_finish, which hands the pages to the
+# cache).  So physical pages agree with the twin's by construction.
+#
+# step_schedule and step_update are `noexcept nogil` and return status codes: Scheduler.run()
+# loops schedule -> execute -> update without the GIL for a C step backend.
+
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+from libc.stdlib cimport malloc, free
+
+cdef enum:
+    SR_FREE = 0
+    SR_WAITING = 1
+    SR_RUNNING = 2
+    SR_FINISHED = 3     # finished inside run(), waiting to be collected
+
+cdef enum:
+    FIN_NONE = 0
+    FIN_LENGTH = 1
+    FIN_STOP = 2
+
+cdef tuple _FINISH_REASONS = (None, "length", "stop")
+
+
+cdef struct StepReq:
+    uint64_t rid
+    uint64_t arrival        # add_request counter: ties of equal priority, oldest first
+    uint64_t admitted       # admission counter: "most recently admitted" picks victims
+    int64_t priority        # lower is served first
+    uint64_t nsh            # namespace hash (auto mode)
+    uint32_t ns             # namespace id, referenced for the entry's life (auto mode)
+    uint32_t num_prompt
+    uint32_t num_tokens     # prompt + outputs
+    uint32_t num_computed   # tokens whose K/V is written
+    uint32_t max_new
+    uint32_t eos
+    uint32_t n_stop
+    uint32_t *stop          # malloc'd stop ids (NULL when none)
+    int32_t slot            # facade slot while running, else -1
+    int32_t row             # block-table row while running, else -1
+    int32_t heap_pos        # position in the waiting heap while waiting, else -1
+    int32_t plan_pos        # position in the pending plan, else -1
+    uint64_t sched_step     # the step that last scheduled it
+    uint8_t has_eos
+    uint8_t ignore_eos
+    uint8_t state
+    uint8_t reason
+
+
+# One row of STEP_STATS (every field 64 bits: the dtype needs no offsets).
+cdef struct StepStat:
+    uint64_t step
+    uint64_t num_reqs
+    uint64_t num_tokens
+    uint64_t num_prefill_tokens
+    uint64_t num_decode_tokens
+    uint64_t num_sampled
+    uint64_t num_new
+    uint64_t num_preempted
+    uint64_t num_finished
+    uint64_t num_running
+    uint64_t num_waiting
+    uint64_t free_pages
+    uint64_t num_copies
+    uint64_t schedule_ns
+    uint64_t execute_ns
+    uint64_t update_ns
+
+STEP_STATS = np.dtype([(name, "<u8") for name in (
+    "step", "num_reqs", "num_tokens", "num_prefill_tokens", "num_decode_tokens", "num_sampled",
+    "num_new", "num_preempted", "num_finished", "num_running", "num_waiting", "free_pages",
+    "num_copies", "schedule_ns", "execute_ns", "update_ns")])
+
+
+cdef struct StepState:
+    # limits
+    uint32_t budget         # max_num_batched_tokens
+    uint32_t max_seqs       # max_num_seqs: rows of the block table, requests of a plan
+    uint32_t max_chunk      # max_prefill_chunk (0: only the budget limits a chunk)
+    uint32_t max_queued
+    uint32_t entry_cap      # tokens of one arena entry = logical_pages * page_tokens
+    uint32_t page_tokens
+    uint32_t logical_pages
+    uint64_t vocab          # 0: any uint32 id
+    int mode
+    # the facade's state
+    Sched *s
+    Pool *p
+    PageCache *c
+    Streams *ss
+    Undo *undo
+    qualia_copy_op *cow     # the facade's copies scratch (one reservation)
+    uint64_t *pages_copied
+    uint64_t *pages_allocated
+    # requests
+    StepReq *req            # max_queued
+    uint32_t *arena         # max_queued x entry_cap
+    int32_t *free_ids       # stack of free entries
+    uint32_t n_free
+    int32_t *index          # request id -> entry (open addressing)
+    uint32_t index_mask
+    uint64_t arrivals
+    uint64_t admissions
+    uint32_t count          # waiting + running
+    int32_t *heap           # waiting, by (priority, arrival)
+    uint32_t n_waiting
+    int32_t *running        # admission order
+    uint32_t n_running
+    int32_t *row_owner      # max_seqs: entry holding each row, -1 when free
+    uint8_t *row_dirty      # max_seqs: rewritten since the previous plan
+    int32_t *order          # max_seqs: scratch, this step's running order
+    # the plan
+    uint64_t step_no
+    bint pending
+    uint32_t n              # scheduled requests
+    uint32_t T              # scheduled tokens
+    uint32_t m              # sampled rows
+    uint32_t n_changed
+    uint32_t n_kv
+    uint32_t n_copies
+    uint32_t copies_cap
+    uint32_t n_new
+    uint32_t n_preempted
+    uint32_t n_finished     # finished ids of the plan (copied from the accumulator)
+    uint32_t num_prefill_tokens
+    uint32_t num_decode_tokens
+    int32_t *plan_entry     # max_seqs
+    uint32_t *plan_chunk    # max_seqs
+    int32_t *plan_sample    # max_seqs: sampled row or -1
+    uint8_t *plan_alive     # max_seqs: 0 once aborted after schedule
+    uint64_t *request_ids
+    int32_t *query_start_loc
+    int32_t *seq_lens
+    uint32_t *input_ids
+    int32_t *positions
+    int64_t *slot_mapping
+    int32_t *logits_indices
+    uint64_t *sampled_request_ids
+    int32_t *block_table
+    int32_t *block_table_rows
+    int32_t *changed_rows
+    int32_t *kv_indptr
+    int32_t *kv_indices
+    int32_t *kv_last_page_len
+    qualia_copy_op *copies
+    uint64_t *new_ids
+    uint64_t *preempted_ids
+    uint64_t *finished_ids  # the plan's copy
+    uint32_t finished_cap
+    uint64_t *fin_accum     # finished or aborted since the previous plan
+    uint32_t n_accum
+    uint32_t accum_cap
+    # finished requests not yet handed to Python (entries in state SR_FINISHED)
+    int32_t *done
+    uint32_t n_done
+    uint32_t *sampled       # max_seqs: update()'s validated sampled ids
+
+
+cdef inline uint64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+
+
+# -- facade primitives without the GIL (Scheduler.reserve/decode call the same functions) ------
+
+cdef int facade_make_writable(Sched *s, Pool *p, Undo *undo, qualia_copy_op *copies,
+                              int32_t index, uint64_t first, uint64_t last,
+                              Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept nogil:
+    # ensure_writable for logical pages first..last of one request, logging for undo.  The
+    # loop runs in 64 bits: `last` may be 2**32-1, where a u32 `last + 1` would wrap and skip
+    # the check.
+    cdef Cow c
+    cdef uint64_t lp = first
+    cdef int rc
+    while lp <= last:
+        if lp > U32_MAX:
+            return Q_OUT_OF_RANGE
+        rc = table_ensure_writable(&s.slots[index].blocks, <uint32_t>lp, p, &c)
+        if rc:
+            return rc
+        if c.kind != COW_EXCLUSIVE:
+            undo[n_undo[0]].slot = index
+            undo[n_undo[0]].logical_page = <uint32_t>lp
+            undo[n_undo[0]].kind = c.kind
+            undo[n_undo[0]].src = c.src
+            undo[n_undo[0]].dst = c.page
+            n_undo[0] += 1
+            if c.kind == COW_COPY:
+                copies[n_copies[0]].src_page = c.src
+                copies[n_copies[0]].dst_page = c.page
+                n_copies[0] += 1
+        lp += 1
+    return Q_OK
+
+
+cdef int facade_make_room(Sched *s, Pool *p, PageCache *c, int32_t index, uint32_t first,
+                          uint32_t last) noexcept nogil:
+    # reserve (automatic mode): reclaim what the call will allocate, or fail before changing
+    # anything
+    cdef uint64_t need = 0
+    cdef int rc = auto_need_pages(&s.slots[index].blocks, first, last, p, c, &need)
+    if rc:
+        return rc
+    return pc_make_room(c, p, need)
+
+
+# -- entries, the id index, the waiting heap, rows ----------------------------------------------
+
+cdef inline uint32_t _step_home(StepState *st, uint64_t rid) noexcept nogil:
+    cdef uint64_t h = rid * <uint64_t>0x9E3779B97F4A7C15
+    return <uint32_t>((h >> 32) & st.index_mask)
+
+
+cdef uint32_t _step_home_of(void *ctx, int32_t e) noexcept nogil:
+    cdef StepState *st = <StepState *>ctx
+    return _step_home(st, st.req[e].rid)
+
+
+cdef int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
+    cdef uint32_t i = _step_home(st, rid)
+    cdef int32_t e
+    while True:
+        e = st.index[i]
+        if e < 0:
+            return -1
+        if st.req[e].rid == rid:
+            return e
+        i = (i + 1) & st.index_mask
+
+
+cdef inline bint _before(StepState *st, int32_t a, int32_t b) noexcept nogil:
+    # waiting order: (priority, arrival)
+    if st.req[a].priority != st.req[b].priority:
+        return st.req[a].priority < st.req[b].priority
+    return st.req[a].arrival < st.req[b].arrival
+
+
+cdef inline void _heap_set(StepState *st, uint32_t i, int32_t e) noexcept nogil:
+    st.heap[i] = e
+    st.req[e].heap_pos = <int32_t>i
+
+
+cdef void _heap_up(StepState *st, uint32_t i) noexcept nogil:
+    cdef int32_t e = st.heap[i]
+    cdef uint32_t parent
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _before(st, e, st.heap[parent]):
+            break
+        _heap_set(st, i, st.heap[parent])
+        i = parent
+    _heap_set(st, i, e)
+
+
+cdef void _heap_down(StepState *st, uint32_t i) noexcept nogil:
+    cdef int32_t e = st.heap[i]
+    cdef uint32_t child
+    while True:
+        child = 2 * i + 1
+        if child >= st.n_waiting:
+            break
+        if child + 1 < st.n_waiting and _before(st, st.heap[child + 1], st.heap[child]):
+            child += 1
+        if not _before(st, st.heap[child], e):
+            break
+        _heap_set(st, i, st.heap[child])
+        i = child
+    _heap_set(st, i, e)
+
+
+cdef void heap_push(StepState *st, int32_t e) noexcept nogil:
+    st.req[e].state = SR_WAITING
+    _heap_set(st, st.n_waiting, e)
+    st.n_waiting += 1
+    _heap_up(st, st.n_waiting - 1)
+
+
+cdef void heap_remove(StepState *st, int32_t e) noexcept nogil:
+    cdef uint32_t i = <uint32_t>st.req[e].heap_pos
+    cdef int32_t last
+    st.n_waiting -= 1
+    st.req[e].heap_pos = -1
+    if i == st.n_waiting:
+        return
+    last = st.heap[st.n_waiting]
+    _heap_set(st, i, last)
+    _heap_up(st, i)
+    _heap_down(st, <uint32_t>st.req[last].heap_pos)
+
+
+cdef void running_remove(StepState *st, int32_t e) noexcept nogil:
+    cdef uint32_t i = 0
+    while i < st.n_running and st.running[i] != e:
+        i += 1
+    if i == st.n_running:
+        return
+    memmove(&st.running[i], &st.running[i + 1], (st.n_running - i - 1) * sizeof(int32_t))
+    st.n_running -= 1
+
+
+cdef void row_release(StepState *st, int32_t e) noexcept nogil:
+    cdef int32_t r = st.req[e].row
+    if r >= 0:
+        st.row_owner[r] = -1
+        st.req[e].row = -1
+
+
+cdef inline int32_t row_lowest_free(StepState *st) noexcept nogil:
+    cdef uint32_t r
+    for r in range(st.max_seqs):
+        if st.row_owner[r] < 0:
+            return <int32_t>r
+    return -1
+
+
+cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noexcept nogil:
+    # the row of entry e mirrors its slot's pages first..last (inclusive); marked when it changed
+    cdef int32_t r = st.req[e].row
+    cdef Table *t = &st.s.slots[st.req[e].slot].blocks
+    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
+    cdef uint32_t k
+    cdef int32_t v
+    for k in range(first, last + 1):
+        v = <int32_t>t.entries[k] if k < t.len else -1
+        if row[k] != v:
+            row[k] = v
+            st.row_dirty[r] = 1
+
+
+cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
+    # the caller made room (abort grows the buffer with the GIL; update needs at most max_seqs)
+    if st.n_accum < st.accum_cap:
+        st.fin_accum[st.n_accum] = rid
+        st.n_accum += 1
+
+
+cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
+    # facade finish: release the request's pages (auto mode: into the cache) and free its slot
+    cdef int rc
+    if st.mode == MODE_AUTO:
+        rc = auto_finish(st.s, st.p, st.c, st.ss, st.req[e].slot)
+    else:
+        rc = sched_finish(st.s, st.req[e].slot, st.p)
+    st.req[e].slot = -1
+    return rc
+
+
+cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
+    # forget the entry: id index, namespace reference, stop ids
+    cdef StepReq *r = &st.req[e]
+    oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
+    if st.mode == MODE_AUTO:
+        ns_unref(&st.c.ns, r.ns)
+    if r.stop != NULL:
+        free(r.stop)
+        r.stop = NULL
+    r.state = SR_FREE
+    st.free_ids[st.n_free] = e
+    st.n_free += 1
+
+
+# -- schedule --------------------------------------------------------------------------------
+
+cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
+    # the facade's reserve of the next n positions of entry e (reclaim, then make writable);
+    # copies go to the plan, the row mirrors the pages.  On failure nothing changed.
+    cdef int32_t slot = st.req[e].slot
+    cdef uint64_t start = st.s.slots[slot].token_count
+    cdef uint32_t first = <uint32_t>(start // st.page_tokens)
+    cdef uint32_t last = <uint32_t>((start + n - 1) // st.page_tokens)
+    cdef Py_ssize_t n_undo = 0, n_copies = 0, k
+    cdef int rc = Q_OK
+    if last >= st.logical_pages:
+        return Q_OUT_OF_RANGE
+    if st.mode == MODE_AUTO:
+        rc = facade_make_room(st.s, st.p, st.c, slot, first, last)
+    if rc == Q_OK:
+        rc = facade_make_writable(st.s, st.p, st.undo, st.cow, slot, first, last, &n_undo,
+                                  &n_copies)
+    if rc == Q_OK and st.n_copies + n_copies > st.copies_cap:
+        rc = Q_OUTPUT_TOO_SMALL     # cannot happen: copies_cap bounds a step's pages
+    if rc:
+        _undo(st.s, st.p, st.undo, n_undo)
+        return rc
+    for k in range(n_copies):
+        st.copies[st.n_copies] = st.cow[k]
+        st.n_copies += 1
+    st.pages_copied[0] += n_copies
+    st.pages_allocated[0] += n_undo - n_copies
+    if st.mode == MODE_AUTO:
+        auto_after_cow(st.c, st.p, st.undo, n_undo)
+    row_write(st, e, first, last)
+    return Q_OK
+
+
+cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
+    # among running requests not yet scheduled in this step, plus the current one: the highest
+    # priority value, ties -> the most recently admitted
+    cdef int32_t best = cur, e
+    cdef uint32_t i
+    for i in range(st.n_running):
+        e = st.running[i]
+        if e != cur and st.req[e].sched_step == st.step_no:
+            continue
+        if (st.req[e].priority > st.req[best].priority
+                or (st.req[e].priority == st.req[best].priority
+                    and st.req[e].admitted > st.req[best].admitted)):
+            best = e
+    return best
+
+
+cdef int preempt(StepState *st, int32_t e) noexcept nogil:
+    # recompute: release the pages (full pages stay cached in auto mode), back to waiting with
+    # its arrival number and outputs
+    cdef int rc = slot_release(st, e)
+    row_release(st, e)
+    running_remove(st, e)
+    st.req[e].num_computed = 0
+    heap_push(st, e)
+    st.preempted_ids[st.n_preempted] = st.req[e].rid
+    st.n_preempted += 1
+    return rc
+
+
+cdef inline uint32_t _chunk(StepState *st, uint32_t remaining, uint32_t left) noexcept nogil:
+    cdef uint32_t n = remaining if remaining < left else left
+    if remaining > 1 and st.max_chunk and n > st.max_chunk:
+        n = st.max_chunk
+    return n
+
+
+cdef void plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
+    cdef uint32_t j = st.n
+    st.plan_entry[j] = e
+    st.plan_chunk[j] = n
+    st.plan_alive[j] = 1
+    st.req[e].plan_pos = <int32_t>j
+    st.req[e].sched_step = st.step_no
+    st.n += 1
+
+
+cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk) noexcept nogil:
+    # The head of the waiting queue: its cache hit (auto mode), its chunk, whether its pages fit
+    # (free + reclaimable, less the reclaimable pages its own hit takes); then admit, reserve,
+    # take a row.  Q_EXHAUSTED when it does not fit (nothing changed).
+    cdef StepReq *r = &st.req[e]
+    cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
+    cdef uint32_t hit = 0, k = 0, rec = 0, n, need
+    cdef int32_t row
+    cdef Admission_c adm
+    cdef int rc
+    cdef uint64_t avail
+    if st.s.active >= st.s.max_requests:
+        return Q_EXHAUSTED
+    row = row_lowest_free(st)
+    if row < 0:
+        return Q_EXHAUSTED
+    if st.mode == MODE_AUTO:
+        k = _probe_hit(st, e, &rec)
+        hit = k * st.page_tokens
+    n = _chunk(st, r.num_tokens - hit, left)
+    need = <uint32_t>((hit + n - 1) // st.page_tokens - hit // st.page_tokens + 1)
+    avail = <uint64_t>st.p.free_top + st.c.n_state[PC_RECLAIMABLE] - rec
+    if need > avail:
+        return Q_EXHAUSTED
+    if st.mode == MODE_AUTO:
+        rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
+                        &st.c.ns.names[<size_t>r.ns * NS_MAX_BYTES], st.c.ns.lens[r.ns], r.nsh,
+                        &adm)
+    else:
+        rc = sched_admit(st.s, r.rid, False, 0, 0, NULL, st.p, &adm)
+    if rc:
+        return rc
+    heap_remove(st, e)
+    r.state = SR_RUNNING
+    r.slot = adm.slot
+    r.num_computed = adm.prefix_tokens
+    r.row = row
+    st.row_owner[row] = e
+    st.admissions += 1
+    r.admitted = st.admissions
+    st.running[st.n_running] = e
+    st.n_running += 1
+    # a new occupant: the whole row is rewritten
+    _row_reset(st, e)
+    rc = step_reserve(st, e, n)
+    chunk[0] = n
+    return rc
+
+
+cdef void _row_reset(StepState *st, int32_t e) noexcept nogil:
+    cdef int32_t r = st.req[e].row
+    cdef Table *t = &st.s.slots[st.req[e].slot].blocks
+    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
+    cdef uint32_t k
+    for k in range(st.logical_pages):
+        row[k] = <int32_t>t.entries[k] if k < t.len else -1
+    st.row_dirty[r] = 1
+
+
+cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
+    # the pages an admission of entry e would take from the cache now, and how many of them are
+    # reclaimable (cached_prefix's rule)
+    cdef StepReq *r = &st.req[e]
+    cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
+    cdef uint32_t n = r.num_tokens
+    cdef uint32_t hashed = (n - 1) // st.page_tokens if n else 0
+    cdef uint32_t k, i
+    cdef bint collided
+    k = auto_match(st.c, tok, n, r.ns, r.nsh, hashed, st.ss.probe_ident, st.ss.probe_canon,
+                   st.ss.probe_gen, &collided)
+    rec[0] = 0
+    for i in range(k):
+        rec[0] += pc_rec(st.c, st.ss.probe_canon[i]).state == PC_RECLAIMABLE
+    return k
+
+
+cdef int step_schedule(StepState *st) noexcept nogil:
+    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, page, t
+    cdef int32_t e, v, slot
+    cdef bint preempted = False
+    cdef int rc
+    cdef StepReq *r
+    cdef Table *tb
+    cdef size_t base
+    if st.pending:
+        return Q_PLAN_PENDING
+    st.step_no += 1
+    st.n = st.T = st.m = st.n_kv = st.n_copies = st.n_new = st.n_preempted = 0
+    st.num_prefill_tokens = st.num_decode_tokens = 0
+    # the plan reports what finished or was aborted since the previous plan
+    memcpy(st.finished_ids, st.fin_accum, st.n_accum * sizeof(uint64_t))
+    st.n_finished = st.n_accum
+    st.n_accum = 0
+    # 1. running requests: decodes, then prefills, each in admission order
+    for i in range(st.n_running):
+        e = st.running[i]
+        if st.req[e].num_tokens - st.req[e].num_computed == 1:
+            st.order[nd] = e
+            nd += 1
+    j = nd
+    for i in range(st.n_running):
+        e = st.running[i]
+        if st.req[e].num_tokens - st.req[e].num_computed != 1:
+            st.order[j] = e
+            j += 1
+    for i in range(j):
+        e = st.order[i]
+        if st.req[e].state != SR_RUNNING:
+            continue            # preempted earlier in this step
+        rem = st.req[e].num_tokens - st.req[e].num_computed
+        n = _chunk(st, rem, left)
+        if n == 0:
+            continue
+        while True:
+            rc = step_reserve(st, e, n)
+            if rc == Q_OK:
+                break
+            if rc != Q_EXHAUSTED:
+                return rc
+            v = pick_victim(st, e)
+            rc = preempt(st, v)
+            if rc:
+                return rc
+            preempted = True
+            if v == e:
+                break
+        if st.req[e].state != SR_RUNNING:
+            continue
+        plan_add(st, e, n)
+        left -= n
+    # 2. waiting requests by (priority, arrival), unless this step preempted
+    if not preempted:
+        while st.n_waiting and left > 0 and st.n < st.max_seqs:
+            e = st.heap[0]
+            rc = admit_waiting(st, e, left, &n)
+            if rc == Q_EXHAUSTED:
+                break
+            if rc:
+                return rc
+            st.new_ids[st.n_new] = st.req[e].rid
+            st.n_new += 1
+            plan_add(st, e, n)
+            left -= n
+    # 3. metadata, in plan order
+    st.query_start_loc[0] = 0
+    st.kv_indptr[0] = 0
+    for j in range(st.n):
+        e = st.plan_entry[j]
+        r = &st.req[e]
+        n = st.plan_chunk[j]
+        q = r.num_computed
+        slot = r.slot
+        tb = &st.s.slots[slot].blocks
+        st.request_ids[j] = r.rid
+        st.seq_lens[j] = <int32_t>(q + n)
+        st.block_table_rows[j] = r.row
+        memcpy(&st.input_ids[st.T], &st.arena[<size_t>e * st.entry_cap + q],
+               n * sizeof(uint32_t))
+        for t in range(n):
+            pos = q + t
+            page = tb.entries[pos // st.page_tokens]
+            st.positions[st.T + t] = <int32_t>pos
+            st.slot_mapping[st.T + t] = <int64_t>page * st.page_tokens + pos % st.page_tokens
+        if n == 1 and r.num_tokens - q == 1:
+            st.num_decode_tokens += 1
+        else:
+            st.num_prefill_tokens += n
+        st.T += n
+        st.query_start_loc[j + 1] = <int32_t>st.T
+        if q + n == r.num_tokens:
+            st.logits_indices[st.m] = <int32_t>(st.T - 1)
+            st.sampled_request_ids[st.m] = r.rid
+            st.plan_sample[j] = <int32_t>st.m
+            st.m += 1
+        else:
+            st.plan_sample[j] = -1
+        pages = (q + n + st.page_tokens - 1) // st.page_tokens
+        for t in range(pages):
+            st.kv_indices[st.n_kv + t] = <int32_t>tb.entries[t]
+        st.n_kv += pages
+        st.kv_indptr[j + 1] = <int32_t>st.n_kv
+        st.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.page_tokens)
+    st.n_changed = 0
+    for i in range(st.max_seqs):
+        if st.row_dirty[i]:
+            st.row_dirty[i] = 0
+            st.changed_rows[st.n_changed] = <int32_t>i
+            st.n_changed += 1
+    st.pending = True
+    return Q_OK
+
+
+# -- update ----------------------------------------------------------------------------------
+
+cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
+    # sampled[0..m) was validated by the caller.  Finished entries go to st.done (state
+    # SR_FINISHED) for the caller to report and free.
+    cdef uint32_t j, n, tok, pos, k
+    cdef int32_t e, row
+    cdef StepReq *r
+    cdef Slot *sl
+    cdef uint8_t reason
+    cdef int rc, first = Q_OK
+    cdef uint64_t tc
+    if not st.pending:
+        return Q_NO_PLAN
+    for j in range(st.n):
+        e = st.plan_entry[j]
+        if not st.plan_alive[j]:
+            continue
+        r = &st.req[e]
+        r.plan_pos = -1
+        n = st.plan_chunk[j]
+        # advance: the chunk's K/V is written; pages that filled go to the cache
+        sl = &st.s.slots[r.slot]
+        tc = <uint64_t>sl.token_count + n
+        sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
+        r.num_computed += n
+        if st.mode == MODE_AUTO:
+            auto_fill(st.s, st.p, st.c, st.ss, <uint32_t>r.slot)
+        if st.plan_sample[j] < 0:
+            continue
+        tok = sampled[st.plan_sample[j]]
+        pos = r.num_tokens
+        st.arena[<size_t>e * st.entry_cap + pos] = tok
+        if st.mode == MODE_AUTO:
+            auto_note_token(st.s, st.ss, <uint32_t>r.slot, pos, tok)
+        r.num_tokens += 1
+        reason = FIN_NONE
+        if r.num_tokens - r.num_prompt >= r.max_new:
+            reason = FIN_LENGTH
+        elif r.has_eos and not r.ignore_eos and tok == r.eos:
+            reason = FIN_STOP
+        else:
+            for k in range(r.n_stop):
+                if r.stop[k] == tok:
+                    reason = FIN_STOP
+                    break
+        if reason == FIN_NONE:
+            continue
+        r.reason = reason
+        rc = slot_release(st, e)
+        if rc and first == Q_OK:
+            first = rc
+        row_release(st, e)
+        running_remove(st, e)
+        r.state = SR_FINISHED
+        st.count -= 1
+        st.done[st.n_done] = e
+        st.n_done += 1
+        accum_finished(st, r.rid)
+    st.pending = False
+    return first
