@@ -305,10 +305,7 @@ class StepScheduler:
         if not preempted:
             while self._waiting and left > 0 and len(self._running) < self.max_num_seqs:
                 r = self._waiting[0]
-                try:
-                    hit = self.facade.cached_prefix(r.tokens, r.namespace)
-                except PrefixCacheError:
-                    break
+                hit = self.facade.cached_prefix(r.tokens, r.namespace)
                 n = min(len(r.tokens) - hit.tokens, left)
                 if len(r.tokens) - hit.tokens > 1 and self.chunk is not None:
                     n = min(n, self.chunk)
@@ -318,6 +315,11 @@ class StepScheduler:
                 try:
                     adm = self.facade.admit(r.request_id, r.tokens, r.namespace)
                 except PrefixCacheError:
+                    # every namespace id is held by live requests or cached pages: wait for
+                    # running requests to free one; with none running, nothing ever would
+                    # (and nothing has changed in this step), so say so
+                    if not self._running:
+                        raise
                     break
                 assert adm.prefix_tokens == hit.tokens
                 copies = self.facade.reserve(r.request_id, n)
