@@ -470,7 +470,7 @@ class StepScheduler:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, backend, max_steps=None) -> RunResult:
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
-        stats = []
+        stats: List[tuple] = []
         finished: List[FinishedRequest] = []
         while self.has_unfinished() and (limit is None or len(stats) < limit):
             plan = self.schedule()
