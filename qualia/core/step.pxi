@@ -29,6 +29,11 @@ cdef enum:
 
 cdef tuple _FINISH_REASONS = (None, "length", "stop")
 
+#: Stop token ids a request may name (held inline in its entry).
+MAX_STOP_TOKENS = 16
+cdef enum:
+    STOP_MAX = 16
+
 
 cdef struct StepReq:
     uint64_t rid
@@ -36,14 +41,15 @@ cdef struct StepReq:
     uint64_t admitted       # admission counter: "most recently admitted" picks victims
     int64_t priority        # lower is served first
     uint64_t nsh            # namespace hash (auto mode)
-    uint32_t ns             # namespace id, referenced for the entry's life (auto mode)
+    uint8_t *nsb            # namespace bytes (malloc'd; NULL when empty)
+    uint32_t nsl
     uint32_t num_prompt
     uint32_t num_tokens     # prompt + outputs
     uint32_t num_computed   # tokens whose K/V is written
     uint32_t max_new
     uint32_t eos
     uint32_t n_stop
-    uint32_t *stop          # malloc'd stop ids (NULL when none)
+    uint32_t stop[STOP_MAX]
     int32_t slot            # facade slot while running, else -1
     int32_t row             # block-table row while running, else -1
     int32_t heap_pos        # position in the waiting heap while waiting, else -1
@@ -53,31 +59,28 @@ cdef struct StepReq:
     uint8_t ignore_eos
     uint8_t state
     uint8_t reason
+    uint8_t decode          # scheduled in the pending plan as a decode
 
 
-# One row of STEP_STATS (every field 64 bits: the dtype needs no offsets).
+# One row of STEP_STATS (qualia._types): twelve uint32 fields, no padding.
 cdef struct StepStat:
-    uint64_t step
-    uint64_t num_reqs
-    uint64_t num_tokens
-    uint64_t num_prefill_tokens
-    uint64_t num_decode_tokens
-    uint64_t num_sampled
-    uint64_t num_new
-    uint64_t num_preempted
-    uint64_t num_finished
-    uint64_t num_running
-    uint64_t num_waiting
-    uint64_t free_pages
-    uint64_t num_copies
-    uint64_t schedule_ns
-    uint64_t execute_ns
-    uint64_t update_ns
+    uint32_t num_seqs
+    uint32_t num_tokens
+    uint32_t num_prefill_tokens
+    uint32_t num_decode_tokens
+    uint32_t num_sampled
+    uint32_t num_new
+    uint32_t num_preempted
+    uint32_t num_cached_tokens
+    uint32_t num_finished
+    uint32_t num_waiting
+    uint32_t num_running
+    uint32_t free_pages
 
-STEP_STATS = np.dtype([(name, "<u8") for name in (
-    "step", "num_reqs", "num_tokens", "num_prefill_tokens", "num_decode_tokens", "num_sampled",
-    "num_new", "num_preempted", "num_finished", "num_running", "num_waiting", "free_pages",
-    "num_copies", "schedule_ns", "execute_ns", "update_ns")])
+if STEP_STATS.itemsize != sizeof(StepStat) or any(
+        STEP_STATS.fields[name][0] != np.dtype("<u4") or STEP_STATS.fields[name][1] != 4 * k
+        for k, name in enumerate(STEP_STATS.names)):
+    raise ImportError("qualia._types.STEP_STATS does not match the core's StepStat")
 
 
 cdef struct StepState:
@@ -116,6 +119,7 @@ cdef struct StepState:
     uint32_t n_running
     int32_t *row_owner      # max_seqs: entry holding each row, -1 when free
     uint8_t *row_dirty      # max_seqs: rewritten since the previous plan
+    uint32_t *row_len       # max_seqs: leading entries of the row that may be set
     int32_t *order          # max_seqs: scratch, this step's running order
     # the plan
     uint64_t step_no
@@ -132,6 +136,7 @@ cdef struct StepState:
     uint32_t n_finished     # finished ids of the plan (copied from the accumulator)
     uint32_t num_prefill_tokens
     uint32_t num_decode_tokens
+    uint32_t num_cached_tokens
     int32_t *plan_entry     # max_seqs
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
@@ -308,10 +313,20 @@ cdef void running_remove(StepState *st, int32_t e) noexcept nogil:
 
 
 cdef void row_release(StepState *st, int32_t e) noexcept nogil:
+    # the row is cleared to -1 (a change when it held pages) and freed
     cdef int32_t r = st.req[e].row
-    if r >= 0:
-        st.row_owner[r] = -1
-        st.req[e].row = -1
+    cdef int32_t *row
+    cdef uint32_t k
+    if r < 0:
+        return
+    row = &st.block_table[<size_t>r * st.logical_pages]
+    if st.row_len[r]:
+        for k in range(st.row_len[r]):
+            row[k] = -1
+        st.row_len[r] = 0
+        st.row_dirty[r] = 1
+    st.row_owner[r] = -1
+    st.req[e].row = -1
 
 
 cdef inline int32_t row_lowest_free(StepState *st) noexcept nogil:
@@ -329,11 +344,15 @@ cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noe
     cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
     cdef uint32_t k
     cdef int32_t v
-    for k in range(first, last + 1):
-        v = <int32_t>t.entries[k] if k < t.len else -1
-        if row[k] != v:
-            row[k] = v
-            st.row_dirty[r] = 1
+    if last >= t.len:
+        last = t.len - 1 if t.len else 0
+    if t.len:
+        for k in range(first, last + 1):
+            v = <int32_t>t.entries[k]
+            if row[k] != v:
+                row[k] = v
+                st.row_dirty[r] = 1
+    st.row_len[r] = t.len
 
 
 cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
@@ -358,11 +377,9 @@ cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
     # forget the entry: id index, namespace reference, stop ids
     cdef StepReq *r = &st.req[e]
     oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
-    if st.mode == MODE_AUTO:
-        ns_unref(&st.c.ns, r.ns)
-    if r.stop != NULL:
-        free(r.stop)
-        r.stop = NULL
+    if r.nsb != NULL:
+        free(r.nsb)
+        r.nsb = NULL
     r.state = SR_FREE
     st.free_ids[st.n_free] = e
     st.n_free += 1
@@ -448,34 +465,33 @@ cdef void plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     st.n += 1
 
 
-cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk) noexcept nogil:
+cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
+                       uint32_t *cached) noexcept nogil:
     # The head of the waiting queue: its cache hit (auto mode), its chunk, whether its pages fit
     # (free + reclaimable, less the reclaimable pages its own hit takes); then admit, reserve,
     # take a row.  Q_EXHAUSTED when it does not fit (nothing changed).
     cdef StepReq *r = &st.req[e]
     cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
-    cdef uint32_t hit = 0, k = 0, rec = 0, n, need
+    cdef uint32_t hit = 0, k, rec = 0, n, need
     cdef int32_t row
     cdef Admission_c adm
     cdef int rc
     cdef uint64_t avail
-    if st.s.active >= st.s.max_requests:
-        return Q_EXHAUSTED
-    row = row_lowest_free(st)
-    if row < 0:
-        return Q_EXHAUSTED
+    cdef Table *t
     if st.mode == MODE_AUTO:
         k = _probe_hit(st, e, &rec)
         hit = k * st.page_tokens
     n = _chunk(st, r.num_tokens - hit, left)
-    need = <uint32_t>((hit + n - 1) // st.page_tokens - hit // st.page_tokens + 1)
+    need = <uint32_t>((hit + n - 1) // st.page_tokens + 1 - hit // st.page_tokens)
     avail = <uint64_t>st.p.free_top + st.c.n_state[PC_RECLAIMABLE] - rec
     if need > avail:
         return Q_EXHAUSTED
+    row = row_lowest_free(st)
+    if row < 0 or st.s.active >= st.s.max_requests:
+        return Q_EXHAUSTED      # cannot happen: running < max_num_seqs <= max_requests
     if st.mode == MODE_AUTO:
         rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
-                        &st.c.ns.names[<size_t>r.ns * NS_MAX_BYTES], st.c.ns.lens[r.ns], r.nsh,
-                        &adm)
+                        r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl, r.nsh, &adm)
     else:
         rc = sched_admit(st.s, r.rid, False, 0, 0, NULL, st.p, &adm)
     if rc:
@@ -490,21 +506,14 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk)
     r.admitted = st.admissions
     st.running[st.n_running] = e
     st.n_running += 1
-    # a new occupant: the whole row is rewritten
-    _row_reset(st, e)
     rc = step_reserve(st, e, n)
+    if rc == Q_OK:
+        # the row mirrors the whole table: the hit's pages and the chunk's
+        t = &st.s.slots[adm.slot].blocks
+        row_write(st, e, 0, t.len - 1 if t.len else 0)
     chunk[0] = n
+    cached[0] = adm.prefix_tokens
     return rc
-
-
-cdef void _row_reset(StepState *st, int32_t e) noexcept nogil:
-    cdef int32_t r = st.req[e].row
-    cdef Table *t = &st.s.slots[st.req[e].slot].blocks
-    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
-    cdef uint32_t k
-    for k in range(st.logical_pages):
-        row[k] = <int32_t>t.entries[k] if k < t.len else -1
-    st.row_dirty[r] = 1
 
 
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
@@ -514,18 +523,21 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil
     cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
     cdef uint32_t n = r.num_tokens
     cdef uint32_t hashed = (n - 1) // st.page_tokens if n else 0
-    cdef uint32_t k, i
+    cdef uint32_t k, i, ns
     cdef bint collided
-    k = auto_match(st.c, tok, n, r.ns, r.nsh, hashed, st.ss.probe_ident, st.ss.probe_canon,
-                   st.ss.probe_gen, &collided)
     rec[0] = 0
+    ns = ns_find(&st.c.ns, r.nsh, r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl)
+    if ns == U32_MAX:
+        return 0
+    k = auto_match(st.c, tok, n, ns, r.nsh, hashed, st.ss.probe_ident, st.ss.probe_canon,
+                   st.ss.probe_gen, &collided)
     for i in range(k):
         rec[0] += pc_rec(st.c, st.ss.probe_canon[i]).state == PC_RECLAIMABLE
     return k
 
 
 cdef int step_schedule(StepState *st) noexcept nogil:
-    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, page, t
+    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, page, t, hit
     cdef int32_t e, v, slot
     cdef bint preempted = False
     cdef int rc
@@ -536,11 +548,7 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         return Q_PLAN_PENDING
     st.step_no += 1
     st.n = st.T = st.m = st.n_kv = st.n_copies = st.n_new = st.n_preempted = 0
-    st.num_prefill_tokens = st.num_decode_tokens = 0
-    # the plan reports what finished or was aborted since the previous plan
-    memcpy(st.finished_ids, st.fin_accum, st.n_accum * sizeof(uint64_t))
-    st.n_finished = st.n_accum
-    st.n_accum = 0
+    st.num_prefill_tokens = st.num_decode_tokens = st.num_cached_tokens = 0
     # 1. running requests: decodes, then prefills, each in admission order
     for i in range(st.n_running):
         e = st.running[i]
@@ -555,12 +563,12 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             j += 1
     for i in range(j):
         e = st.order[i]
+        if left == 0:
+            break
         if st.req[e].state != SR_RUNNING:
             continue            # preempted earlier in this step
         rem = st.req[e].num_tokens - st.req[e].num_computed
         n = _chunk(st, rem, left)
-        if n == 0:
-            continue
         while True:
             rc = step_reserve(st, e, n)
             if rc == Q_OK:
@@ -577,19 +585,24 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         if st.req[e].state != SR_RUNNING:
             continue
         plan_add(st, e, n)
+        st.req[e].decode = rem == 1
         left -= n
     # 2. waiting requests by (priority, arrival), unless this step preempted
     if not preempted:
-        while st.n_waiting and left > 0 and st.n < st.max_seqs:
+        while st.n_waiting and left > 0 and st.n_running < st.max_seqs:
             e = st.heap[0]
-            rc = admit_waiting(st, e, left, &n)
+            rc = admit_waiting(st, e, left, &n, &hit)
             if rc == Q_EXHAUSTED:
                 break
+            if rc == Q_NAMESPACES_FULL and st.n_running:
+                break           # running requests will free namespace ids
             if rc:
-                return rc
+                return rc       # nothing changed: nothing ran before an admission failed
             st.new_ids[st.n_new] = st.req[e].rid
             st.n_new += 1
+            st.num_cached_tokens += hit
             plan_add(st, e, n)
+            st.req[e].decode = 0
             left -= n
     # 3. metadata, in plan order
     st.query_start_loc[0] = 0
@@ -611,8 +624,8 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             page = tb.entries[pos // st.page_tokens]
             st.positions[st.T + t] = <int32_t>pos
             st.slot_mapping[st.T + t] = <int64_t>page * st.page_tokens + pos % st.page_tokens
-        if n == 1 and r.num_tokens - q == 1:
-            st.num_decode_tokens += 1
+        if r.decode:
+            st.num_decode_tokens += n
         else:
             st.num_prefill_tokens += n
         st.T += n
@@ -636,6 +649,10 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             st.row_dirty[i] = 0
             st.changed_rows[st.n_changed] = <int32_t>i
             st.n_changed += 1
+    # the plan reports what finished or was aborted since the previous plan
+    memcpy(st.finished_ids, st.fin_accum, st.n_accum * sizeof(uint64_t))
+    st.n_finished = st.n_accum
+    st.n_accum = 0
     st.pending = True
     return Q_OK
 
@@ -701,3 +718,331 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
         accum_finished(st, r.rid)
     st.pending = False
     return first
+
+
+cdef void step_discard(StepState *st) noexcept nogil:
+    # drop the pending plan: reserved pages stay with their requests, nothing advances
+    cdef uint32_t j
+    for j in range(st.n):
+        if st.plan_alive[j]:
+            st.req[st.plan_entry[j]].plan_pos = -1
+    st.pending = False
+
+
+# -- requests in and out -------------------------------------------------------------------------
+
+cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
+                  uint32_t max_new, int64_t priority, bint has_eos, uint32_t eos,
+                  const uint32_t *stop, uint32_t n_stop, bint ignore_eos, uint8_t *nsb,
+                  uint32_t nsl, uint64_t nsh, uint32_t num_blocks) noexcept nogil:
+    # Queue a request (the twin's checks, in its order).  On success the entry owns nsb.
+    cdef uint64_t total = <uint64_t>n + max_new
+    cdef uint64_t pages
+    cdef int32_t e
+    cdef StepReq *r
+    if st.s.active > st.n_running:
+        return Q_MODE_CONFLICT
+    if step_find(st, rid) >= 0:
+        return Q_STEP_DUPLICATE
+    if total > st.entry_cap:
+        return Q_NEVER_FITS
+    pages = (total - 1 + st.page_tokens - 1) // st.page_tokens
+    if pages > num_blocks:
+        return Q_NEVER_FITS
+    if st.n_free == 0:
+        return Q_QUEUE_FULL
+    st.n_free -= 1
+    e = st.free_ids[st.n_free]
+    r = &st.req[e]
+    memset(r, 0, sizeof(StepReq))
+    r.rid = rid
+    r.arrival = st.arrivals
+    st.arrivals += 1
+    r.priority = priority
+    r.nsh = nsh
+    r.nsb = nsb
+    r.nsl = nsl
+    r.num_prompt = n
+    r.num_tokens = n
+    r.max_new = max_new
+    r.has_eos = has_eos
+    r.eos = eos
+    r.ignore_eos = ignore_eos
+    r.n_stop = n_stop
+    if n_stop:
+        memcpy(r.stop, stop, n_stop * sizeof(uint32_t))
+    r.slot = -1
+    r.row = -1
+    r.heap_pos = -1
+    r.plan_pos = -1
+    memcpy(&st.arena[<size_t>e * st.entry_cap], tok, <size_t>n * sizeof(uint32_t))
+    oa_insert(st.index, st.index_mask, _step_home(st, rid), e)
+    st.count += 1
+    heap_push(st, e)
+    return Q_OK
+
+
+cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
+    # a waiting or running request; the caller made room in fin_accum
+    cdef int32_t e = step_find(st, rid)
+    cdef int rc = Q_OK
+    if e < 0 or st.req[e].state == SR_FINISHED:
+        return Q_STEP_UNKNOWN
+    if st.req[e].state == SR_RUNNING:
+        rc = slot_release(st, e)
+        row_release(st, e)
+        running_remove(st, e)
+        if st.pending and st.req[e].plan_pos >= 0:
+            st.plan_alive[st.req[e].plan_pos] = 0
+    else:
+        heap_remove(st, e)
+    st.count -= 1
+    accum_finished(st, rid)
+    entry_free(st, e)
+    return rc
+
+
+# -- Python side: the plan object, allocation ---------------------------------------------------
+
+cdef class StepPlan:
+    """One step's plan (docs/DESIGN.md, "The engine step", "The plan"): read-only numpy views
+    over buffers the scheduler sized at construction, valid until its next ``schedule()``."""
+    cdef readonly object request_ids
+    cdef readonly object query_start_loc
+    cdef readonly object seq_lens
+    cdef readonly object input_ids
+    cdef readonly object positions
+    cdef readonly object slot_mapping
+    cdef readonly object logits_indices
+    cdef readonly object sampled_request_ids
+    cdef readonly object block_table
+    cdef readonly object block_table_rows
+    cdef readonly object changed_rows
+    cdef readonly object kv_indptr
+    cdef readonly object kv_indices
+    cdef readonly object kv_last_page_len
+    cdef readonly object copies
+    cdef readonly object new_request_ids
+    cdef readonly object preempted_request_ids
+    cdef readonly object finished_request_ids
+    cdef readonly uint32_t num_prefill_tokens
+    cdef readonly uint32_t num_decode_tokens
+    cdef readonly uint32_t num_cached_tokens
+    cdef readonly uint32_t page_tokens
+
+    @property
+    def num_seqs(self):
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self):
+        return len(self.input_ids)
+
+    def __repr__(self):
+        return (f"StepPlan(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
+                f"num_prefill_tokens={self.num_prefill_tokens}, "
+                f"num_decode_tokens={self.num_decode_tokens})")
+
+
+cdef class _StepBuffers:
+    """The plan's buffers (one read-only region each) and full-length views of them; a plan's
+    arrays are slices of these views."""
+    cdef list regions
+    cdef dict full
+
+    def __cinit__(self):
+        self.regions = []
+        self.full = {}
+
+    cdef void *add(self, str name, object dtype, Py_ssize_t n) except NULL:
+        cdef Py_ssize_t size = (n if n > 0 else 1) * (<cnp.dtype>dtype).itemsize
+        cdef _Region r = _region_new(size, False)
+        self.regions.append(r)
+        self.full[name] = qualia_np_view(dtype, r.ptr, n, False, r)
+        return r.ptr
+
+
+cdef object _DT_I32 = np.dtype(np.int32)
+cdef object _DT_I64 = np.dtype(np.int64)
+cdef object _DT_U64 = np.dtype(np.uint64)
+
+
+cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCache *c,
+                   Streams *ss, Undo *undo, qualia_copy_op *cow, uint64_t *copied,
+                   uint64_t *allocated, int mode, uint32_t page_tokens, uint32_t budget,
+                   uint32_t max_seqs, uint32_t max_queued, uint32_t max_chunk,
+                   uint64_t vocab) except -1:
+    cdef uint32_t lp = s.logical_pages, i
+    cdef size_t cap = 1
+    cdef size_t entry_cap = <size_t>lp * page_tokens
+    memset(st, 0, sizeof(StepState))
+    st.budget = budget
+    st.max_seqs = max_seqs
+    st.max_chunk = max_chunk
+    st.max_queued = max_queued
+    st.page_tokens = page_tokens
+    st.logical_pages = lp
+    st.entry_cap = <uint32_t>entry_cap
+    st.vocab = vocab
+    st.mode = mode
+    st.s = s
+    st.p = p
+    st.c = c
+    st.ss = ss
+    st.undo = undo
+    st.cow = cow
+    st.pages_copied = copied
+    st.pages_allocated = allocated
+    while cap < 2 * <size_t>max_queued:
+        cap <<= 1
+    st.index_mask = <uint32_t>(cap - 1)
+    st.req = <StepReq *>PyMem_Calloc(max_queued, sizeof(StepReq))
+    st.arena = <uint32_t *>PyMem_Malloc(max(<size_t>max_queued * entry_cap, 1) * sizeof(uint32_t))
+    st.free_ids = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.index = <int32_t *>PyMem_Malloc(cap * sizeof(int32_t))
+    st.heap = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.running = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.row_owner = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.row_dirty = <uint8_t *>PyMem_Calloc(max_seqs, 1)
+    st.row_len = <uint32_t *>PyMem_Calloc(max_seqs, sizeof(uint32_t))
+    st.order = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan_entry = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
+    st.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
+    st.done = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.sampled = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
+    st.accum_cap = max_queued + max_seqs
+    st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
+    if (st.req == NULL or st.arena == NULL or st.free_ids == NULL or st.index == NULL
+            or st.heap == NULL or st.running == NULL or st.row_owner == NULL
+            or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
+            or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
+            or st.plan_alive == NULL or st.done == NULL or st.sampled == NULL
+            or st.fin_accum == NULL):
+        raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
+                          f"of {entry_cap} tokens")
+    for i in range(max_queued):
+        st.free_ids[i] = <int32_t>(max_queued - 1 - i)   # entry 0 is taken first
+    st.n_free = max_queued
+    for i in range(cap):
+        st.index[i] = -1
+    for i in range(max_seqs):
+        st.row_owner[i] = -1
+    st.copies_cap = budget // page_tokens + 2 * max_seqs + 1
+    st.request_ids = <uint64_t *>bufs.add("request_ids", _DT_U64, max_seqs)
+    st.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_I32, max_seqs + 1)
+    st.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_I32, max_seqs)
+    st.input_ids = <uint32_t *>bufs.add("input_ids", _DT_U32, budget)
+    st.positions = <int32_t *>bufs.add("positions", _DT_I32, budget)
+    st.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_I64, budget)
+    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_I32, max_seqs)
+    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_U64, max_seqs)
+    st.block_table = <int32_t *>bufs.add("block_table", _DT_I32, <Py_ssize_t>max_seqs * lp)
+    st.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_I32, max_seqs)
+    st.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_I32, max_seqs)
+    st.kv_indptr = <int32_t *>bufs.add("kv_indptr", _DT_I32, max_seqs + 1)
+    st.kv_indices = <int32_t *>bufs.add("kv_indices", _DT_I32, <Py_ssize_t>max_seqs * lp)
+    st.kv_last_page_len = <int32_t *>bufs.add("kv_last_page_len", _DT_I32, max_seqs)
+    st.copies = <qualia_copy_op *>bufs.add("copies", _DT_COPY, st.copies_cap)
+    st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_U64, max_seqs)
+    st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_U64, max_seqs)
+    st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_U64, st.accum_cap)
+    st.finished_cap = st.accum_cap
+    for i in range(<uint32_t>(max_seqs * lp)):
+        st.block_table[i] = -1
+    bufs.full["block_table"] = bufs.full["block_table"].reshape(max_seqs, lp)
+    return 0
+
+
+cdef void step_free(StepState *st) noexcept:
+    cdef uint32_t e
+    if st.req != NULL:
+        for e in range(st.max_queued):
+            if st.req[e].nsb != NULL:
+                free(st.req[e].nsb)
+    PyMem_Free(st.req)
+    PyMem_Free(st.arena)
+    PyMem_Free(st.free_ids)
+    PyMem_Free(st.index)
+    PyMem_Free(st.heap)
+    PyMem_Free(st.running)
+    PyMem_Free(st.row_owner)
+    PyMem_Free(st.row_dirty)
+    PyMem_Free(st.row_len)
+    PyMem_Free(st.order)
+    PyMem_Free(st.plan_entry)
+    PyMem_Free(st.plan_chunk)
+    PyMem_Free(st.plan_sample)
+    PyMem_Free(st.plan_alive)
+    PyMem_Free(st.done)
+    PyMem_Free(st.sampled)
+    PyMem_Free(st.fin_accum)
+    memset(st, 0, sizeof(StepState))
+
+
+cdef object step_plan(StepState *st, _StepBuffers bufs):
+    """The pending plan as a StepPlan of slices of the buffers' views."""
+    cdef StepPlan plan = StepPlan.__new__(StepPlan)
+    cdef dict f = bufs.full
+    cdef Py_ssize_t n = st.n, T = st.T, m = st.m
+    plan.request_ids = f["request_ids"][:n]
+    plan.query_start_loc = f["query_start_loc"][:n + 1]
+    plan.seq_lens = f["seq_lens"][:n]
+    plan.input_ids = f["input_ids"][:T]
+    plan.positions = f["positions"][:T]
+    plan.slot_mapping = f["slot_mapping"][:T]
+    plan.logits_indices = f["logits_indices"][:m]
+    plan.sampled_request_ids = f["sampled_request_ids"][:m]
+    plan.block_table = f["block_table"]
+    plan.block_table_rows = f["block_table_rows"][:n]
+    plan.changed_rows = f["changed_rows"][:st.n_changed]
+    plan.kv_indptr = f["kv_indptr"][:n + 1]
+    plan.kv_indices = f["kv_indices"][:st.n_kv]
+    plan.kv_last_page_len = f["kv_last_page_len"][:n]
+    plan.copies = f["copies"][:st.n_copies]
+    plan.new_request_ids = f["new_request_ids"][:st.n_new]
+    plan.preempted_request_ids = f["preempted_request_ids"][:st.n_preempted]
+    plan.finished_request_ids = f["finished_request_ids"][:st.n_finished]
+    plan.num_prefill_tokens = st.num_prefill_tokens
+    plan.num_decode_tokens = st.num_decode_tokens
+    plan.num_cached_tokens = st.num_cached_tokens
+    plan.page_tokens = st.page_tokens
+    return plan
+
+
+cdef list step_collect(StepState *st):
+    """FinishedRequest for every entry in st.done, in order; the entries are freed."""
+    cdef list out = []
+    cdef uint32_t k
+    cdef int32_t e
+    cdef StepReq *r
+    cdef uint32_t[::1] v
+    for k in range(st.n_done):
+        e = st.done[k]
+        r = &st.req[e]
+        arr = np.empty(r.num_tokens - r.num_prompt, dtype=np.uint32)
+        v = arr
+        if r.num_tokens > r.num_prompt:
+            memcpy(&v[0], &st.arena[<size_t>e * st.entry_cap + r.num_prompt],
+                   (r.num_tokens - r.num_prompt) * sizeof(uint32_t))
+        out.append(FinishedRequest(r.rid, arr, _FINISH_REASONS[r.reason]))
+    for k in range(st.n_done):
+        entry_free(st, st.done[k])
+    st.n_done = 0
+    return out
+
+
+cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept nogil:
+    row.num_seqs = st.n
+    row.num_tokens = st.T
+    row.num_prefill_tokens = st.num_prefill_tokens
+    row.num_decode_tokens = st.num_decode_tokens
+    row.num_sampled = st.m
+    row.num_new = st.n_new
+    row.num_preempted = st.n_preempted
+    row.num_cached_tokens = st.num_cached_tokens
+    row.num_finished = finished
+    row.num_waiting = st.n_waiting
+    row.num_running = st.n_running
+    row.free_pages = st.p.free_top + st.c.n_state[PC_RECLAIMABLE]

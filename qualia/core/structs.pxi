@@ -30,6 +30,13 @@ cdef enum:
     Q_BACKEND_LAUNCH_COUNT = 22
     Q_ROUND_TOO_LARGE = 23      # the lowered block table passes 2**32-1 entries (OverflowError)
     Q_NAMESPACES_FULL = 24      # automatic prefix caching: every namespace id is in use
+    Q_STEP_DUPLICATE = 25       # the engine step (core/step.pxi): StepError variants
+    Q_STEP_UNKNOWN = 26
+    Q_NEVER_FITS = 27
+    Q_QUEUE_FULL = 28
+    Q_PLAN_PENDING = 29
+    Q_NO_PLAN = 30
+    Q_MODE_CONFLICT = 31
 
 cdef enum:
     COW_EXCLUSIVE = 0
