@@ -222,6 +222,20 @@ def test_hash_logprob_formula():
     assert qualia.hash_logprob(rid, pos, tok) == -(x & 0xFFFF) / 4096
 
 
+def test_twin_hash_backend_steps_alike():
+    from qualia.twin import PyHashBackend
+
+    plan = mixed_plan()
+    core, twin = qualia.HashBackend(vocab=991), PyHashBackend(vocab=991)
+    lp_core, lp_twin = np.zeros(3, np.float32), np.zeros(3, np.float32)
+    assert np.array_equal(core.execute_step(plan, logprobs_out=lp_core),
+                          twin.execute_step(plan, logprobs_out=lp_twin))
+    assert lp_core.tolist() == lp_twin.tolist()
+    assert (twin.step_calls, twin.sampled) == (core.step_calls, core.sampled) == (1, 3)
+    with pytest.raises(qualia.RaggedBackendError.Failed):
+        PyHashBackend(fault="error", code=5).execute_step(plan)
+
+
 def test_hash_execute_step_into_caller_arrays():
     plan = mixed_plan()
     hb = qualia.HashBackend(vocab=1000)
