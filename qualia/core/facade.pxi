@@ -1204,25 +1204,62 @@ cdef class Scheduler:
     def run(self, backend, max_steps=None):
         """schedule -> execute -> update until no request is left or ``max_steps`` steps ran.
         Returns ``RunResult(stats, finished)``: one STEP_STATS row per step and the finished
-        requests in the order they finished."""
+        requests in the order they finished.
+
+        A C step backend (``__qualia_step_backend__``) runs whole stretches of steps in C without
+        the GIL (the scheduler is owned meanwhile: other calls get BusyError); the stats rows are
+        written into arrays of up to 4096 rows allocated between stretches, and the finished
+        requests are collected between stretches.  A Python backend's ``execute_step(plan)`` is
+        called with the GIL, between ``schedule()`` and ``update()``.  If a backend fails, that
+        step is discarded (nothing of it applied) and the error propagates."""
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        cdef qualia_step_backend *cb = NULL
         cdef StepStat row
         cdef StepStat *rows
+        cdef uint32_t steps = 0, want
+        cdef int32_t status = 0
+        cdef int rc = Q_OK
+        cdef uint64_t tok
+        handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
         stats = []
         finished = []
-        while self.step.count and (limit is None or len(stats) < limit):
-            plan = self.schedule()
+        if cb == NULL:
+            while self.step.count and (limit is None or len(stats) < limit):
+                plan = self.schedule()
+                try:
+                    ids = handle(plan)
+                except BaseException:
+                    self.discard_plan()
+                    raise
+                done = self.update(ids)
+                finished.extend(done)
+                step_stat(&self.step, &row, <uint32_t>len(done))
+                stats.append(row)
+            out = np.empty(len(stats), dtype=STEP_STATS)
+            rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
+            for i, r in enumerate(stats):
+                rows[i] = r
+            return RunResult(out, finished)
+        total = 0
+        while self.step.count and (limit is None or total < limit):
+            want = 4096 if limit is None else min(4096, limit - total)
+            chunk = np.empty(want, dtype=STEP_STATS)
+            rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
+            tok = self._own()
             try:
-                ids = backend.execute_step(plan)
-            except BaseException:
-                self.discard_plan()
-                raise
-            done = self.update(ids)
-            finished.extend(done)
-            step_stat(&self.step, &row, <uint32_t>len(done))
-            stats.append(row)
-        out = np.empty(len(stats), dtype=STEP_STATS)
-        rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
-        for i, r in enumerate(stats):
-            rows[i] = r
+                with nogil:
+                    rc = step_run(&self.step, cb, rows, want, &steps, &status)
+                finished.extend(step_collect(&self.step))
+            finally:
+                self._unown(tok)
+            stats.append(chunk[:steps])
+            total += steps
+            if rc == RUN_BACKEND_FAILED:
+                raise RaggedBackendError.Failed(status)
+            if rc == RUN_BAD_TOKEN:
+                raise ValueError(f"the step backend sampled token id {self.step.sampled[status]} "
+                                 f"(row {status}), outside [0, {self.step.vocab - 1}]")
+            if rc:
+                raise _error(E_STEP, rc)
+        out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
         return RunResult(out, finished)

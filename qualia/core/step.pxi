@@ -1046,3 +1046,90 @@ cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept no
     row.num_waiting = st.n_waiting
     row.num_running = st.n_running
     row.free_pages = st.p.free_top + st.c.n_state[PC_RECLAIMABLE]
+
+
+# -- the loop without the GIL, for a C step backend --------------------------------------------
+
+cdef enum:
+    RUN_BACKEND_FAILED = -1     # step_run's status: the backend returned nonzero (in *status)
+    RUN_BAD_TOKEN = -2          # a sampled id past vocab_size (in *status: its row)
+
+
+cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
+    # the pending plan as the ABI struct: pointers into the buffers sized at construction
+    p.struct_size = sizeof(qualia_step_plan)
+    p.page_tokens = st.page_tokens
+    p.num_requests = st.n
+    p.num_tokens = st.T
+    p.num_sampled = st.m
+    p.num_prefill_tokens = st.num_prefill_tokens
+    p.num_decode_tokens = st.num_decode_tokens
+    p.num_kv_indices = st.n_kv
+    p.block_table_num_rows = st.max_seqs
+    p.block_table_num_cols = st.logical_pages
+    p.block_table_row_stride = st.logical_pages
+    p.num_changed_rows = st.n_changed
+    p.num_copies = st.n_copies
+    p.num_new = st.n_new
+    p.num_preempted = st.n_preempted
+    p.num_finished = st.n_finished
+    p.request_ids = st.request_ids
+    p.query_start_loc = st.query_start_loc
+    p.seq_lens = st.seq_lens
+    p.input_ids = st.input_ids
+    p.positions = st.positions
+    p.slot_mapping = st.slot_mapping
+    p.logits_indices = st.logits_indices
+    p.sampled_request_ids = st.sampled_request_ids
+    p.block_table = st.block_table
+    p.block_table_rows = st.block_table_rows
+    p.changed_rows = st.changed_rows
+    p.kv_indptr = st.kv_indptr
+    p.kv_indices = st.kv_indices
+    p.kv_last_page_len = st.kv_last_page_len
+    p.copies = st.copies
+    p.new_request_ids = st.new_ids
+    p.preempted_request_ids = st.preempted_ids
+    p.finished_request_ids = st.finished_ids
+
+
+cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32_t max_rows,
+                  uint32_t *steps, int32_t *status) noexcept nogil:
+    # schedule -> execute -> update until no request is left or max_rows steps ran.  A failing
+    # step is discarded (nothing of it applied) and ends the loop.
+    cdef qualia_step_plan plan
+    cdef uint32_t k = 0, done, i
+    cdef int rc = Q_OK
+    cdef int32_t s
+    cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+    while st.count and k < max_rows:
+        rc = step_schedule(st)
+        if rc:
+            break
+        step_abi_plan(st, &plan)
+        s = 0
+        if cb.copy_pages != NULL and st.n_copies:
+            s = cb.copy_pages(cb.ctx, st.copies, st.n_copies)
+        if s == 0:
+            s = cb.execute_step(cb.ctx, &plan, st.sampled, NULL)
+        if s != 0:
+            step_discard(st)
+            status[0] = s
+            rc = RUN_BACKEND_FAILED
+            break
+        for i in range(st.m):
+            if st.sampled[i] > limit:
+                step_discard(st)
+                status[0] = <int32_t>i
+                rc = RUN_BAD_TOKEN
+                break
+        if rc:
+            break
+        done = st.n_done
+        rc = step_update(st, st.sampled)
+        step_stat(st, &rows[k], st.n_done - done)
+        k += 1
+        if rc:
+            break
+    steps[0] = k
+    return rc
