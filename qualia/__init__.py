@@ -19,6 +19,7 @@ try:
         RAGGED_BATCH_OUTPUT,
         RAGGED_BATCH_RECEIPT,
         REQUEST_VIEW,
+        MAX_STOP_TOKENS,
         STEP_ABI_VERSION,
         STEP_CAPSULE_NAME,
         BlockPool,
@@ -28,6 +29,7 @@ try:
         RequestScheduler,
         Scheduler,
         SequenceBlockTable,
+        StepPlan,
         hash_logprob,
         hash_next_token,
     )
@@ -43,9 +45,12 @@ from ._types import (
     CachedPrefix,
     CacheEntry,
     CacheStats,
+    STEP_STATS,
     CopyOnWrite,
+    FinishedRequest,
     RaggedBatchReceipt,
     RequestState,
+    RunResult,
 )
 from .backend import CopyPagesBackend, RaggedBackend
 from .errors import (
@@ -80,4 +85,5 @@ __all__ = [
     "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
     "SequenceBlockTable", "STEP_ABI_VERSION", "STEP_CAPSULE_NAME", "StepError", "TableError",
+    "StepPlan", "FinishedRequest", "RunResult", "STEP_STATS", "MAX_STOP_TOKENS",
 ]

@@ -9,6 +9,7 @@ from ._core import RAGGED_BATCH_ITEM as RAGGED_BATCH_ITEM
 from ._core import RAGGED_BATCH_OUTPUT as RAGGED_BATCH_OUTPUT
 from ._core import RAGGED_BATCH_RECEIPT as RAGGED_BATCH_RECEIPT
 from ._core import REQUEST_VIEW as REQUEST_VIEW
+from ._core import MAX_STOP_TOKENS as MAX_STOP_TOKENS
 from ._core import STEP_ABI_VERSION as STEP_ABI_VERSION
 from ._core import STEP_CAPSULE_NAME as STEP_CAPSULE_NAME
 from ._core import BlockPool as BlockPool
@@ -18,6 +19,7 @@ from ._core import PrefixKvStore as PrefixKvStore
 from ._core import RequestScheduler as RequestScheduler
 from ._core import Scheduler as Scheduler
 from ._core import SequenceBlockTable as SequenceBlockTable
+from ._core import StepPlan as StepPlan
 from ._core import hash_logprob as hash_logprob
 from ._core import hash_next_token as hash_next_token
 from ._types import Admission as Admission
@@ -25,8 +27,11 @@ from ._types import CachedPrefix as CachedPrefix
 from ._types import CacheEntry as CacheEntry
 from ._types import CacheStats as CacheStats
 from ._types import CopyOnWrite as CopyOnWrite
+from ._types import STEP_STATS as STEP_STATS
+from ._types import FinishedRequest as FinishedRequest
 from ._types import RaggedBatchReceipt as RaggedBatchReceipt
 from ._types import RequestState as RequestState
+from ._types import RunResult as RunResult
 from .backend import CopyPagesBackend as CopyPagesBackend
 from .backend import RaggedBackend as RaggedBackend
 from .errors import BackendAbiError as BackendAbiError
@@ -84,6 +89,11 @@ __all__ = [
     "STEP_ABI_VERSION",
     "STEP_CAPSULE_NAME",
     "TableError",
+    "StepPlan",
+    "FinishedRequest",
+    "RunResult",
+    "STEP_STATS",
+    "MAX_STOP_TOKENS",
 ]
 
 def get_include() -> str: ...

@@ -1031,6 +1031,8 @@ cdef class Scheduler:
         cdef int rc
         if max_new == 0:
             raise ValueError("max_new_tokens must be at least 1")
+        if isinstance(priority, (bool, np.bool_)):
+            raise TypeError("priority must be an integer, not bool")
         prio = operator.index(priority)
         if not -(1 << 31) <= prio < (1 << 31):
             raise OverflowError(f"priority must be in [-2**31, 2**31-1], got {prio}")
