@@ -1054,7 +1054,7 @@ cdef class Scheduler:
         if self.mode == MODE_EXPLICIT:
             raise StepError.ModeConflict(None, "the engine step works in prefix_caching 'auto' "
                                                "and 'off', not 'explicit'")
-        keep = _tokens_resolve(prompt_tokens, &t, -1, "")   # last: no user code runs after it
+        keep = self._prompt(prompt_tokens, &t)   # last: no user code runs after it
         try:
             if t.n == 0:
                 raise ValueError("the prompt must have at least one token")

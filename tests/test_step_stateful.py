@@ -1,0 +1,184 @@
+"""The engine step: the compiled core and its pure-Python twin, call by call.
+
+``StepVsTwin`` drives ``qualia.Scheduler`` and ``qualia.twin_step.StepScheduler`` with the same
+random calls, valid and invalid: arrivals of prompts that share prefixes (so admissions hit the
+cache), in several namespaces, with priorities, eos and stop tokens; random budgets, sequence
+limits, chunk caps and pools small enough to force reclaims and preemptions; aborts in every
+state (waiting, running, in the pending plan, unknown); schedule and update with good and bad
+sampled ids, and plans discarded.  After every call both must agree on the result or the
+exception class; every plan array (physical page numbers included) and every finished request
+must be equal; and the queues, the free pages, the pool's reference counts and every request's
+tokens must agree.
+
+Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import qualia
+from qualia.errors import QualiaError
+from qualia.twin_step import StepScheduler
+
+LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
+SETTINGS = settings(
+    max_examples=600 if LONG else 60,
+    stateful_step_count=100 if LONG else 50,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+ALLOWED = (QualiaError, TypeError, ValueError, OverflowError)
+PLAN_ARRAYS = ("request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
+               "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
+               "block_table_rows", "changed_rows", "kv_indptr", "kv_indices", "kv_last_page_len",
+               "copies", "new_request_ids", "preempted_request_ids", "finished_request_ids")
+PLAN_COUNTS = ("num_prefill_tokens", "num_decode_tokens", "num_cached_tokens", "page_tokens",
+               "num_seqs", "num_tokens")
+VOCAB = 60
+SYSTEM = [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+PREFIXES = [SYSTEM, SYSTEM[:5], [], [], [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def finished_key(done):
+    return [(f.request_id, f.output_tokens.dtype, f.output_tokens.tolist(), f.finish_reason)
+            for f in done]
+
+
+class StepVsTwin(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(6, 40), budget=st.integers(1, 24),
+                seqs=st.integers(1, 5), chunk=st.sampled_from([None, None, 1, 3, 8]),
+                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]))
+    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens):
+        kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
+                  max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16)
+        self.core = qualia.Scheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.twin = StepScheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.next_id = 0
+        self.plan = None
+
+    def both(self, fn):
+        out = []
+        for s in (self.core, self.twin):
+            try:
+                out.append(("ok", fn(s)))
+            except ALLOWED as exc:
+                out.append(("err", type(exc)))
+        assert out[0][0] == out[1][0], out
+        if out[0][0] == "err":
+            assert out[0][1] is out[1][1], out
+        return out
+
+    @rule(prefix=st.sampled_from(PREFIXES),
+          tail=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=14),
+          max_new=st.integers(0, 12), priority=st.integers(0, 3),
+          eos=st.sampled_from([None, None, 3, 17]), stop=st.sampled_from([(), (), (5,), (9, 2)]),
+          ignore_eos=st.booleans(), namespace=st.sampled_from([b"", b"", b"", b"ns"]),
+          as_array=st.booleans(), reuse=st.integers(0, 9))
+    def add(self, prefix, tail, max_new, priority, eos, stop, ignore_eos, namespace, as_array,
+            reuse):
+        rid = self.next_id if reuse else max(self.next_id - 1, 0)   # sometimes a duplicate
+        self.next_id += 1
+        prompt = prefix + tail
+        tokens = np.array(prompt, dtype=np.uint32) if as_array else prompt
+        self.both(lambda s: s.add_request(rid, tokens, max_new_tokens=max_new, priority=priority,
+                                          eos_token_id=eos, stop_token_ids=stop,
+                                          ignore_eos=ignore_eos, namespace=namespace))
+
+    @rule(pick=st.integers(0, 40))
+    def abort(self, pick):
+        rid = pick % (self.next_id + 2)
+        self.both(lambda s: s.abort(rid))
+
+    @precondition(lambda self: self.plan is None)
+    @rule()
+    def schedule(self):
+        out = self.both(lambda s: s.schedule())
+        if out[0][0] == "ok":
+            a, b = out[0][1], out[1][1]
+            for name in PLAN_ARRAYS:
+                x, y = getattr(a, name), getattr(b, name)
+                assert x.dtype == y.dtype and x.shape == y.shape, (name, x, y)
+                assert np.array_equal(x, y), (name, x, y)
+            for name in PLAN_COUNTS:
+                assert getattr(a, name) == getattr(b, name), name
+            self.plan = a
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from([None] * 6 + [
+        "short", "long", "float", "vocab", "list"]))
+    def update(self, seed, bad):
+        m = len(self.plan.logits_indices)
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, VOCAB, size=m).astype(np.uint32)
+        if bad == "short":
+            ids = ids[:-1] if m else np.array([1], dtype=np.uint32)
+        elif bad == "long":
+            ids = np.append(ids, 1).astype(np.uint32)
+        elif bad == "float":
+            ids = ids.astype(np.float64)
+        elif bad == "vocab" and m:
+            ids[0] = VOCAB
+        elif bad == "list":
+            ids = ids.tolist()
+        out = self.both(lambda s: finished_key(s.update(ids)))
+        if out[0][0] == "ok":
+            assert out[0][1] == out[1][1]
+            self.plan = None
+
+    @precondition(lambda self: self.plan is not None)
+    @rule()
+    def discard(self):
+        self.both(lambda s: s.discard_plan())
+        self.plan = None
+
+    @rule()
+    def update_without_plan(self):
+        if self.plan is None:
+            self.both(lambda s: s.update([]))
+
+    @invariant()
+    def agree(self):
+        if not hasattr(self, "core"):
+            return
+        c, t = self.core, self.twin
+        assert c.num_waiting == t.num_waiting
+        assert c.num_running == t.num_running
+        assert c.has_unfinished() == t.has_unfinished()
+        assert c.free_pages == t.facade.free_pages
+        assert [c.pool.refcount(p) for p in range(c.num_blocks)] == \
+            [t.facade.pool.refcount(p) for p in range(c.num_blocks)]
+        assert c.step_requests() == list(t.requests())
+        for rid in c.step_requests():
+            assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
+
+
+TestStepVsTwin = StepVsTwin.TestCase
+TestStepVsTwin.settings = SETTINGS
+
+
+def test_draining_every_request_returns_every_page():
+    """A workload run to the end leaves every page free or reclaimable, and the twin agrees."""
+    rng = np.random.default_rng(7)
+    kw = dict(max_num_batched_tokens=10, max_num_seqs=3, cache_key=b"d" * 16)
+    c = qualia.Scheduler(5, 16, 4, 12, **kw)
+    t = StepScheduler(5, 16, 4, 12, **kw)
+    for i in range(12):
+        prompt = (SYSTEM if i % 2 else []) + rng.integers(0, 50, size=int(rng.integers(1, 10))
+                                                          ).tolist()
+        max_new = int(rng.integers(1, 9))
+        for s in (c, t):
+            s.add_request(i, prompt, max_new_tokens=max_new)
+
+    class Backend:
+        def execute_step(self, plan):
+            return (plan.input_ids[plan.logits_indices] * 7 + 3) % 50
+    rc, rt = c.run(Backend()), t.run(Backend())
+    assert np.array_equal(rc.stats, rt.stats)
+    assert finished_key(rc.finished) == finished_key(rt.finished)
+    assert c.free_pages == c.num_blocks == t.facade.free_pages
