@@ -537,7 +537,8 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil
 
 
 cdef int step_schedule(StepState *st) noexcept nogil:
-    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, page, t, hit
+    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, t, hit, lp, off, run, k
+    cdef int64_t sm
     cdef int32_t e, v, slot
     cdef bint preempted = False
     cdef int rc
@@ -619,11 +620,23 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         st.block_table_rows[j] = r.row
         memcpy(&st.input_ids[st.T], &st.arena[<size_t>e * st.entry_cap + q],
                n * sizeof(uint32_t))
-        for t in range(n):
-            pos = q + t
-            page = tb.entries[pos // st.page_tokens]
-            st.positions[st.T + t] = <int32_t>pos
-            st.slot_mapping[st.T + t] = <int64_t>page * st.page_tokens + pos % st.page_tokens
+        # positions and slot mapping, a page at a time (no division per token)
+        pos = q
+        t = st.T
+        lp = q // st.page_tokens
+        off = q - lp * st.page_tokens
+        while pos < q + n:
+            sm = <int64_t>tb.entries[lp] * st.page_tokens
+            run = st.page_tokens - off
+            if run > q + n - pos:
+                run = q + n - pos
+            for k in range(run):
+                st.positions[t + k] = <int32_t>(pos + k)
+                st.slot_mapping[t + k] = sm + off + k
+            pos += run
+            t += run
+            lp += 1
+            off = 0
         if r.decode:
             st.num_decode_tokens += n
         else:
@@ -638,8 +651,9 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         else:
             st.plan_sample[j] = -1
         pages = (q + n + st.page_tokens - 1) // st.page_tokens
-        for t in range(pages):
-            st.kv_indices[st.n_kv + t] = <int32_t>tb.entries[t]
+        # page ids are < num_blocks <= 2**32-1 and a pool is far smaller than 2**31 pages in
+        # practice; the int32 view of the same bits is what kernels take
+        memcpy(&st.kv_indices[st.n_kv], tb.entries, pages * sizeof(int32_t))
         st.n_kv += pages
         st.kv_indptr[j + 1] = <int32_t>st.n_kv
         st.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.page_tokens)

@@ -1,0 +1,208 @@
+"""The engine step (issue 14): the compiled core beside its pure-Python twin, in one run.
+
+  s1  decode-only step at 256 running requests of 2k context: schedule + update (every metadata
+      array of the plan written), ns per request; the twin beside it
+  s2  the same per-request cost at 64 .. 4,096 running requests (512-token context)
+  s3  the same at context 128 .. 32k (128 running requests): the dense table is written only
+      where it changes, the CSR form (kv_indices) is rewritten every step, so it grows with
+      the context
+  s4  a mixed step: 64 decodes plus 2,048 prefill-chunk tokens, ns per prefill token over the
+      decode-only step of the same 64 requests
+  s5  add_request of 4,096-token prompts from a numpy uint32 array and from a list, ns per token
+  s6  run() with the built-in C HashBackend (the whole loop in C without the GIL) against a
+      Python loop of schedule / HashBackend.execute_step / update, and the twin's run: generated
+      tokens per second
+
+Run: ``python bench/step_bench.py`` (``--quick`` for smaller sizes).  Figures are medians of
+repeated timings; the ratios are what to compare across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+
+import qualia
+from qualia.twin_step import StepScheduler
+
+pc = time.perf_counter_ns
+PT = 16
+KEY = bytes(range(16))
+
+
+def median(xs):
+    return float(np.median(np.asarray(xs, dtype=np.float64)))
+
+
+def decoding(cls, n, ctx, extra_pages=8, **kw):
+    """n requests of ctx-token prompts, prefilled, each decoding from now on (with room for
+    the decode steps taken while the others prefill, and extra_pages more pages)."""
+    kw.setdefault("max_num_batched_tokens", max(8192, n))
+    prefill_steps = n * ctx // max(kw["max_num_batched_tokens"] - n, 1) + 2
+    extra_pages += -(-prefill_steps // PT)
+    lp = -(-ctx // PT) + extra_pages
+    s = cls(n, n * lp + 8, PT, lp, cache_key=KEY, max_num_seqs=n, max_queued=n, **kw)
+    rng = np.random.default_rng(n + ctx)
+    for i in range(n):
+        s.add_request(i, rng.integers(0, 30000, size=ctx, dtype=np.uint32),
+                      max_new_tokens=extra_pages * PT - 1)
+    while True:   # prefill every prompt (the first token is sampled at its last chunk)
+        plan = s.schedule()
+        s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+        if plan.num_prefill_tokens == 0:
+            break
+    return s
+
+
+def time_steps(s, steps, ids):
+    """ns per schedule + update, median of `steps` steps."""
+    ts = []
+    sched, upd = s.schedule, s.update
+    for _ in range(steps):
+        t0 = pc()
+        upd(ids)
+        sched()
+        ts.append(pc() - t0)
+    return median(ts)
+
+
+def decode_cost(cls, n, ctx, steps):
+    s = decoding(cls, n, ctx)
+    plan = s.schedule()
+    assert plan.num_decode_tokens == n, (plan.num_decode_tokens, n)
+    ids = np.zeros(n, dtype=np.uint32)
+    gc.disable()
+    try:
+        t = time_steps(s, steps, ids)
+    finally:
+        gc.enable()
+    return t / n
+
+
+def s1(quick):
+    core = decode_cost(qualia.Scheduler, 256, 2048, 50 if quick else 200)
+    twin = decode_cost(StepScheduler, 256, 2048, 3)
+    return {"core_ns_per_request": core, "twin_ns_per_request": twin, "twin_over_core": twin / core}
+
+
+def s2(quick):
+    sizes = [64, 256, 1024] if quick else [64, 256, 1024, 4096]
+    return {n: decode_cost(qualia.Scheduler, n, 512, 30 if quick else 60) for n in sizes}
+
+
+def s3(quick):
+    ctxs = [128, 2048, 8192] if quick else [128, 1024, 4096, 16384, 32768]
+    return {c: decode_cost(qualia.Scheduler, 128, c, 30 if quick else 60) for c in ctxs}
+
+
+def s4(quick):
+    # 64 decoding requests; waiting requests with 8k prompts keep a 2,048-token chunk in every step
+    n, chunk = 64, 2048
+    base = decoding(qualia.Scheduler, n, 512, extra_pages=40, max_num_batched_tokens=n + chunk)
+    lp = 512 // PT + 40
+    mixed = qualia.Scheduler(n + 4, (n + 4) * 600, PT, 600, cache_key=KEY,
+                             max_num_batched_tokens=n + chunk, max_num_seqs=n + 1,
+                             max_queued=n + 64)
+    rng = np.random.default_rng(1)
+    for i in range(n):
+        mixed.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
+                          max_new_tokens=lp * PT - 600)
+    while True:
+        plan = mixed.schedule()
+        mixed.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+        if plan.num_prefill_tokens == 0:
+            break
+    for i in range(40):
+        mixed.add_request(1000 + i, rng.integers(0, 30000, size=8192, dtype=np.uint32),
+                          max_new_tokens=1)   # done at its last chunk: the next one follows
+    ts, pre = [], []
+    for _ in range(10 if quick else 40):
+        t0 = pc()
+        plan = mixed.schedule()
+        mixed.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+        ts.append(pc() - t0)
+        pre.append(plan.num_prefill_tokens)
+    ids = np.zeros(n, dtype=np.uint32)
+    base.schedule()
+    t_dec = time_steps(base, 40, ids)
+    t_mix = median(ts)
+    p = median(pre)
+    return {"mixed_step_ns": t_mix, "decode_only_step_ns": t_dec, "prefill_tokens": p,
+            "ns_per_prefill_token": (t_mix - t_dec) / p}
+
+
+def s5(quick):
+    n, reps = 4096, 16 if quick else 64
+    arr = np.arange(n, dtype=np.uint32)
+    lst = arr.tolist()
+    out = {}
+    for name, cls in (("core", qualia.Scheduler), ("twin", StepScheduler)):
+        for kind, prompt in (("numpy", arr), ("list", lst)):
+            s = cls(8, 8 * 300, PT, 300, cache_key=KEY, max_queued=reps)
+            k = reps if name == "core" else 4
+            t0 = pc()
+            for i in range(k):
+                s.add_request(i, prompt, max_new_tokens=8)
+            out[f"{name}_{kind}_ns_per_token"] = (pc() - t0) / (k * n)
+    return out
+
+
+def s6(quick):
+    n_req, prompt, new = (64, 256, 64) if quick else (256, 512, 128)
+
+    def fill(s):
+        rng = np.random.default_rng(6)
+        for i in range(n_req):
+            s.add_request(i, rng.integers(0, 30000, size=prompt, dtype=np.uint32),
+                          max_new_tokens=new, ignore_eos=True)
+    lp = -(-(prompt + new) // PT)
+    kw = dict(cache_key=KEY, max_num_batched_tokens=4096, max_num_seqs=64)
+    hb = qualia.HashBackend()
+    out = {}
+    s = qualia.Scheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
+    fill(s)
+    t0 = pc()
+    r = s.run(hb)
+    t = pc() - t0
+    tokens = sum(len(f.output_tokens) for f in r.finished)
+    out["core_run_c_tokens_per_s"] = tokens / t * 1e9
+    out["steps"] = len(r.stats)
+    s = qualia.Scheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
+    fill(s)
+    t0 = pc()
+    tokens = 0
+    while s.has_unfinished():
+        plan = s.schedule()
+        tokens += sum(len(f.output_tokens) for f in s.update(hb.execute_step(plan)))
+    out["core_python_loop_tokens_per_s"] = tokens / (pc() - t0) * 1e9
+    tw = StepScheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
+    fill(tw)
+    t0 = pc()
+    r = tw.run(qualia.twin.PyHashBackend() if hasattr(qualia.twin, "PyHashBackend") else hb)
+    out["twin_run_tokens_per_s"] = sum(len(f.output_tokens) for f in r.finished) / (pc() - t0) \
+        * 1e9
+    out["run_c_over_python_loop"] = out["core_run_c_tokens_per_s"] / \
+        out["core_python_loop_tokens_per_s"]
+    out["run_c_over_twin"] = out["core_run_c_tokens_per_s"] / out["twin_run_tokens_per_s"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="s1,s2,s3,s4,s5,s6")
+    args = ap.parse_args()
+    import qualia.twin  # noqa: F401 - PyHashBackend for the twin's run
+    for name in args.only.split(","):
+        t0 = time.time()
+        res = globals()[name](args.quick)
+        print(f"{name} ({time.time() - t0:.1f} s):")
+        for k, v in res.items():
+            print(f"    {k}: {v:.1f}" if isinstance(v, float) else f"    {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
