@@ -1263,5 +1263,8 @@ cdef class Scheduler:
                                  f"(row {status}), outside [0, {self.step.vocab - 1}]")
             if rc:
                 raise _error(E_STEP, rc)
-        out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
+        if len(stats) == 1:
+            out = stats[0]
+        else:
+            out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
         return RunResult(out, finished)

@@ -1,0 +1,93 @@
+"""The engine step allocates nothing per step in steady state (issue 14, "Targets").
+
+* ``run()`` with the C HashBackend: the whole schedule -> execute -> update loop runs in C
+  without the GIL; the only Python allocations of a call are its result (the STEP_STATS rows, the
+  RunResult and its list), so a call's peak traced memory stays within the stats rows plus a
+  small constant however many steps it runs, and repeated calls leave the heap as they found it.
+* ``schedule()`` + ``update()`` from Python: a plan is a handful of numpy views over buffers
+  sized at construction; the previous plan's views are freed, so nothing grows.
+
+The probes are tests/test_no_alloc.py's (each compared against an empty loop).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import tracemalloc
+from itertools import repeat
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_no_alloc import ROUNDS, probe  # noqa: E402
+
+import qualia  # noqa: E402
+
+
+def assert_no_growth_per_step(r, what):
+    # over ROUNDS calls: a growth of a few dozen bytes (numpy's and the interpreter's own caches
+    # settling) is a constant; one allocation kept per call would be ROUNDS blocks
+    assert r["blocks"] <= 32, (f"{what}: sys.getallocatedblocks() grew by {r['blocks']} over "
+                               f"{ROUNDS} calls\n{r['detail']}")
+    assert r["traced"] <= 1024, (f"{what}: tracemalloc traced memory grew by {r['traced']} B "
+                                 f"over {ROUNDS} calls\n{r['detail']}")
+
+
+def decoding(n=64, ctx=128, steps=8 * ROUNDS):
+    """n requests decoding with room for `steps` more tokens (a page is allocated every 16
+    steps: part of the steady state)."""
+    lp = (ctx + steps) // 16 + 2
+    s = qualia.Scheduler(n, n * lp, 16, lp, max_num_batched_tokens=n * ctx, max_queued=n,
+                         cache_key=b"a" * 16)
+    for i in range(n):
+        s.add_request(i, np.arange(ctx, dtype=np.uint32) + i, max_new_tokens=steps)
+    plan = s.schedule()
+    s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+    return s
+
+
+def test_run_c_backend_allocates_only_its_result():
+    s = decoding()
+    hb = qualia.HashBackend()
+    s.run(hb, max_steps=8)                      # warm-up
+    rows = 1000
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        r = s.run(hb, max_steps=rows)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert len(r.stats) == rows and r.stats["num_decode_tokens"].min() == 64
+    stats_bytes = rows * qualia.STEP_STATS.itemsize
+    assert peak <= stats_bytes + 4096, f"run() of {rows} steps peaked at {peak} B"
+    assert s.stats()["pages_allocated"] > 64      # the steps crossed page boundaries
+
+
+def test_run_c_backend_no_net_allocation():
+    s = decoding()
+    hb = qualia.HashBackend()
+    run = s.run
+
+    def go(k, run=run, hb=hb):
+        for _ in repeat(None, k):
+            run(hb, max_steps=1)
+    assert_no_growth_per_step(probe(go), "Scheduler.run (C backend)")
+
+
+def test_schedule_update_no_net_allocation():
+    s = decoding()
+    ids = np.zeros(64, dtype=np.uint32)
+    sched, upd = s.schedule, s.update
+
+    def go(k, sched=sched, upd=upd, ids=ids):
+        for _ in repeat(None, k):
+            sched()
+            upd(ids)
+    assert_no_growth_per_step(probe(go), "Scheduler.schedule + update")
