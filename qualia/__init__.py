@@ -15,11 +15,11 @@ try:
         BACKEND_CAPSULE_NAME,
         COPY_OP,
         KV_EVENT,
+        MAX_STOP_TOKENS,
         RAGGED_BATCH_ITEM,
         RAGGED_BATCH_OUTPUT,
         RAGGED_BATCH_RECEIPT,
         REQUEST_VIEW,
-        MAX_STOP_TOKENS,
         STEP_ABI_VERSION,
         STEP_CAPSULE_NAME,
         BlockPool,
@@ -41,11 +41,11 @@ except ImportError as _exc:
         raise
     raise ImportError(_why, name=__name__) from _exc
 from ._types import (
+    STEP_STATS,
     Admission,
     CachedPrefix,
     CacheEntry,
     CacheStats,
-    STEP_STATS,
     CopyOnWrite,
     FinishedRequest,
     RaggedBatchReceipt,

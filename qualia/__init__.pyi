@@ -5,11 +5,11 @@ from ._core import BACKEND_ABI_VERSION as BACKEND_ABI_VERSION
 from ._core import BACKEND_CAPSULE_NAME as BACKEND_CAPSULE_NAME
 from ._core import COPY_OP as COPY_OP
 from ._core import KV_EVENT as KV_EVENT
+from ._core import MAX_STOP_TOKENS as MAX_STOP_TOKENS
 from ._core import RAGGED_BATCH_ITEM as RAGGED_BATCH_ITEM
 from ._core import RAGGED_BATCH_OUTPUT as RAGGED_BATCH_OUTPUT
 from ._core import RAGGED_BATCH_RECEIPT as RAGGED_BATCH_RECEIPT
 from ._core import REQUEST_VIEW as REQUEST_VIEW
-from ._core import MAX_STOP_TOKENS as MAX_STOP_TOKENS
 from ._core import STEP_ABI_VERSION as STEP_ABI_VERSION
 from ._core import STEP_CAPSULE_NAME as STEP_CAPSULE_NAME
 from ._core import BlockPool as BlockPool
@@ -22,12 +22,12 @@ from ._core import SequenceBlockTable as SequenceBlockTable
 from ._core import StepPlan as StepPlan
 from ._core import hash_logprob as hash_logprob
 from ._core import hash_next_token as hash_next_token
+from ._types import STEP_STATS as STEP_STATS
 from ._types import Admission as Admission
 from ._types import CachedPrefix as CachedPrefix
 from ._types import CacheEntry as CacheEntry
 from ._types import CacheStats as CacheStats
 from ._types import CopyOnWrite as CopyOnWrite
-from ._types import STEP_STATS as STEP_STATS
 from ._types import FinishedRequest as FinishedRequest
 from ._types import RaggedBatchReceipt as RaggedBatchReceipt
 from ._types import RequestState as RequestState

@@ -7,6 +7,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
+from ._types import STEP_STATS as STEP_STATS
 from ._types import (
     Admission,
     CachedPrefix,

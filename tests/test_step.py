@@ -391,7 +391,7 @@ def test_abort_a_request_in_the_pending_plan_skips_it_at_update():
     for s in (a, b):
         s.add_request(1, [1, 2], max_new_tokens=3)
         s.add_request(2, [3, 4], max_new_tokens=1)
-    pa, pb = a.schedule(), b.schedule()
+    pa, _ = a.schedule(), b.schedule()
     for s in (a, b):
         s.abort(2)
     ids = sample(pa)

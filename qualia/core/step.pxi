@@ -852,6 +852,10 @@ cdef class StepPlan:
     def num_tokens(self):
         return len(self.input_ids)
 
+    def __reduce__(self):
+        raise TypeError("a StepPlan cannot be pickled: its arrays are views of a scheduler's "
+                        "buffers, valid until its next schedule() (copy the arrays to keep them)")
+
     def __repr__(self):
         return (f"StepPlan(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
                 f"num_prefill_tokens={self.num_prefill_tokens}, "
