@@ -625,3 +625,14 @@ def test_add_request_from_numpy_and_from_a_list_agree():
     c.add_request(1, iter(prompt), max_new_tokens=1)
     assert a.request_tokens(1).tolist() == b.request_tokens(1).tolist() == \
         c.request_tokens(1).tolist() == prompt
+
+
+def test_many_aborts_between_plans_are_all_reported():
+    # more aborts than the finished-id buffer was sized for: it grows (outside any step)
+    s = make(2, 64, 4, 8, max_queued=4)
+    rids = list(range(40))
+    for rid in rids:
+        s.add_request(rid, [1, 2], max_new_tokens=1)
+        s.abort(rid)
+    plan = s.schedule()
+    assert plan.finished_request_ids.tolist() == rids
