@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 
-import numpy as np
+# numpy's BLAS threads spin on an idle core when left at their default; nothing here uses BLAS
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import qualia
-from qualia.twin_step import StepScheduler
+import numpy as np  # noqa: E402
+
+import qualia  # noqa: E402
+from qualia.twin_step import StepScheduler  # noqa: E402
 
 pc = time.perf_counter_ns
 PT = 16
@@ -70,7 +74,7 @@ def time_steps(s, steps, ids):
 
 
 def decode_cost(cls, n, ctx, steps):
-    s = decoding(cls, n, ctx)
+    s = decoding(cls, n, ctx, extra_pages=steps // PT + 2)
     plan = s.schedule()
     assert plan.num_decode_tokens == n, (plan.num_decode_tokens, n)
     ids = np.zeros(n, dtype=np.uint32)

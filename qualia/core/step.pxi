@@ -867,16 +867,29 @@ cdef class _StepBuffers:
     arrays are slices of these views."""
     cdef list regions
     cdef dict full
+    cdef dict last      # name -> (length, view): the last slice, reused while its length holds
 
     def __cinit__(self):
         self.regions = []
         self.full = {}
+        self.last = {}
+
+    cdef object view(self, str name, Py_ssize_t n):
+        # a read-only slice of the buffer's first n records; the same object as last time when
+        # n did not change (steady-state steps then build no array objects)
+        cdef tuple hit = <tuple>self.last.get(name)
+        if hit is not None and <Py_ssize_t>hit[0] == n:
+            return hit[1]
+        v = self.full[name][:n]
+        self.last[name] = (n, v)
+        return v
 
     cdef void *add(self, str name, object dtype, Py_ssize_t n) except NULL:
         cdef Py_ssize_t size = (n if n > 0 else 1) * (<cnp.dtype>dtype).itemsize
         cdef _Region r = _region_new(size, False)
         self.regions.append(r)
         self.full[name] = qualia_np_view(dtype, r.ptr, n, False, r)
+        self.last.pop(name, None)
         return r.ptr
 
 
@@ -1002,26 +1015,25 @@ cdef void step_free(StepState *st) noexcept:
 cdef object step_plan(StepState *st, _StepBuffers bufs):
     """The pending plan as a StepPlan of slices of the buffers' views."""
     cdef StepPlan plan = StepPlan.__new__(StepPlan)
-    cdef dict f = bufs.full
     cdef Py_ssize_t n = st.n, T = st.T, m = st.m
-    plan.request_ids = f["request_ids"][:n]
-    plan.query_start_loc = f["query_start_loc"][:n + 1]
-    plan.seq_lens = f["seq_lens"][:n]
-    plan.input_ids = f["input_ids"][:T]
-    plan.positions = f["positions"][:T]
-    plan.slot_mapping = f["slot_mapping"][:T]
-    plan.logits_indices = f["logits_indices"][:m]
-    plan.sampled_request_ids = f["sampled_request_ids"][:m]
-    plan.block_table = f["block_table"]
-    plan.block_table_rows = f["block_table_rows"][:n]
-    plan.changed_rows = f["changed_rows"][:st.n_changed]
-    plan.kv_indptr = f["kv_indptr"][:n + 1]
-    plan.kv_indices = f["kv_indices"][:st.n_kv]
-    plan.kv_last_page_len = f["kv_last_page_len"][:n]
-    plan.copies = f["copies"][:st.n_copies]
-    plan.new_request_ids = f["new_request_ids"][:st.n_new]
-    plan.preempted_request_ids = f["preempted_request_ids"][:st.n_preempted]
-    plan.finished_request_ids = f["finished_request_ids"][:st.n_finished]
+    plan.request_ids = bufs.view("request_ids", n)
+    plan.query_start_loc = bufs.view("query_start_loc", n + 1)
+    plan.seq_lens = bufs.view("seq_lens", n)
+    plan.input_ids = bufs.view("input_ids", T)
+    plan.positions = bufs.view("positions", T)
+    plan.slot_mapping = bufs.view("slot_mapping", T)
+    plan.logits_indices = bufs.view("logits_indices", m)
+    plan.sampled_request_ids = bufs.view("sampled_request_ids", m)
+    plan.block_table = bufs.full["block_table"]
+    plan.block_table_rows = bufs.view("block_table_rows", n)
+    plan.changed_rows = bufs.view("changed_rows", st.n_changed)
+    plan.kv_indptr = bufs.view("kv_indptr", n + 1)
+    plan.kv_indices = bufs.view("kv_indices", st.n_kv)
+    plan.kv_last_page_len = bufs.view("kv_last_page_len", n)
+    plan.copies = bufs.view("copies", st.n_copies)
+    plan.new_request_ids = bufs.view("new_request_ids", st.n_new)
+    plan.preempted_request_ids = bufs.view("preempted_request_ids", st.n_preempted)
+    plan.finished_request_ids = bufs.view("finished_request_ids", st.n_finished)
     plan.num_prefill_tokens = st.num_prefill_tokens
     plan.num_decode_tokens = st.num_decode_tokens
     plan.num_cached_tokens = st.num_cached_tokens
