@@ -396,8 +396,16 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     cdef uint32_t last = <uint32_t>((start + n - 1) // st.page_tokens)
     cdef Py_ssize_t n_undo = 0, n_copies = 0, k
     cdef int rc = Q_OK
+    cdef Table *t = &st.s.slots[slot].blocks
+    cdef uint32_t page
     if last >= st.logical_pages:
         return Q_OUT_OF_RANGE
+    if first == last and first < t.len:
+        # the common decode case: a page the request already holds alone is written in place
+        # (what ensure_writable would find); nothing to reclaim, allocate or rewrite
+        page = t.entries[first]
+        if page < st.p.num_blocks and st.p.refcount[page] == 1:
+            return Q_OK
     if st.mode == MODE_AUTO:
         rc = facade_make_room(st.s, st.p, st.c, slot, first, last)
     if rc == Q_OK:
