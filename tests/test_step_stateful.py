@@ -28,7 +28,7 @@ from qualia.twin_step import StepScheduler
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
 SETTINGS = settings(
-    max_examples=600 if LONG else 60,
+    max_examples=600 if LONG else 150,
     stateful_step_count=100 if LONG else 50,
     deadline=None,
     suppress_health_check=list(HealthCheck),
@@ -51,7 +51,7 @@ def finished_key(done):
 
 
 class StepVsTwin(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(6, 40), budget=st.integers(1, 24),
+    @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24),
                 seqs=st.integers(1, 5), chunk=st.sampled_from([None, None, 1, 3, 8]),
                 queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]))
     def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens):
@@ -76,7 +76,7 @@ class StepVsTwin(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from(PREFIXES),
           tail=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=14),
-          max_new=st.integers(0, 12), priority=st.integers(0, 3),
+          max_new=st.sampled_from([0, 1, 2, 3, 5, 8, 12]), priority=st.integers(0, 3),
           eos=st.sampled_from([None, None, 3, 17]), stop=st.sampled_from([(), (), (5,), (9, 2)]),
           ignore_eos=st.booleans(), namespace=st.sampled_from([b"", b"", b"", b"ns"]),
           as_array=st.booleans(), reuse=st.integers(0, 9))
@@ -89,6 +89,17 @@ class StepVsTwin(RuleBasedStateMachine):
         self.both(lambda s: s.add_request(rid, tokens, max_new_tokens=max_new, priority=priority,
                                           eos_token_id=eos, stop_token_ids=stop,
                                           ignore_eos=ignore_eos, namespace=namespace))
+
+    @rule(prefix=st.sampled_from(PREFIXES), n=st.integers(2, 5), max_new=st.integers(6, 12),
+          priorities=st.lists(st.integers(0, 2), min_size=5, max_size=5))
+    def burst(self, prefix, n, max_new, priorities):
+        # several long-running requests at once: pressure on the pool, hence preemptions
+        for k in range(n):
+            rid = self.next_id
+            self.next_id += 1
+            prompt = prefix + [rid % VOCAB, k]
+            self.both(lambda s: s.add_request(rid, prompt, max_new_tokens=max_new,
+                                              priority=priorities[k]))
 
     @rule(pick=st.integers(0, 40))
     def abort(self, pick):
@@ -128,6 +139,24 @@ class StepVsTwin(RuleBasedStateMachine):
             ids = ids.tolist()
         out = self.both(lambda s: finished_key(s.update(ids)))
         if out[0][0] == "ok":
+            assert out[0][1] == out[1][1]
+            self.plan = None
+
+    @precondition(lambda self: self.plan is None)
+    @rule(seed=st.integers(0, 2**32 - 1), abort=st.sampled_from([None, None, None, 0, 1]),
+          repeat=st.integers(1, 24))
+    def steps(self, seed, abort, repeat):
+        # whole steps (schedule, maybe an abort of a planned request, update), a few in a row
+        rng = np.random.default_rng(seed)
+        for _ in range(repeat):
+            self.schedule()
+            if self.plan is None:
+                return
+            if abort is not None and len(self.plan.request_ids) > abort:
+                rid = int(self.plan.request_ids[abort])
+                self.both(lambda s: s.abort(rid))
+            ids = rng.integers(0, VOCAB, size=len(self.plan.logits_indices)).astype(np.uint32)
+            out = self.both(lambda s: finished_key(s.update(ids)))
             assert out[0][1] == out[1][1]
             self.plan = None
 
