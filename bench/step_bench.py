@@ -102,26 +102,28 @@ def s3(quick):
     return {c: decode_cost(qualia.Scheduler, 128, c, 30 if quick else 60) for c in ctxs}
 
 
-def s4(quick):
-    # 64 decoding requests; waiting requests with 8k prompts keep a 2,048-token chunk in every step
+def mixed_cost(quick, mode):
+    """(mixed step ns, decode-only step ns of the same 64 requests, prefill tokens per step)"""
     n, chunk = 64, 2048
-    base = decoding(qualia.Scheduler, n, 512, extra_pages=40, max_num_batched_tokens=n + chunk)
     lp = 512 // PT + 40
-    mixed = qualia.Scheduler(n + 4, (n + 4) * 600, PT, 600, cache_key=KEY,
+
+    def build():
+        s = qualia.Scheduler(n + 4, (n + 4) * 600, PT, 600, cache_key=KEY, prefix_caching=mode,
                              max_num_batched_tokens=n + chunk, max_num_seqs=n + 1,
                              max_queued=n + 64)
-    rng = np.random.default_rng(1)
-    for i in range(n):
-        mixed.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
+        rng = np.random.default_rng(1)
+        for i in range(n):
+            s.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
                           max_new_tokens=lp * PT - 600)
-    while True:
-        plan = mixed.schedule()
-        mixed.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
-        if plan.num_prefill_tokens == 0:
-            break
-    for i in range(40):
+        while True:
+            plan = s.schedule()
+            s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+            if plan.num_prefill_tokens == 0:
+                return s, rng
+    mixed, rng = build()
+    for i in range(40):   # each is done at its last chunk (max_new_tokens=1): the next follows
         mixed.add_request(1000 + i, rng.integers(0, 30000, size=8192, dtype=np.uint32),
-                          max_new_tokens=1)   # done at its last chunk: the next one follows
+                          max_new_tokens=1)
     ts, pre = [], []
     for _ in range(10 if quick else 40):
         t0 = pc()
@@ -129,13 +131,21 @@ def s4(quick):
         mixed.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
         ts.append(pc() - t0)
         pre.append(plan.num_prefill_tokens)
-    ids = np.zeros(n, dtype=np.uint32)
+    base, _ = build()
     base.schedule()
-    t_dec = time_steps(base, 40, ids)
-    t_mix = median(ts)
-    p = median(pre)
-    return {"mixed_step_ns": t_mix, "decode_only_step_ns": t_dec, "prefill_tokens": p,
-            "ns_per_prefill_token": (t_mix - t_dec) / p}
+    t_dec = time_steps(base, 40, np.zeros(n, dtype=np.uint32))
+    return median(ts), t_dec, median(pre)
+
+
+def s4(quick):
+    # 64 decoding requests plus 8k-token prompts that keep a 2,048-token chunk in every step
+    out = {}
+    for mode in ("auto", "off"):
+        t_mix, t_dec, p = mixed_cost(quick, mode)
+        out[f"{mode}_mixed_step_ns"] = t_mix
+        out[f"{mode}_decode_only_step_ns"] = t_dec
+        out[f"{mode}_ns_per_prefill_token"] = (t_mix - t_dec) / p
+    return out
 
 
 def s5(quick):
