@@ -500,3 +500,65 @@ def test_step_backends_match_their_rules_on_any_plan(example_backend, plan, voca
     # the separately compiled example checks the plan's consistency (status 18/19 otherwise)
     cap = example_backend.new_step(vocab)
     assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, vocab))
+
+
+# -- plans of the pure-Python twin of the engine step -----------------------------------------
+
+
+def _twin(**kw):
+    from qualia.twin_step import StepScheduler
+
+    args = dict(max_requests=6, num_blocks=40, page_tokens=4, logical_pages=16,
+                max_num_batched_tokens=24, max_prefill_chunk=10)
+    args.update(kw)
+    return StepScheduler(**args)
+
+
+def _add_requests(s, seed=3, n=10):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 1000, 12).tolist()
+    prompts = {}
+    for rid in range(n):
+        own = rng.integers(0, 1000, int(rng.integers(1, 20))).tolist()
+        prompt = (shared if rid % 2 else []) + own
+        prompts[rid] = prompt
+        s.add_request(rid, np.array(prompt, np.uint32), max_new_tokens=int(rng.integers(1, 12)),
+                      priority=int(rng.integers(0, 3)))
+    return prompts
+
+
+def test_twin_step_run_with_the_c_hash_backend_follows_the_decode_rule():
+    """A run of steps samples what the engine's prefill rule and decode rounds give: the first
+    output is the hash of the prompt's last token at its position, each later one the hash of the
+    previous output at the next position."""
+    s = _twin()
+    prompts = _add_requests(s)
+    result = s.run(qualia.HashBackend(vocab=1000))
+    assert len(result.finished) == len(prompts)
+    for fin in result.finished:
+        seq = list(prompts[fin.request_id])
+        for out in fin.output_tokens.tolist():
+            assert out == qualia.hash_next_token(fin.request_id, len(seq) - 1, seq[-1], 1000)
+            seq.append(out)
+
+
+def test_twin_plans_pass_the_compiled_example_and_match_the_python_twin(example_backend):
+    """Every plan of a run with chunking, prefix hits and preemptions (a small pool) is lowered,
+    accepted by the separately compiled example's consistency checks, and sampled alike by the C
+    hash backend (capsule and method) and its Python twin."""
+    from qualia.twin import PyHashBackend
+
+    s = _twin(num_blocks=14)
+    _add_requests(s, seed=5, n=12)
+    hb, twin = qualia.HashBackend(vocab=777), PyHashBackend(vocab=777)
+    cap = example_backend.new_step(777)
+    preempted = 0
+    while s.has_unfinished():
+        plan = s.schedule()
+        preempted += len(plan.preempted_request_ids)
+        want = twin.execute_step(plan)
+        assert np.array_equal(hb.execute_step(plan), want)
+        assert np.array_equal(_core._call_step_backend(hb, plan), want)
+        assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, 777))
+        s.update(want)
+    assert preempted > 0
