@@ -161,6 +161,13 @@ def test_c_consumer_sees_the_same_step_layout(example_backend):
         assert fields == offsets
 
 
+def test_cython_consumer_sees_the_same_step_layout(cython_backend):
+    sizes = cython_backend.sizes()
+    assert sizes["step_plan"] == _core.STEP_PLAN_STRUCT_SIZE
+    assert sizes["step_backend"] == _core.STEP_BACKEND_STRUCT_SIZE
+    assert cython_backend.step_plan_offsets() == STEP_PLAN_OFFSETS
+
+
 # -- the hash backend's step -----------------------------------------------------------------
 
 
@@ -445,6 +452,16 @@ def test_example_step_backend_end_to_end(example_backend, handover):
     sampled = _core._call_step_backend(given_as, plan)
     assert np.array_equal(sampled, example_rule(plan, 997))
     assert example_backend.step_stats(cap) == (1, 2, 1)
+
+
+def test_cython_step_backend_end_to_end(cython_backend):
+    backend = cython_backend.StepBackend(991)
+    plan = mixed_plan()
+    lps = np.zeros(3, np.float32)
+    sampled, got = _core._call_step_backend(backend, plan, logprobs_out=lps)
+    assert got is lps and np.array_equal(sampled, example_rule(plan, 991))
+    assert np.isnan(lps).all()  # it does not declare QUALIA_STEP_WRITES_LOGPROBS
+    assert backend.stats() == (1, 3)
 
 
 def test_example_step_backend_logprobs(example_backend):
