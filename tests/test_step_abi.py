@@ -12,6 +12,13 @@ import types
 
 import numpy as np
 import pytest
+from ctypes_abi import (
+    EXECUTE_STEP,
+    STEP_PLAN_COUNTS,
+    STEP_PLAN_POINTERS,
+    CStepBackend,
+    CStepPlan,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,15 +26,8 @@ import qualia
 from qualia import _core
 
 # Offsets of the step ABI on LP64 (the table of docs/DESIGN.md, "The step backend ABI").
-PLAN_COUNTS = ["struct_size", "page_tokens", "num_requests", "num_tokens", "num_sampled",
-               "num_prefill_tokens", "num_decode_tokens", "num_kv_indices",
-               "block_table_num_rows", "block_table_num_cols", "block_table_row_stride",
-               "num_changed_rows", "num_copies", "num_new", "num_preempted", "num_finished"]
-PLAN_POINTERS = ["request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
-                 "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
-                 "block_table_rows", "changed_rows", "kv_indptr", "kv_indices",
-                 "kv_last_page_len", "copies", "new_request_ids", "preempted_request_ids",
-                 "finished_request_ids"]
+PLAN_COUNTS = STEP_PLAN_COUNTS
+PLAN_POINTERS = STEP_PLAN_POINTERS
 STEP_PLAN_OFFSETS = {**{name: 4 * i for i, name in enumerate(PLAN_COUNTS)},
                      **{name: 64 + 8 * i for i, name in enumerate(PLAN_POINTERS)}}
 STEP_BACKEND_OFFSETS = {"abi_version": 0, "struct_size": 4, "flags": 8, "_reserved": 12,
@@ -142,6 +142,41 @@ def test_step_constants():
     assert qualia.STEP_CAPSULE_NAME == _core.STEP_CAPSULE_NAME == "qualia.step_backend.v1"
     assert qualia.STEP_ABI_VERSION == _core.STEP_ABI_VERSION == 1
     assert _core.STEP_WRITES_LOGPROBS == 1
+
+
+def test_ctypes_mirror_matches_the_compiled_structs():
+    assert ctypes.sizeof(CStepPlan) == _core.STEP_PLAN_STRUCT_SIZE
+    assert {n: getattr(CStepPlan, n).offset for n in PLAN_COUNTS + PLAN_POINTERS} == \
+        STEP_PLAN_OFFSETS
+    assert ctypes.sizeof(CStepBackend) == _core.STEP_BACKEND_STRUCT_SIZE
+
+
+def test_hash_step_reads_a_hand_filled_struct():
+    """Called through its capsule's function pointer with a qualia_step_plan filled field by
+    field (ctypes, no lowering by the core), the hash backend samples by the rule."""
+    plan = mixed_plan()
+    hb, iface = _hash_iface()
+    assert (iface.abi_version, iface.flags) == (1, _core.STEP_WRITES_LOGPROBS)
+    c = CStepPlan()
+    c.struct_size = ctypes.sizeof(CStepPlan)
+    c.page_tokens = plan.page_tokens
+    c.num_requests = len(plan.request_ids)
+    c.num_tokens = len(plan.input_ids)
+    c.num_sampled = len(plan.logits_indices)
+    for name in PLAN_POINTERS:
+        setattr(c, name, getattr(plan, name).ctypes.data)
+    sampled = np.zeros(3, np.uint32)
+    lps = np.zeros(3, np.float32)
+    fn = EXECUTE_STEP(iface.execute_step)
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, lps.ctypes.data) == 0
+    assert np.array_equal(sampled, hash_rule(plan, 32000))
+    assert lps.tolist() == [qualia.hash_logprob(int(rid), int(plan.positions[t]),
+                                                int(plan.input_ids[t]))
+                            for rid, t in zip(plan.sampled_request_ids, plan.logits_indices)]
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == 0  # logprobs not asked
+    c.num_tokens = 5  # logits_indices now point past T: the C step refuses (status -22)
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == -22
+    assert hb.step_calls == 3
 
 
 def test_round_abi_is_unchanged():
@@ -374,20 +409,13 @@ _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
-class _StepIface(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
-                ("flags", ctypes.c_uint32), ("_reserved", ctypes.c_uint32),
-                ("ctx", ctypes.c_void_p), ("execute_step", ctypes.c_void_p),
-                ("copy_pages", ctypes.c_void_p)]
-
-
 def _hash_iface():
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype = ctypes.c_void_p
     get.argtypes = [ctypes.py_object, ctypes.c_char_p]
     hb = qualia.HashBackend()
     cap = hb.__qualia_step_backend__
-    return hb, _StepIface.from_address(get(cap, qualia.STEP_CAPSULE_NAME.encode()))
+    return hb, CStepBackend.from_address(get(cap, qualia.STEP_CAPSULE_NAME.encode()))
 
 
 _KEEP = []
@@ -395,7 +423,7 @@ _KEEP = []
 
 def _capsule(name=b"qualia.step_backend.v1", **changes):
     hb, real = _hash_iface()
-    iface = _StepIface(real.abi_version, real.struct_size, real.flags, 0, real.ctx,
+    iface = CStepBackend(real.abi_version, real.struct_size, real.flags, 0, real.ctx,
                        real.execute_step, real.copy_pages)
     for k, v in changes.items():
         setattr(iface, k, v)
