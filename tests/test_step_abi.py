@@ -607,3 +607,37 @@ def test_twin_plans_pass_the_compiled_example_and_match_the_python_twin(example_
         assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, 777))
         s.update(want)
     assert preempted > 0
+
+
+class PyExampleStep:
+    """examples/c_backend's step model as a Python step backend."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def execute_step(self, plan):
+        return example_rule(plan, self.vocab)
+
+
+@pytest.mark.skipif(not hasattr(qualia.Scheduler, "run"), reason="the engine step is not built")
+@pytest.mark.parametrize("kind", ["hash", "example"])
+def test_core_run_with_c_step_backends_matches_the_twin(example_backend, kind):
+    """Scheduler.run drives a separately compiled step backend (the example checks every plan's
+    block-table rows and slot mapping against its CSR pages) or the C hash backend without the
+    GIL, and finishes every request with the outputs the twin gets from the same rule."""
+    from qualia.twin import PyHashBackend
+
+    kw = dict(max_requests=6, num_blocks=14, page_tokens=4, logical_pages=16,
+              max_num_batched_tokens=24, max_prefill_chunk=10)
+    core, twin = qualia.Scheduler(**kw), _twin(**kw)
+    _add_requests(core, seed=5, n=12)
+    _add_requests(twin, seed=5, n=12)
+    if kind == "hash":
+        c_backend, py_backend = qualia.HashBackend(vocab=777), PyHashBackend(vocab=777)
+    else:
+        c_backend, py_backend = example_backend.new_step(777), PyExampleStep(777)
+    got, want = core.run(c_backend), twin.run(py_backend)
+    assert [(f.request_id, f.output_tokens.tolist(), f.finish_reason) for f in got.finished] == \
+        [(f.request_id, f.output_tokens.tolist(), f.finish_reason) for f in want.finished]
+    assert len(got.finished) == 12 and not core.has_unfinished()
+    assert int(want.stats["num_preempted"].sum()) > 0
