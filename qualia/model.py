@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -48,6 +48,7 @@ __all__ = [
     "PagedModelBackend",
     "DenseModel",
     "DenseSequence",
+    "BeamHypothesis",
 ]
 
 _U32_MAX = 2**32 - 1
@@ -531,15 +532,20 @@ def _field(arr: np.ndarray, name: str, what: str) -> np.ndarray:
     return arr[name]
 
 
-def _plan_array(plan, name: str, kinds: str = "iu", required: bool = True) -> Optional[np.ndarray]:
+def _plan_optional(plan, name: str) -> Optional[np.ndarray]:
     value = getattr(plan, name, None)
     if value is None:
-        if required:
-            raise TypeError(f"plan has no {name!r}")
         return None
     arr = np.asarray(value)
-    if arr.size and arr.dtype.kind not in kinds:
+    if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"plan.{name} must be an integer array, got dtype {arr.dtype}")
+    return arr
+
+
+def _plan_array(plan, name: str) -> np.ndarray:
+    arr = _plan_optional(plan, name)
+    if arr is None:
+        raise TypeError(f"plan has no {name!r}")
     return arr
 
 
@@ -819,7 +825,7 @@ class PagedModelBackend:
             raise ValueError("plan.positions must run up to seq_lens - 1 within each request")
         if len(li) and (li.min() < 0 or li.max() >= t):
             raise ValueError("plan.logits_indices out of range")
-        srid = _plan_array(plan, "sampled_request_ids", required=False)
+        srid = _plan_optional(plan, "sampled_request_ids")
         if srid is not None and len(srid) != len(li):
             raise ValueError("plan.sampled_request_ids and logits_indices differ in length")
         npages = (seq_lens + pt - 1) // pt  # pages covering each request's context
@@ -867,9 +873,9 @@ class PagedModelBackend:
 
     def _check_csr(self, plan, tables_used, npages, seq_lens) -> None:
         """When the plan carries the CSR form, it must agree with the block table."""
-        indptr = _plan_array(plan, "kv_indptr", required=False)
-        indices = _plan_array(plan, "kv_indices", required=False)
-        last = _plan_array(plan, "kv_last_page_len", required=False)
+        indptr = _plan_optional(plan, "kv_indptr")
+        indices = _plan_optional(plan, "kv_indices")
+        last = _plan_optional(plan, "kv_last_page_len")
         if indptr is None or indices is None:
             return
         indptr = indptr.astype(np.int64).reshape(-1)
@@ -910,13 +916,12 @@ class PagedModelBackend:
         else:
             rids = np.asarray(srid).astype(np.uint64).reshape(-1)
         pos = np.asarray(plan.positions).astype(np.int64)[li] + 1  # the sampled token's
+        groups: Dict[SamplingParams, List[int]] = {}
         if not self._request_sampling:
-            groups = {self.sampling: np.arange(m)}
+            groups[self.sampling] = list(range(m))
         else:
-            params = [self.sampling_of(r) for r in rids.tolist()]
-            groups = {}
-            for i, p in enumerate(params):
-                groups.setdefault(p, []).append(i)
+            for i, r in enumerate(rids.tolist()):
+                groups.setdefault(self.sampling_of(r), []).append(i)
         for p, idx in groups.items():
             ix = np.asarray(idx, dtype=np.int64)
             out[ix] = sample_tokens(logits[ix], p, rids[ix], pos[ix])
@@ -1000,6 +1005,12 @@ class DenseSequence:
         self.length += len(toks)
         return logits[0]
 
+    def fork(self) -> "DenseSequence":
+        """An independent copy (its own KV buffer) of this sequence."""
+        twin = DenseSequence.__new__(DenseSequence)
+        twin.weights, twin.kv, twin.length = self.weights, self.kv.copy(), self.length
+        return twin
+
     def start(self, prompt) -> int:
         """Prefill ``prompt`` into an empty sequence; return the first generated token."""
         if self.length:
@@ -1009,6 +1020,13 @@ class DenseSequence:
     def step(self, token: int) -> int:
         """Feed one token (normally the previous output); return the next."""
         return _greedy(self.feed_logits([token]))
+
+
+class BeamHypothesis(NamedTuple):
+    """A finished beam: its output tokens and their cumulative model log-probability."""
+
+    tokens: List[int]
+    logprob: float
 
 
 class DenseModel:
@@ -1066,6 +1084,54 @@ class DenseModel:
         for prev, tok in zip(out, out[1:]):
             lps.append(float(log_softmax(seq.feed_logits([prev])[None])[0, tok]))
         return out, lps
+
+    def beam_search(self, prompt, beam_width: int, max_new_tokens: int,
+                    end_token: Optional[int] = None, *, stop_token_ids: Sequence[int] = ()
+                    ) -> List[BeamHypothesis]:
+        """Dense beam search, the reference of the beam policy over forks (issue 15).
+
+        ``beam_width`` W slots hold live or finished beams.  Start: one live beam, the prompt.
+        Each step, every live beam proposes its W best next tokens (model log-probabilities,
+        :func:`log_softmax`); a candidate scores its beam's cumulative log-probability plus the
+        token's.  Candidates are ranked by score (ties: the earlier beam, then the lower id)
+        and the best ``W - finished`` survive, in that order; a survivor whose token is
+        ``end_token`` or a stop id, or whose output reaches ``max_new_tokens``, is finished.
+        Ends when no live beam remains.  Returns the finished beams, best first (ties: finished
+        earlier first): ``result[0]`` is the best sequence."""
+        width = _as_int(beam_width, "beam_width")
+        max_new = _as_int(max_new_tokens, "max_new_tokens")
+        if width < 1 or width > self.config.vocab:
+            raise ValueError(f"beam_width must be in [1, vocab={self.config.vocab}]")
+        if max_new < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        prompt = np.asarray(prompt).reshape(-1).tolist()
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        stops = {int(t) for t in stop_token_ids}
+        if end_token is not None:
+            stops.add(int(end_token))
+        root = DenseSequence(self.weights, len(prompt) + max_new)
+        # (cumulative logprob, tokens, sequence, logits after it)
+        live: List[Tuple[float, List[int], DenseSequence, np.ndarray]] = [
+            (0.0, [], root, root.feed_logits(prompt))]
+        finished: List[BeamHypothesis] = []
+        while live:
+            cands: List[Tuple[float, int, int]] = []
+            for bi, (score, _toks, _, logits) in enumerate(live):
+                ids, lps = _topk_of(log_softmax(logits[None]), width)
+                cands.extend((score + float(lp), bi, int(t)) for t, lp in zip(ids[0], lps[0]))
+            cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+            survivors = []
+            for score, bi, tok in cands[: width - len(finished)]:
+                toks = live[bi][1] + [tok]
+                if tok in stops or len(toks) >= max_new:
+                    finished.append(BeamHypothesis(toks, score))
+                else:
+                    seq = live[bi][2].fork()
+                    survivors.append((score, toks, seq, seq.feed_logits([tok])))
+            live = survivors
+        order = sorted(range(len(finished)), key=lambda i: (-finished[i].logprob, i))
+        return [finished[i] for i in order]
 
     # incremental convenience API over one internal sequence
     def start(self, prompt) -> int:

@@ -421,3 +421,29 @@ def test_decode_round_and_step_agree(small):
     while len(toks) < 9:
         toks.append(paged.decode_one(toks[-1], len(prompt) + len(toks) - 1, pages))
     assert outputs[1] == toks == dense_reference(small, prompt, 9)
+
+
+def test_dense_beam_search(small):
+    dense = DenseModel(small)
+    prompt = _prompt(40, 9, SMALL.vocab)
+    one = dense.beam_search(prompt, 1, 8)
+    assert len(one) == 1 and one[0].tokens == dense.generate(prompt, 8)
+    _, lps = dense.generate_with_logprobs(prompt, 8)
+    assert abs(one[0].logprob - sum(lps)) < 1e-9
+    beams = dense.beam_search(prompt, 4, 8)
+    assert len(beams) == 4 and all(len(b.tokens) == 8 for b in beams)
+    assert [b.logprob for b in beams] == sorted((b.logprob for b in beams), reverse=True)
+    assert beams[0].logprob >= one[0].logprob  # a wider beam finds at least the greedy score
+    # each hypothesis' score is its tokens' log-probability under the model
+    for b in beams:
+        seq, total = dense.sequence(), 0.0
+        logits = seq.feed_logits(prompt)
+        for t in b.tokens:
+            total += float(log_softmax(logits[None])[0, t])
+            logits = seq.feed_logits([t])
+        assert abs(total - b.logprob) < 1e-9
+    stop = beams[0].tokens[2]
+    stopped = dense.beam_search(prompt, 4, 8, stop_token_ids=[stop])
+    assert any(b.tokens[-1] == stop and len(b.tokens) < 8 for b in stopped)
+    with pytest.raises(ValueError):
+        dense.beam_search(prompt, 0, 8)
