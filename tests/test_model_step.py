@@ -447,3 +447,82 @@ def test_dense_beam_search(small):
     assert any(b.tokens[-1] == stop and len(b.tokens) < 8 for b in stopped)
     with pytest.raises(ValueError):
         dense.beam_search(prompt, 0, 8)
+
+
+@pytest.mark.parametrize("budget", [1 << 21, 700])
+def test_row_logits_do_not_depend_on_the_batch(weights, monkeypatch, budget):
+    """Every sampled row of one mixed plan equals the dense model's logits for that request
+    alone, bit for bit, however the rows are split into attention blocks."""
+    import qualia.model as model_mod
+
+    monkeypatch.setattr(model_mod, "_ATTEND_BUDGET", budget)
+    pt = 4
+    rng = np.random.default_rng(50)
+    lengths = [37, 1, 12, 25, 6]
+    table = np.full((5, 16), -1, np.int32)
+    pages = rng.permutation(64).astype(np.int32)
+    be = PagedModelBackend(weights, 64, pt)
+    prompts, chunks, used = [], [], 0
+    for i, n in enumerate(lengths):
+        prompt = _prompt(60 + i, n)
+        prompts.append(prompt)
+        need = -(-n // pt)
+        table[i, :need] = pages[used : used + need]
+        used += need
+        done = int(rng.integers(0, n))  # tokens already computed (written by earlier steps)
+        if done:
+            be.step_logits(make_plan([(i, i, prompt, 0, done, False)], table, pt))
+        chunks.append((i, i, prompt, done, n - done, True))
+    order = [3, 0, 4, 1, 2]
+    logits = be.step_logits(make_plan([chunks[i] for i in order], table, pt))
+    dense = DenseModel(weights)
+    for row, i in enumerate(order):
+        assert np.array_equal(logits[row], dense.prompt_logits(prompts[i])), i
+
+
+def _old_forward_token(w, token, keys_of, scale):
+    """The original one-token formulation (numpy reductions per token), kept as a reference:
+    ``keys_of(layer, k, v)`` stores this token's K/V and returns K, V of positions 0..p."""
+    c = w.config
+    d, h, hd = c.d_model, c.heads, c.head_dim
+
+    def matvec(x, m):
+        return (x[:, None] * m).sum(axis=0)
+
+    def norm(x, g):
+        return x * (g / np.sqrt(np.mean(x * x) + c.norm_eps))
+
+    x = w.embed[token].copy()
+    cos, sin = w.rope(len(keys_of.tokens))
+    for li, lw in enumerate(w.layers):
+        qkv = matvec(norm(x, lw.attn_norm), lw.wqkv)
+        q = w._apply_rope(qkv[:d].reshape(h, hd), cos, sin)
+        k = w._apply_rope(qkv[d : 2 * d].reshape(h, hd), cos, sin)
+        keys, values = keys_of(li, k, qkv[2 * d :].reshape(h, hd))
+        s = (keys * q).sum(axis=-1) * scale
+        e = np.exp(s - s.max(axis=0))
+        a = ((e / e.sum(axis=0))[:, :, None] * values).sum(axis=0).reshape(d)
+        x = x + matvec(a, lw.wo)
+        up = matvec(norm(x, lw.mlp_norm), lw.w_up)
+        x = x + matvec(up / (1.0 + np.exp(-up)), lw.w_down)
+    return matvec(norm(x, w.final_norm), w.unembed)
+
+
+def test_same_numbers_as_the_one_token_formulation(weights):
+    prompt = _prompt(70, 21)
+    c = CONFIG
+
+    class Keys:
+        tokens: list = []
+        kv = np.zeros((c.layers, 2, 32, c.heads, c.head_dim))
+
+        def __call__(self, li, k, v):
+            p = len(self.tokens)
+            self.kv[li, 0, p], self.kv[li, 1, p] = k, v
+            return self.kv[li, 0, : p + 1], self.kv[li, 1, : p + 1]
+
+    keys = Keys()
+    for t in prompt:
+        old = _old_forward_token(weights, t, keys, 1.0 / np.sqrt(c.head_dim))
+        keys.tokens.append(t)
+    assert np.array_equal(old, DenseModel(weights).prompt_logits(prompt))
