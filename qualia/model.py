@@ -173,7 +173,7 @@ def _rows_attend(q: np.ndarray, pos: np.ndarray, keys: np.ndarray, values: np.nd
 
 
 # elements of the largest [rows, keys, heads, head_dim] temporary of one attention block
-_ATTEND_BUDGET = 1 << 21
+_ATTEND_BUDGET = 1 << 19
 
 
 def _row_blocks(pos: np.ndarray, per_key: int):
@@ -681,14 +681,16 @@ class PagedModelBackend:
             k_pages, v_pages = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, pt, H, D]
             out = np.empty_like(q)
             for a, b, length in _row_blocks(positions, per_key):
-                j = np.arange(length)
                 rows = row_of[a:b]
                 if rows[0] == rows[-1] and (rows == rows[0]).all():
                     rows = rows[:1]  # one sequence: gather its keys once
-                pages = np.maximum(tables[rows[:, None], (j // pt)[None, :]], 0)
-                offs = (j % pt)[None, :]
-                out[a:b] = _rows_attend(q[a:b], positions[a:b], k_pages[pages, offs],
-                                        v_pages[pages, offs], scale)
+                npg = -(-length // pt)
+                # whole pages (entries past a row's pages are never read: clamp them to 0)
+                pages = np.maximum(tables[rows, :npg], 0)
+                shape = (len(rows), npg * pt) + k_pages.shape[2:]
+                keys = k_pages[pages].reshape(shape)[:, :length]
+                values = v_pages[pages].reshape(shape)[:, :length]
+                out[a:b] = _rows_attend(q[a:b], positions[a:b], keys, values, scale)
             return out
 
         return self.weights.forward_rows(tokens, positions, attend, out_rows)
