@@ -920,10 +920,8 @@ class PagedModelBackend:
 
     def _sample_rows(self, plan, logits: np.ndarray) -> np.ndarray:
         li = np.asarray(plan.logits_indices).astype(np.int64).reshape(-1)
-        m = len(li)
-        out = np.zeros(m, dtype=np.uint32)
-        if not m:
-            return out
+        if not len(li):
+            return np.zeros(0, dtype=np.uint32)
         srid = getattr(plan, "sampled_request_ids", None)
         if srid is None:
             rids = np.asarray(plan.request_ids).astype(np.uint64)[
@@ -931,6 +929,22 @@ class PagedModelBackend:
         else:
             rids = np.asarray(srid).astype(np.uint64).reshape(-1)
         pos = np.asarray(plan.positions).astype(np.int64)[li] + 1  # the sampled token's
+        return self.sample(logits, rids, pos)
+
+    def sample(self, logits: np.ndarray, request_ids, positions) -> np.ndarray:
+        """Token ids ``uint32 [m]`` for rows of ``logits [m, vocab]``: row ``i`` with the
+        sampler of ``request_ids[i]`` (:meth:`set_sampling`, else ``sampling``), keyed by
+        ``positions[i]``, the position of the token being sampled.  (E.g. k forked children
+        sampling their first tokens from their parent's last prompt logits.)"""
+        logits = np.asarray(logits, dtype=np.float64)
+        rids = np.asarray(request_ids).astype(np.uint64).reshape(-1)
+        pos = np.asarray(positions).astype(np.int64).reshape(-1)
+        m = len(rids)
+        if logits.ndim != 2 or logits.shape[0] != m or len(pos) != m:
+            raise ValueError("logits [m, vocab], request_ids [m] and positions [m] must agree")
+        out = np.zeros(m, dtype=np.uint32)
+        if not m:
+            return out
         groups: Dict[SamplingParams, List[int]] = {}
         if not self._request_sampling:
             groups[self.sampling] = list(range(m))

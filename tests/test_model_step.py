@@ -528,3 +528,40 @@ def test_same_numbers_as_the_one_token_formulation(weights):
         old = _old_forward_token(weights, t, keys, 1.0 / np.sqrt(c.head_dim))
         keys.tokens.append(t)
     assert np.array_equal(old, DenseModel(weights).prompt_logits(prompt))
+
+
+def test_children_sample_from_one_prefill_row(small):
+    """n > 1 (issue 15): a plan may sample one logits row for several request ids (repeated
+    ``logits_indices``, the children in ``sampled_request_ids``); child c's tokens then equal
+    the dense run of the prompt with the same sampler keyed by c, whatever the batch."""
+    pt = 4
+    prompt = _prompt(80, 11, SMALL.vocab)
+    params = SamplingParams(temperature=1.0, seed=5)
+    children = [201, 202, 203, 204]
+    table = np.full((5, 8), -1, np.int32)
+    table[0, :3] = [0, 1, 2]
+    be = PagedModelBackend(small, 32, pt, sampling=params)
+    plan = make_plan([(200, 0, prompt, 0, 11, True)], table, pt)
+    plan.logits_indices = np.array([10] * 4, np.int32)
+    plan.sampled_request_ids = np.array(children, np.uint64)
+    first = be.execute_step(plan).tolist()
+    # each child continues on its own copy of the last, partial page (copy-on-write)
+    toks = {}
+    for r, c in enumerate(children):
+        table[r + 1, :5] = [0, 1, 10 + r, 20 + r, 24 + r]
+        toks[c] = prompt + [first[r]]
+    copies = [(2, 10 + r) for r in range(4)]
+    for step in range(6):
+        chunks = [(c, r + 1, toks[c], len(toks[c]) - 1, 1, True) for r, c in enumerate(children)]
+        ids = be.execute_step(make_plan(chunks, table, pt, copies if step == 0 else ()))
+        for c, t in zip(children, ids.tolist()):
+            toks[c].append(t)
+    dense = DenseModel(small)
+    outs = {c: toks[c][len(prompt):] for c in children}
+    for c in children:
+        assert outs[c] == dense.generate(prompt, 7, sampling=params, request_id=c), c
+    assert len({tuple(o) for o in outs.values()}) > 1  # the children differ
+    # the same first tokens from the logits directly
+    logits = PagedModelBackend(small, 32, pt).step_logits(
+        make_plan([(200, 0, prompt, 0, 11, True)], table, pt))
+    assert be.sample(np.repeat(logits, 4, axis=0), children, [11] * 4).tolist() == first
