@@ -880,6 +880,8 @@ class PagedModelBackend:
                 bad = int(np.argmax(slots != derived))
                 raise ValueError(f"plan.slot_mapping[{bad}] = {int(slots[bad])} disagrees with "
                                  f"the page table (slot {int(derived[bad])})")
+            if len(np.unique(slots)) != t:
+                raise ValueError("plan.slot_mapping: two tokens write the same K/V slot")
         if self.page_table == "block_table":
             self._check_csr(plan, tables[rows] if n else tables[:0], npages, seq_lens)
         copies = getattr(plan, "copies", None)

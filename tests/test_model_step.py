@@ -182,6 +182,9 @@ def test_bad_plans_are_refused_without_writing(weights):
         variant(kv_indices=np.array([1, 3], np.int32)),  # CSR disagrees with the table
         variant(kv_last_page_len=np.array([3], np.int32)),
         variant(copies=np.array([(0, 4)], dtype=COPY_OP)),  # copy into a page past the pool
+        # two requests whose tables point at the same page write the same slots
+        make_plan([(1, 0, prompt, 0, 6, True), (2, 1, prompt, 0, 6, True)],
+                  np.array([[1, 2, -1, -1], [1, 3, -1, -1]], np.int32), pt),
     ]
     be.kv[:] = 1.5
     be.kv[3] = 2.5
