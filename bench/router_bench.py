@@ -51,15 +51,18 @@ def main(argv=None):
     ev["kind"] = qualia._core.KV_STORED_KIND
     ids = rng.integers(0, 2**63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     owners = rng.integers(0, REPLICAS, size=n)
-    t0 = pc()
     applied = 0
+    apply_total = 0
     for r in range(REPLICAS):
         mine = ids[owners == r]
         for s in range(0, len(mine), len(ev)):
             chunk = mine[s:s + len(ev)]
             ev["identity"][:len(chunk)] = chunk
-            applied += idx.apply_events(r, ev[:len(chunk)])
-    apply_ns = (pc() - t0) / applied
+            batch = ev[:len(chunk)]
+            t0 = pc()
+            applied += idx.apply_events(r, batch)
+            apply_total += pc() - t0
+    apply_ns = apply_total / applied
     # the prompt: 64 pages every replica holds (real identities of a real prompt)
     sched = qualia.Scheduler(1, 4, PT, PAGES + 1, cache_key=bytes(range(16)))
     prompt = np.arange(1, PAGES * PT + 1, dtype=np.uint32)
