@@ -411,9 +411,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
-        if getattr(args, "replicas", None) is not None:
-            from .cluster import simulate_cli
-            return simulate_cli(args)
+        from . import cluster  # Ray is imported only when a cluster run starts
+        if cluster.wants_cluster(args):
+            return cluster.simulate_cli(args)
         if args.command in ("simulate", "demo"):
             return _simulate(args)
         parser.error(f"unknown command {args.command!r}")  # pragma: no cover

@@ -39,7 +39,7 @@ from qualia.errors import StepError
 
 __all__ = ["POLICIES", "ReplicaConfig", "Replica", "Cluster", "ClusterResult", "ClusterMetrics",
            "HashStepBackend", "make_scheduler", "compare_policies", "format_comparison",
-           "add_cluster_options", "simulate_cli"]
+           "add_cluster_options", "wants_cluster", "simulate_cli"]
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
 DEFAULT_KEY = bytes(range(16))   # every replica and the router share the cache key
@@ -154,6 +154,10 @@ class Replica:
     def ping(self) -> int:
         return self.replica_id
 
+    def _hit_tokens(self) -> int:
+        # prompt tokens the cache has served so far (for a plan that does not count them)
+        return int(self.facade.cache_stats().hit_tokens)
+
     def step(self, requests: Sequence[Tuple[int, Any, int, bytes]] = ()) -> Dict[str, Any]:
         """Queue ``requests`` ((id, prompt tokens, max_new_tokens, namespace) each), run one
         engine step when anything is unfinished, and report: tokens sampled (id -> token),
@@ -175,6 +179,7 @@ class Replica:
         rep: Dict[str, Any] = dict(prefill_tokens=0, decode_tokens=0, cached_tokens=0,
                                    preempted=0, admitted=0, stepped=False)
         if self.sched.has_unfinished():
+            hits_before = self._hit_tokens()
             plan = self.sched.schedule()
             try:
                 ids = np.asarray(self.backend.execute_step(plan), dtype=np.uint32)
@@ -186,7 +191,9 @@ class Replica:
             rids = np.asarray(plan.sampled_request_ids).tolist()
             rep.update(prefill_tokens=int(plan.num_prefill_tokens),
                        decode_tokens=int(plan.num_decode_tokens),
-                       cached_tokens=int(getattr(plan, "num_cached_tokens", 0)),
+                       cached_tokens=int(plan.num_cached_tokens)
+                       if hasattr(plan, "num_cached_tokens")
+                       else self._hit_tokens() - hits_before,
                        preempted=len(plan.preempted_request_ids),
                        admitted=len(plan.new_request_ids), stepped=True)
             done = self.sched.update(ids)
@@ -718,6 +725,17 @@ def add_cluster_options(p) -> None:
                    help="run the replicas in this process, without Ray")
 
 
+_CLUSTER_DEFAULTS = dict(replicas=None, router="prefix", compare=False, kill_replica=None,
+                         rejoin_after=5, load_weight=0.25, metrics_port=None, ray_address=None,
+                         local=False)
+
+
+def wants_cluster(args) -> bool:
+    """Whether ``simulate``'s arguments name any cluster option (then :func:`simulate_cli`
+    runs it, and refuses cluster options without ``--replicas``)."""
+    return any(getattr(args, k, v) != v for k, v in _CLUSTER_DEFAULTS.items())
+
+
 def simulate_cli(args, out=None, err=None) -> int:
     """``simulate`` with ``--replicas``: exit status as the single-engine simulate."""
     import json
@@ -728,6 +746,10 @@ def simulate_cli(args, out=None, err=None) -> int:
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    if args.replicas is None:
+        print("error: the cluster options (--router, --compare, --kill-replica, --metrics-port, "
+              "--ray-address, --local ...) need --replicas N", file=err)
+        return 2
     if args.prefix_caching != "auto":
         print("error: --replicas routes on automatic prefix caching: use --prefix-caching auto",
               file=err)

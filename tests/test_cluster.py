@@ -5,9 +5,11 @@ one local Ray with 2 CPUs for the module, bound every run by ``max_steps`` and s
 end.  They are skipped when Ray is not installed (the ``qualia[cluster]`` extra)."""
 
 import contextlib
+import dataclasses
 import io
 import subprocess
 import sys
+import types
 import urllib.request
 
 import numpy as np
@@ -143,6 +145,41 @@ def test_simulate_cli_local():
 def test_simulate_cli_refuses_explicit_mode():
     from qualia.__main__ import main
     assert main(["simulate", "--replicas", "2", "--local", "--prefix-caching", "explicit"]) == 2
+
+
+@pytest.mark.parametrize("option", [["--router", "round-robin"], ["--kill-replica", "3"],
+                                    ["--local"], ["--compare"]])
+def test_cluster_options_need_replicas(option):
+    from qualia.__main__ import main
+    assert main(["simulate", *option]) == 2
+
+
+def test_hit_tokens_without_a_plan_count():
+    """A scheduler whose plan does not count cached tokens: the replica falls back on the
+    cache's own counter and reports the same figure."""
+    from qualia.cluster import make_scheduler
+
+    class Plain:
+        def __init__(self, **kw):
+            self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
+            self.facade = self.inner.facade
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def schedule(self):
+            plan = self.inner.schedule()
+            return types.SimpleNamespace(**{k: v for k, v in vars(plan).items()
+                                            if k != "num_cached_tokens"})
+
+    w = workload(requests=10)
+    got = {}
+    for name, kind in (("twin", "twin"), ("plain", Plain)):
+        cl = Cluster(2, "prefix", dataclasses.replace(CFG, scheduler=kind), local=True)
+        res = cl.run(w, max_steps=2000)
+        assert_exactly_once(res)
+        got[name] = res.summary["cached_tokens"]
+    assert got["plain"] == got["twin"] > 0
 
 
 # -- on Ray ---------------------------------------------------------------------------------------
