@@ -122,15 +122,19 @@ class HashStepBackend:
         return np.array([h(r, p, t, v) for r, p, t in zip(rids, pos, toks)], dtype=np.uint32)
 
 
+def model_weights(config: ReplicaConfig):
+    """The numpy model's weights every replica of ``config`` uses (deterministic in the seed),
+    which ``--check`` hands to the dense model."""
+    from qualia.model import ModelConfig, ModelWeights
+    return ModelWeights.random(ModelConfig(seed=config.model_seed, vocab=config.vocab))
+
+
 def make_backend(config: ReplicaConfig):
     if config.backend == "hash":
         return HashStepBackend(config.vocab)
     if config.backend == "model":
-        from qualia.model import ModelConfig, ModelWeights, PagedModelBackend
-        weights = ModelWeights.random(ModelConfig(seed=config.model_seed)) \
-            if "seed" in {f.name for f in dataclasses.fields(ModelConfig)} \
-            else ModelWeights.random()
-        backend = PagedModelBackend(weights, config.num_blocks, config.page_tokens)
+        from qualia.model import PagedModelBackend
+        backend = PagedModelBackend(model_weights(config), config.num_blocks, config.page_tokens)
         if not hasattr(backend, "execute_step"):
             raise ValueError("the numpy model has no execute_step (the engine step API) in "
                              "this build: use backend='hash'")
@@ -828,7 +832,8 @@ def simulate_cli(args, out=None, err=None) -> int:
                 f"completed {'exactly once' if once else 'NOT exactly once'}")
         ok &= once
         if args.check:
-            chk = check_outputs(res.requests, res.outputs, end_token=args.end_token, vocab=vocab)
+            chk = check_outputs(res.requests, res.outputs, end_token=args.end_token, vocab=vocab,
+                                weights=model_weights(config) if backend == "model" else None)
             line += f"; check: {chk.describe()}"
             ok &= chk.ok
         messages.append(line)

@@ -244,3 +244,16 @@ def test_ray_simulate_cli_with_a_kill(ray_cluster):
                    "--no-progress"])
     assert rc == 0, out.getvalue()
     assert "| prefix | 2 |" in out.getvalue()
+
+
+def test_model_backend_needs_the_step_api():
+    from qualia.cluster import Replica
+    from qualia.model import PagedModelBackend
+    if hasattr(PagedModelBackend, "execute_step"):
+        cl = Cluster(2, "prefix", dataclasses.replace(CFG, backend="model", vocab=512),
+                     local=True)
+        res = cl.run(workload(requests=4, turns=1, vocab=512), max_steps=2000)
+        assert set(res.completions.values()) == {1}
+    else:
+        with pytest.raises(ValueError, match="execute_step"):
+            Replica(0, dataclasses.replace(CFG, backend="model"))
