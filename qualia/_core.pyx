@@ -31,6 +31,7 @@
 #   core/pagecache.pxi   automatic prefix caching: the page cache, its hash, namespaces, events
 #   core/autoprefix.pxi  automatic prefix caching: the facade's token streams, admit/fill/finish
 #   core/facade.pxi      qualia.Scheduler: admit / reserve / decode / finish
+#   core/router.pxi      the router's index: page identity -> replicas holding it (KV events)
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
                              PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ND)
@@ -79,3 +80,4 @@ include "core/requests.pxi"
 include "core/pagecache.pxi"
 include "core/autoprefix.pxi"
 include "core/facade.pxi"
+include "core/router.pxi"
