@@ -43,9 +43,9 @@ class Request:
     ``prompt`` is a list of token ids (or a uint32 numpy array: a :class:`Trace`'s prompts);
     ``shared_prefix_len`` is the length of the prompt's
     cacheable prefix (its system prompt; 0 for none); ``arrival_step`` is the decode step at
-    which the request reaches the engine; ``arrival_s`` (optional, a :class:`Trace`'s) is the time
-    in seconds since the start of the run at which it arrives.  ``namespace`` (``b"tenant-<tenant>"``) scopes the
-    prefix cache."""
+    which the request reaches the engine; ``arrival_s`` (optional, a :class:`Trace`'s) is the
+    time in seconds since the start of the run at which it arrives.  ``namespace``
+    (``b"tenant-<tenant>"``) scopes the prefix cache."""
 
     request_id: int
     tenant: int
