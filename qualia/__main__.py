@@ -446,8 +446,8 @@ def _simulate(args, out=None, err=None) -> int:
         "max_batched_tokens": args.max_batched_tokens, "max_seqs": args.max_seqs,
         "chunk": args.chunk, "step_ms": args.step_ms,
     }
-    if args.trace is not None:
-        summary["config"]["trace_form"] = getattr(workload, "form", None)
+    if isinstance(workload, Trace):
+        summary["config"]["trace_form"] = workload.form
         summary["config"]["trace_requests"] = len(workload)
     if args.plot is not None:
         from .plot import plot_timeline

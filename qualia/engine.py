@@ -569,10 +569,10 @@ class Engine:
         step = self.step_no
         firsts = []
         for rid in plan.sampled_request_ids.tolist():
-            lv = live.get(rid)
-            if lv is not None and lv.first_step < 0:
-                lv.first_step = step
-                firsts.append(lv)
+            got = live.get(rid)
+            if got is not None and got.first_step < 0:
+                got.first_step = step
+                firsts.append(got)
         c.sampled_tokens += len(plan.logits_indices)
         return firsts
 

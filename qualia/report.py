@@ -353,7 +353,8 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
                   f"{s['mean_step_tokens']:.1f} tokens, peak running {s['peak_running']}, "
                   f"peak waiting {s['peak_waiting']})"),
         ("step budget", f"{s['max_batched_tokens']} tokens, {s['max_seqs']} requests, "
-                        f"prefill chunk {'budget' if chunk is None else chunk}"),
+                        + ("no prefill chunk cap" if chunk is None else
+                           f"prefill chunks <= {chunk} tokens")),
         ("throughput", f"{s['throughput_tokens_per_s']:.1f} tokens/s generated "
                        f"({s['computed_tokens_per_s']:.1f} computed) in "
                        f"{_secs(float(s['serve_s']))}"),
