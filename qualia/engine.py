@@ -318,6 +318,7 @@ class Engine:
 
         self.step_no = 0
         self.now = 0.0  # the serving clock, seconds
+        self._empty_plans = 0  # consecutive plans that scheduled nothing
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
         # not yet due: a heap of (arrival_step, arrival_s, submission number, request)
@@ -522,6 +523,7 @@ class Engine:
             raise
         finished = self._call(s.update, sampled)
         firsts = self._record(plan)
+        self._check_progress(plan)
         if self.caching == "auto":
             self._drain_events()
         self.round_sched_s.append(secs[SCHEDULER] - s0)
@@ -534,6 +536,21 @@ class Engine:
         for fin in finished:
             self._complete(fin)
         self._sample()
+
+    #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
+    #: only running request preempts itself for pages; the next step admits it again).
+    MAX_EMPTY_PLANS = 64
+
+    def _check_progress(self, plan) -> None:
+        if len(plan.request_ids):
+            self._empty_plans = 0
+            return
+        self._empty_plans += 1
+        if self._empty_plans > self.MAX_EMPTY_PLANS:
+            s = self.scheduler
+            raise RuntimeError(
+                f"engine stuck: {self._empty_plans} steps in a row scheduled nothing with "
+                f"{s.num_waiting} waiting and {s.num_running} running requests")
 
     def _record(self, plan) -> List[_Live]:
         """The books of one step: tokens, admissions, hits, preemptions; returns the requests

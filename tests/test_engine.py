@@ -670,3 +670,18 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
     assert "qualia[plot]" in matplotlib_problem()
     with pytest.raises(ImportError, match=r"qualia\[plot\]"):
         plot_timeline(Timeline(), str(tmp_path / "x.png"))
+
+
+def test_a_scheduler_that_schedules_nothing_is_reported_not_looped_on():
+    class Idle(StepScheduler):
+        def schedule(self):  # never admits anything: an empty plan every step
+            self._waiting_backup = list(self._waiting)
+            self._waiting.clear()
+            try:
+                return super().schedule()
+            finally:
+                self._waiting[:] = self._waiting_backup
+
+    engine = Engine(HashSteps(), scheduler_factory=Idle, page_tokens=4)
+    with pytest.raises(RuntimeError, match="engine stuck"):
+        engine.run([Request(0, 0, [1, 2, 3], 0, 2)])
