@@ -383,7 +383,7 @@ class StepScheduler:
             slot_mapping=np.array(slots, dtype=np.int64),
             logits_indices=np.array(logits, dtype=np.int32),
             sampled_request_ids=np.array(sampled, dtype=np.uint64),
-            block_table=self._block_table,
+            block_table=self._block_table.view(),
             block_table_rows=np.array(rows, dtype=np.int32),
             changed_rows=np.array(sorted(self._dirty), dtype=np.int32),
             kv_indptr=np.array(indptr, dtype=np.int32),
@@ -399,6 +399,9 @@ class StepScheduler:
             page_tokens=pt,
             _chunks=[(r, n) for r, _, n, _, _ in chunks],
         )
+        for value in vars(plan).values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
         self._dirty = set()
         self._finished_since = []
         self._aborted_in_plan = set()
@@ -467,7 +470,7 @@ class StepScheduler:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, backend, max_steps=None) -> RunResult:
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
-        stats = []
+        stats: List[tuple] = []
         finished: List[FinishedRequest] = []
         while self.has_unfinished() and (limit is None or len(stats) < limit):
             plan = self.schedule()
