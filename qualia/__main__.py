@@ -332,9 +332,8 @@ def _memory_problem(args, workload) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _progress_bar(args, err):
+def _progress_bar(args, err, total: int):
     """A tqdm bar on a terminal, else None."""
-    total = args.requests * args.turns if args.trace is None else 0
     if args.quiet or args.no_progress or not err.isatty():
         return None
     try:
@@ -391,7 +390,8 @@ def _simulate(args, out=None, err=None) -> int:
             print(f"error: {problem}", file=err)
             return 2
 
-    bar = _progress_bar(args, err)
+    bar = _progress_bar(args, err, len(workload) if isinstance(workload, Trace)
+                        else args.requests * args.turns)
     phase = ["simulate"]
 
     def progress(name: str, done: int, total: int) -> None:
@@ -454,7 +454,8 @@ def _simulate(args, out=None, err=None) -> int:
 
         if result.timeline is not None:
             try:
-                plot_timeline(result.timeline, args.plot, stats=result.stats)
+                plot_timeline(result.timeline, args.plot, stats=result.stats,
+                              x="time" if args.trace is not None else "step")
             except OSError as exc:
                 print(f"error: --plot {args.plot}: {exc.strerror or exc}", file=err)
                 return 2

@@ -26,10 +26,13 @@ def matplotlib_problem() -> Optional[str]:
 
 
 def plot_timeline(timeline, path: str, *, stats: Optional[dict] = None,
-                  title: str = "qualia simulate") -> None:
-    """Draw ``timeline`` into ``path`` (the format from its extension: png, pdf, svg, ...).
+                  title: str = "qualia simulate", x: str = "step") -> None:
+    """Draw ``timeline`` into ``path`` (the format from its extension: png, pdf, svg, ...)
+    over its steps (``x="step"``) or over the serving clock (``x="time"``, seconds).
     ``stats`` (the run's summary figures) adds the pool size and a subtitle.  Raises
     ``ImportError`` with the install hint when matplotlib is missing."""
+    if x not in ("step", "time"):
+        raise ValueError(f"x must be 'step' or 'time', not {x!r}")
     try:
         import matplotlib
 
@@ -37,7 +40,7 @@ def plot_timeline(timeline, path: str, *, stats: Optional[dict] = None,
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError(MISSING) from exc
-    steps = timeline.step
+    steps = timeline.step if x == "step" else timeline.t
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     try:
         ax = axes[0]
@@ -60,7 +63,7 @@ def plot_timeline(timeline, path: str, *, stats: Optional[dict] = None,
         ax.plot(steps, [100.0 * x for x in timeline.hit_rate], lw=1)
         ax.set_ylabel("prefix-cache hit rate\n(% of tokens so far)")
         ax.set_ylim(0, 100)
-        ax.set_xlabel("step")
+        ax.set_xlabel("step" if x == "step" else "serving time (s)")
         ax.grid(alpha=0.3)
 
         sub = ""

@@ -659,6 +659,11 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "run.png"
     plot_timeline(result.timeline, str(path), stats=result.stats)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "run.svg"
+    plot_timeline(result.timeline, str(svg), x="time")
+    assert svg.read_text().lstrip().startswith("<?xml")
+    with pytest.raises(ValueError, match="x must be"):
+        plot_timeline(result.timeline, str(svg), x="tokens")
 
 
 def test_plot_without_matplotlib(monkeypatch, tmp_path):
