@@ -182,7 +182,7 @@ class _Live:
     """Engine-side record of one request: when it arrived, got its first token, finished."""
 
     __slots__ = ("req", "arrival_step", "arrival_t", "first_step", "first_t", "end_step",
-                 "end_t", "outputs", "admissions")
+                 "end_t", "outputs", "admissions", "computed")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -194,6 +194,7 @@ class _Live:
         self.end_t = 0.0
         self.outputs: List[int] = []
         self.admissions = 0
+        self.computed = 0  # the most tokens of it ever computed (recomputes count from there)
 
 
 class Engine:
@@ -579,10 +580,13 @@ class Engine:
                     c.prefix_hits += 1
                     c.cached_tokens += hit
                 lv.admissions += 1
-                if lv.admissions > 1:
-                    c.resumed += 1
-                    c.tokens_recomputed += max(
-                        0, len(lv.req.prompt) + len(lv.outputs) - 1 - hit)
+                if lv.admissions > 1:  # resumed after a preemption: what it computed before,
+                    c.resumed += 1     # less what the cache kept, is computed again
+                    c.tokens_recomputed += max(0, lv.computed - hit)
+        for rid, seq_len in zip(plan.request_ids.tolist(), plan.seq_lens.tolist()):
+            lv = live[rid]
+            if seq_len > lv.computed:
+                lv.computed = seq_len
         step = self.step_no
         firsts = []
         for rid in plan.sampled_request_ids.tolist():

@@ -702,3 +702,19 @@ def test_a_scheduler_that_schedules_nothing_is_reported_not_looped_on():
     engine = Engine(HashSteps(), scheduler_factory=Idle, page_tokens=4)
     with pytest.raises(RuntimeError, match="engine stuck"):
         engine.run([Request(0, 0, [1, 2, 3], 0, 2)])
+
+
+def test_recomputed_tokens_are_what_a_preempted_request_computes_again():
+    # two requests in a pool that holds one of them at its peak: the later admitted one is
+    # preempted when the first needs pages, and recomputes what the cache did not keep
+    reqs = [Request(0, 0, list(range(1, 9)), 0, 8), Request(1, 0, list(range(11, 19)), 0, 8)]
+    engine = Engine(HashSteps(), num_blocks=5, max_requests=2, page_tokens=4, logical_pages=4)
+    result = engine.run(reqs, check=True)
+    st = result.stats
+    assert result.check.ok and st["preemptions"] >= 1 and st["recomputes"] >= 1
+    # the prompts share nothing, so every token computed is a prompt or output token (less the
+    # last output of each request, never fed back) or a recomputed one; the resumed request's
+    # cache hit is a page it had filled itself
+    fed = sum(len(r.prompt) + r.max_new_tokens - 1 for r in reqs)
+    assert st["tokens_scheduled"] == fed + st["tokens_recomputed"]
+    assert 0 < st["tokens_recomputed"] and st["prefix_tokens_reused"] > 0
