@@ -194,7 +194,7 @@ class _Live:
         self.end_t = 0.0
         self.outputs: List[int] = []
         self.admissions = 0
-        self.computed = 0  # the most tokens of it ever computed (recomputes count from there)
+        self.computed = 0  # tokens it had computed when last preempted
 
 
 class Engine:
@@ -320,6 +320,10 @@ class Engine:
         self.step_no = 0
         self.now = 0.0  # the serving clock, seconds
         self._empty_plans = 0  # consecutive plans that scheduled nothing
+        # computed tokens per block-table row after the last plan, and each running request's
+        # row: what a preempted request had computed (its recompute, when it resumes)
+        self._row_computed = np.zeros(self.max_seqs, dtype=np.int64)
+        self._row_of: Dict[int, int] = {}
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
         # not yet due: a heap of (arrival_step, arrival_s, submission number, request)
@@ -567,14 +571,25 @@ class Engine:
         c.max_plan_seqs = max(c.max_plan_seqs, len(plan.request_ids))
         if plan.num_prefill_tokens and plan.num_decode_tokens:
             c.mixed_steps += 1
+        for rid in plan.preempted_request_ids.tolist():  # rows keep last plan's counts
+            row = self._row_of.pop(rid, None)
+            if row is not None:
+                live[rid].computed = int(self._row_computed[row])
         new = plan.new_request_ids.tolist()
         if new:
-            index = {rid: i for i, rid in enumerate(plan.request_ids.tolist())}
-            starts = plan.query_start_loc
-            for rid in new:
+            n, k = len(plan.request_ids), len(new)
+            ids = plan.request_ids.tolist()
+            qsl = plan.query_start_loc
+            if ids[n - k:] == new:  # admissions come last in a plan
+                at = list(range(n - k, n))
+            else:  # pragma: no cover - a scheduler that orders them otherwise
+                index = {rid: i for i, rid in enumerate(ids)}
+                at = [index[rid] for rid in new]
+            hits = plan.positions[qsl[at]].tolist()
+            rows = plan.block_table_rows[at].tolist()
+            for rid, hit, row in zip(new, hits, rows):
                 lv = live[rid]
-                i = index[rid]
-                hit = int(plan.positions[starts[i]])
+                self._row_of[rid] = row
                 c.admissions += 1
                 if hit:
                     c.prefix_hits += 1
@@ -583,10 +598,7 @@ class Engine:
                 if lv.admissions > 1:  # resumed after a preemption: what it computed before,
                     c.resumed += 1     # less what the cache kept, is computed again
                     c.tokens_recomputed += max(0, lv.computed - hit)
-        for rid, seq_len in zip(plan.request_ids.tolist(), plan.seq_lens.tolist()):
-            lv = live[rid]
-            if seq_len > lv.computed:
-                lv.computed = seq_len
+        self._row_computed[plan.block_table_rows] = plan.seq_lens
         step = self.step_no
         firsts = []
         for rid in plan.sampled_request_ids.tolist():
@@ -616,6 +628,7 @@ class Engine:
     def _complete(self, fin) -> None:
         rid = int(fin.request_id)
         lv = self._live.pop(rid)
+        self._row_of.pop(rid, None)
         lv.outputs = [int(t) for t in np.asarray(fin.output_tokens).tolist()]
         lv.end_step, lv.end_t = self.step_no - 1, self.now
         self._completions[rid] = self._completions.get(rid, 0) + 1

@@ -79,28 +79,31 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
     return -(-positions // page_tokens)
 
 
-def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> Union[List[int], np.ndarray]:
-    """A request's prompt as a list of ints (or, from a numpy array, a uint32 array: checked
-    without a Python loop over its tokens)."""
+def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
+    """A request's prompt as a uint32 numpy array, checked without a Python loop over its
+    tokens (a list of ints goes through one conversion)."""
     limit = 2**32 if vocab is None else min(int(vocab), 2**32)
     if isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "ui"):
-            raise ValueError(f"request {rid}: a prompt array must be 1-D of integer token ids")
-        if prompt.size and (int(prompt.min()) < 0 or int(prompt.max()) >= limit):
-            raise ValueError(f"request {rid}: prompt token ids must be in [0, {limit})")
-        return np.ascontiguousarray(prompt, dtype=np.uint32)
-    toks = [int(t) for t in prompt]
-    if vocab is not None and any(not 0 <= t < vocab for t in toks):
-        raise ValueError(f"request {rid}: prompt token ids must be in [0, {vocab})")
-    if any(not 0 <= t < 2**32 for t in toks):
-        raise ValueError(f"request {rid}: prompt token ids must be u32")
-    return toks
+        arr = prompt
+    else:
+        try:
+            arr = np.array(prompt if isinstance(prompt, (list, tuple)) else list(prompt))
+        except (OverflowError, TypeError, ValueError):
+            raise ValueError(f"request {rid}: prompt token ids must be u32") from None
+        if arr.dtype == object:  # ints past int64 or mixed objects
+            raise ValueError(f"request {rid}: prompt token ids must be u32")
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
+        raise ValueError(f"request {rid}: prompt token ids must be a 1-D sequence of integers")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        what = "u32" if vocab is None else f"in [0, {vocab})"
+        raise ValueError(f"request {rid}: prompt token ids must be {what}")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
 def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logical_pages: int,
                     vocab: Optional[int] = None) -> Request:
-    """``request`` with plain ``int`` fields and a list prompt (a uint32 array when it came as a
-    numpy array), once it is known servable by a scheduler of ``num_blocks`` pages of
+    """``request`` with plain ``int`` fields and its prompt as a uint32 numpy array, once it is
+    known servable by a scheduler of ``num_blocks`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
     :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
     either, and ``ValueError`` for an empty prompt, no tokens to generate, a token id outside
