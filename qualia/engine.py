@@ -324,6 +324,7 @@ class Engine:
         # row: what a preempted request had computed (its recompute, when it resumes)
         self._row_computed = np.zeros(self.max_seqs, dtype=np.int64)
         self._row_of: Dict[int, int] = {}
+        self._awaiting_first: Dict[int, _Live] = {}  # admitted, no token sampled yet
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
         # not yet due: a heap of (arrival_step, arrival_s, submission number, request)
@@ -590,6 +591,8 @@ class Engine:
             for rid, hit, row in zip(new, hits, rows):
                 lv = live[rid]
                 self._row_of[rid] = row
+                if lv.first_step < 0:
+                    self._awaiting_first[rid] = lv
                 c.admissions += 1
                 if hit:
                     c.prefix_hits += 1
@@ -599,12 +602,13 @@ class Engine:
                     c.resumed += 1     # less what the cache kept, is computed again
                     c.tokens_recomputed += max(0, lv.computed - hit)
         self._row_computed[plan.block_table_rows] = plan.seq_lens
-        step = self.step_no
         firsts = []
-        for rid in plan.sampled_request_ids.tolist():
-            got = live.get(rid)
-            if got is not None and got.first_step < 0:
-                got.first_step = step
+        awaiting = self._awaiting_first
+        if awaiting:
+            sampled = set(plan.sampled_request_ids.tolist())
+            for rid in [r for r in awaiting if r in sampled]:
+                got = awaiting.pop(rid)
+                got.first_step = self.step_no
                 firsts.append(got)
         c.sampled_tokens += len(plan.logits_indices)
         return firsts
@@ -629,7 +633,7 @@ class Engine:
         rid = int(fin.request_id)
         lv = self._live.pop(rid)
         self._row_of.pop(rid, None)
-        lv.outputs = [int(t) for t in np.asarray(fin.output_tokens).tolist()]
+        lv.outputs = np.asarray(fin.output_tokens).tolist()
         lv.end_step, lv.end_t = self.step_no - 1, self.now
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
