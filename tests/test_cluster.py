@@ -144,7 +144,10 @@ def test_simulate_cli_local():
 
 def test_simulate_cli_refuses_explicit_mode():
     from qualia.__main__ import main
-    assert main(["simulate", "--replicas", "2", "--local", "--prefix-caching", "explicit"]) == 2
+    # the step engine has no explicit mode: --prefix-caching takes 'auto' or 'off' (exit 2)
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--replicas", "2", "--local", "--prefix-caching", "explicit"])
+    assert exc.value.code == 2
 
 
 @pytest.mark.parametrize("option", [["--router", "round-robin"], ["--kill-replica", "3"],
