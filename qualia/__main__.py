@@ -6,6 +6,8 @@ Examples::
     qualia simulate --check               # ... and compare with the dense model
     qualia simulate --backend c --requests 2000 --arrival-rate 8 --check
     qualia simulate --json run.json --no-progress
+    qualia simulate --backend c --trace azure_conv.csv --logical-pages 512 --num-blocks 8192
+    qualia simulate --max-batched-tokens 256 --chunk 64 --plot run.png
     qualia demo                           # a tiny run with --check
 
 Exit status: 0 on success, 1 when ``--check`` finds a mismatch, 2 for bad arguments (an option
@@ -19,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 from .report import format_summary, jsonable
 from .resources import available_memory, format_bytes, memory_estimate
@@ -40,11 +42,11 @@ DEFAULTS = dict(
     max_requests=24,
     page_tokens=16,
     logical_pages=16,
-    prefix_entries=6,
     backend="model",
     turns=2,
     user_len=(8, 32),
     prefix_caching="auto",
+    max_batched_tokens=2048,
 )
 
 U32_MAX = 2**32 - 1
@@ -111,9 +113,26 @@ def _ratio(text: str) -> float:
     return v
 
 
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v < float("inf"):  # also nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     d = defaults
     w = p.add_argument_group("workload")
+    w.add_argument("--trace", metavar="FILE", default=None,
+                   help="replay a CSV trace instead of the synthetic workload: the Azure LLM "
+                        "inference trace (TIMESTAMP,ContextTokens,GeneratedTokens) or "
+                        "arrival_s,prompt_tokens,output_tokens, optionally with "
+                        "prefix_group,prefix_tokens (rows of a group share that many first "
+                        "tokens) and tenant; token ids are drawn from --seed, and the synthetic "
+                        "workload options below are ignored")
     w.add_argument("--requests", type=_int_in(0, 2**63 - 1), default=d["requests"], metavar="N",
                    help="number of requests (default %(default)s)")
     w.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=d["seed"], metavar="S",
@@ -155,13 +174,22 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
                    metavar="N", help="tokens per KV page (default %(default)s)")
     s.add_argument("--logical-pages", type=_int_in(1, U32_MAX), default=d["logical_pages"],
                    metavar="N", help="max pages per request (default %(default)s)")
-    s.add_argument("--prefix-caching", choices=("auto", "explicit", "off"),
+    s.add_argument("--prefix-caching", choices=("auto", "off"),
                    default=d["prefix_caching"],
                    help="'auto': reuse the longest cached run of every context's pages, verified "
-                        "page by page; 'explicit': system-prompt breakpoints in a prefix store; "
-                        "'off' (default %(default)s)")
-    s.add_argument("--prefix-entries", type=_int_in(1, 2**30), default=d["prefix_entries"],
-                   metavar="N", help="prefix store entries, explicit mode (default %(default)s)")
+                        "page by page; 'off' (default %(default)s)")
+    s.add_argument("--max-batched-tokens", type=_int_in(1, U32_MAX),
+                   default=d["max_batched_tokens"], metavar="N",
+                   help="token budget of one step: decodes and prefill chunks together "
+                        "(default %(default)s)")
+    s.add_argument("--max-seqs", type=_int_in(1, 65536), default=None, metavar="N",
+                   help="requests in one step, <= --max-requests (default: --max-requests)")
+    s.add_argument("--chunk", type=_int_in(1, U32_MAX), default=None, metavar="N",
+                   help="longest prefill chunk: longer prompts are prefilled over several steps "
+                        "(default: only the token budget limits a chunk)")
+    s.add_argument("--step-ms", type=_seconds, default=None, metavar="MS",
+                   help="the serving clock's cost of one step in milliseconds, for arrivals "
+                        "and latencies in seconds (default: each step's measured time)")
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
                    help="'model': the numpy paged-attention model; 'c': the built-in C hash "
                         "backend, qualia.HashBackend (default %(default)s)")
@@ -172,6 +200,10 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     o.add_argument("--json", metavar="PATH", default=None,
                    help="write the summary as JSON to PATH ('-' for stdout); PATH is checked "
                         "before the run")
+    o.add_argument("--plot", metavar="PATH", default=None,
+                   help="draw running and waiting requests, pool use and the prefix-cache hit "
+                        "rate over the run into PATH (PNG, PDF, SVG; needs matplotlib: pip "
+                        "install 'qualia[plot]')")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bar and no summary table (errors and a failed check are "
@@ -187,13 +219,16 @@ def _prog() -> str:
 _EPILOG = """\
 commands:
   simulate   serve a synthetic workload (multi-turn conversations, shared system prompts,
-             tenants, Poisson arrivals) and print a summary; see `%(prog)s simulate --help`
+             tenants, Poisson arrivals) or a CSV trace (--trace) and print a summary:
+             throughput, time to first token, time per output token; see
+             `%(prog)s simulate --help`
   demo       a tiny simulate run (12 two-turn conversations, a small pool) checked against
              the dense model; takes the same options
 
 examples:
   %(prog)s simulate --check
   %(prog)s simulate --backend c --requests 2000 --arrival-rate 8 --check
+  %(prog)s simulate --max-batched-tokens 128 --chunk 32 --plot run.png
   %(prog)s demo
 
 exit status: 0 ok, 1 --check found a mismatch, 2 bad arguments (or a run the machine
@@ -208,14 +243,17 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
         description="qualia: an LLM-serving request scheduler core. `simulate` serves a\n"
-                    "synthetic workload on qualia.Scheduler with automatic prefix caching,\n"
-                    "copy-on-write, reclaim and preemption, and reports what happened.")
+                    "synthetic workload or a trace on the scheduler's engine step (token\n"
+                    "budget, chunked prefill, automatic prefix caching, reclaim, preemption)\n"
+                    "and reports what happened.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     sim = sub.add_parser("simulate", help="serve a synthetic workload and report",
                          description="Serve a synthetic workload on qualia.Scheduler.")
     _add_simulate_options(sim, DEFAULTS)
+    from .cluster import add_cluster_options  # imports no Ray: that waits for --replicas
+    add_cluster_options(sim)
     demo_defaults = dict(DEFAULTS, requests=12, num_blocks=48, max_requests=8,
                          prompt_len=(20, 60), output_len=(8, 24))
     demo = sub.add_parser("demo", help="a tiny simulate run with --check",
@@ -257,12 +295,12 @@ _SET_BY = {
     "pool": "--num-blocks",
     "block tables": "--max-requests x --logical-pages",
     "request slots": "--max-requests",
-    "prefix store": "--prefix-entries x --logical-pages",
+    "token arena": "4 x --max-requests x --logical-pages x --page-tokens",
     "prefix cache": "--num-blocks x --page-tokens",
     "token streams": "--max-requests x --logical-pages x --page-tokens",
     "token scratch": "--logical-pages x --page-tokens",
     "undo log": "--max-requests, --logical-pages",
-    "workload": "--requests x --prompt-len, --output-len",
+    "workload": "--requests x --prompt-len, --output-len (or the --trace)",
 }
 
 
@@ -271,7 +309,10 @@ def memory_needed(args, workload) -> Dict[str, int]:
     parts = memory_estimate(
         args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
         page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-        prefix_entries=args.prefix_entries, prefix_caching=args.prefix_caching)
+        prefix_entries=1, prefix_caching=args.prefix_caching)
+    parts.pop("prefix store", None)  # the engine step keeps no breakpoint store
+    # the step API holds every queued request's tokens (4 x max_requests by default)
+    parts["token arena"] = 4 * args.max_requests * args.logical_pages * args.page_tokens * 4
     parts["workload"] = workload.memory_estimate()
     return parts
 
@@ -293,24 +334,24 @@ def _memory_problem(args, workload) -> Optional[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _progress_bar(args, err):
+def _progress_bar(args, err, total: int):
     """A tqdm bar on a terminal, else None."""
-    if args.quiet or args.no_progress or not args.requests or not err.isatty():
+    if args.quiet or args.no_progress or not err.isatty():
         return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return None
-    return tqdm(total=args.requests * args.turns, desc="simulate", unit="req", file=err,
+    return tqdm(total=total or None, desc="simulate", unit="req", file=err,
                 dynamic_ncols=True, leave=False)
 
 
 def _simulate(args, out=None, err=None) -> int:
-    from .timing import Stopwatch
+    from .timing import SETUP, WORKLOAD, Stopwatch
 
     clock = Stopwatch()  # from here on, every second of the run is in one row of the summary
     from .engine import Engine, UnservableRequest
-    from .workload import Workload
+    from .workload import Trace, TraceError, Workload
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -319,22 +360,40 @@ def _simulate(args, out=None, err=None) -> int:
         print(f"error: argument --end-token: must be < {vocab} (the vocabulary of --backend "
               f"{args.backend}), got {args.end_token}", file=err)
         return 2
+    workload: Union[Workload, Trace]
     try:
-        workload = Workload(
-            requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
-            prompt_len=args.prompt_len, output_len=args.output_len,
-            system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
-            share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
-            vocab=vocab, end_token=args.end_token, turns=args.turns, user_len=args.user_len)
+        if args.trace is not None:
+            clock.switch(WORKLOAD)
+            workload = Trace(args.trace, seed=args.seed, vocab=vocab, end_token=args.end_token)
+            clock.switch(SETUP)
+        else:
+            workload = Workload(
+                requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
+                prompt_len=args.prompt_len, output_len=args.output_len,
+                system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
+                share_ratio=args.share_ratio, tenants=args.tenants,
+                length_dist=args.length_dist, vocab=vocab, end_token=args.end_token,
+                turns=args.turns, user_len=args.user_len)
+    except TraceError as exc:
+        print(f"error: --trace {exc}", file=err)
+        return 2
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return 2
-    for problem in (_output_path_problem("--json", args.json), _memory_problem(args, workload)):
+    problems = [_output_path_problem("--json", args.json),
+                _output_path_problem("--plot", args.plot)]
+    if args.plot is not None:
+        from .plot import matplotlib_problem
+
+        problems.append(matplotlib_problem())
+    problems.append(_memory_problem(args, workload))
+    for problem in problems:
         if problem is not None:
             print(f"error: {problem}", file=err)
             return 2
 
-    bar = _progress_bar(args, err)
+    bar = _progress_bar(args, err, len(workload) if isinstance(workload, Trace)
+                        else args.requests * args.turns)
     phase = ["simulate"]
 
     def progress(name: str, done: int, total: int) -> None:
@@ -351,8 +410,10 @@ def _simulate(args, out=None, err=None) -> int:
             engine = Engine(
                 args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
                 page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-                prefix_entries=args.prefix_entries, end_token=args.end_token, clock=clock,
-                prefix_caching=args.prefix_caching)
+                end_token=args.end_token, clock=clock, prefix_caching=args.prefix_caching,
+                max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs,
+                max_prefill_chunk=args.chunk,
+                step_seconds=None if args.step_ms is None else args.step_ms / 1e3)
         except (ValueError, TypeError, OverflowError) as exc:
             print(f"error: {exc}", file=err)
             return 2
@@ -382,9 +443,24 @@ def _simulate(args, out=None, err=None) -> int:
         "prefix_caching": args.prefix_caching,
         "end_token": args.end_token, "num_blocks": args.num_blocks,
         "max_requests": args.max_requests, "page_tokens": args.page_tokens,
-        "logical_pages": args.logical_pages, "prefix_entries": args.prefix_entries,
-        "backend": args.backend, "check": bool(args.check),
+        "logical_pages": args.logical_pages, "backend": args.backend,
+        "check": bool(args.check), "trace": args.trace,
+        "max_batched_tokens": args.max_batched_tokens, "max_seqs": args.max_seqs,
+        "chunk": args.chunk, "step_ms": args.step_ms,
     }
+    if isinstance(workload, Trace):
+        summary["config"]["trace_form"] = workload.form
+        summary["config"]["trace_requests"] = len(workload)
+    if args.plot is not None:
+        from .plot import plot_timeline
+
+        if result.timeline is not None:
+            try:
+                plot_timeline(result.timeline, args.plot, stats=result.stats,
+                              x="time" if args.trace is not None else "step")
+            except OSError as exc:
+                print(f"error: --plot {args.plot}: {exc.strerror or exc}", file=err)
+                return 2
     if args.json:
         text = json.dumps(jsonable(summary), indent=2, sort_keys=True)
         if args.json == "-":
@@ -409,6 +485,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
+        from . import cluster  # Ray is imported only when a cluster run starts
+        if cluster.wants_cluster(args):
+            return cluster.simulate_cli(args)
         if args.command in ("simulate", "demo"):
             return _simulate(args)
         parser.error(f"unknown command {args.command!r}")  # pragma: no cover

@@ -1,61 +1,52 @@
-"""The serving loop: a small continuous-batching engine on the :class:`qualia.Scheduler` facade.
+"""The serving loop: a continuous-batching engine on the scheduler's engine step.
 
 This is what ``python -m qualia simulate`` runs.  :class:`Engine` serves requests
-(:class:`qualia.workload.Request`, e.g. from a :class:`qualia.workload.Workload` trace) on one
-:class:`qualia.Scheduler`, step by step.  Every step admits waiting requests (first come, first
-served) while a request slot is free and the pool has the pages for the prompt plus one page of
-headroom, prefills them, then runs one decode round over every running request.  When a request
-of a multi-turn :class:`~qualia.workload.Workload` completes, its conversation's next turn is
-submitted (:meth:`Workload.next_turn <qualia.workload.Workload.next_turn>`).  The other jobs
-live beside it: the check in :mod:`qualia.check`, the accounting of time in
-:mod:`qualia.timing`, the summary in :mod:`qualia.report`.
+(:class:`qualia.workload.Request`, from a :class:`~qualia.workload.Workload` or a
+:class:`~qualia.workload.Trace`) on the step API of one scheduler.  The scheduler decides
+everything about a step (admission by priority then arrival, token budget, chunked prefill,
+prefix-cache hits, reclaim, preemption, stop conditions); the engine only keeps the policy glue
+around it and the books:
 
-The backend is either a *model* (it has ``prefill(tokens, start_position, block_table)``, e.g.
-:class:`qualia.model.PagedModelBackend`): the engine prefills prompts through it and the
-generated tokens can be checked against the dense model; or a decode-only backend such as the
-built-in C ``qualia.HashBackend``: prefill then only reserves and advances the pages, and the
-first token is the hash decode rule (``qualia.hash_next_token``) applied to the last prompt
-token at its position.
+    add_request for the arrivals due  ->  plan = schedule()  ->  sampled = execute_step(plan)
+    ->  finished = update(sampled)  ->  record the finished requests (and submit the next turn
+    of their conversation)
 
-Prefix caching (``prefix_caching``) is automatic by default: the scheduler shares the longest
-cached run of a context's full pages at admission (the previous turns of a conversation
-included), caches every page as it fills, and reclaims least recently used cached pages when it
-needs pages; the engine only admits the context and reads the KV events.  ``"explicit"`` uses
-breakpoints instead: a request's ``shared_prefix_len`` (its system prompt) is looked up at
-admission and published after its prefill, capped at ``len(prompt) - 1`` so that a hit always
-leaves at least one prompt token to prefill (the one whose logits give the first generated
-token).  ``"off"`` shares nothing.
+The scheduler is ``qualia.Scheduler`` when the compiled core has the step API, else its
+pure-Python twin ``qualia.twin_step.StepScheduler`` (``implementation="auto"``); pass
+``implementation="core"`` or ``"twin"``, or ``scheduler_factory``, to choose.
 
-Memory pressure has one remedy, :meth:`Engine._relieve_pressure`, used when a ``reserve`` or a
-``decode`` fails with ``TableError.Exhausted`` somewhere in its error chain (with automatic
-caching: when even the reclaimable cached pages are not enough): in explicit mode, evict the
-least recently used prefix entry that no running request holds; then, if other requests are
-running, requeue the most recently admitted one (rolled back if it was being admitted,
-*preempted* otherwise: its pages are released and it goes back to the front of the waiting queue
-keeping the tokens generated so far; on re-admission it is prefilled with ``prompt +
-generated[:-1]`` (recompute; with automatic caching the pages it had filled are usually still
-cached) and decoding continues from ``generated[-1]``); with a single request running, in
-explicit mode, evict any prefix entry even if that request shares it, which turns its shared
-pages into exclusive ones.  Admission itself only evicts unused entries, then waits.  A request
-whose ``prompt + max_new_tokens`` cannot fit in the whole pool (or in ``logical_pages``) is
-rejected by :meth:`Engine.submit` (:class:`UnservableRequest`), so the engine cannot deadlock:
-with nothing else running, the head of the queue always fits.
+The backend's ``execute_step(plan)`` returns one sampled token id per sampled row of the plan.
+Three kinds are accepted: an object with ``execute_step`` (used as it is); a *model* with the
+per-sequence ``prefill(tokens, start_position, block_table)`` of
+:class:`qualia.model.PagedModelBackend`, driven request by request over the plan (its K/V is
+written where the plan's block table says; the copy-on-write copies go first); and a
+decode-rule backend (the C ``qualia.HashBackend``, ``qualia.twin.PyHashBackend``), whose hash
+rule gives each sampled row's token from the request id, the last token's position and the
+token.  With a model the generated tokens can be checked against the dense model, with a
+decode rule against the pure-Python hash rule (:mod:`qualia.check`).
+
+Arrivals: a request is due once the engine reaches its ``arrival_step`` and, for a trace, once
+the serving clock reaches its ``arrival_s``.  The serving clock is the measured time of the
+steps (``step_seconds=None``) or a fixed cost per step (deterministic), and jumps over idle
+gaps.  Due requests wait in the engine while the scheduler's queue is full (``max_queued``).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Callable, Dict, Iterable, List, Optional
+import heapq
+import itertools
+import time
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from .check import CheckResult, check_outputs, progress_reporter, verify_end_state
-from .report import Counters, EngineResult, backend_label, collect_stats
+from .report import Counters, EngineResult, Timeline, backend_label, collect_stats
 from .resources import memory_estimate
 from .timing import (
     BACKEND,
     CHECK,
-    DECODE_ROUND,
     ENGINE,
     SCHEDULER,
     SETUP,
@@ -65,75 +56,168 @@ from .timing import (
     TimedBackend,
     is_c_backend,
 )
-from .workload import Request, UnservableRequest, Workload, checked_request, pages_needed
+from .workload import Request, Trace, UnservableRequest, Workload, checked_request, pages_needed
 
 __all__ = [
     "Engine",
     "Counters",
+    "Timeline",
     "UnservableRequest",
-    "is_exhausted",
     "pages_needed",
+    "make_scheduler_factory",
+    "ModelSteps",
+    "DecodeRuleSteps",
     # re-exported: the engine's input and output types, and the memory estimate
     "memory_estimate",
     "Request",
     "Workload",
+    "Trace",
     "EngineResult",
     "CheckResult",
     "TimedBackend",
 ]
 
-_EVICTED, _REQUEUED = "evicted", "requeued"
-_ROLLBACK, _PREEMPT = "rollback", "preemption"
+_now = time.perf_counter
 
 
-def is_exhausted(err: BaseException) -> bool:
-    """True when a qualia error is (or wraps) the pool running out of pages."""
-    chain = getattr(err, "chain", None)
-    if chain is None:
-        return False
-    return any(name in ("TableError.Exhausted", "PoolError.Exhausted") for name in chain)
+# --------------------------------------------------------------------------------------------
+# the scheduler
+# --------------------------------------------------------------------------------------------
+
+
+def core_has_step_api() -> bool:
+    """True when the compiled ``qualia.Scheduler`` has the engine step API."""
+    import qualia
+
+    return callable(getattr(qualia.Scheduler, "add_request", None))
+
+
+def make_scheduler_factory(implementation: str = "auto") -> Callable[..., Any]:
+    """The class the engine builds its scheduler with: ``"core"`` (``qualia.Scheduler``),
+    ``"twin"`` (``qualia.twin_step.StepScheduler``) or ``"auto"`` (the core when it has the step
+    API, else the twin)."""
+    if implementation not in ("auto", "core", "twin"):
+        raise ValueError(f"implementation must be 'auto', 'core' or 'twin', not "
+                         f"{implementation!r}")
+    if implementation == "auto":
+        implementation = "core" if core_has_step_api() else "twin"
+    if implementation == "core":
+        import qualia
+
+        if not core_has_step_api():
+            raise ValueError("implementation='core': this build's qualia.Scheduler has no "
+                             "engine step API (add_request/schedule/update)")
+        return qualia.Scheduler
+    from .twin_step import StepScheduler
+
+    return StepScheduler
+
+
+# --------------------------------------------------------------------------------------------
+# backends over a plan
+# --------------------------------------------------------------------------------------------
+
+
+class ModelSteps:
+    """``execute_step(plan)`` over a model with a per-sequence ``prefill(tokens,
+    start_position, block_table) -> next token`` (:class:`qualia.model.PagedModelBackend`): the
+    plan's copies first (``copy_pages``), then each request's chunk, through the pages of its
+    context (``kv_indices``); the sampled rows get the model's greedy token."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.steps = 0
+
+    def execute_step(self, plan) -> np.ndarray:
+        model = self.model
+        if len(plan.copies):
+            model.copy_pages(plan.copies)
+        qsl = plan.query_start_loc.tolist()
+        indptr = plan.kv_indptr.tolist()
+        logits = set(plan.logits_indices.tolist())
+        ids, pos, pages = plan.input_ids, plan.positions, plan.kv_indices
+        out: List[int] = []
+        for i in range(len(qsl) - 1):
+            a, b = qsl[i], qsl[i + 1]
+            token = model.prefill(ids[a:b], int(pos[a]), pages[indptr[i]:indptr[i + 1]])
+            if b - 1 in logits:
+                out.append(int(token))
+        self.steps += 1
+        return np.array(out, dtype=np.uint32)
+
+    def __getattr__(self, name):  # weights, config, counters of the model
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+class DecodeRuleSteps:
+    """``execute_step(plan)`` for a decode-rule backend: each sampled row's token is
+    ``rule(request_id, position, token)`` of the row's last token (``qualia.hash_next_token``
+    over ``vocab`` for the C ``qualia.HashBackend``; a backend's own ``next_token`` for
+    :class:`qualia.twin.PyHashBackend`).  A prefill chunk that samples nothing computes
+    nothing: a decode rule keeps no K/V."""
+
+    def __init__(self, backend, rule: Callable[[int, int, int, int], int], vocab: int) -> None:
+        self.backend = backend
+        self.rule = rule
+        self.vocab = int(vocab)
+
+    def execute_step(self, plan) -> np.ndarray:
+        rows = plan.logits_indices
+        rule, vocab = self.rule, self.vocab
+        rids = plan.sampled_request_ids.tolist()
+        pos = plan.positions[rows].tolist()
+        tok = plan.input_ids[rows].tolist()
+        return np.array([rule(r, p, t, vocab) for r, p, t in zip(rids, pos, tok)],
+                        dtype=np.uint32)
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+# --------------------------------------------------------------------------------------------
 
 
 class _Live:
-    """Engine-side state of one request."""
+    """Engine-side record of one request: when it arrived, got its first token, finished."""
 
-    __slots__ = ("req", "generated")
+    __slots__ = ("req", "arrival_step", "arrival_t", "first_step", "first_t", "end_step",
+                 "end_t", "outputs", "admissions", "computed")
 
     def __init__(self, req: Request) -> None:
         self.req = req
-        self.generated: List[int] = []
-
-    def context(self) -> List[int]:
-        """Tokens whose K/V must be in the cache before the next decode: the prompt and every
-        generated token but the pending last one."""
-        if len(self.generated) > 1:
-            return list(self.req.prompt) + self.generated[:-1]
-        return list(self.req.prompt)
-
-    def finished(self, end_token: Optional[int]) -> bool:
-        g = self.generated
-        return len(g) >= self.req.max_new_tokens or (
-            end_token is not None and bool(g) and g[-1] == end_token)
+        self.arrival_step = -1
+        self.arrival_t = 0.0
+        self.first_step = -1
+        self.first_t = 0.0
+        self.end_step = -1
+        self.end_t = 0.0
+        self.outputs: List[int] = []
+        self.admissions = 0
+        self.computed = 0  # tokens it had computed when last preempted
 
 
 class Engine:
-    """Serve requests on one :class:`qualia.Scheduler` (see the module docstring).
+    """Serve requests on the engine step of one scheduler (see the module docstring).
 
     ``backend``: ``"model"`` (a :class:`~qualia.model.PagedModelBackend` over
     ``ModelWeights.random(model_config)``), ``"c"`` (``qualia.HashBackend(vocab)``), or a
-    backend object.  A backend with a ``prefill`` method is a model.  A C backend (a
-    ``__qualia_backend__`` capsule) is passed to ``Scheduler.decode`` as it is, keeping its
-    GIL-free path: the time of that call is the scheduler's part of the round and the backend
-    together (row ``decode_round``).  A Python backend is wrapped in a
-    :class:`~qualia.timing.TimedBackend`, so that its time is told apart from the scheduler's.
+    backend object (one with ``execute_step``, a model with ``prefill``, or a decode-rule
+    backend).  A Python backend's time is charged to the backend row of the clock.
 
-    ``prefix_caching`` is ``"auto"`` (the default), ``"explicit"`` or ``"off"`` (see the module
-    docstring and ``qualia.Scheduler``).
+    The step: ``max_batched_tokens`` tokens and ``max_seqs`` requests per plan (None:
+    ``max_requests``), prefill chunks of at most ``max_prefill_chunk`` tokens (None: only the
+    budget limits them), at most ``max_queued`` requests queued in the scheduler (None: its
+    default).  ``prefix_caching`` is ``"auto"`` (the default) or ``"off"``.
 
-    ``clock`` is the :class:`~qualia.timing.Stopwatch` the engine charges its time to (the CLI
-    passes one started before anything else); by default the engine makes one that counts only
-    while an engine method runs.  ``on_complete(request_id, tokens)`` is called whenever a
-    request completes."""
+    ``implementation`` (``"auto"``, ``"core"``, ``"twin"``) or ``scheduler_factory`` (called
+    with the scheduler's constructor arguments) choose the scheduler class.
+
+    ``step_seconds``: the serving clock's cost of one step (None: the measured time of each
+    step).  ``clock`` is the :class:`~qualia.timing.Stopwatch` the engine charges its time to
+    (the CLI passes one started before anything else); by default the engine makes one that
+    counts only while an engine method runs.  ``on_complete(request_id, tokens)`` is called
+    whenever a request completes."""
 
     def __init__(
         self,
@@ -143,29 +227,35 @@ class Engine:
         num_blocks: int = 96,
         page_tokens: int = 16,
         logical_pages: int = 16,
-        prefix_entries: int = 6,
-        prefix_pages: Optional[int] = None,
+        max_batched_tokens: int = 2048,
+        max_seqs: Optional[int] = None,
+        max_prefill_chunk: Optional[int] = None,
+        max_queued: Optional[int] = None,
         end_token: Optional[int] = None,
         model_config=None,
         vocab: Optional[int] = None,
         on_complete: Optional[Callable[[int, List[int]], None]] = None,
         clock: Optional[Stopwatch] = None,
         prefix_caching: str = "auto",
+        implementation: str = "auto",
+        scheduler_factory: Optional[Callable[..., Any]] = None,
+        step_seconds: Optional[float] = None,
     ) -> None:
         import qualia
 
         self._owns_clock = clock is None
         self.clock = clock if clock is not None else Stopwatch(SETUP)
         token = self.clock.enter(SETUP)
+        if prefix_caching not in ("auto", "off"):
+            raise ValueError(f"prefix_caching must be 'auto' or 'off' (the engine step has no "
+                             f"explicit breakpoints), not {prefix_caching!r}")
+        if step_seconds is not None and not 0.0 <= float(step_seconds) < float("inf"):
+            raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
+        self.step_seconds = None if step_seconds is None else float(step_seconds)
         self.page_tokens = int(page_tokens)
-        self.scheduler = qualia.Scheduler(
-            max_requests, num_blocks, page_tokens, logical_pages,
-            prefix_entries=prefix_entries, prefix_pages=prefix_pages,
-            prefix_caching=prefix_caching)
-        self.caching = self.scheduler.prefix_caching
-        self._auto = self.caching == "auto"
-        self._events = np.zeros(256, dtype=qualia.KV_EVENT)  # drained each step
         self.end_token = None if end_token is None else int(end_token)
+
+        # the backend, and the vocabulary of its sampled ids
         self.weights = None
         if isinstance(backend, str):
             if backend == "model":
@@ -180,65 +270,107 @@ class Engine:
                 raise ValueError(f"backend must be 'model', 'c' or a backend object, not "
                                  f"{backend!r}")
         self.raw_backend = backend
-        self.is_model = callable(getattr(backend, "prefill", None))
-        self.is_c_backend = not self.is_model and is_c_backend(backend)
+        self.is_model = (callable(getattr(backend, "prefill", None))
+                         or getattr(backend, "weights", None) is not None)
+        self.is_c_backend = is_c_backend(backend)
         self.backend_label = backend_label(backend, self.is_model, self.is_c_backend)
         if self.is_model:
             self.weights = getattr(backend, "weights", self.weights)
             bt = getattr(backend, "page_tokens", self.page_tokens)
-            bn = getattr(backend, "num_blocks", self.scheduler.num_blocks)
-            if bt != self.page_tokens or bn < self.scheduler.num_blocks:
+            bn = getattr(backend, "num_blocks", num_blocks)
+            if bt != self.page_tokens or bn < num_blocks:
                 raise ValueError(
                     f"the model backend has {bn} pages of {bt} tokens; the scheduler needs "
-                    f"{self.scheduler.num_blocks} pages of {self.page_tokens} tokens")
-            # prompt token ids must be in the model's vocabulary
-            self.vocab = int(getattr(getattr(backend, "config", None), "vocab", 0) or 0) or None
+                    f"{num_blocks} pages of {self.page_tokens} tokens")
+            cfg_vocab = getattr(getattr(backend, "config", None), "vocab", 0)
+            self.vocab: Optional[int] = int(cfg_vocab or 0) or (
+                None if vocab is None else int(vocab))
             self._prompt_vocab = self.vocab
         else:
             # the decode rule's vocabulary; any u32 prompt token id is fine
             self.vocab = int(vocab if vocab is not None else getattr(backend, "vocab", 32000))
             self._prompt_vocab = None
-        self.backend = backend if self.is_c_backend else TimedBackend(backend, self.clock)
-        self._can_copy = callable(getattr(self.backend, "copy_pages", None))
+        steps = self._step_backend(backend)
+        self.backend = TimedBackend(steps, self.clock)
+
+        # the scheduler
+        factory = (scheduler_factory if scheduler_factory is not None
+                   else make_scheduler_factory(implementation))
+        self.scheduler = factory(
+            max_requests, num_blocks, page_tokens, logical_pages,
+            prefix_caching=prefix_caching, max_num_batched_tokens=max_batched_tokens,
+            max_num_seqs=max_seqs, max_queued=max_queued, max_prefill_chunk=max_prefill_chunk,
+            vocab_size=self.vocab)
+        s = self.scheduler
+        # the facade under the step API: the scheduler itself (core) or the twin's facade
+        self.facade = getattr(s, "facade", s)
+        self.implementation = "twin" if s is not self.facade else "core"
+        self.caching = self.facade.prefix_caching
+        self.max_requests = int(self.facade.max_requests)
+        self.num_blocks = int(self.facade.num_blocks)
+        self.logical_pages = int(self.facade.logical_pages)
+        self.max_batched_tokens = int(max_batched_tokens)
+        self.max_seqs = self.max_requests if max_seqs is None else int(max_seqs)
+        self.max_prefill_chunk = max_prefill_chunk
+        self.max_queued = 4 * self.max_requests if max_queued is None else int(max_queued)
+        self._events = np.zeros(256, dtype=qualia.KV_EVENT)  # drained each step
         self.on_complete = on_complete
-        self._hash_next_token = qualia.hash_next_token
         self._progress: Optional[Callable[[str, int, int], None]] = None
 
         self.step_no = 0
+        self.now = 0.0  # the serving clock, seconds
+        self._empty_plans = 0  # consecutive plans that scheduled nothing
+        # computed tokens per block-table row after the last plan, and each running request's
+        # row: what a preempted request had computed (its recompute, when it resumes)
+        self._row_computed = np.zeros(self.max_seqs, dtype=np.int64)
+        self._row_of: Dict[int, int] = {}
+        self._awaiting_first: Dict[int, _Live] = {}  # admitted, no token sampled yet
         self._requests: Dict[int, Request] = {}
-        self._arrivals: collections.deque = collections.deque()  # sorted by arrival step
-        self._waiting: collections.deque = collections.deque()
-        self._running: "collections.OrderedDict[int, _Live]" = collections.OrderedDict()
+        self._live: Dict[int, _Live] = {}
+        # not yet due: a heap of (arrival_step, arrival_s, submission number, request)
+        self._arrivals: List[Tuple[int, float, int, _Live]] = []
+        self._submitted = itertools.count()
+        self._backlog: Deque[_Live] = collections.deque()  # due, waiting for queue room
         self._completions: Dict[int, int] = {}
         self.outputs: Dict[int, List[int]] = {}
-        self._sorted = True
+        self.finish_reasons: Dict[int, str] = {}
         # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
         self._next_turn: Optional[Callable[[Request, List[int], int], Optional[Request]]] = None
 
-        # per step with work: seconds in the scheduler calls, in the decode call of a C backend
-        # (scheduler and backend together) and in the backend
+        # per step with work: seconds in the scheduler calls and in the backend
         self.round_sched_s: List[float] = []
-        self.round_decode_s: List[float] = []
         self.round_backend_s: List[float] = []
         self.counters = Counters()
-        self.peak_pages = 0
-        self.peak_running = 0
+        self.timeline = Timeline()
         self.last_check: Optional[CheckResult] = None
         if self._owns_clock:
             self.clock.stop()  # an engine-owned clock counts only inside engine methods
         else:
             self.clock.leave(token)
 
-    # -- properties ---------------------------------------------------------------------------
+    def _step_backend(self, backend):
+        """``backend`` as an object with ``execute_step(plan)`` (see the module docstring)."""
+        if callable(getattr(backend, "execute_step", None)):
+            return backend
+        if callable(getattr(backend, "prefill", None)):
+            return ModelSteps(backend)
+        rule = getattr(backend, "next_token", None)
+        if callable(rule):
+            return DecodeRuleSteps(backend, rule, self.vocab or 32000)
+        if is_c_backend(backend) and type(backend).__name__ == "HashBackend":
+            import qualia
 
-    @property
-    def num_blocks(self) -> int:
-        return self.scheduler.num_blocks
+            return DecodeRuleSteps(backend, qualia.hash_next_token, self.vocab or 32000)
+        raise TypeError(f"{type(backend).__name__} is not a step backend: it needs "
+                        f"execute_step(plan), a model's prefill(tokens, start, block_table) or "
+                        f"a decode rule next_token(request_id, position, token, vocab)")
+
+    # -- properties ---------------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
         """Requests submitted and not yet completed."""
-        return len(self._arrivals) + len(self._waiting) + len(self._running)
+        return len(self._live)
 
     @property
     def wall_s(self) -> float:
@@ -246,7 +378,7 @@ class Engine:
         return self.clock.wall_s
 
     def _call(self, fn, *args, **kwargs):
-        """A qualia.Scheduler bookkeeping call, charged to the scheduler row."""
+        """A scheduler call, charged to the scheduler row."""
         clock = self.clock
         prev = clock.switch(SCHEDULER)
         try:
@@ -257,10 +389,10 @@ class Engine:
     # -- submission ---------------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        """Queue a request for its arrival step.  Raises :class:`UnservableRequest` (a
-        ``ValueError``) for a request that needs more pages than the whole pool or a request's
-        ``logical_pages``, and ``ValueError`` for an empty prompt, no tokens to generate, bad
-        token ids or a duplicate request id."""
+        """Queue a request for its arrival.  Raises :class:`UnservableRequest` (a
+        ``ValueError``) for a request that needs more pages than the whole pool or more tokens
+        than a request's table holds (``logical_pages * page_tokens``), and ``ValueError`` for
+        an empty prompt, no tokens to generate, bad token ids or a duplicate request id."""
         token = self.clock.enter(SUBMISSION)
         try:
             self._submit(request)
@@ -268,14 +400,17 @@ class Engine:
             self.clock.leave(token)
 
     def submit_all(self, requests: Iterable[Request]) -> int:
-        """Submit every request of ``requests`` (a :class:`~qualia.workload.Workload` is
-        generated first, charged to the workload row); returns how many were submitted."""
+        """Submit every request of ``requests`` (a :class:`~qualia.workload.Workload` or
+        :class:`~qualia.workload.Trace` is generated first, charged to the workload row);
+        returns how many were submitted."""
         n = 0
         token = self.clock.enter(WORKLOAD)
         try:
             if isinstance(requests, Workload):
                 if requests.turns > 1:
                     self._next_turn = requests.next_turn
+                requests = requests.generate()
+            elif isinstance(requests, Trace):
                 requests = requests.generate()
             self.clock.switch(SUBMISSION)
             for req in requests:
@@ -288,23 +423,30 @@ class Engine:
     def _submit(self, request: Request) -> None:
         if int(request.request_id) in self._requests:
             raise ValueError(f"request {int(request.request_id)}: duplicate request id")
-        s = self.scheduler
         request = checked_request(request, page_tokens=self.page_tokens,
-                                  num_blocks=s.num_blocks, logical_pages=s.logical_pages,
+                                  num_blocks=self.num_blocks, logical_pages=self.logical_pages,
                                   vocab=self._prompt_vocab)
+        table = self.logical_pages * self.page_tokens
+        total = len(request.prompt) + request.max_new_tokens
+        if total > table:  # the scheduler holds every token of a request, the last one too
+            raise UnservableRequest(
+                f"request {request.request_id} can never be served: prompt of "
+                f"{len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} is "
+                f"more than the {table} tokens a request may hold (logical_pages x page_tokens)")
         rid = request.request_id
         self._requests[rid] = request
-        if self._arrivals and request.arrival_step < self._arrivals[-1].req.arrival_step:
-            self._sorted = False
-        self._arrivals.append(_Live(request))
+        live = _Live(request)
+        self._live[rid] = live
+        heapq.heappush(self._arrivals, (request.arrival_step, request.arrival_s or 0.0,
+                                        next(self._submitted), live))
 
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self, requests: Iterable[Request] = (), *, check: bool = False,
             progress: Optional[Callable[[str, int, int], None]] = None) -> EngineResult:
         """Submit ``requests``, serve everything submitted to completion, verify the end state
-        (every request completed exactly once, no request active, the pool holding only the
-        prefix store's pages), run the check if ``check``, and report.
+        (every request completed exactly once, nothing queued or running, every page free or
+        cached), run the check if ``check``, and report.
 
         ``progress(phase, done, total)`` is called with phase ``"serve"`` as requests complete
         and ``"check"`` as they are checked (first with ``done == 0``)."""
@@ -323,299 +465,198 @@ class Engine:
             checked = self.check(None if progress is None
                                  else progress_reporter(progress, len(self.outputs)))
             self.last_check = checked
-        return EngineResult(self.stats(), dict(self.outputs), checked)
+        return EngineResult(self.stats(), dict(self.outputs), checked, self.timeline)
 
     def step(self) -> None:
-        """One engine step: arrivals, admission + prefill, one decode round."""
+        """One engine step: the arrivals due, then schedule, execute and update."""
         token = self.clock.enter(ENGINE)
         try:
             self._step()
         finally:
             self.clock.leave(token)
 
+    def _due(self, live: _Live) -> bool:
+        r = live.req
+        return r.arrival_step <= self.step_no and (r.arrival_s is None or r.arrival_s <= self.now)
+
+    def _take_arrivals(self) -> None:
+        """Move the arrivals due to the scheduler (the engine's backlog while its queue is
+        full)."""
+        arrivals, backlog = self._arrivals, self._backlog
+        while arrivals and self._due(arrivals[0][3]):
+            live = heapq.heappop(arrivals)[3]
+            live.arrival_step = self.step_no
+            r = live.req
+            live.arrival_t = self.now if r.arrival_s is None else float(r.arrival_s)
+            backlog.append(live)
+        s = self.scheduler
+        room = self.max_queued - s.num_waiting - s.num_running
+        while backlog and room > 0:
+            live = backlog.popleft()
+            r = live.req
+            self._call(s.add_request, r.request_id, r.prompt, max_new_tokens=r.max_new_tokens,
+                       namespace=r.namespace, eos_token_id=self.end_token)
+            room -= 1
+
+    def _skip_idle(self) -> None:
+        """Nothing queued or running: jump the step counter and the clock to the next
+        arrival."""
+        nxt = self._arrivals[0][3].req
+        if nxt.arrival_step > self.step_no:
+            self.counters.idle_steps += nxt.arrival_step - self.step_no
+            self.step_no = nxt.arrival_step
+        if nxt.arrival_s is not None and nxt.arrival_s > self.now:
+            self.counters.idle_s += nxt.arrival_s - self.now
+            self.now = float(nxt.arrival_s)
+
     def _step(self) -> None:
-        if not self._sorted:
-            self._arrivals = collections.deque(
-                sorted(self._arrivals, key=lambda lv: lv.req.arrival_step))
-            self._sorted = True
-        while self._arrivals and self._arrivals[0].req.arrival_step <= self.step_no:
-            self._waiting.append(self._arrivals.popleft())
-        if not self._waiting and not self._running:
-            if self._arrivals:  # idle: jump to the next arrival
-                self.counters.idle_steps += self._arrivals[0].req.arrival_step - self.step_no
-                self.step_no = self._arrivals[0].req.arrival_step
+        t0 = _now()
+        self._take_arrivals()
+        s = self.scheduler
+        if not s.has_unfinished():
+            if self._arrivals:
+                self._skip_idle()
             return
         secs = self.clock.seconds
-        s0, d0, b0 = secs[SCHEDULER], secs[DECODE_ROUND], secs[BACKEND]
-        self._admit_waiting()
-        self._decode_round()
-        if self._auto:
+        s0, b0 = secs[SCHEDULER], secs[BACKEND]
+        plan = self._call(s.schedule)
+        try:
+            sampled = self.backend.execute_step(plan)
+        except BaseException:
+            discard = getattr(s, "discard_plan", None)
+            if callable(discard):
+                discard()
+            raise
+        finished = self._call(s.update, sampled)
+        firsts = self._record(plan)
+        self._check_progress(plan)
+        if self.caching == "auto":
             self._drain_events()
         self.round_sched_s.append(secs[SCHEDULER] - s0)
-        self.round_decode_s.append(secs[DECODE_ROUND] - d0)
         self.round_backend_s.append(secs[BACKEND] - b0)
+        self.now += (_now() - t0) if self.step_seconds is None else self.step_seconds
+        for lv in firsts:
+            lv.first_t = self.now
         self.step_no += 1
         self.counters.steps += 1
+        for fin in finished:
+            self._complete(fin)
+        self._sample()
 
-    def _sample_pool(self) -> None:
-        used = self.scheduler.num_blocks - self.scheduler.free_pages
-        if used > self.peak_pages:
-            self.peak_pages = used
-        if len(self._running) > self.peak_running:
-            self.peak_running = len(self._running)
+    #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
+    #: only running request preempts itself for pages; the next step admits it again).
+    MAX_EMPTY_PLANS = 64
 
-    # -- admission and prefill ----------------------------------------------------------------
-
-    def _prefix_len(self, req: Request) -> int:
-        return max(0, min(int(req.shared_prefix_len), len(req.prompt) - 1))
-
-    def _admission_pages(self, live: _Live) -> int:
-        """Free pages the head of the queue needs to be admitted: the pages its prefill
-        allocates (less the full pages a prefix hit would share), plus one of headroom, capped
-        at what the request needs at its peak; with automatic caching, plus the shared pages
-        that are reclaimable now (sharing them takes them out of ``free_pages``)."""
-        s, pt, req = self.scheduler, self.page_tokens, live.req
-        ctx = len(req.prompt) + max(0, len(live.generated) - 1)
-        shared = taken = 0
-        plen = self._prefix_len(req) if self.caching == "explicit" else 0
-        if self._auto:
-            hit = self._call(s.cached_prefix, live.context(), req.namespace)
-            shared, taken = hit.pages, hit.reclaimable
-        elif plen:
-            ident = self._call(s.identity_for, req.prompt, plen, req.namespace)
-            if self._call(s.prefixes.contains, ident):
-                shared = self._call(s.prefixes.tokens_of, ident) // pt
-        total = pages_needed(len(req.prompt), req.max_new_tokens, pt)
-        prefill_pages = -(-ctx // pt) - shared
-        return max(0, min(prefill_pages + 1, total - shared)) + taken
-
-    def _admit_waiting(self) -> None:
-        s = self.scheduler
-        while self._waiting and len(self._running) < s.max_requests:
-            live = self._waiting[0]
-            while True:
-                need = self._admission_pages(live)
-                if s.free_pages >= need or not self._evict(unused_only=True):
-                    break
-            if s.free_pages < need:
-                if not self._running:  # cannot happen: submit() rejects what cannot fit
-                    raise RuntimeError(
-                        f"engine stuck: request {live.req.request_id} needs {need} pages, "
-                        f"{s.free_pages} free with nothing running")
-                self.counters.admission_waits += 1
-                break  # first come, first served: the head of the queue waits
-            self._waiting.popleft()
-            if not self._prefill(live):
-                break
-
-    def _prefill(self, live: _Live) -> bool:
-        """Admit ``live`` and prefill its context; returns False if it had to be put back."""
-        s, c, req, rid = self.scheduler, self.counters, live.req, live.req.request_id
-        ctx = live.context()
-        plen = self._prefix_len(req) if self.caching == "explicit" else 0
-        if self._auto:  # the whole context: a recompute finds the pages it filled before
-            adm = self._call(s.admit, rid, ctx, namespace=req.namespace)
-            c.prefix_lookups += 1
-        elif plen:
-            adm = self._call(s.admit, rid, req.prompt, namespace=req.namespace, prefix_len=plen)
-            c.prefix_lookups += 1
-        else:
-            adm = self._call(s.admit, rid)
-        self._running[rid] = live
-        start = int(adm.prefix_tokens) if adm.prefix_hit else 0
-        if adm.prefix_hit:
-            c.prefix_hits += 1
-            c.prefix_tokens_reused += start
-        if live.generated:
-            c.recomputes += 1
-
-        # _prefix_len() caps the looked-up prefix at len(prompt) - 1, and automatic caching
-        # reuses at most (len(ctx) - 1) // page_tokens pages, so a hit always leaves at least
-        # the last token to prefill (its logits give the first token)
-        assert start < len(ctx), "prefix hit covers the whole context"
-        n = len(ctx) - start
-        copies = self._reserve_for_prefill(live, n)
-        if copies is None:
-            return False
-        self._copy(copies)
-        token = self._first_token(rid, ctx, start)
-        self._call(s.advance, rid, n)
-        c.tokens_prefilled += n
-        if live.generated:
-            c.tokens_recomputed += n
-
-        if live.generated:  # recompute: the pending token is the one generated before
-            if token != live.generated[-1]:
-                c.recompute_mismatches += 1
-            token = live.generated[-1]
-        else:
-            live.generated.append(int(token))
-        self._call(s.complete_prefill, rid, token)
-        self._publish(live)
-        self._sample_pool()
-        if live.finished(self.end_token):
-            self._complete(live)
-        return True
-
-    def _first_token(self, rid: int, ctx: List[int], start: int) -> int:
-        if self.is_model:
-            table = self._call(self.scheduler.block_table, rid)
-            return int(self.backend.prefill(ctx[start:], start, table))
-        # a decode-only backend: the engine stands in for its prefill with the hash rule (its
-        # vocabulary is always set: only a model backend may leave self.vocab None)
-        vocab = self.vocab
-        assert vocab is not None
-        return self._hash_next_token(rid, len(ctx) - 1, ctx[-1], vocab)
-
-    def _copy(self, copies) -> None:
-        n = len(copies)
-        if not n:
+    def _check_progress(self, plan) -> None:
+        if len(plan.request_ids):
+            self._empty_plans = 0
             return
-        self.counters.pages_copied_prefill += n
-        if self._can_copy:
-            if self.is_c_backend:
-                prev = self.clock.switch(BACKEND)
-                try:
-                    self.backend.copy_pages(copies)
-                finally:
-                    self.clock.switch(prev)
-            else:  # the TimedBackend charges itself
-                self.backend.copy_pages(copies)
+        self._empty_plans += 1
+        if self._empty_plans > self.MAX_EMPTY_PLANS:
+            s = self.scheduler
+            raise RuntimeError(
+                f"engine stuck: {self._empty_plans} steps in a row scheduled nothing with "
+                f"{s.num_waiting} waiting and {s.num_running} running requests")
 
-    def _reserve_for_prefill(self, live: _Live, n: int):
-        """Reserve ``n`` tokens for ``live`` (just admitted); returns the copies to perform, or
-        None when the admission had to be rolled back (``live`` is at the head of the queue
-        again)."""
-        s, rid = self.scheduler, live.req.request_id
-        while True:
-            try:
-                return self._call(s.reserve, rid, n)
-            except Exception as err:
-                if not is_exhausted(err):
-                    raise
-                failure = err
-            done = self._relieve_pressure(_ROLLBACK)
-            if done is None:
-                raise RuntimeError(
-                    f"engine stuck: cannot reserve {n} pages for request {rid} alone"
-                ) from failure
-            if done == _REQUEUED:
-                return None
+    def _record(self, plan) -> List[_Live]:
+        """The books of one step: tokens, admissions, hits, preemptions; returns the requests
+        that got their first token."""
+        c, live = self.counters, self._live
+        n_tokens = len(plan.input_ids)
+        c.scheduled_tokens += n_tokens
+        c.prefill_tokens += int(plan.num_prefill_tokens)
+        c.decode_tokens += int(plan.num_decode_tokens)
+        c.pages_copied += len(plan.copies)
+        c.preemptions += len(plan.preempted_request_ids)
+        c.max_plan_tokens = max(c.max_plan_tokens, n_tokens)
+        c.max_plan_seqs = max(c.max_plan_seqs, len(plan.request_ids))
+        if plan.num_prefill_tokens and plan.num_decode_tokens:
+            c.mixed_steps += 1
+        for rid in plan.preempted_request_ids.tolist():  # rows keep last plan's counts
+            row = self._row_of.pop(rid, None)
+            if row is not None:
+                live[rid].computed = int(self._row_computed[row])
+        new = plan.new_request_ids.tolist()
+        if new:
+            n, k = len(plan.request_ids), len(new)
+            ids = plan.request_ids.tolist()
+            qsl = plan.query_start_loc
+            if ids[n - k:] == new:  # admissions come last in a plan
+                at = list(range(n - k, n))
+            else:  # pragma: no cover - a scheduler that orders them otherwise
+                index = {rid: i for i, rid in enumerate(ids)}
+                at = [index[rid] for rid in new]
+            hits = plan.positions[qsl[at]].tolist()
+            rows = plan.block_table_rows[at].tolist()
+            for rid, hit, row in zip(new, hits, rows):
+                lv = live[rid]
+                self._row_of[rid] = row
+                if lv.first_step < 0:
+                    self._awaiting_first[rid] = lv
+                c.admissions += 1
+                if hit:
+                    c.prefix_hits += 1
+                    c.cached_tokens += hit
+                lv.admissions += 1
+                if lv.admissions > 1:  # resumed after a preemption: what it computed before,
+                    c.resumed += 1     # less what the cache kept, is computed again
+                    c.tokens_recomputed += max(0, lv.computed - hit)
+        self._row_computed[plan.block_table_rows] = plan.seq_lens
+        firsts = []
+        awaiting = self._awaiting_first
+        if awaiting:
+            sampled = set(plan.sampled_request_ids.tolist())
+            for rid in [r for r in awaiting if r in sampled]:
+                got = awaiting.pop(rid)
+                got.first_step = self.step_no
+                firsts.append(got)
+        c.sampled_tokens += len(plan.logits_indices)
+        return firsts
 
-    def _publish(self, live: _Live) -> None:
-        s, req = self.scheduler, live.req
-        if self.caching != "explicit":
-            return
-        plen = self._prefix_len(req)
-        if not plen:
-            return
-        ident = self._call(s.identity_for, req.prompt, plen, req.namespace)
-        if self._call(s.prefixes.contains, ident):
-            return
-        if -(-plen // self.page_tokens) > s.prefixes.max_pages:
-            self.counters.publish_skipped_too_long += 1
-            return
-        if len(s.prefixes) >= s.prefixes.capacity:
-            if not (self._evict(unused_only=True, for_entries=True)
-                    or self._evict(unused_only=False, for_entries=True)):
-                return  # pragma: no cover - capacity >= 1
-        self._call(s.publish_prefix, req.request_id, req.prompt, plen, req.namespace)
-        self.counters.prefixes_published += 1
-
-    # -- memory pressure ----------------------------------------------------------------------
-
-    def _evict(self, *, unused_only: bool, for_entries: bool = False) -> bool:
-        """Evict the least recently used prefix entry (one no running request holds, if
-        ``unused_only``); count it, for store entries or for pages.  False if none was left (and
-        always outside explicit mode: there is no store to evict from)."""
-        s = self.scheduler
-        if self.caching != "explicit":
-            return False
-        victim = self._call(s.evict_unused_lru if unused_only else s.evict_lru)
-        if victim is None:
-            return False
+    def _sample(self) -> None:
+        """The timeline row of the step just made, and the first tokens' times."""
+        s, f, tl = self.scheduler, self.facade, self.timeline
+        step, now = self.step_no - 1, self.now
+        stats = f.cache_stats()
+        used = self.num_blocks - int(f.free_pages)
+        tl.append(step=step, t=now, running=int(s.num_running),
+                  waiting=int(s.num_waiting) + len(self._backlog), pages_used=used,
+                  pages_cached=int(stats.reclaimable_pages),
+                  hit_rate=(stats.hit_tokens / stats.lookup_tokens
+                            if stats.lookup_tokens else 0.0))
         c = self.counters
-        c.evictions += 1
-        if for_entries:
-            c.evictions_for_entries += 1
-        else:
-            c.evictions_for_pages += 1
-        return True
+        c.peak_pages = max(c.peak_pages, used)
+        c.peak_running = max(c.peak_running, int(s.num_running))
+        c.peak_waiting = max(c.peak_waiting, int(s.num_waiting) + len(self._backlog))
 
-    def _relieve_pressure(self, requeue_as: str) -> Optional[str]:
-        """Free pages, the one way the engine does it (see the module docstring): evict an
-        unused prefix entry; else, with other requests running, requeue the most recently
-        admitted one (``requeue_as``: ``"rollback"`` of the admission being made, or
-        ``"preemption"``); else evict any prefix entry.  Returns ``"evicted"``,
-        ``"requeued"`` or None when nothing is left to free."""
-        if self._evict(unused_only=True):
-            return _EVICTED
-        if len(self._running) > 1:
-            rid = next(reversed(self._running))
-            self._call(self.scheduler.finish, rid)
-            self._waiting.appendleft(self._running.pop(rid))
-            if requeue_as == _ROLLBACK:
-                self.counters.admission_rollbacks += 1
-            else:
-                self.counters.preemptions += 1
-            return _REQUEUED
-        if self._evict(unused_only=False):
-            return _EVICTED
-        return None
-
-    # -- decode -------------------------------------------------------------------------------
-
-    def _decode_round(self) -> None:
-        if not self._running:
-            return
-        s, clock = self.scheduler, self.clock
-        while True:
-            try:
-                if self.is_c_backend:  # scheduler and C backend in one call
-                    prev = clock.switch(DECODE_ROUND)
-                    try:
-                        receipt, outputs = s.decode(self.backend)
-                    finally:
-                        clock.switch(prev)
-                else:  # the TimedBackend charges the backend's part to the backend row
-                    receipt, outputs = self._call(s.decode, self.backend)
-                break
-            except Exception as err:
-                if not is_exhausted(err):
-                    raise
-                failure = err
-            self.counters.decode_exhausted += 1
-            if self._relieve_pressure(_PREEMPT) is None:
-                raise RuntimeError("engine stuck: a decode round cannot get a page") from failure
-        self.counters.decode_rounds += 1
-        self.counters.decode_items += int(receipt.batch_size)
-        ids = outputs["request_id"].tolist()
-        tokens = outputs["next_token_id"].tolist()
-        self._sample_pool()
-        for rid, token in zip(ids, tokens):
-            live = self._running[rid]
-            live.generated.append(int(token))
-            if live.finished(self.end_token):
-                self._complete(live)
-
-    def _complete(self, live: _Live) -> None:
-        rid = live.req.request_id
-        self._call(self.scheduler.finish, rid)
-        del self._running[rid]
+    def _complete(self, fin) -> None:
+        rid = int(fin.request_id)
+        lv = self._live.pop(rid)
+        self._row_of.pop(rid, None)
+        lv.outputs = np.asarray(fin.output_tokens).tolist()
+        lv.end_step, lv.end_t = self.step_no - 1, self.now
         self._completions[rid] = self._completions.get(rid, 0) + 1
-        self.outputs[rid] = list(live.generated)
-        self.counters.completed += 1
+        self.outputs[rid] = lv.outputs
+        self.finish_reasons[rid] = str(fin.finish_reason)
+        self.timeline.finish(lv)
+        c = self.counters
+        c.completed += 1
+        c.tokens_generated += len(lv.outputs)
+        if fin.finish_reason == "stop":
+            c.finished_stop += 1
+        else:
+            c.finished_length += 1
         if self.on_complete is not None:
-            self.on_complete(rid, self.outputs[rid])
+            self.on_complete(rid, lv.outputs)
         if self._next_turn is not None:
-            self._submit_next_turn(live)
+            self._submit_next_turn(lv)
         if self._progress is not None:
             self._progress("serve", len(self.outputs), len(self._requests))
 
     def _submit_next_turn(self, live: _Live) -> None:
         """Submit the next turn of ``live``'s conversation, if it has one and it fits."""
         next_turn = self._next_turn
-        nxt = None if next_turn is None else next_turn(live.req, live.generated, self.step_no)
+        nxt = None if next_turn is None else next_turn(live.req, live.outputs, self.step_no - 1)
         if nxt is None:
             return
         prev = self.clock.switch(SUBMISSION)
@@ -629,9 +670,9 @@ class Engine:
 
     def _drain_events(self) -> None:
         """Count the KV events of the step by kind (a router would forward them)."""
-        s, buf, c = self.scheduler, self._events, self.counters
+        f, buf, c = self.facade, self._events, self.counters
         while True:
-            n = self._call(s.drain_events, buf)
+            n = self._call(f.drain_events, buf)
             if not n:
                 return
             kinds = np.bincount(buf["kind"][:n], minlength=4)
@@ -641,19 +682,19 @@ class Engine:
 
     # -- end state, check, stats --------------------------------------------------------------
 
-    def store_pages(self) -> List[int]:
-        """Every page the prefix store holds (once per entry occurrence)."""
-        st = self.scheduler.prefixes
-        return [p for ident in st.identities() for p in st.pages_of(ident)]
-
     def verify_end_state(self) -> None:
-        """Raise ``RuntimeError`` unless every submitted request completed exactly once and
-        the pool holds nothing but the prefix store's pages."""
-        verify_end_state(self.scheduler, self._requests, self._completions, self.pending)
+        """Raise ``RuntimeError`` unless every submitted request completed exactly once,
+        nothing is queued or running, and every page is free or only cached."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"engine end state is wrong: {self.scheduler.num_waiting} waiting and "
+                f"{self.scheduler.num_running} running requests left in the scheduler")
+        verify_end_state(self.facade, self._requests, self._completions,
+                         self.pending + len(self._backlog))
 
     def check(self, on_checked: Optional[Callable[[int], None]] = None) -> CheckResult:
         """Compare every completed request's tokens with the dense model (model backend) or
-        the pure-Python hash rule (decode-only backend); see :mod:`qualia.check`.  Charged to
+        the pure-Python hash rule (decode-rule backend); see :mod:`qualia.check`.  Charged to
         the check row; the result is also kept in ``last_check``.  ``on_checked(request_id)``
         is called after each request."""
         if self.is_model and self.weights is None:
@@ -667,10 +708,11 @@ class Engine:
             self.clock.leave(token)
         return self.last_check
 
-    def pages_copied(self) -> int:
-        """Copy-on-write page copies handed to the backend (prefill and decode), as counted by
-        the facade."""
-        return int(self.scheduler.stats()["pages_copied"])
+    def latencies(self) -> Dict[str, List[float]]:
+        """Per completed request: time to first token and time per output token after the
+        first, in steps and in seconds of the serving clock (``ttft_steps``, ``ttft_s``,
+        ``tpot_steps``, ``tpot_s``; the TPOT lists skip requests of one token)."""
+        return self.timeline.latencies()
 
     def stats(self) -> Dict[str, object]:
         """The run's figures and where its time went (:func:`qualia.report.collect_stats`)."""

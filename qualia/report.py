@@ -7,14 +7,12 @@ time:
 
 * ``setup``: building the scheduler, the pool and the backend (model weights, KV array);
 * ``workload``: generating the trace; ``submission``: validating and queueing its requests;
-* ``scheduler``: the ``qualia.Scheduler`` bookkeeping calls (admit, reserve, advance, publish,
-  evict, finish, ...) and, with a Python backend, ``decode`` less the backend's time;
-* ``decode_round``: with a C backend, the whole ``Scheduler.decode`` call: its scheduler part
-  and the backend run in one C call that Python cannot time apart;
-* ``backend``: inside the backend's Python methods (prefill, copies and, with a Python backend,
-  the decode round);
-* ``engine``: the Python engine loop itself (queues, token lists, end-state verification,
-  progress), including the hash rule that stands in for a decode-only backend's prefill;
+* ``scheduler``: the step API calls (``add_request``, ``schedule``, ``update``, event drains);
+* ``decode_round``: a scheduler call that runs a C backend inside it, which Python cannot time
+  apart (none in the step engine today; the row shows only when it counted time);
+* ``backend``: inside the backend's ``execute_step`` (the model's forward, or the decode rule);
+* ``engine``: the Python engine loop itself (arrivals, the books of each step, end-state
+  verification, progress);
 * ``check``: the ``--check`` comparison.
 """
 
@@ -28,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 from .check import CheckResult
 from .timing import ROWS, percentile
 
-__all__ = ["Counters", "EngineResult", "backend_label", "collect_stats", "format_summary",
-           "jsonable", "WIDTH"]
+__all__ = ["Counters", "Timeline", "EngineResult", "backend_label", "collect_stats",
+           "format_summary", "jsonable", "WIDTH", "PERCENTILES"]
 
 #: The summary table fits a terminal this wide.
 WIDTH = 80
@@ -43,26 +41,28 @@ class Counters:
 
     steps: int = 0
     idle_steps: int = 0
+    idle_s: float = 0.0
     completed: int = 0
-    decode_rounds: int = 0
-    decode_items: int = 0
-    decode_exhausted: int = 0
-    prefix_lookups: int = 0
+    finished_length: int = 0
+    finished_stop: int = 0
+    tokens_generated: int = 0
+    sampled_tokens: int = 0
+    scheduled_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    mixed_steps: int = 0
+    max_plan_tokens: int = 0
+    max_plan_seqs: int = 0
+    admissions: int = 0
+    resumed: int = 0
     prefix_hits: int = 0
-    prefix_tokens_reused: int = 0
-    prefixes_published: int = 0
-    publish_skipped_too_long: int = 0
-    tokens_prefilled: int = 0
+    cached_tokens: int = 0
     tokens_recomputed: int = 0
-    recomputes: int = 0
-    recompute_mismatches: int = 0
-    pages_copied_prefill: int = 0
-    evictions: int = 0
-    evictions_for_pages: int = 0
-    evictions_for_entries: int = 0
     preemptions: int = 0
-    admission_waits: int = 0
-    admission_rollbacks: int = 0
+    pages_copied: int = 0
+    peak_pages: int = 0
+    peak_running: int = 0
+    peak_waiting: int = 0
     follow_up_turns: int = 0
     conversations_cut: int = 0
     kv_events_stored: int = 0
@@ -76,13 +76,65 @@ class Counters:
 
 
 @dataclass
+class Timeline:
+    """The run over time, one entry per step with work (what ``--plot`` draws): the step
+    number, the serving clock at its end (seconds), running and waiting requests (waiting: in
+    the scheduler's queue or due and held by the engine), pages requests hold, pages only the
+    cache holds, and the prefix cache's hit rate so far (cached tokens / tokens looked up).
+    Plus the latencies of every completed request (:meth:`latencies`)."""
+
+    step: List[int] = field(default_factory=list)
+    t: List[float] = field(default_factory=list)
+    running: List[int] = field(default_factory=list)
+    waiting: List[int] = field(default_factory=list)
+    pages_used: List[int] = field(default_factory=list)
+    pages_cached: List[int] = field(default_factory=list)
+    hit_rate: List[float] = field(default_factory=list)
+    ttft_steps: List[float] = field(default_factory=list, repr=False)
+    ttft_s: List[float] = field(default_factory=list, repr=False)
+    tpot_steps: List[float] = field(default_factory=list, repr=False)
+    tpot_s: List[float] = field(default_factory=list, repr=False)
+
+    def append(self, *, step: int, t: float, running: int, waiting: int, pages_used: int,
+               pages_cached: int, hit_rate: float) -> None:
+        self.step.append(step)
+        self.t.append(t)
+        self.running.append(running)
+        self.waiting.append(waiting)
+        self.pages_used.append(pages_used)
+        self.pages_cached.append(pages_cached)
+        self.hit_rate.append(hit_rate)
+
+    def finish(self, live) -> None:
+        """Record the latencies of a completed request (the engine's record of it: arrival,
+        first token and last token, in steps and in seconds).  Time to first token counts the
+        steps from its arrival to the step that sampled it, both included; time per output
+        token, the steps (seconds) from the first token to the last over the tokens after the
+        first."""
+        self.ttft_steps.append(float(live.first_step - live.arrival_step + 1))
+        self.ttft_s.append(live.first_t - live.arrival_t)
+        n = len(live.outputs)
+        if n > 1:
+            self.tpot_steps.append((live.end_step - live.first_step) / (n - 1))
+            self.tpot_s.append((live.end_t - live.first_t) / (n - 1))
+
+    def latencies(self) -> Dict[str, List[float]]:
+        return {"ttft_steps": list(self.ttft_steps), "ttft_s": list(self.ttft_s),
+                "tpot_steps": list(self.tpot_steps), "tpot_s": list(self.tpot_s)}
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+@dataclass
 class EngineResult:
     """What :meth:`qualia.engine.Engine.run` reports.  ``outputs`` maps request id -> generated
-    tokens."""
+    tokens; ``timeline`` is the run over time."""
 
     stats: Dict[str, object]
     outputs: Dict[int, List[int]] = field(repr=False)
     check: Optional[CheckResult] = None
+    timeline: Optional[Timeline] = field(default=None, repr=False)
 
     def to_dict(self, with_outputs: bool = False) -> dict:
         d = {"stats": dict(self.stats)}
@@ -110,32 +162,59 @@ def _per_round(values: List[float], prefix: str) -> Dict[str, float]:
             f"{prefix}_us_per_round_p99": percentile(us, 99)}
 
 
+#: The latency percentiles the summary reports.
+PERCENTILES = (50, 90, 99)
+
+
+def _percentiles(values: List[float], prefix: str) -> Dict[str, float]:
+    return {f"{prefix}_p{q}": percentile(values, q) for q in PERCENTILES}
+
+
 def collect_stats(engine) -> Dict[str, object]:
     """The figures of ``engine``'s run so far (a :class:`qualia.engine.Engine`)."""
-    s, c = engine.scheduler, engine.counters
-    cache = s.cache_stats()
+    f, c = engine.facade, engine.counters
+    cache = f.cache_stats()
     time_s = engine.clock.as_dict()
-    lookups = c.prefix_lookups
-    generated = sum(len(v) for v in engine.outputs.values())
+    serve_s = float(engine.now)
+    lat = engine.latencies()
+    busy = c.steps
     out: Dict[str, object] = {
         "backend": engine.backend_label,
+        "scheduler": engine.implementation,
         "prefix_caching": engine.caching,
         "requests_submitted": len(engine._requests),
         "requests_completed": c.completed,
-        "tokens_generated": generated,
-        "tokens_prefilled": c.tokens_prefilled,
+        "finished_length": c.finished_length,
+        "finished_stop": c.finished_stop,
+        "tokens_generated": c.tokens_generated,
+        "tokens_prefilled": c.prefill_tokens,
+        "tokens_decoded": c.decode_tokens,
+        "tokens_scheduled": c.scheduled_tokens,
         "tokens_recomputed": c.tokens_recomputed,
-        "decode_rounds": c.decode_rounds,
-        "decode_items": c.decode_items,
-        "mean_batch": (c.decode_items / c.decode_rounds) if c.decode_rounds else 0.0,
         "steps": c.steps,
         "idle_steps": c.idle_steps,
-        "prefix_lookups": lookups,
+        "idle_s": c.idle_s,
+        "mixed_steps": c.mixed_steps,
+        "mean_step_tokens": (c.scheduled_tokens / busy) if busy else 0.0,
+        "max_step_tokens": c.max_plan_tokens,
+        "max_step_seqs": c.max_plan_seqs,
+        "max_batched_tokens": engine.max_batched_tokens,
+        "max_seqs": engine.max_seqs,
+        "max_prefill_chunk": engine.max_prefill_chunk,
+        "max_queued": engine.max_queued,
+        "serve_s": serve_s,
+        "step_seconds": engine.step_seconds,
+        "throughput_tokens_per_s": (c.tokens_generated / serve_s) if serve_s > 0 else 0.0,
+        "computed_tokens_per_s": (c.scheduled_tokens / serve_s) if serve_s > 0 else 0.0,
+        **_percentiles(lat["ttft_steps"], "ttft_steps"),
+        **_percentiles(lat["ttft_s"], "ttft_s"),
+        **_percentiles(lat["tpot_steps"], "tpot_steps"),
+        **_percentiles(lat["tpot_s"], "tpot_s"),
+        "admissions": c.admissions,
+        "prefix_lookups": c.admissions,
         "prefix_hits": c.prefix_hits,
-        "prefix_hit_rate": (c.prefix_hits / lookups) if lookups else 0.0,
-        "prefix_tokens_reused": c.prefix_tokens_reused,
-        "prefixes_published": c.prefixes_published,
-        "publish_skipped_too_long": c.publish_skipped_too_long,
+        "prefix_hit_rate": (c.prefix_hits / c.admissions) if c.admissions else 0.0,
+        "prefix_tokens_reused": c.cached_tokens,
         "cache_lookup_tokens": cache.lookup_tokens,
         "cache_hit_tokens": cache.hit_tokens,
         "cached_token_hit_rate": cache.hit_rate,
@@ -150,39 +229,25 @@ def collect_stats(engine) -> Dict[str, object]:
         "kv_events_dropped": cache.events_dropped,
         "follow_up_turns": c.follow_up_turns,
         "conversations_cut": c.conversations_cut,
-        "pages_copied": engine.pages_copied(),
-        "pages_copied_prefill": c.pages_copied_prefill,
-        "evictions": c.evictions,
-        "evictions_for_pages": c.evictions_for_pages,
-        "evictions_for_entries": c.evictions_for_entries,
+        "pages_copied": c.pages_copied,
         "preemptions": c.preemptions,
-        "recomputes": c.recomputes,
-        "recompute_mismatches": c.recompute_mismatches,
-        "admission_waits": c.admission_waits,
-        "admission_rollbacks": c.admission_rollbacks,
-        "decode_exhausted": c.decode_exhausted,
-        "num_blocks": s.num_blocks,
+        "recomputes": c.resumed,
+        "num_blocks": engine.num_blocks,
         "page_tokens": engine.page_tokens,
-        "max_requests": s.max_requests,
-        "peak_pages_used": engine.peak_pages,
-        "peak_pool_use": engine.peak_pages / s.num_blocks,
-        "peak_running": engine.peak_running,
-        "store_entries_at_end": len(s.prefixes),
-        "store_pages_at_end": len(set(engine.store_pages())),
-        "free_pages_at_end": s.free_pages,
+        "max_requests": engine.max_requests,
+        "peak_pages_used": c.peak_pages,
+        "peak_pool_use": c.peak_pages / engine.num_blocks,
+        "peak_running": c.peak_running,
+        "peak_waiting": c.peak_waiting,
+        "free_pages_at_end": int(f.free_pages),
         "c_backend": engine.is_c_backend,
         **_per_round(engine.round_sched_s, "sched"),
-        **_per_round(engine.round_decode_s, "decode_round"),
         **_per_round(engine.round_backend_s, "backend"),
         "sched_s_total": time_s["scheduler"],
-        "decode_round_s_total": time_s["decode_round"],
         "backend_s_total": time_s["backend"],
         "engine_s_total": time_s["engine"],
-        "backend_time_is": (
-            "time inside the backend's Python methods (prefill, copy_pages); the decode call "
-            "of the C backend is in decode_round, with the scheduler's part"
-            if engine.is_c_backend else
-            "time inside the backend's methods (prefill, execute_ragged, copy_pages)"),
+        "backend_time_is": "time inside the backend's execute_step (per step: the _us_per_round "
+                           "figures)",
         "time_s": time_s,
         "wall_s": sum(time_s.values()),
     }
@@ -218,18 +283,14 @@ def _kv(key: str, value: str) -> List[str]:
 
 
 def _time_rows(s: dict) -> List[Tuple[str, float, Optional[str]]]:
-    """(label, seconds, per-round p50 / p99 or None) for every row of the run's stopwatch."""
+    """(label, seconds, per-step p50 / p99 or None) for every row of the run's stopwatch."""
     t = s["time_s"]
-    per_round = {
-        "scheduler": "sched",
-        "decode_round": "decode_round",
-        "backend": "backend",
-    }
+    per_round = {"scheduler": "sched", "backend": "backend"}
     labels = {
         "setup": "setup (scheduler, pool, backend)",
         "workload": "workload generation",
         "submission": "submission",
-        "scheduler": "scheduler (qualia.Scheduler calls)",
+        "scheduler": "scheduler (step API calls)",
         "decode_round": "decode round (scheduler + C backend)",
         "backend": f"backend: {s['backend']}",
         "engine": "engine loop (Python)",
@@ -237,7 +298,7 @@ def _time_rows(s: dict) -> List[Tuple[str, float, Optional[str]]]:
     }
     rows = []
     for key in ROWS:
-        if key == "decode_round" and not s.get("c_backend") and not t[key]:
+        if key == "decode_round" and not t[key]:
             continue
         if key == "check" and "check_s" not in s and not t[key]:
             continue
@@ -253,22 +314,56 @@ def _time_rows(s: dict) -> List[Tuple[str, float, Optional[str]]]:
     return rows
 
 
+def _secs(x: float) -> str:
+    """A duration, in the unit that suits it."""
+    if x >= 1.0:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.2f} ms"
+    return f"{x * 1e6:.1f} us"
+
+
+def _pcts(s: dict, prefix: str) -> str:
+    """The percentiles of ``prefix`` as ``a / b / c``, 3 significant digits."""
+    return " / ".join(f"{float(s[f'{prefix}_p{q}']):.3g}" for q in PERCENTILES)
+
+
+def _pcts_s(s: dict, prefix: str) -> str:
+    """The percentiles of ``prefix`` (seconds) in one unit, the one that suits the largest."""
+    values = [float(s[f"{prefix}_p{q}"]) for q in PERCENTILES]
+    top = max(values)
+    scale, unit = (1.0, "s") if top >= 1.0 else (1e3, "ms") if top >= 1e-3 else (1e6, "us")
+    return " / ".join(f"{v * scale:.3g}" for v in values) + f" {unit}"
+
+
 def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
     """The summary table of a run's stats (from :func:`collect_stats`); no line is longer
     than :data:`WIDTH` columns."""
     s = stats
     lines = ["qualia simulate summary", "-" * WIDTH]
+    chunk = s.get("max_prefill_chunk")
     kv = [
-        ("backend", str(s["backend"])),
-        ("requests completed", f"{s['requests_completed']} / {s['requests_submitted']}"),
+        ("backend", f"{s['backend']} on the {s.get('scheduler', 'core')} scheduler"),
+        ("requests completed", f"{s['requests_completed']} / {s['requests_submitted']}  "
+                               f"({s['finished_stop']} stopped, {s['finished_length']} at "
+                               f"max_new_tokens)"),
         ("tokens generated", f"{s['tokens_generated']}  (prefilled {s['tokens_prefilled']}, "
                              f"recomputed {s['tokens_recomputed']})"),
-        ("decode rounds", f"{s['decode_rounds']}  (mean batch {s['mean_batch']:.1f}, "
-                          f"peak running {s['peak_running']})"),
-        ("prefix caching", str(s.get("prefix_caching", "explicit"))),
+        ("steps", f"{s['steps']}  ({s['mixed_steps']} mixed, mean "
+                  f"{s['mean_step_tokens']:.1f} tokens, peak running {s['peak_running']}, "
+                  f"peak waiting {s['peak_waiting']})"),
+        ("step budget", f"{s['max_batched_tokens']} tokens, {s['max_seqs']} requests, "
+                        + ("no prefill chunk cap" if chunk is None else
+                           f"prefill chunks <= {chunk} tokens")),
+        ("throughput", f"{s['throughput_tokens_per_s']:.1f} tokens/s generated "
+                       f"({s['computed_tokens_per_s']:.1f} computed) in "
+                       f"{_secs(float(s['serve_s']))}"),
+        ("TTFT p50/p90/p99", f"{_pcts(s, 'ttft_steps')} steps;  {_pcts_s(s, 'ttft_s')}"),
+        ("TPOT p50/p90/p99", f"{_pcts(s, 'tpot_steps')} steps;  {_pcts_s(s, 'tpot_s')}"),
+        ("prefix caching", str(s.get("prefix_caching", "auto"))),
         ("prefix hit rate", f"{100 * s['prefix_hit_rate']:.1f}%  ({s['prefix_hits']} of "
-                            f"{s['prefix_lookups']} lookups, {s['prefix_tokens_reused']} tokens "
-                            f"reused)"),
+                            f"{s['prefix_lookups']} admissions, {s['prefix_tokens_reused']} "
+                            f"tokens reused)"),
     ]
     if s.get("prefix_caching") == "auto":
         kv += [
@@ -285,9 +380,7 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
                                     f"logical_pages)"))
     kv += [
         ("pages copied", f"{s['pages_copied']}  (copy-on-write)"),
-        ("evictions", f"{s['evictions']}  ({s['evictions_for_pages']} for pages, "
-                      f"{s['evictions_for_entries']} for store entries)"),
-        ("preemptions", f"{s['preemptions']}"),
+        ("preemptions", f"{s['preemptions']}  ({s['recomputes']} resumed by recompute)"),
         ("peak pool use", f"{s['peak_pages_used']} / {s['num_blocks']} pages "
                           f"({100 * s['peak_pool_use']:.1f}%) of {s['page_tokens']} tokens"),
     ]
@@ -301,7 +394,7 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
     label_w = max(len("wall time (sum of the rows)"), max(len(r[0]) for r in rows))
     lines.append("")
     lines.append(f"{'where the time went'.ljust(label_w)} {'seconds':>9} {'share':>7}"
-                 f"  per round: p50 / p99")
+                 f"  per step: p50 / p99")
     for label, sec, pr in rows:
         share = 100.0 * sec / wall if wall > 0 else 0.0
         line = f"{label.ljust(label_w)} {sec:9.3f} {share:6.1f}%"
@@ -309,12 +402,12 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
             line += f"  {pr}"
         lines.append(line)
     lines.append(f"{'wall time (sum of the rows)'.ljust(label_w)} {wall:9.3f} {100.0:6.1f}%")
-    note = "(wall time: from the start of the run, after Python start-up and imports, to " \
-           "this summary"
-    if s.get("c_backend"):
-        note += ("; decode round: the whole Scheduler.decode call, inside which Python cannot "
-                 "time the scheduler and the C backend apart")
-    lines += textwrap.wrap(note + ")", WIDTH)
+    note = ("(wall time: from the start of the run, after Python start-up and imports, to "
+            "this summary; serving time: the steps' measured time"
+            if s.get("step_seconds") is None else
+            f"(wall time: from the start of the run, after Python start-up and imports, to "
+            f"this summary; serving time: {s['step_seconds']:g} s per step")
+    lines += textwrap.wrap(note + ", idle gaps between arrivals included)", WIDTH)
     return "\n".join(lines)
 
 

@@ -112,7 +112,8 @@ def is_c_backend(backend) -> bool:
 
 
 class TimedBackend:
-    """Wraps a Python backend: its ``execute_ragged``, ``prefill`` and ``copy_pages`` calls
+    """Wraps a Python backend: its ``execute_step``, ``execute_ragged``, ``prefill`` and
+    ``copy_pages`` calls
     (those it has) are charged to the ``BACKEND`` row of ``clock`` and added up in ``.seconds``
     (per method in ``.by_method``, call counts in ``.calls``).  Everything else is the wrapped
     backend's (``__getattr__``).  Never wrap a C backend: the scheduler would find its capsule
@@ -125,7 +126,7 @@ class TimedBackend:
         self.by_method: Dict[str, float] = {}
         self.calls: Dict[str, int] = {}
         self.pages_copied = 0
-        for name in ("execute_ragged", "prefill", "copy_pages"):
+        for name in ("execute_step", "execute_ragged", "prefill", "copy_pages"):
             fn = getattr(inner, name, None)
             if callable(fn):
                 self.by_method[name] = 0.0

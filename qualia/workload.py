@@ -8,20 +8,27 @@ namespace (``b"tenant-3"``): two tenants never share KV pages, even for the same
 With ``turns > 1`` every request opens a conversation: when a turn completes, the next turn's
 prompt is the previous prompt + its answer + a new user message (:meth:`Workload.next_turn`), so
 automatic prefix caching can reuse the previous turn's answer too.
+
+:class:`Trace` replays a CSV file of arrivals with prompt and output lengths (the public Azure LLM
+inference trace format, or a plain form), with synthetic token ids that keep the shared prefixes
+the file describes.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import datetime
 import math
 import operator
+import re
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Request", "Workload", "UnservableRequest", "checked_request", "pages_needed",
-           "MAX_ARRIVAL_STEP"]
+__all__ = ["Request", "Workload", "Trace", "TraceError", "UnservableRequest", "checked_request",
+           "pages_needed", "MAX_ARRIVAL_STEP"]
 
 #: The last arrival step a trace may have.  Steps are held in int64 arrays; an arrival rate so
 #: small that the trace would run past this is refused (``Workload.generate`` raises
@@ -33,20 +40,23 @@ MAX_ARRIVAL_STEP = 2**62
 class Request:
     """One request of a trace.
 
-    ``prompt`` is a list of token ids; ``shared_prefix_len`` is the length of the prompt's
+    ``prompt`` is a list of token ids (or a uint32 numpy array: a :class:`Trace`'s prompts);
+    ``shared_prefix_len`` is the length of the prompt's
     cacheable prefix (its system prompt; 0 for none); ``arrival_step`` is the decode step at
-    which the request reaches the engine.  ``namespace`` (``b"tenant-<tenant>"``) scopes the
-    prefix cache."""
+    which the request reaches the engine; ``arrival_s`` (optional, a :class:`Trace`'s) is the
+    time in seconds since the start of the run at which it arrives.  ``namespace``
+    (``b"tenant-<tenant>"``) scopes the prefix cache."""
 
     request_id: int
     tenant: int
-    prompt: List[int]
+    prompt: Union[List[int], np.ndarray]
     shared_prefix_len: int
     max_new_tokens: int
     arrival_step: int = 0
     system_prompt: Optional[int] = None  # index of the system prompt, None for none
     conversation: Optional[int] = None  # the conversation a turn belongs to, None for none
     turn: int = 0  # 0 for the first turn of a conversation
+    arrival_s: Optional[float] = None  # seconds since the start of the run, None: by step
 
     @property
     def namespace(self) -> bytes:
@@ -54,7 +64,7 @@ class Request:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["prompt"] = [int(t) for t in self.prompt]
+        d["prompt"] = [int(t) for t in np.asarray(self.prompt).tolist()]
         return d
 
 
@@ -69,28 +79,52 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
     return -(-positions // page_tokens)
 
 
+def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
+    """A request's prompt as a uint32 numpy array, checked without a Python loop over its
+    tokens (a list of ints goes through one conversion)."""
+    limit = 2**32 if vocab is None else min(int(vocab), 2**32)
+    if isinstance(prompt, np.ndarray):
+        arr = prompt
+    else:
+        try:
+            arr = np.array(prompt if isinstance(prompt, (list, tuple)) else list(prompt))
+        except (OverflowError, TypeError, ValueError):
+            raise ValueError(f"request {rid}: prompt token ids must be u32") from None
+        if arr.dtype == object:  # ints past int64 or mixed objects
+            raise ValueError(f"request {rid}: prompt token ids must be u32")
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
+        raise ValueError(f"request {rid}: prompt token ids must be a 1-D sequence of integers")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        what = "u32" if vocab is None else f"in [0, {vocab})"
+        raise ValueError(f"request {rid}: prompt token ids must be {what}")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
 def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logical_pages: int,
                     vocab: Optional[int] = None) -> Request:
-    """``request`` with plain ``int`` fields and a list prompt, once it is known servable by a
-    scheduler of ``num_blocks`` pages of ``page_tokens`` tokens and ``logical_pages`` pages per
-    request.  Raises :class:`UnservableRequest` (a ``ValueError``) for a request that needs more
-    pages than either, and ``ValueError`` for an empty prompt, no tokens to generate, a token id
-    outside ``[0, vocab)`` (u32 when ``vocab`` is None) or a request id that is not a u64."""
+    """``request`` with plain ``int`` fields and its prompt as a uint32 numpy array, once it is
+    known servable by a scheduler of ``num_blocks`` pages of
+    ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
+    :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
+    either, and ``ValueError`` for an empty prompt, no tokens to generate, a token id outside
+    ``[0, vocab)`` (u32 when ``vocab`` is None), a request id that is not a u64 or an arrival
+    time that is not a finite number >= 0."""
     rid = int(request.request_id)
     if not 0 <= rid <= 2**64 - 1:
         raise ValueError(f"request {rid}: request_id must be a u64")
-    prompt = [int(t) for t in request.prompt]
-    if not prompt:
+    prompt = _checked_prompt(rid, request.prompt, vocab)
+    if not len(prompt):
         raise ValueError(f"request {rid}: the prompt is empty")
     max_new = int(request.max_new_tokens)
     if max_new < 1:
         raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
-    if vocab is not None and any(not 0 <= t < vocab for t in prompt):
-        raise ValueError(f"request {rid}: prompt token ids must be in [0, {vocab})")
-    if any(not 0 <= t < 2**32 for t in prompt):
-        raise ValueError(f"request {rid}: prompt token ids must be u32")
     if not 0 <= int(request.shared_prefix_len) <= len(prompt):
         raise ValueError(f"request {rid}: shared_prefix_len must be in [0, len(prompt)]")
+    arrival_s = request.arrival_s
+    if arrival_s is not None:
+        arrival_s = float(arrival_s)
+        if not 0.0 <= arrival_s < math.inf:
+            raise ValueError(f"request {rid}: arrival_s must be a finite number >= 0")
     need = pages_needed(len(prompt), max_new, page_tokens)
     limits = []
     if need > num_blocks:
@@ -104,7 +138,8 @@ def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logi
             + " and ".join(limits))
     return dataclasses.replace(request, request_id=rid, prompt=prompt,
                                shared_prefix_len=int(request.shared_prefix_len),
-                               max_new_tokens=max_new, arrival_step=int(request.arrival_step))
+                               max_new_tokens=max_new, arrival_step=int(request.arrival_step),
+                               arrival_s=arrival_s)
 
 
 def _length_range(value, what: str) -> Tuple[int, int]:
@@ -272,7 +307,7 @@ class Workload:
         return Request(
             request_id=self.first_request_id + t * self.requests + int(c),
             tenant=request.tenant,
-            prompt=list(request.prompt) + said + user,
+            prompt=[int(x) for x in np.asarray(request.prompt).tolist()] + said + user,
             shared_prefix_len=request.shared_prefix_len,
             max_new_tokens=int(self._lengths(rng, self.output_len, 1)[0]),
             arrival_step=int(step) + 1,
@@ -285,3 +320,261 @@ class Workload:
 
     def __iter__(self):
         return iter(self.generate())
+
+
+# --------------------------------------------------------------------------------------------
+# real traces
+# --------------------------------------------------------------------------------------------
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read: ``path`` and ``line`` (1-based, the header is line 1;
+    0 when the problem is not one line's) say where."""
+
+    def __init__(self, path: str, line: int, message: str) -> None:
+        self.path = str(path)
+        self.line = int(line)
+        where = f"{self.path}:{self.line}" if self.line else self.path
+        super().__init__(f"{where}: {message}")
+
+
+#: The two trace forms, by their three required columns (arrival, prompt tokens, output tokens).
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+PLAIN_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
+#: Optional columns, in either form.
+EXTRA_COLUMNS = ("prefix_group", "prefix_tokens", "tenant")
+
+_TIMESTAMP = re.compile(
+    r"^(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,12}))?"
+    r"(Z|[+-]\d{2}:?\d{2})?$")
+
+
+def parse_timestamp(text: str) -> float:
+    """Seconds since the epoch of an ISO date-time such as ``2023-11-16 18:15:46.6805900`` (any
+    number of fraction digits, up to 12; an optional ``Z`` or ``+hh:mm`` offset, UTC without
+    one).  Raises ``ValueError``."""
+    m = _TIMESTAMP.match(text.strip())
+    if m is None:
+        raise ValueError(f"expected a date-time like 2023-11-16 18:15:46.6805900, got {text!r}")
+    date, hh, mm, ss, frac, zone = m.groups()
+    tz = "+00:00" if zone in (None, "Z") else zone
+    if len(tz) == 5:  # +hhmm
+        tz = tz[:3] + ":" + tz[3:]
+    dt = datetime.datetime.fromisoformat(f"{date}T{hh}:{mm}:{ss}{tz}")
+    return dt.timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _count(text: str, column: str, minimum: int) -> int:
+    try:
+        v = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{column}: expected an integer, got {text!r}") from None
+    if v < minimum:
+        raise ValueError(f"{column}: must be >= {minimum}, got {v}")
+    if v > 2**32 - 1:
+        raise ValueError(f"{column}: must be < 2**32, got {v}")
+    return v
+
+
+@dataclass
+class _Row:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    group: Optional[int]  # index of the prefix group, in order of first appearance
+    prefix_tokens: int
+    tenant: int
+
+
+class Trace:
+    """Requests replayed from a CSV file (``python -m qualia simulate --trace FILE``).
+
+    The header names the form:
+
+    * the public Azure LLM inference trace: ``TIMESTAMP,ContextTokens,GeneratedTokens``, with
+      ``TIMESTAMP`` an ISO date-time (``2023-11-16 18:15:46.6805900``); a request arrives at
+      the seconds since the earliest row (the first, in a sorted file);
+    * a plain form: ``arrival_s,prompt_tokens,output_tokens``, arrival in seconds >= 0.
+
+    Either form may add the columns ``prefix_group,prefix_tokens`` (the rows of one non-empty
+    group share their first ``prefix_tokens`` token ids: a system prompt, a conversation's
+    history) and ``tenant`` (an integer >= 0, the prefix-cache namespace; 0 without it).
+    Columns may come in any order; blank lines are skipped.  The requests are sorted by arrival
+    (ties in file order) and numbered from ``first_request_id``.
+
+    Token ids are synthetic, drawn from ``[0, vocab)`` (never ``end_token``) and deterministic
+    from ``seed``: a group's shared ids come from the group's own stream, a row's other ids
+    from the row's.  A prompt is a uint32 numpy array.  Bad input raises :class:`TraceError`
+    (a ``ValueError``) naming the file and the line."""
+
+    turns = 1
+
+    def __init__(self, path: str, *, seed: int = 0, vocab: int = 32000,
+                 end_token: Optional[int] = None, first_request_id: int = 0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if vocab < 1 or (end_token is not None and (vocab < 2 or not 0 <= end_token < vocab)):
+            raise ValueError("vocab must be >= 1 (>= 2 with an end token, which must be below it)")
+        self.path = str(path)
+        self.seed = seed
+        self.vocab = int(vocab)
+        self.end_token = end_token
+        self.first_request_id = int(first_request_id)
+        self.form, self._rows, self.groups = self._read()
+        self.requests = len(self._rows)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _read(self) -> Tuple[str, List[_Row], int]:
+        path = self.path
+        try:
+            f = open(path, newline="", encoding="utf-8-sig")
+        except OSError as exc:
+            raise TraceError(path, 0, exc.strerror or str(exc)) from None
+        with f:
+            try:
+                return self._parse(csv.reader(f))
+            except UnicodeDecodeError as exc:
+                raise TraceError(path, 0, f"not UTF-8 text ({exc.reason})") from None
+            except csv.Error as exc:
+                raise TraceError(path, 0, f"not a CSV file ({exc})") from None
+
+    def _parse(self, reader: Iterator[List[str]]) -> Tuple[str, List[_Row], int]:
+        path = self.path
+        header: Optional[List[str]] = None
+        for fields in reader:
+            if any(x.strip() for x in fields):
+                header = [x.strip() for x in fields]
+                break
+        if header is None:
+            raise TraceError(path, 0, "empty: expected a header line, "
+                             f"{','.join(AZURE_COLUMNS)} or {','.join(PLAIN_COLUMNS)}")
+        header_line = getattr(reader, "line_num", 1)
+        names = {h.lower(): i for i, h in enumerate(header)}
+        if len(names) != len(header):
+            raise TraceError(path, header_line, f"a column appears twice in the header {header}")
+        form = ""
+        for candidate, cols in (("azure", AZURE_COLUMNS), ("plain", PLAIN_COLUMNS)):
+            if all(c.lower() in names for c in cols):
+                form = candidate
+                required = cols
+        if not form:
+            raise TraceError(path, header_line,
+                             f"unknown header {','.join(header)!r}: expected "
+                             f"{','.join(AZURE_COLUMNS)} (the Azure LLM inference trace) or "
+                             f"{','.join(PLAIN_COLUMNS)}, optionally with "
+                             f"{','.join(EXTRA_COLUMNS)}")
+        known = {c.lower() for c in required + EXTRA_COLUMNS}
+        unknown = [h for h in header if h.lower() not in known]
+        if unknown:
+            raise TraceError(path, header_line,
+                             f"unknown column {unknown[0]!r} (the optional columns are "
+                             f"{', '.join(EXTRA_COLUMNS)})")
+        if ("prefix_tokens" in names) != ("prefix_group" in names):
+            raise TraceError(path, header_line,
+                             "prefix_group and prefix_tokens come together")
+        i_arr, i_prompt, i_out = (names[c.lower()] for c in required)
+        i_group, i_ptok = names.get("prefix_group"), names.get("prefix_tokens")
+        i_tenant = names.get("tenant")
+        groups: Dict[str, int] = {}
+        rows: List[_Row] = []
+        lines: List[int] = []
+        for fields in reader:
+            line = getattr(reader, "line_num", 0)
+            if not any(x.strip() for x in fields):
+                continue
+            if len(fields) != len(header):
+                raise TraceError(path, line, f"expected {len(header)} fields "
+                                 f"({','.join(header)}), got {len(fields)}")
+            try:
+                if form == "azure":
+                    arrival = parse_timestamp(fields[i_arr])
+                else:
+                    text = fields[i_arr].strip()
+                    try:
+                        arrival = float(text)
+                    except ValueError:
+                        raise ValueError(f"arrival_s: expected a number of seconds, got "
+                                         f"{text!r}") from None
+                    if not 0.0 <= arrival < math.inf:
+                        raise ValueError(f"arrival_s: must be a finite number >= 0, got {text!r}")
+                prompt = _count(fields[i_prompt], required[1], 1)
+                output = _count(fields[i_out], required[2], 1)
+                group: Optional[int] = None
+                ptok = 0
+                if i_group is not None and i_ptok is not None:
+                    label = fields[i_group].strip()
+                    ptok = _count(fields[i_ptok], "prefix_tokens", 0) if label or \
+                        fields[i_ptok].strip() else 0
+                    if ptok and not label:
+                        raise ValueError("prefix_tokens without a prefix_group")
+                    if ptok > prompt:
+                        raise ValueError(f"prefix_tokens ({ptok}) is longer than the prompt "
+                                         f"({prompt})")
+                    if label:
+                        group = groups.setdefault(label, len(groups))
+                tenant = _count(fields[i_tenant], "tenant", 0) if i_tenant is not None else 0
+            except ValueError as exc:
+                raise TraceError(path, line, str(exc)) from None
+            rows.append(_Row(arrival, prompt, output, group, ptok, tenant))
+            lines.append(line)
+        if rows:
+            start = min(r.arrival_s for r in rows)
+            for r in rows:
+                r.arrival_s -= start
+            order = sorted(range(len(rows)), key=lambda i: rows[i].arrival_s)
+            rows = [rows[i] for i in order]
+        return form, rows, len(groups)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _tokens(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        toks = rng.integers(0, self.vocab, size=n, dtype=np.uint32)
+        if self.end_token is not None:  # prompts never hold the end token
+            toks[toks == self.end_token] = (self.end_token + 1) % self.vocab
+        return toks
+
+    def generate(self) -> List[Request]:
+        """The requests, in arrival order (the same for the same file and seed)."""
+        prefix_len = [0] * self.groups
+        for r in self._rows:
+            if r.group is not None:
+                prefix_len[r.group] = max(prefix_len[r.group], r.prefix_tokens)
+        shared = [self._tokens(np.random.default_rng([self.seed, 1, g]), n)
+                  for g, n in enumerate(prefix_len)]
+        rng = np.random.default_rng([self.seed, 0])
+        out = []
+        for i, r in enumerate(self._rows):
+            rest = self._tokens(rng, r.prompt_tokens - r.prefix_tokens)
+            if r.group is not None and r.prefix_tokens:
+                prompt = np.concatenate([shared[r.group][:r.prefix_tokens], rest])
+            else:
+                prompt = rest
+            out.append(Request(
+                request_id=self.first_request_id + i,
+                tenant=r.tenant,
+                prompt=prompt,
+                shared_prefix_len=r.prefix_tokens,
+                max_new_tokens=r.output_tokens,
+                arrival_step=0,
+                arrival_s=r.arrival_s,
+            ))
+        return out
+
+    def memory_estimate(self) -> int:
+        """Rough bytes the requests take once generated and served (uint32 prompts, outputs as
+        Python lists, per-request bookkeeping)."""
+        return sum(4 * r.prompt_tokens + 52 * r.output_tokens + 900 for r in self._rows)
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the first arrival to the last."""
+        return self._rows[-1].arrival_s if self._rows else 0.0
+
+    __call__ = generate
+
+    def __iter__(self):
+        return iter(self.generate())
+
+    def __len__(self) -> int:
+        return len(self._rows)

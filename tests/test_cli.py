@@ -21,7 +21,7 @@ from qualia.timing import ROWS
 SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16",
              "--system-prompts", "2", "--system-prompt-len", "20", "--share-ratio", "0.8",
              "--arrival-rate", "2", "--num-blocks", "32", "--max-requests", "10",
-             "--page-tokens", "8", "--logical-pages", "8", "--prefix-entries", "3",
+             "--page-tokens", "8", "--logical-pages", "8",
              "--turns", "1", "--no-progress"]
 
 
@@ -44,9 +44,10 @@ def test_cli_simulate_check_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "all 16 requests match the dense model" in out
-    for label in ("requests completed", "tokens generated", "decode rounds", "prefix hit rate",
-                  "pages copied", "evictions", "preemptions", "peak pool use",
-                  "scheduler (qualia.Scheduler calls)", "backend: PagedModelBackend (numpy)",
+    for label in ("requests completed", "tokens generated", "steps", "step budget",
+                  "throughput", "TTFT p50/p90/p99", "TPOT p50/p90/p99", "prefix hit rate",
+                  "pages copied", "preemptions", "peak pool use",
+                  "scheduler (step API calls)", "backend: PagedModelBackend (numpy)",
                   "engine loop (Python)", "workload generation", "wall time"):
         assert label in out
     data = json.loads(path.read_text())
@@ -56,11 +57,15 @@ def test_cli_simulate_check_json(tmp_path, capsys):
     assert data["check"]["message"] == "all 16 requests match the dense model"
     assert data["config"]["num_blocks"] == 32 and data["config"]["prompt_len"] == [16, 40]
     assert data["config"]["backend"] == "model"
-    for key in ("tokens_generated", "decode_rounds", "prefix_hit_rate", "pages_copied",
-                "evictions", "preemptions", "peak_pool_use", "sched_us_per_round_p50",
+    for key in ("tokens_generated", "steps", "prefix_hit_rate", "pages_copied",
+                "preemptions", "peak_pool_use", "sched_us_per_round_p50",
                 "sched_us_per_round_p99", "backend_us_per_round_p50",
-                "backend_us_per_round_p99", "wall_s", "time_s"):
+                "backend_us_per_round_p99", "wall_s", "time_s", "throughput_tokens_per_s",
+                "serve_s", *(f"{m}_p{q}" for m in ("ttft_steps", "ttft_s", "tpot_steps",
+                                                   "tpot_s") for q in (50, 90, 99))):
         assert key in st
+    assert st["ttft_steps_p50"] <= st["ttft_steps_p90"] <= st["ttft_steps_p99"]
+    assert st["ttft_steps_p50"] >= 1 and st["throughput_tokens_per_s"] > 0
     assert st["preemptions"] > 0 and st["prefix_hits"] > 0
     assert sum(st["time_s"].values()) == pytest.approx(st["wall_s"], rel=1e-9)
 
@@ -161,7 +166,9 @@ INT_OPTIONS = {  # option: (below its minimum, above its maximum)
     "--max-requests": ("0", "65537"),
     "--page-tokens": ("0", str(2**32)),
     "--logical-pages": ("0", str(2**32)),
-    "--prefix-entries": ("0", str(2**30 + 1)),
+    "--max-batched-tokens": ("0", str(2**32)),
+    "--max-seqs": ("0", "65537"),
+    "--chunk": ("0", str(2**32)),
 }
 
 
@@ -258,7 +265,7 @@ def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
     # the C backend's pool of 2**32 - 1 pages is 32 GiB: refused on a machine with 8 GiB free
     monkeypatch.setattr(cli, "available_memory", lambda: 8 * 2**30)
     assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295",
-                 "--prefix-caching", "explicit"]) == 2
+                 "--prefix-caching", "off"]) == 2
     err = capsys.readouterr().err
     assert "32.0 GiB" in err and "8.0 GiB available" in err and "--num-blocks" in err
     # with automatic caching, the cache's page records are the largest part
@@ -370,6 +377,110 @@ def test_cli_multi_turn_auto_caching_check(tmp_path, capsys):
     assert st["requests_completed"] == 16 + st["follow_up_turns"]
     assert st["cache_hit_tokens"] > 0 and st["cache_reclaims"] > 0
     assert st["kv_events_stored"] > 0 and st["kv_events_dropped"] == 0
-    assert main(["simulate", *SMALL_CLI, "--prefix-caching", "explicit", "--check"]) == 0
+
+
+def test_cli_prefix_caching_off(capsys):
+    from qualia.engine import core_has_step_api
+
+    if not core_has_step_api():
+        pytest.skip("the pure-Python step twin serves prefix_caching='auto' only")
+    assert main(["simulate", *SMALL_CLI, "--prefix-caching", "off", "--check"]) == 0
     out = capsys.readouterr().out
-    assert "prefix caching          explicit" in out and "cached tokens" not in out
+    assert "prefix caching          off" in out and "cached tokens" not in out
+
+
+# -- the step budget, traces, plots -----------------------------------------------------------
+
+
+def test_cli_step_budget_and_chunk(capsys):
+    rc = main(["simulate", *SMALL_CLI, "--backend", "c", "--max-batched-tokens", "24",
+               "--max-seqs", "6", "--chunk", "8", "--check", "--json", "-"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    st = data["stats"]
+    assert data["check"]["ok"]
+    assert st["max_batched_tokens"] == 24 and st["max_seqs"] == 6
+    assert st["max_prefill_chunk"] == 8
+    assert 0 < st["max_step_tokens"] <= 24 and st["max_step_seqs"] <= 6
+    assert st["mixed_steps"] > 0  # decodes and prefill chunks in one step
+    assert data["config"]["chunk"] == 8 and data["config"]["max_batched_tokens"] == 24
+
+
+def test_cli_max_seqs_above_max_requests_is_exit_2(capsys):
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--max-seqs", "11"]) == 2
+    err = capsys.readouterr().err
+    assert "max_num_seqs" in err and "Traceback" not in err
+
+
+def test_cli_prefix_caching_explicit_is_gone(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--prefix-caching", "explicit"])
+    assert exc.value.code == 2
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_trace_plain_form_check_json(tmp_path, capsys):
+    rows = ["arrival_s,prompt_tokens,output_tokens,prefix_group,prefix_tokens"]
+    rows += [f"{i * 0.002:.3f},{20 + i},{3 + i % 4},{'sys' if i % 2 else ''},"
+             f"{16 if i % 2 else ''}" for i in range(12)]
+    trace = _write(tmp_path / "t.csv", "\n".join(rows) + "\n")
+    rc = main(["simulate", "--trace", trace, "--backend", "c", "--page-tokens", "8",
+               "--step-ms", "1", "--check", "--json", "-", "--no-progress"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    st = data["stats"]
+    assert data["check"]["ok"] and st["requests_completed"] == 12
+    assert data["config"]["trace"] == trace and data["config"]["trace_form"] == "plain"
+    assert st["prefix_hits"] >= 5  # every later row of the group finds its 16 tokens cached
+    assert st["tokens_generated"] == sum(3 + i % 4 for i in range(12))
+    assert st["serve_s"] >= 11 * 0.002  # the clock reached the last arrival
+
+
+def test_cli_trace_azure_form(tmp_path, capsys):
+    trace = _write(tmp_path / "azure.csv",
+                   "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:46.6805900,40,5\n"
+                   "2023-11-16 18:15:46.6905900,30,4\n"
+                   "2023-11-16 18:15:47.0000000,50,6\n")
+    rc = main(["simulate", "--trace", trace, "--step-ms", "1", "--check", "--json", "-",
+               "--no-progress"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["check"]["ok"] and data["stats"]["requests_completed"] == 3
+    assert data["config"]["trace_form"] == "azure"
+    assert data["stats"]["serve_s"] == pytest.approx(0.32, abs=0.05)
+
+
+def test_cli_trace_errors_name_file_and_line(tmp_path, capsys):
+    _ = tmp_path
+    bad = _write(tmp_path / "bad.csv", "arrival_s,prompt_tokens,output_tokens\n0,10,2\n1,x,2\n")
+    assert main(["simulate", "--trace", bad, "--backend", "c", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3:" in err and "prompt_tokens" in err and err.count("\n") == 1
+    missing = str(tmp_path / "nope.csv")
+    assert main(["simulate", "--trace", missing, "--backend", "c", "--no-progress"]) == 2
+    assert missing in capsys.readouterr().err
+    big = _write(tmp_path / "big.csv", "arrival_s,prompt_tokens,output_tokens\n0,1000,2\n")
+    assert main(["simulate", "--trace", big, "--backend", "c", "--no-progress"]) == 2
+    assert "can never be served" in capsys.readouterr().err
+
+
+def test_cli_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "run.png"
+    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--plot", str(path), "-q"]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_plot_without_matplotlib_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["simulate", "--backend", "c", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "qualia[plot]" in err and "Traceback" not in err
+    assert main(["simulate", "--backend", "c", "--plot", "/nonexistent/x.png"]) == 2
+    assert "--plot" in capsys.readouterr().err
