@@ -1102,7 +1102,8 @@ cdef class Scheduler:
                 st.accum_cap = cap
                 if cap > st.finished_cap:
                     # the pending plan's ids move along: its views keep the old buffer alive
-                    grown = <uint64_t *>self._step_bufs.add("finished_request_ids", _DT_U64, cap)
+                    grown = <uint64_t *>self._step_bufs.add("finished_request_ids",
+                                                            _DT_PLAN_U64, cap)
                     memcpy(grown, st.finished_ids, st.n_finished * sizeof(uint64_t))
                     st.finished_ids = grown
                     st.finished_cap = cap

@@ -901,9 +901,9 @@ cdef class _StepBuffers:
         return r.ptr
 
 
-cdef object _DT_I32 = np.dtype(np.int32)
-cdef object _DT_I64 = np.dtype(np.int64)
-cdef object _DT_U64 = np.dtype(np.uint64)
+cdef object _DT_PLAN_I32 = np.dtype(np.int32)
+cdef object _DT_PLAN_I64 = np.dtype(np.int64)
+cdef object _DT_PLAN_U64 = np.dtype(np.uint64)
 
 
 cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCache *c,
@@ -969,24 +969,24 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     for i in range(max_seqs):
         st.row_owner[i] = -1
     st.copies_cap = budget // page_tokens + 2 * max_seqs + 1
-    st.request_ids = <uint64_t *>bufs.add("request_ids", _DT_U64, max_seqs)
-    st.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_I32, max_seqs + 1)
-    st.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_I32, max_seqs)
+    st.request_ids = <uint64_t *>bufs.add("request_ids", _DT_PLAN_U64, max_seqs)
+    st.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_PLAN_I32, max_seqs + 1)
+    st.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_PLAN_I32, max_seqs)
     st.input_ids = <uint32_t *>bufs.add("input_ids", _DT_U32, budget)
-    st.positions = <int32_t *>bufs.add("positions", _DT_I32, budget)
-    st.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_I64, budget)
-    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_I32, max_seqs)
-    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_U64, max_seqs)
-    st.block_table = <int32_t *>bufs.add("block_table", _DT_I32, <Py_ssize_t>max_seqs * lp)
-    st.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_I32, max_seqs)
-    st.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_I32, max_seqs)
-    st.kv_indptr = <int32_t *>bufs.add("kv_indptr", _DT_I32, max_seqs + 1)
-    st.kv_indices = <int32_t *>bufs.add("kv_indices", _DT_I32, <Py_ssize_t>max_seqs * lp)
-    st.kv_last_page_len = <int32_t *>bufs.add("kv_last_page_len", _DT_I32, max_seqs)
+    st.positions = <int32_t *>bufs.add("positions", _DT_PLAN_I32, budget)
+    st.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_PLAN_I64, budget)
+    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_PLAN_I32, max_seqs)
+    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_PLAN_U64, max_seqs)
+    st.block_table = <int32_t *>bufs.add("block_table", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
+    st.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_PLAN_I32, max_seqs)
+    st.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_PLAN_I32, max_seqs)
+    st.kv_indptr = <int32_t *>bufs.add("kv_indptr", _DT_PLAN_I32, max_seqs + 1)
+    st.kv_indices = <int32_t *>bufs.add("kv_indices", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
+    st.kv_last_page_len = <int32_t *>bufs.add("kv_last_page_len", _DT_PLAN_I32, max_seqs)
     st.copies = <qualia_copy_op *>bufs.add("copies", _DT_COPY, st.copies_cap)
-    st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_U64, max_seqs)
-    st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_U64, max_seqs)
-    st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_U64, st.accum_cap)
+    st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_PLAN_U64, max_seqs)
+    st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_PLAN_U64, max_seqs)
+    st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, st.accum_cap)
     st.finished_cap = st.accum_cap
     for i in range(<uint32_t>(max_seqs * lp)):
         st.block_table[i] = -1
