@@ -60,17 +60,22 @@ def _ray():
 
 @dataclass
 class ReplicaConfig:
-    """What every replica is built with.  ``scheduler``: ``"auto"`` (the compiled core's step
-    API when it has one, else the pure-Python twin), ``"core"``, ``"twin"``, or a callable
-    taking the scheduler's keyword arguments.  ``backend``: ``"hash"`` (the hash rule, token =
-    hash(request, position, last token)) or ``"model"`` (the numpy model, when it implements
-    the step API)."""
+    """What every replica is built with.  ``scheduler``: ``"auto"`` (the compiled core's
+    ``qualia.Scheduler`` when it has the step API, else the pure-Python twin), ``"core"``,
+    ``"twin"``, or a callable taking the scheduler's keyword arguments.  ``backend``:
+    ``"hash"`` (the hash rule, token = hash(request, position, last token)) or ``"model"``
+    (the numpy model's own step runner, ``PagedModelBackend.execute_step``: one forward over
+    the plan's mixed batch, K/V through ``slot_mapping``, greedy).  ``max_num_seqs`` (None:
+    ``max_requests``) and ``max_prefill_chunk`` (None: only the token budget) shape each
+    step as in the single engine."""
 
     max_requests: int = 16
     num_blocks: int = 96
     page_tokens: int = 16
     logical_pages: int = 16
     max_num_batched_tokens: int = 512
+    max_num_seqs: Optional[int] = None
+    max_prefill_chunk: Optional[int] = None
     max_queued: Optional[int] = None
     cache_key: bytes = DEFAULT_KEY
     event_capacity: int = 8192
@@ -92,6 +97,8 @@ def make_scheduler(config: ReplicaConfig):
                               logical_pages=config.logical_pages, cache_key=config.cache_key,
                               event_capacity=config.event_capacity,
                               max_num_batched_tokens=config.max_num_batched_tokens,
+                              max_num_seqs=config.max_num_seqs,
+                              max_prefill_chunk=config.max_prefill_chunk,
                               max_queued=config.queue_limit, vocab_size=config.vocab)
     kind = config.scheduler
     if callable(kind):
@@ -134,11 +141,7 @@ def make_backend(config: ReplicaConfig):
         return HashStepBackend(config.vocab)
     if config.backend == "model":
         from qualia.model import PagedModelBackend
-        backend = PagedModelBackend(model_weights(config), config.num_blocks, config.page_tokens)
-        if not hasattr(backend, "execute_step"):
-            raise ValueError("the numpy model has no execute_step (the engine step API) in "
-                             "this build: use backend='hash'")
-        return backend
+        return PagedModelBackend(model_weights(config), config.num_blocks, config.page_tokens)
     raise ValueError(f"backend must be 'hash' or 'model', got {config.backend!r}")
 
 
@@ -153,10 +156,19 @@ class Replica:
         self.backend = make_backend(config)
         # the twin keeps the cache in its facade; the core's Scheduler is its own facade
         self.facade = getattr(self.sched, "facade", self.sched)
+        self.implementation = ("core" if isinstance(self.sched, qualia.Scheduler)
+                               else "twin" if self.facade is not self.sched
+                               else type(self.sched).__name__)
         self.steps = 0
 
     def ping(self) -> int:
         return self.replica_id
+
+    def describe(self) -> Dict[str, Any]:
+        """What this replica runs: its scheduler (``"core"``: the compiled ``qualia.Scheduler``;
+        ``"twin"``) and its backend's class."""
+        return dict(replica=self.replica_id, implementation=self.implementation,
+                    backend=type(self.backend).__name__)
 
     def _hit_tokens(self) -> int:
         # prompt tokens the cache has served so far (for a plan that does not count them)
@@ -206,8 +218,9 @@ class Replica:
                          f.finish_reason) for f in done]
             self.steps += 1
         f = self.facade
-        rep.update(replica=self.replica_id, sampled=sampled, finished=finished,
-                   rejected=rejected, failed=failed, events=f.drain_events(),
+        rep.update(replica=self.replica_id, implementation=self.implementation,
+                   sampled=sampled, finished=finished, rejected=rejected, failed=failed,
+                   events=f.drain_events(),
                    running=int(self.sched.num_running), waiting=int(self.sched.num_waiting),
                    free_pages=int(f.free_pages), num_blocks=int(f.num_blocks),
                    step_s=time.perf_counter() - t0)
@@ -392,6 +405,7 @@ class Cluster:
         self.duplicates_ignored = 0
         self._counters = dict(cached=0, prefill=0, decode=0, preempted=0, generated=0)
         self._per_replica = [dict(cached=0, prefill=0) for _ in range(self.n)]
+        self.implementations: set = set()   # the schedulers the replicas reported
 
     # -- replicas ----------------------------------------------------------------------------------
     def _spawn(self, r: int):
@@ -545,6 +559,7 @@ class Cluster:
                completions: Dict[int, int], queue: Deque[int], next_turn, arrivals) -> None:
         now = time.perf_counter()
         self.index.apply_events(r, rep["events"])
+        self.implementations.add(rep.get("implementation", "?"))
         self.load[r] = rep["running"] + rep["waiting"]
         for rid in rep["rejected"]:
             tracks[rid].owner = -1
@@ -611,6 +626,8 @@ class Cluster:
         out_tokens = sum(len(t.outputs) for t in tracks.values())
         return {
             "policy": self.policy, "replicas": self.n, "requests": len(tracks),
+            "scheduler": "/".join(sorted(self.implementations)),
+            "backend": self.config.backend,
             "completed": sum(1 for t in tracks.values() if t.done), "steps": steps,
             "wall_s": wall,
             "cached_tokens": c["cached"], "prefill_tokens": c["prefill"],
@@ -654,6 +671,7 @@ def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
             config, num_blocks=config.num_blocks * replicas,
             max_requests=config.max_requests * replicas,
             max_num_batched_tokens=config.max_num_batched_tokens * replicas,
+            max_num_seqs=None if config.max_num_seqs is None else config.max_num_seqs * replicas,
             max_queued=None if config.max_queued is None else config.max_queued * replicas)
         cl = Cluster(1, "round-robin", big, local=local)
         try:
@@ -758,14 +776,17 @@ def simulate_cli(args, out=None, err=None) -> int:
         print("error: --replicas routes on automatic prefix caching: use --prefix-caching auto",
               file=err)
         return 2
+    # --backend model: the numpy model's own step runner on every replica; c: the hash rule
     backend = "hash" if args.backend == "c" else "model"
-    if backend == "model":
-        from .model import PagedModelBackend
-        if not hasattr(PagedModelBackend, "execute_step"):
-            print("note: the numpy model has no engine-step backend in this build; the replicas "
-                  "use the hash rule (as --backend c)", file=err)
-            backend = "hash"
     vocab = 32000 if backend == "hash" else 512
+    if args.end_token is not None and args.end_token >= vocab:
+        print(f"error: argument --end-token: must be < {vocab} (the vocabulary of --backend "
+              f"{args.backend}), got {args.end_token}", file=err)
+        return 2
+    if getattr(args, "trace", None) is not None:
+        print("error: --trace is not served on --replicas yet (a synthetic workload only)",
+              file=err)
+        return 2
     try:
         workload = Workload(
             requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
@@ -775,8 +796,12 @@ def simulate_cli(args, out=None, err=None) -> int:
             vocab=vocab, end_token=args.end_token, turns=args.turns, user_len=args.user_len)
         config = ReplicaConfig(max_requests=args.max_requests, num_blocks=args.num_blocks,
                                page_tokens=args.page_tokens, logical_pages=args.logical_pages,
+                               max_num_batched_tokens=getattr(args, "max_batched_tokens", 512),
+                               max_num_seqs=getattr(args, "max_seqs", None),
+                               max_prefill_chunk=getattr(args, "chunk", None),
                                backend=backend, vocab=vocab, eos_token_id=args.end_token)
-    except ValueError as exc:
+        make_scheduler(config)      # bad step options are refused here, before Ray starts
+    except (ValueError, TypeError, OverflowError) as exc:
         print(f"error: {exc}", file=err)
         return 2
     ray = None
@@ -829,7 +854,8 @@ def simulate_cli(args, out=None, err=None) -> int:
         once = all(n == 1 for n in res.completions.values()) and \
             set(res.completions) == set(res.requests)
         line = (f"{res.policy}: {len(res.completions)} of {len(res.requests)} requests "
-                f"completed {'exactly once' if once else 'NOT exactly once'}")
+                f"completed {'exactly once' if once else 'NOT exactly once'} (scheduler: "
+                f"{res.summary['scheduler']}, backend: {backend})")
         ok &= once
         if args.check:
             chk = check_outputs(res.requests, res.outputs, end_token=args.end_token, vocab=vocab,

@@ -249,14 +249,98 @@ def test_ray_simulate_cli_with_a_kill(ray_cluster):
     assert "| prefix | 2 |" in out.getvalue()
 
 
-def test_model_backend_needs_the_step_api():
-    from qualia.cluster import Replica
-    from qualia.model import PagedModelBackend
-    if hasattr(PagedModelBackend, "execute_step"):
-        cl = Cluster(2, "prefix", dataclasses.replace(CFG, backend="model", vocab=512),
-                     local=True)
-        res = cl.run(workload(requests=4, turns=1, vocab=512), max_steps=2000)
-        assert set(res.completions.values()) == {1}
-    else:
-        with pytest.raises(ValueError, match="execute_step"):
-            Replica(0, dataclasses.replace(CFG, backend="model"))
+def test_replicas_run_on_the_compiled_core_by_default():
+    import qualia
+    from qualia.cluster import Replica, make_scheduler
+    assert isinstance(make_scheduler(CFG), qualia.Scheduler)        # "auto" picks the core
+    assert Replica(0, CFG).describe()["implementation"] == "core"
+    twin = Replica(1, dataclasses.replace(CFG, scheduler="twin"))
+    assert twin.describe()["implementation"] == "twin"
+    model = Replica(2, dataclasses.replace(CFG, backend="model", vocab=512))
+    assert model.describe() == dict(replica=2, implementation="core",
+                                    backend="PagedModelBackend")
+
+
+# the numpy model is slow: small pools, short prompts and outputs
+MODEL_CFG = dataclasses.replace(CFG, backend="model", vocab=512, max_requests=4, num_blocks=32,
+                                max_num_batched_tokens=96, max_prefill_chunk=40)
+
+
+def model_workload(requests=6):
+    return workload(requests=requests, vocab=512, prompt_len=(16, 40), output_len=(3, 8),
+                    system_prompts=2, system_prompt_len=16, user_len=(3, 8))
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_model_backend_every_token_equals_the_dense_model_with_a_kill(kind):
+    """Every replica runs the numpy model's execute_step; a replica killed mid-run has its
+    requests recomputed elsewhere from prompt + tokens so far: every token still equals the
+    dense model's."""
+    from qualia.cluster import model_weights
+    cfg = dataclasses.replace(MODEL_CFG, scheduler=kind)
+    cl = Cluster(2, "prefix", cfg, local=True)
+    res = cl.run(model_workload(), kill_replica_at=3, rejoin_after=2, max_steps=2000)
+    s = res.summary
+    assert s["scheduler"] == kind and s["backend"] == "model"
+    assert s["deaths"] == 1 and s["resubmitted"] >= 1 and s["rejoins"] == 1
+    assert set(res.completions) == set(res.requests)
+    assert all(n == 1 for n in res.completions.values())
+    chk = check_outputs(res.requests, res.outputs, weights=model_weights(cfg))
+    assert chk.ok and chk.against == "dense model", chk.describe()
+    assert s["cached_tokens"] > 0 and s["prefill_tokens"] > 0
+
+
+def test_model_backend_check_catches_a_wrong_token():
+    """The dense check can fail: one token changed in one request's outputs is found."""
+    from qualia.cluster import model_weights
+    cl = Cluster(2, "round-robin", MODEL_CFG, local=True)
+    res = cl.run(model_workload(requests=3), max_steps=2000)
+    rid = min(res.outputs)
+    res.outputs[rid][-1] = (res.outputs[rid][-1] + 1) % 512
+    chk = check_outputs(res.requests, res.outputs, weights=model_weights(MODEL_CFG))
+    assert not chk.ok and chk.mismatched == [rid]
+
+
+def test_simulate_cli_local_model_backend_checked():
+    from qualia.__main__ import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["simulate", "--replicas", "2", "--local", "--requests", "4", "--check",
+                   "--prompt-len", "16,32", "--output-len", "3,6", "--system-prompt-len", "16",
+                   "--user-len", "3,6", "--num-blocks", "32", "--max-requests", "4",
+                   "--max-batched-tokens", "64", "--chunk", "32", "--kill-replica", "2",
+                   "--no-progress"])
+    text = out.getvalue()
+    assert rc == 0, text
+    assert "match the dense model" in text and "scheduler: core, backend: model" in text
+    assert "| prefix | 2 |" in text and "NOT" not in text
+
+
+@pytest.mark.parametrize("argv", [["--end-token", "512"], ["--max-batched-tokens", "0"],
+                                  ["--trace", "x.csv"]])
+def test_simulate_cli_cluster_refuses_bad_options(argv):
+    from qualia.__main__ import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(["simulate", "--replicas", "2", "--local", *argv])
+        except SystemExit as exc:   # argparse's own bounds
+            rc = exc.code
+    assert rc == 2
+
+
+def test_ray_simulate_cli_model_backend_with_a_kill(ray_cluster):
+    """On Ray actors, the default backend (the numpy model): a replica killed mid-run, every
+    request completes once and every token equals the dense model's."""
+    from qualia.__main__ import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["simulate", "--replicas", "2", "--requests", "4", "--check",
+                   "--prompt-len", "16,32", "--output-len", "3,6", "--system-prompt-len", "16",
+                   "--user-len", "3,6", "--num-blocks", "32", "--max-requests", "4",
+                   "--max-batched-tokens", "64", "--kill-replica", "2", "--no-progress"])
+    text = out.getvalue()
+    assert rc == 0, text
+    assert "match the dense model" in text and "scheduler: core, backend: model" in text
+    row = [ln for ln in text.splitlines() if ln.startswith("| prefix | 2 |")][0]
+    assert row.split("|")[11].strip() == "1"         # deaths
