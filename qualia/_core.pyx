@@ -35,7 +35,7 @@
 #   core/router.pxi      the router's index: page identity -> replicas holding it (KV events)
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
-                             PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ND)
+                             PyBUF_WRITABLE, PyBUF_ND)
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 from cpython.long cimport PyLong_CheckExact
@@ -64,7 +64,7 @@ from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, Copy
                            RaggedBatchReceipt, RequestState, FinishedRequest, RunResult,
                            STEP_STATS)
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
-                           PrefixCacheError, PrefixKvError, QualiaError, RaggedBackendError,
+                           PrefixCacheError, PrefixKvError, RaggedBackendError,
                            SchedulerError, StepError, TableError)
 
 include "core/structs.pxi"

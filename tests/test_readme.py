@@ -29,4 +29,8 @@ def test_readme_snippets_run(capsys):
     # the error snippet's admission failed in the store's attach, which then counts nothing
     assert namespace["sched"].active_count() == 0
     assert (namespace["store"].hits, namespace["store"].misses) == (0, 0)
-    assert capsys.readouterr().out.startswith("1 ")  # the facade snippet's print(batch_size, ...)
+    lines = capsys.readouterr().out.splitlines()
+    # the engine step snippet: 8 requests finished at max_new_tokens, then run()'s 8 more
+    assert [line.split()[1] for line in lines[:8]] == ["length"] * 8
+    assert lines[8].startswith("8 ")
+    assert lines[9].startswith("1 ")  # the facade snippet's print(batch_size, ...)

@@ -410,11 +410,11 @@ cdef extern from "hash_backend.h" nogil:
     int32_t qualia_hash_execute_step(void *ctx, const qualia_step_plan *plan,
                                      uint32_t *sampled_out, float *logprobs_out)
     uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position,
-                                         uint32_t token_id, uint32_t vocab)
+                                    uint32_t token_id, uint32_t vocab)
     int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
-                                            uint32_t n_items, const uint32_t *block_table,
-                                            uint32_t n_table, qualia_batch_output *outputs,
-                                            qualia_batch_receipt *receipt)
+                                       uint32_t n_items, const uint32_t *block_table,
+                                       uint32_t n_table, qualia_batch_output *outputs,
+                                       qualia_batch_receipt *receipt)
     int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
 
 
@@ -426,7 +426,7 @@ cdef dict _FAULTS = {None: QUALIA_FAULT_NONE, "error": QUALIA_FAULT_ERROR,
 def hash_next_token(request_id, position, token_id, vocab=32000):
     """The hash backend's deterministic next token (docs/DESIGN.md, "Hash backend")."""
     return qualia_hash_next_token(_u64(request_id, "request_id"), _u32(position, "position"),
-                                       _u32(token_id, "token_id"), _u32(vocab, "vocab"))
+                                  _u32(token_id, "token_id"), _u32(vocab, "vocab"))
 
 
 def hash_logprob(request_id, position, token_id):

@@ -15,13 +15,16 @@ cdef enum:
     E_ATTACH = 3    # PrefixKvStore.attach (table errors wrapped as PrefixKvError.Table)
     E_SCHED = 4     # RequestScheduler (table errors wrapped as SchedulerError.Table)
     E_ADMIT = 5     # admission: a prefix attach failure is SchedulerError.Prefix(...)
-    E_DECODE = 6    # the facade's decode: DecodeRoundError.Scheduler(SchedulerError.Table(...)),
-                    # and the round's own DecodeRoundError variants
+    # E_DECODE, the facade's decode: DecodeRoundError.Scheduler(SchedulerError.Table(...)), and
+    # the round's own DecodeRoundError variants
+    E_DECODE = 6
     E_ROUND = 7     # RequestScheduler.execute_decode_round: the round's DecodeRoundError variants
-    E_AUTO = 8      # automatic prefix caching's admission: SchedulerError, SchedulerError.Table,
-                    # PrefixCacheError
-    E_STEP = 9      # the engine step: StepError, and what its admissions and reservations
-                    # meet (SchedulerError, SchedulerError.Table, PrefixCacheError)
+    # E_AUTO, automatic prefix caching's admission: SchedulerError, SchedulerError.Table,
+    # PrefixCacheError
+    E_AUTO = 8
+    # E_STEP, the engine step: StepError, and what its admissions and reservations meet
+    # (SchedulerError, SchedulerError.Table, PrefixCacheError)
+    E_STEP = 9
     E_LAYERS = 10
 
 # code -> variant name (Q_STORE_FULL and Q_FULL are both "Full", in different families)

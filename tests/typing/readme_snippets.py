@@ -7,6 +7,29 @@ that every snippet of README.md is here unchanged.
 
 # ruff: noqa: B018, E402, F811, I001
 
+# -- README "The engine step: add_request / schedule / update" ------------------------
+import numpy as np
+import qualia
+
+s = qualia.Scheduler(max_requests=16, num_blocks=1024, page_tokens=16, logical_pages=64,
+                     max_num_batched_tokens=512, max_prefill_chunk=256)
+header = np.arange(1000, 1400, dtype=np.uint32)  # a 400-token system prompt
+for rid in range(8):
+    ids = np.concatenate([header, np.array([rid, 7, 8], dtype=np.uint32)])
+    s.add_request(rid, ids, max_new_tokens=16)
+
+backend = qualia.HashBackend()  # stands in for a model: see "Backends"
+while s.has_unfinished():
+    plan = s.schedule()  # input_ids, positions, slot_mapping, block_table, kv_indptr, ...
+    sampled = backend.execute_step(plan)  # one forward over the mixed batch
+    for done in s.update(sampled):  # stop conditions applied; pages go to the cache
+        print(done.request_id, done.finish_reason, done.output_tokens[:4])
+
+for rid in range(8, 16):
+    s.add_request(rid, np.arange(rid, rid + 40, dtype=np.uint32), max_new_tokens=16)
+result = s.run(backend)  # the whole loop in C without the GIL (a C backend)
+print(len(result.finished), result.stats["num_tokens"].sum(), s.cache_stats().hit_tokens)
+
 # -- README "The facade: admit / decode / finish" ------------------------------------------------
 
 import qualia
