@@ -369,12 +369,16 @@ class Cluster:
     ``policy``: one of :data:`POLICIES`.  ``local=True`` runs the replicas in this process
     (no Ray).  ``load_weight``: the prefix policy's cost, in pages, of one request queued on a
     replica.  ``metrics``: a :class:`ClusterMetrics` to update.  ``step_timeout``: seconds a
-    replica's step may take before it is declared dead."""
+    replica's step may take before it is declared dead.  ``max_resubmits``: how many replica
+    deaths one request may go through; one more raises ``RuntimeError`` (a request whose every
+    replica dies is more likely killing them than unlucky, and resubmitting it forever would
+    never end)."""
 
     def __init__(self, replicas: int, policy: str = "prefix",
                  config: Optional[ReplicaConfig] = None, *, local: bool = False,
                  load_weight: float = 0.25, metrics: Optional[ClusterMetrics] = None,
-                 step_timeout: float = 60.0, index_capacity: Optional[int] = None) -> None:
+                 step_timeout: float = 60.0, index_capacity: Optional[int] = None,
+                 max_resubmits: int = 3) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not 1 <= int(replicas) <= 64:
@@ -386,6 +390,9 @@ class Cluster:
         self.load_weight = float(load_weight)
         self.metrics = metrics
         self.step_timeout = float(step_timeout)
+        self.max_resubmits = int(max_resubmits)
+        if self.max_resubmits < 0:
+            raise ValueError(f"max_resubmits must be at least 0, got {max_resubmits}")
         c = self.config
         self.index = qualia.PrefixRouterIndex(
             index_capacity if index_capacity is not None else 2 * self.n * c.num_blocks + 64,
@@ -434,6 +441,9 @@ class Cluster:
             t.base = len(t.outputs)
             t.resubmits += 1
             self.resubmitted += 1
+            if t.resubmits > self.max_resubmits:
+                raise RuntimeError(f"request {rid} was on {t.resubmits} replicas that died "
+                                   f"(max_resubmits={self.max_resubmits}); giving up on it")
         queue.extendleft(reversed(lost))   # first in line, in their order
         if self.metrics is not None:
             self.metrics.deaths.inc()

@@ -129,6 +129,26 @@ def test_every_replica_down_without_rejoin_is_an_error():
         cl.run(workload(requests=6), kill_replica_at=1, max_steps=500)
 
 
+def test_a_request_that_kills_every_replica_is_given_up_not_resubmitted_forever(monkeypatch):
+    """A replica dies whenever request 0 reaches it (a deterministic fault that travels with
+    the request); with rejoins, resubmitting it would never end: after max_resubmits deaths
+    the run raises instead."""
+    import qualia.cluster as cluster
+
+    real_step = cluster.Replica.step
+
+    def poisoned(self, requests=()):
+        if any(int(r[0]) == 0 for r in requests):
+            raise RuntimeError("the backend crashed on request 0")
+        return real_step(self, requests)
+
+    monkeypatch.setattr(cluster.Replica, "step", poisoned)
+    cl = Cluster(2, "round-robin", CFG, local=True, max_resubmits=2)
+    with pytest.raises(RuntimeError, match="giving up"):
+        cl.run(workload(requests=6), rejoin_after=1, max_steps=500)
+    assert cl.resubmitted >= 3
+
+
 def test_simulate_cli_local():
     from qualia.__main__ import main
     out = io.StringIO()
