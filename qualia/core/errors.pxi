@@ -29,7 +29,7 @@ cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Ove
                           "DuplicateRequest", "Full", "UnknownRequest", "OutputTooSmall",
                           "ItemBufferTooSmall", "OutputBufferTooSmall", "BlockTableBufferTooSmall",
                           "MissingInputToken", "OutputIdentityMismatch", "BackendLaunchCount",
-                          None, "NamespaceTableFull")
+                          None, "NamespaceTableFull", "ForkInPrefill")
 
 
 def _error_table():
@@ -39,6 +39,7 @@ def _error_table():
     sched_codes = range(Q_DUPLICATE_REQUEST, Q_OUTPUT_TOO_SMALL + 1)
     round_codes = range(Q_ITEM_BUFFER_TOO_SMALL, Q_BACKEND_LAUNCH_COUNT + 1)
     cache_codes = range(Q_NAMESPACES_FULL, Q_NAMESPACES_FULL + 1)
+    fork_codes = range(Q_FORK_IN_PREFILL, Q_FORK_IN_PREFILL + 1)
     # layer -> [(codes, wrappers outermost first, family of the leaf)]
     rules = {
         E_POOL: [(pool_codes, (), PoolError)],
@@ -47,6 +48,7 @@ def _error_table():
                   (pool_codes, (PrefixKvError.Pool,), PoolError)],
         E_ATTACH: [(table_codes, (PrefixKvError.Table,), TableError)],
         E_SCHED: [(sched_codes, (), SchedulerError),
+                  (fork_codes, (), SchedulerError),
                   (table_codes, (SchedulerError.Table,), TableError)],
         E_ADMIT: [(sched_codes, (), SchedulerError),
                   (table_codes, (SchedulerError.Prefix, PrefixKvError.Table), TableError)],

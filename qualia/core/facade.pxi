@@ -575,6 +575,24 @@ cdef class Scheduler:
         if rc:
             raise _error(E_SCHED, rc)
 
+    def fork(self, parent_id, child_id):
+        """Start request ``child_id`` as a copy-on-write fork of the decoding request
+        ``parent_id`` (docs/DESIGN.md, "Forks"); returns the child's slot."""
+        cdef uint64_t prid = _u64(parent_id, "parent_id")
+        cdef uint64_t crid = _u64(child_id, "child_id")
+        cdef int32_t child = -1
+        cdef int rc
+        cdef uint64_t tok = self._own()
+        try:
+            rc = facade_fork(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
+                             self.mode == MODE_AUTO, _slot_of(&self.requests.s, prid), crid,
+                             &child)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_SCHED, rc)
+        return child
+
     # -- prefix store --------------------------------------------------------------------------
     def evict(self, PrefixIdentity identity not None):
         cdef int rc

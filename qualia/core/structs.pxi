@@ -30,6 +30,7 @@ cdef enum:
     Q_BACKEND_LAUNCH_COUNT = 22
     Q_ROUND_TOO_LARGE = 23      # the lowered block table passes 2**32-1 entries (OverflowError)
     Q_NAMESPACES_FULL = 24      # automatic prefix caching: every namespace id is in use
+    Q_FORK_IN_PREFILL = 25      # fork of a request that is still in its prefill
 
 cdef enum:
     COW_EXCLUSIVE = 0
