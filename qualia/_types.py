@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
+
+import numpy as np
 
 __all__ = ["RequestState", "Admission", "RaggedBatchReceipt", "CopyOnWrite", "CacheStats",
-           "CacheEntry", "CachedPrefix"]
+           "CacheEntry", "CachedPrefix", "FinishedRequest", "RunResult", "STEP_STATS"]
 
 
 class RequestState(enum.IntEnum):
@@ -100,3 +102,39 @@ class CacheEntry(NamedTuple):
     namespace_id: int
     generation: int
     reclaimable: bool
+
+
+class FinishedRequest(NamedTuple):
+    """A request the engine step finished: its id, the tokens it generated (a uint32 array, the
+    prompt not included) and why it stopped: ``"length"`` (max_new_tokens reached) or
+    ``"stop"`` (its eos token, unless ignored, or one of its stop token ids)."""
+
+    request_id: int
+    output_tokens: Any  # np.ndarray of uint32
+    finish_reason: str
+
+
+#: One row per step of ``run()`` (and what the twin's ``run()`` returns): the plan's sizes, what
+#: the step admitted, preempted and finished, and the queues and free pages after its update.
+STEP_STATS = np.dtype([
+    ("num_seqs", "<u4"),            # requests in the plan
+    ("num_tokens", "<u4"),          # tokens in the plan
+    ("num_prefill_tokens", "<u4"),
+    ("num_decode_tokens", "<u4"),
+    ("num_sampled", "<u4"),         # rows sampled
+    ("num_new", "<u4"),             # admitted from the waiting queue
+    ("num_preempted", "<u4"),
+    ("num_cached_tokens", "<u4"),   # prompt tokens the prefix cache skipped at admissions
+    ("num_finished", "<u4"),        # finished by this step's update
+    ("num_waiting", "<u4"),         # after the update
+    ("num_running", "<u4"),
+    ("free_pages", "<u4"),          # free plus reclaimable cached pages, after the update
+])
+
+
+class RunResult(NamedTuple):
+    """What ``run()`` returns: one ``STEP_STATS`` row per step and the finished requests in the
+    order they finished."""
+
+    stats: Any  # np.ndarray of STEP_STATS
+    finished: List[FinishedRequest]

@@ -30,6 +30,7 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
+from ctypes_abi import CItem, COutput  # noqa: E402
 from facade_checks import invariants  # noqa: E402
 
 from qualia.errors import BusyError, QualiaError  # noqa: E402
@@ -430,16 +431,6 @@ def test_fuzz_facade_threads():
 # -- the raw seed types ----------------------------------------------------------------------------
 
 
-class CItem(ctypes.Structure):
-    _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint32),
-                ("token_id", ctypes.c_uint32), ("position", ctypes.c_uint32),
-                ("block_table_offset", ctypes.c_uint32), ("logical_pages", ctypes.c_uint32),
-                ("_reserved", ctypes.c_uint32)]
-
-
-class COutput(ctypes.Structure):
-    _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint32),
-                ("next_token_id", ctypes.c_uint32)]
 
 
 class RawFuzz:

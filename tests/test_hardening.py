@@ -21,6 +21,7 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
+from ctypes_abi import CCopy, CItem, COutput, CView  # noqa: E402
 from facade_checks import invariants  # noqa: E402
 
 from qualia import twin  # noqa: E402
@@ -143,26 +144,8 @@ def test_finding_01_one_shot_iterable_prompt_admission():
 # -- finding 2: ctypes buffers (NULL strides) ------------------------------------------------------
 
 
-class CItem(ctypes.Structure):
-    _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint32),
-                ("token_id", ctypes.c_uint32), ("position", ctypes.c_uint32),
-                ("block_table_offset", ctypes.c_uint32), ("logical_pages", ctypes.c_uint32),
-                ("_reserved", ctypes.c_uint32)]
 
 
-class COutput(ctypes.Structure):
-    _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint32),
-                ("next_token_id", ctypes.c_uint32)]
-
-
-class CView(ctypes.Structure):
-    _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint16),
-                ("state", ctypes.c_uint8), ("token_count", ctypes.c_uint32),
-                ("prefix_tokens", ctypes.c_uint32)]
-
-
-class CCopy(ctypes.Structure):
-    _fields_ = [("src_page", ctypes.c_uint32), ("dst_page", ctypes.c_uint32)]
 
 
 class CWrongOutput(ctypes.Structure):  # same size as an output, wrong fields

@@ -1,0 +1,506 @@
+"""Pure-Python twin of the engine step (docs/DESIGN.md, "The engine step").
+
+``StepScheduler`` is the step API of ``qualia.Scheduler`` (``add_request`` / ``abort`` /
+``schedule`` / ``update`` / ``run``) written plainly, as a policy over the facade twin
+``qualia.twin_cache.Scheduler``: every page decision goes through the facade's verbs (admit,
+reserve, advance, finish) in the order the compiled core makes them, so the plans agree with the
+core's array for array, physical page numbers included.  It is the executable statement of the
+policy; the stateful differential test drives both and compares every plan and every result.
+
+One step:
+
+1. Running requests are served first: those with exactly one token left to compute (decodes),
+   then those with more (prefill chunks), each group in admission order.  A request's chunk is
+   ``min(tokens left, budget left, max_prefill_chunk)`` (the chunk cap applies to prefills).  When
+   the pages for the chunk cannot be found (free plus reclaimable cached pages), the victim is
+   preempted: of the running requests not yet scheduled in this step plus the current one, the
+   one with the largest priority value, ties broken towards the most recently admitted.  A
+   preempted request gives its pages back (its full pages stay cached), forgets its computed
+   tokens and waits again, keeping its outputs and its arrival number.
+2. If nothing was preempted, waiting requests are admitted in (priority, arrival) order until one
+   does not fit (budget, ``max_num_seqs`` running requests, pages): the first that does not fit
+   stops the admissions, so a large request is not overtaken forever.  An admission skips the
+   longest cached run of full pages of its tokens (at least one token is left to compute).
+3. ``update`` advances every scheduled request by its chunk (pages that filled enter the cache),
+   appends one token per sampled row, and applies the stop conditions in this order:
+   ``max_new_tokens`` reached ("length"), the eos token unless ignored ("stop"), a stop token
+   ("stop").  Finished requests give their pages to the cache.
+
+Aborts work in any state; a request aborted between ``schedule`` and ``update`` is skipped by the
+update (its sampled row, if any, is ignored).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Set
+
+import numpy as np
+
+from qualia._types import STEP_STATS, FinishedRequest, RunResult
+from qualia.errors import PrefixCacheError, SchedulerError, StepError, TableError
+from qualia.twin import COPY_OP, U32_MAX, _int, _namespace_bytes, _u32, _u64
+from qualia.twin_cache import NS_MAX_BYTES
+from qualia.twin_cache import Scheduler as _Facade
+
+__all__ = ["StepScheduler", "StepPlan", "MAX_STOP_TOKENS"]
+
+#: Stop token ids a request may name (held per request in C, sized at construction).
+MAX_STOP_TOKENS = 16
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+
+@dataclass
+class _Req:
+    request_id: int
+    tokens: List[int]
+    prompt_len: int
+    max_new_tokens: int
+    namespace: bytes
+    priority: int
+    arrival: int
+    eos: Optional[int]
+    stop: Set[int]
+    ignore_eos: bool
+    running: bool = False
+    num_computed: int = 0
+    admitted: int = 0           # admission counter value (most recent = largest)
+    row: int = -1
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class StepPlan:
+    """One step's plan: what to compute and where, in the array conventions attention kernels
+    take (see the module docstring of the core's ``StepPlan`` for each array)."""
+
+    request_ids: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    sampled_request_ids: np.ndarray
+    block_table: np.ndarray
+    block_table_rows: np.ndarray
+    changed_rows: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    copies: np.ndarray
+    new_request_ids: np.ndarray
+    preempted_request_ids: np.ndarray
+    finished_request_ids: np.ndarray
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_cached_tokens: int
+    page_tokens: int
+    _chunks: List[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def _i32(value: Any, name: str) -> int:
+    v = _int(value, name, I32_MAX, minimum=I32_MIN)
+    return v
+
+
+class StepScheduler:
+    """The engine step of ``qualia.Scheduler`` in plain Python (``prefix_caching="auto"``)."""
+
+    def __init__(self, max_requests, num_blocks, page_tokens, logical_pages, prefix_entries=64,
+                 prefix_pages=None, prefix_caching="auto", cache_key=None, max_namespaces=1024,
+                 event_capacity=4096, max_num_batched_tokens=2048, max_num_seqs=None,
+                 max_queued=None, max_prefill_chunk=None, vocab_size=None) -> None:
+        self.facade = _Facade(max_requests, num_blocks, page_tokens, logical_pages,
+                              prefix_entries, prefix_pages, prefix_caching, cache_key,
+                              max_namespaces, event_capacity)
+        f = self.facade
+        self.page_tokens = f.page_tokens
+        self.budget = _u32(max_num_batched_tokens, "max_num_batched_tokens")
+        if self.budget == 0:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        mr = f.max_requests
+        self.max_num_seqs = mr if max_num_seqs is None else _u32(max_num_seqs, "max_num_seqs")
+        if not 1 <= self.max_num_seqs <= mr:
+            raise ValueError(f"max_num_seqs must be in [1, max_requests={mr}], "
+                             f"got {self.max_num_seqs}")
+        self.max_queued = 4 * mr if max_queued is None else _u32(max_queued, "max_queued")
+        if self.max_queued < self.max_num_seqs:
+            raise ValueError(f"max_queued must be at least max_num_seqs={self.max_num_seqs}, "
+                             f"got {self.max_queued}")
+        self.chunk = None if max_prefill_chunk is None else _u32(max_prefill_chunk,
+                                                                 "max_prefill_chunk")
+        if self.chunk == 0:
+            raise ValueError("max_prefill_chunk must be at least 1 (or None)")
+        self.vocab_size = None if vocab_size is None else _u32(vocab_size, "vocab_size")
+        if self.vocab_size == 0:
+            raise ValueError("vocab_size must be at least 1 (or None)")
+        self.max_tokens = f.logical_pages * self.page_tokens
+        self._reqs: Dict[int, _Req] = {}
+        self._waiting: List[_Req] = []     # sorted by (priority, arrival)
+        self._running: List[_Req] = []     # admission order
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
+        self._rows_free = list(range(self.max_num_seqs))   # lowest first
+        self._block_table = np.full((self.max_num_seqs, f.logical_pages), -1, dtype=np.int32)
+        self._row_len = [0] * self.max_num_seqs
+        self._dirty: Set[int] = set()
+        self._finished_since: List[int] = []
+        self._plan: Optional[StepPlan] = None
+        self._aborted_in_plan: Set[int] = set()
+
+    # -- queues ------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def _enqueue(self, r: _Req) -> None:
+        key = (r.priority, r.arrival)
+        i = 0
+        while i < len(self._waiting) and (self._waiting[i].priority,
+                                          self._waiting[i].arrival) < key:
+            i += 1
+        self._waiting.insert(i, r)
+
+    # -- requests in -------------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
+                    priority=0, eos_token_id=None, stop_token_ids=(),
+                    ignore_eos=False) -> None:
+        rid = _u64(request_id, "request_id")
+        max_new = _u32(max_new_tokens, "max_new_tokens")
+        if max_new == 0:
+            raise ValueError("max_new_tokens must be at least 1")
+        prio = _i32(priority, "priority")
+        eos = None if eos_token_id is None else _u32(eos_token_id, "eos_token_id")
+        if isinstance(stop_token_ids, (str, bytes)):
+            raise TypeError("stop_token_ids must be a sequence of token ids")
+        stop = [_u32(t, "stop token id") for t in stop_token_ids]
+        if len(stop) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids, got {len(stop)}")
+        ignore = bool(ignore_eos)
+        ns = _namespace_bytes(namespace)
+        if len(ns) > NS_MAX_BYTES:
+            raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {len(ns)}")
+        tokens = self.facade._load_tokens(prompt_tokens)
+        if not tokens:
+            raise ValueError("the prompt must have at least one token")
+        if self.facade.active_count > len(self._running):
+            raise StepError.ModeConflict(None, "requests admitted with admit() are active")
+        if rid in self._reqs:
+            raise StepError.DuplicateRequest(None, f"request {rid}")
+        total = len(tokens) + max_new
+        if total > self.max_tokens:
+            raise StepError.NeverFits(None, f"{len(tokens)} prompt + {max_new} new tokens pass "
+                                            f"the table's {self.max_tokens} tokens")
+        pages = -(-(total - 1) // self.page_tokens)
+        if pages > self.facade.num_blocks:
+            raise StepError.NeverFits(None, f"{pages} pages needed, the pool has "
+                                            f"{self.facade.num_blocks}")
+        if len(self._reqs) >= self.max_queued:
+            raise StepError.QueueFull(None, f"{self.max_queued} requests queued")
+        r = _Req(rid, tokens, len(tokens), max_new, ns, prio, next(self._arrivals), eos,
+                 set(stop), ignore)
+        self._reqs[rid] = r
+        self._enqueue(r)
+
+    def _release_row(self, r: _Req) -> None:
+        if r.row < 0:
+            return
+        n = self._row_len[r.row]
+        if n:
+            self._block_table[r.row, :n] = -1
+            self._row_len[r.row] = 0
+            self._dirty.add(r.row)
+        self._rows_free.append(r.row)
+        self._rows_free.sort()
+        r.row = -1
+
+    def _stop_running(self, r: _Req) -> None:
+        # give the pages back (full pages stay cached) and the row; leave the running list
+        self.facade.finish(r.request_id)
+        self._release_row(r)
+        self._running.remove(r)
+        r.running = False
+        r.num_computed = 0
+
+    def abort(self, request_id) -> None:
+        rid = _u64(request_id, "request_id")
+        r = self._reqs.get(rid)
+        if r is None:
+            raise StepError.UnknownRequest(None, f"request {rid}")
+        if r.running:
+            self._stop_running(r)
+            if self._plan is not None:
+                self._aborted_in_plan.add(rid)
+        else:
+            self._waiting.remove(r)
+        del self._reqs[rid]
+        self._finished_since.append(rid)
+
+    # -- one step out ------------------------------------------------------------------------------
+    def _reserve(self, r: _Req, n: int):
+        try:
+            return self.facade.reserve(r.request_id, n)
+        except SchedulerError as err:
+            if isinstance(err.cause, TableError.Exhausted):
+                return None
+            raise
+
+    def schedule(self) -> StepPlan:
+        if self._plan is not None:
+            raise StepError.PlanPending(None, "update() the previous plan first")
+        pt = self.page_tokens
+        left = self.budget
+        chunks = []            # (req, start, n, is_decode, copies)
+        preempted: List[int] = []
+        new: List[int] = []
+        cached = 0
+        scheduled: Set[int] = set()
+        decodes = [r for r in self._running if len(r.tokens) - r.num_computed == 1]
+        prefills = [r for r in self._running if len(r.tokens) - r.num_computed > 1]
+        for r in decodes + prefills:
+            if left == 0:
+                break
+            if not r.running:          # preempted earlier in this step
+                continue
+            remaining = len(r.tokens) - r.num_computed
+            n = min(remaining, left)
+            if remaining > 1 and self.chunk is not None:
+                n = min(n, self.chunk)
+            while True:
+                copies = self._reserve(r, n)
+                if copies is not None:
+                    break
+                pool = [q for q in self._running if q.request_id not in scheduled]
+                victim = max(pool, key=lambda q: (q.priority, q.admitted))
+                self._stop_running(victim)
+                self._enqueue(victim)
+                preempted.append(victim.request_id)
+                if victim is r:
+                    break
+            if not r.running:
+                continue
+            scheduled.add(r.request_id)
+            chunks.append((r, r.num_computed, n, remaining == 1, copies))
+            left -= n
+        if not preempted:
+            while self._waiting and left > 0 and len(self._running) < self.max_num_seqs:
+                r = self._waiting[0]
+                hit = self.facade.cached_prefix(r.tokens, r.namespace)
+                n = min(len(r.tokens) - hit.tokens, left)
+                if len(r.tokens) - hit.tokens > 1 and self.chunk is not None:
+                    n = min(n, self.chunk)
+                need = (hit.tokens + n - 1) // pt + 1 - hit.pages
+                if need > self.facade.free_pages - hit.reclaimable:
+                    break
+                try:
+                    adm = self.facade.admit(r.request_id, r.tokens, r.namespace)
+                except PrefixCacheError:
+                    # every namespace id is held by live requests or cached pages: wait for
+                    # running requests to free one; with none running, nothing ever would
+                    # (and nothing has changed in this step), so say so
+                    if not self._running:
+                        raise
+                    break
+                assert adm.prefix_tokens == hit.tokens
+                copies = self.facade.reserve(r.request_id, n)
+                self._waiting.pop(0)
+                r.running = True
+                r.num_computed = hit.tokens
+                r.admitted = next(self._admissions)
+                r.row = self._rows_free.pop(0)
+                self._running.append(r)
+                new.append(r.request_id)
+                cached += hit.tokens
+                chunks.append((r, r.num_computed, n, False, copies))
+                left -= n
+        return self._lower(chunks, new, preempted, cached)
+
+    def _lower(self, chunks, new, preempted, cached) -> StepPlan:
+        pt = self.page_tokens
+        f = self.facade
+        rids, qsl, seq_lens, rows = [], [0], [], []
+        ids: List[int] = []
+        pos: List[int] = []
+        slots: List[int] = []
+        logits, sampled = [], []
+        indptr, indices, last_len = [0], [], []
+        copies = []
+        n_decode = 0
+        for r, start, n, is_decode, cp in chunks:
+            table = f._slots[f._find(r.request_id)].blocks.entries()
+            # the request's row: write what differs
+            row = self._block_table[r.row]
+            for i, page in enumerate(table):
+                if row[i] != page:
+                    row[i] = page
+                    self._dirty.add(r.row)
+            self._row_len[r.row] = len(table)
+            rids.append(r.request_id)
+            rows.append(r.row)
+            end = start + n
+            seq_lens.append(end)
+            for p in range(start, end):
+                ids.append(r.tokens[p])
+                pos.append(p)
+                slots.append(table[p // pt] * pt + p % pt)
+            qsl.append(qsl[-1] + n)
+            if end == len(r.tokens):
+                logits.append(qsl[-1] - 1)
+                sampled.append(r.request_id)
+            npages = -(-end // pt)
+            indices.extend(table[:npages])
+            indptr.append(indptr[-1] + npages)
+            last_len.append(end - (npages - 1) * pt)
+            copies.extend(cp.tolist())
+            if is_decode:
+                n_decode += n
+        plan = StepPlan(
+            request_ids=np.array(rids, dtype=np.uint64),
+            query_start_loc=np.array(qsl, dtype=np.int32),
+            seq_lens=np.array(seq_lens, dtype=np.int32),
+            input_ids=np.array(ids, dtype=np.uint32),
+            positions=np.array(pos, dtype=np.int32),
+            slot_mapping=np.array(slots, dtype=np.int64),
+            logits_indices=np.array(logits, dtype=np.int32),
+            sampled_request_ids=np.array(sampled, dtype=np.uint64),
+            block_table=self._block_table.view(),
+            block_table_rows=np.array(rows, dtype=np.int32),
+            changed_rows=np.array(sorted(self._dirty), dtype=np.int32),
+            kv_indptr=np.array(indptr, dtype=np.int32),
+            kv_indices=np.array(indices, dtype=np.int32),
+            kv_last_page_len=np.array(last_len, dtype=np.int32),
+            copies=np.array([tuple(c) for c in copies], dtype=COPY_OP),
+            new_request_ids=np.array(new, dtype=np.uint64),
+            preempted_request_ids=np.array(preempted, dtype=np.uint64),
+            finished_request_ids=np.array(self._finished_since, dtype=np.uint64),
+            num_prefill_tokens=len(ids) - n_decode,
+            num_decode_tokens=n_decode,
+            num_cached_tokens=cached,
+            page_tokens=pt,
+            _chunks=[(r, n) for r, _, n, _, _ in chunks],
+        )
+        for value in vars(plan).values():
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
+        self._dirty = set()
+        self._finished_since = []
+        self._aborted_in_plan = set()
+        self._plan = plan
+        return plan
+
+    # -- tokens back -------------------------------------------------------------------------------
+    def _sampled(self, sampled_token_ids, m: int) -> List[int]:
+        if isinstance(sampled_token_ids, np.ndarray):
+            arr = sampled_token_ids
+            if arr.ndim != 1:
+                raise ValueError(f"sampled_token_ids must be 1-D, got {arr.ndim} dimensions")
+            if arr.dtype.kind not in "iu":
+                raise TypeError(f"sampled_token_ids must be integers, got dtype {arr.dtype}")
+            values = arr.tolist()
+        else:
+            if isinstance(sampled_token_ids, (str, bytes)):
+                raise TypeError("sampled_token_ids must be a sequence of token ids")
+            values = [_u32(t, "sampled token id") for t in sampled_token_ids]
+        if len(values) != m:
+            raise ValueError(f"the plan samples {m} rows, got {len(values)} token ids")
+        limit = U32_MAX if self.vocab_size is None else self.vocab_size - 1
+        for v in values:
+            if not 0 <= v <= limit:
+                raise ValueError(f"sampled token id {v} is outside [0, {limit}]")
+        return values
+
+    def update(self, sampled_token_ids) -> List[FinishedRequest]:
+        plan = self._plan
+        if plan is None:
+            raise StepError.NoPlan(None, "schedule() first")
+        values = self._sampled(sampled_token_ids, len(plan.logits_indices))
+        f = self.facade
+        finished: List[FinishedRequest] = []
+        row = 0
+        qsl = plan.query_start_loc
+        for i, (r, n) in enumerate(plan._chunks):
+            sampled = row < len(plan.logits_indices) and plan.logits_indices[row] == qsl[i + 1] - 1
+            tok = values[row] if sampled else None
+            row += int(sampled)
+            if r.request_id in self._aborted_in_plan:
+                continue
+            f.advance(r.request_id, n)
+            r.num_computed += n
+            if tok is None:
+                continue
+            f._note_token(f._find(r.request_id), len(r.tokens), tok)
+            r.tokens.append(tok)
+            reason = None
+            if r.num_outputs >= r.max_new_tokens:
+                reason = "length"
+            elif r.eos is not None and tok == r.eos and not r.ignore_eos:
+                reason = "stop"
+            elif tok in r.stop:
+                reason = "stop"
+            if reason is not None:
+                self._stop_running(r)
+                del self._reqs[r.request_id]
+                self._finished_since.append(r.request_id)
+                finished.append(FinishedRequest(
+                    r.request_id, np.array(r.tokens[r.prompt_len:], dtype=np.uint32), reason))
+        self._plan = None
+        self._aborted_in_plan = set()
+        return finished
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, backend, max_steps=None) -> RunResult:
+        limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        stats: List[tuple] = []
+        finished: List[FinishedRequest] = []
+        while self.has_unfinished() and (limit is None or len(stats) < limit):
+            plan = self.schedule()
+            try:
+                ids = backend.execute_step(plan)
+            except BaseException:
+                self.discard_plan()
+                raise
+            done = self.update(ids)
+            finished.extend(done)
+            stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
+                          plan.num_decode_tokens, len(plan.logits_indices),
+                          len(plan.new_request_ids), len(plan.preempted_request_ids),
+                          plan.num_cached_tokens, len(done), self.num_waiting,
+                          self.num_running, self.facade.free_pages))
+        return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+
+    def discard_plan(self) -> None:
+        """Drop the pending plan after its execution failed: the scheduled tokens stay
+        uncomputed and are scheduled again by the next step."""
+        self._plan = None
+        self._aborted_in_plan = set()
+
+    # -- introspection -----------------------------------------------------------------------------
+    def request_tokens(self, request_id) -> np.ndarray:
+        """Prompt plus generated tokens of a queued or running request."""
+        r = self._reqs.get(_u64(request_id, "request_id"))
+        if r is None:
+            raise StepError.UnknownRequest(None, f"request {request_id}")
+        return np.array(r.tokens, dtype=np.uint32)
+
+    def requests(self) -> Iterable[int]:
+        return list(self._reqs)
