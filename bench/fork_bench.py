@@ -10,6 +10,10 @@
       through the cache, the partial last page recomputed per request) and without it (nothing
       shared); page copies made.
 
+  f3  a decode round of 8 sequences of a 2050-token prompt (C hash backend, automatic mode):
+      8 forks of one parent beside 8 independent requests, per sequence; the forks' first round
+      (7 page copies handed to ``copy_pages``) beside their later rounds.
+
 Run: ``python bench/fork_bench.py`` (add ``--quick`` for fewer samples).
 """
 
@@ -87,6 +91,50 @@ def peak_pages(n, prompt_len, new_tokens, how):
             "tail_pages_each": -(-(prompt_len + new_tokens) // PT) - prompt_len // PT}
 
 
+class _CopyCounter:
+    def __init__(self):
+        self.inner = qualia.HashBackend(32000)
+        self.copies = 0
+
+    def execute_ragged(self, items, block_table, outputs):
+        return self.inner.execute_ragged(items, block_table, outputs)
+
+    def copy_pages(self, copies):
+        self.copies += len(copies)
+        return len(copies)
+
+
+def round_ns(how, rounds, prompt_len=2050, n=8):
+    pages = -(-(prompt_len + rounds + 2) // PT) + 1
+    s = qualia.Scheduler(n, n * pages + 8, PT, pages)
+    prompt = np.arange(prompt_len, dtype=np.uint32) % 30000
+    if how == "fork":
+        s.admit(0, prompt)
+        s.reserve(0, prompt_len)
+        s.advance(0, prompt_len)
+        s.complete_prefill(0, 7)
+        for c in range(1, n):
+            s.fork(0, c)
+    else:
+        for r in range(n):
+            adm = s.admit(r, prompt)
+            s.reserve(r, prompt_len - adm.prefix_tokens)
+            s.advance(r, prompt_len - adm.prefix_tokens)
+            s.complete_prefill(r, 7)
+    backend = qualia.HashBackend(32000)
+    counter = _CopyCounter()
+    t0 = pc()
+    s.decode(counter)               # the first round (the forks copy the shared partial page)
+    first = (pc() - t0) / n
+    ts = []
+    for _ in range(rounds):
+        t0 = pc()
+        s.decode(backend)
+        ts.append((pc() - t0) / n)
+    return {"first_round_ns_per_seq": first, "round_ns_per_seq": float(np.median(ts)),
+            "first_round_copies": counter.copies}
+
+
 def main(argv):
     quick = "--quick" in argv
     samples = 200 if quick else 2000
@@ -117,6 +165,13 @@ def main(argv):
         print(f"{'':>7} expected for forks: prompt {f['prompt_pages']} pages once + 8 tails of "
               f"{f['tail_pages_each']} = "
               f"{prompt_len // PT + 8 * f['tail_pages_each']} pages")
+    print("\nf3: decode round of 8 sequences of a 2050-token prompt, per sequence (median)")
+    print(f"{'how':>12} {'round ns':>9} {'first round ns':>15} {'first copies':>13}")
+    for how in ("fork", "independent"):
+        r = round_ns(how, 200 if quick else 1000)
+        out.setdefault("f3", {})[how] = r
+        print(f"{how:>12} {r['round_ns_per_seq']:>9.0f} {r['first_round_ns_per_seq']:>15.0f} "
+              f"{r['first_round_copies']:>13}")
     if "--json" in argv:
         print(json.dumps(out, indent=1))
     return out

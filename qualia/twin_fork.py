@@ -41,9 +41,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from qualia._types import FinishedRequest, RequestState
+from qualia._types import STEP_STATS, FinishedRequest, RequestState, RunResult
 from qualia.errors import StepError
-from qualia.twin import _u64
+from qualia.twin import _u32, _u64
 from qualia.twin_step import StepPlan, StepScheduler, _Req
 
 __all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend", "dense_sample",
@@ -272,6 +272,29 @@ class ForkStepScheduler(StepScheduler):
         self._plan = None
         self._aborted_in_plan = set()
         return finished
+
+    def run(self, backend, max_steps=None) -> RunResult:
+        """``StepScheduler.run`` for backends whose ``execute_step`` returns the sampled ids, or
+        ``(sampled, topk_ids, topk_logprobs)`` when the plan has beam rows; ``finished`` holds
+        ``FinishedRequest`` and ``FinishedGroup`` records in the order they finished."""
+        limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        stats: List[tuple] = []
+        finished: List[Any] = []
+        while self.has_unfinished() and (limit is None or len(stats) < limit):
+            plan = self.schedule()
+            try:
+                out = backend.execute_step(plan)
+            except BaseException:
+                self.discard_plan()
+                raise
+            done = self.update(*out) if isinstance(out, tuple) else self.update(out)
+            finished.extend(done)
+            stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
+                          plan.num_decode_tokens, len(plan.logits_indices),
+                          len(plan.new_request_ids), len(plan.preempted_request_ids),
+                          plan.num_cached_tokens, len(done), self.num_waiting,
+                          self.num_running, self.facade.free_pages))
+        return RunResult(np.array(stats, dtype=STEP_STATS), finished)
 
     def _stop_reason(self, r: _Req, tok: int) -> Optional[str]:
         if r.num_outputs >= r.max_new_tokens:

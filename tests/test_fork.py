@@ -220,3 +220,20 @@ def test_compiled_fork_matches_its_twin_step_by_step():
         assert outs[0] == outs[1]
         assert snapshot(worlds[0]) == snapshot(worlds[1])
     assert np.array_equal(worlds[0].block_table(4), worlds[1].block_table(4))
+
+
+def test_fork_from_inside_a_round_is_busy_and_changes_nothing():
+    s = decoding(qualia.Scheduler)
+    seen = []
+
+    class Reentrant(CopyingBackend):
+        def execute_ragged(self, items, block_table, outputs):
+            try:
+                s.fork(1, 9)
+            except qualia.BusyError as exc:
+                seen.append(exc)
+            return super().execute_ragged(items, block_table, outputs)
+
+    s.decode(Reentrant())
+    assert len(seen) == 1 and s.active_count == 1
+    assert s.stats()["pages_copied"] == 0

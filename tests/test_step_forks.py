@@ -162,3 +162,16 @@ def test_a_beam_plan_needs_its_candidates():
         s.update(ids, tids[:, :2], tlps[:, :2])
     s.update(ids, tids, tlps)               # the plan was still pending: nothing changed
     assert s.forks == 1
+
+
+def test_run_drives_groups_and_beams():
+    s, b = world()
+    s.add_request(1, PROMPT, max_new_tokens=4, n=3, seed=6)
+    s.add_request(2, PROMPT[:6], max_new_tokens=4, beam_width=2)
+    result = s.run(b)
+    g = groups(result.finished)
+    assert [o.tolist() for o in g[1].outputs] == [
+        TF.dense_sample(W, PROMPT, 4, 6 + j) for j in range(3)]
+    assert [(o.tolist(), sc) for o, sc in zip(g[2].outputs, g[2].scores)] == \
+        TF.dense_beam_search(W, PROMPT[:6], 2, 4)
+    assert len(result.stats) > 0 and not s.has_unfinished()
