@@ -19,6 +19,8 @@ try:
         RAGGED_BATCH_OUTPUT,
         RAGGED_BATCH_RECEIPT,
         REQUEST_VIEW,
+        STEP_ABI_VERSION,
+        STEP_CAPSULE_NAME,
         BlockPool,
         HashBackend,
         PrefixIdentity,
@@ -26,6 +28,7 @@ try:
         RequestScheduler,
         Scheduler,
         SequenceBlockTable,
+        hash_logprob,
         hash_next_token,
     )
 except ImportError as _exc:
@@ -70,10 +73,11 @@ def get_include() -> str:
 __all__ = [
     "Admission", "BACKEND_ABI_VERSION", "BACKEND_CAPSULE_NAME", "BackendAbiError", "BlockPool",
     "BusyError", "CachedPrefix", "CacheEntry", "CacheStats", "COPY_OP", "CopyOnWrite",
-    "CopyPagesBackend", "DecodeRoundError", "errors", "get_include", "hash_next_token",
+    "CopyPagesBackend", "DecodeRoundError", "errors", "get_include", "hash_logprob",
+    "hash_next_token",
     "HashBackend", "KV_EVENT", "PoolError", "PrefixCacheError", "PrefixIdentity", "PrefixKvError",
     "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT",
     "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
-    "SequenceBlockTable", "StepError", "TableError",
+    "SequenceBlockTable", "STEP_ABI_VERSION", "STEP_CAPSULE_NAME", "StepError", "TableError",
 ]

@@ -29,12 +29,18 @@ KV_CLEARED_KIND: int
 BACKEND_CAPSULE_NAME: str
 BACKEND_ABI_VERSION: int
 BACKEND_STRUCT_SIZE: int
+STEP_CAPSULE_NAME: str
+STEP_ABI_VERSION: int
+STEP_PLAN_STRUCT_SIZE: int
+STEP_BACKEND_STRUCT_SIZE: int
+STEP_WRITES_LOGPROBS: int
 
 _Tokens = Union[Sequence[int], npt.NDArray[np.integer]]
 _Namespace = Union[bytes, bytearray, memoryview, str]
 _Backend = Any  # a RaggedBackend, an object with __qualia_backend__, or the capsule itself
 
 def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = ...) -> int: ...
+def hash_logprob(request_id: int, position: int, token_id: int) -> float: ...
 
 @disjoint_base
 class BlockPool:
@@ -144,6 +150,8 @@ class HashBackend:
     ) -> HashBackend: ...
     @property
     def __qualia_backend__(self) -> object: ...
+    @property
+    def __qualia_step_backend__(self) -> object: ...
     vocab: int
     fault: Optional[str]
     code: int
@@ -151,6 +159,14 @@ class HashBackend:
     items: int
     pages_copied: int
     copy_calls: int
+    step_calls: int
+    sampled: int
+    def execute_step(
+        self,
+        plan: Any,
+        sampled_out: Optional[npt.NDArray[np.uint32]] = ...,
+        logprobs_out: Optional[npt.NDArray[np.float32]] = ...,
+    ) -> npt.NDArray[np.uint32]: ...
     def execute_ragged(
         self,
         items: npt.NDArray[Any],
@@ -235,3 +251,10 @@ class Scheduler:
     def _debug_identity_mask(self, mask: int, parent_mask: int = ...) -> None: ...
 
 def _layout() -> Dict[str, Tuple[int, int, List[Tuple[str, str, int]]]]: ...
+def _call_step_backend(
+    backend: Any,
+    plan: Any,
+    sampled_out: Optional[npt.NDArray[np.uint32]] = ...,
+    logprobs_out: Optional[npt.NDArray[np.float32]] = ...,
+    logprobs: bool = ...,
+) -> Any: ...

@@ -237,3 +237,12 @@ def test_fork_from_inside_a_round_is_busy_and_changes_nothing():
     s.decode(Reentrant())
     assert len(seen) == 1 and s.active_count == 1
     assert s.stats()["pages_copied"] == 0
+
+
+def test_fork_is_a_manual_verb_refused_beside_step_requests():
+    from qualia.errors import StepError
+
+    s = qualia.Scheduler(4, 32, 4, 8)
+    s.add_request(1, [1, 2, 3], max_new_tokens=2)
+    with pytest.raises(StepError.ModeConflict):
+        s.fork(1, 2)

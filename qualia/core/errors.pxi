@@ -20,7 +20,9 @@ cdef enum:
     E_ROUND = 7     # RequestScheduler.execute_decode_round: the round's DecodeRoundError variants
     E_AUTO = 8      # automatic prefix caching's admission: SchedulerError, SchedulerError.Table,
                     # PrefixCacheError
-    E_LAYERS = 9
+    E_STEP = 9      # the engine step: StepError, and what its admissions and reservations
+                    # meet (SchedulerError, SchedulerError.Table, PrefixCacheError)
+    E_LAYERS = 10
 
 # code -> variant name (Q_STORE_FULL and Q_FULL are both "Full", in different families)
 cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Overflow",
@@ -29,7 +31,9 @@ cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Ove
                           "DuplicateRequest", "Full", "UnknownRequest", "OutputTooSmall",
                           "ItemBufferTooSmall", "OutputBufferTooSmall", "BlockTableBufferTooSmall",
                           "MissingInputToken", "OutputIdentityMismatch", "BackendLaunchCount",
-                          None, "NamespaceTableFull", "ForkInPrefill")
+                          None, "NamespaceTableFull", "DuplicateRequest", "UnknownRequest",
+                          "NeverFits", "QueueFull", "PlanPending", "NoPlan", "ModeConflict",
+                          "ForkInPrefill")
 
 
 def _error_table():
@@ -40,6 +44,7 @@ def _error_table():
     round_codes = range(Q_ITEM_BUFFER_TOO_SMALL, Q_BACKEND_LAUNCH_COUNT + 1)
     cache_codes = range(Q_NAMESPACES_FULL, Q_NAMESPACES_FULL + 1)
     fork_codes = range(Q_FORK_IN_PREFILL, Q_FORK_IN_PREFILL + 1)
+    step_codes = range(Q_STEP_DUPLICATE, Q_MODE_CONFLICT + 1)
     # layer -> [(codes, wrappers outermost first, family of the leaf)]
     rules = {
         E_POOL: [(pool_codes, (), PoolError)],
@@ -56,6 +61,10 @@ def _error_table():
                    (round_codes, (), DecodeRoundError)],
         E_ROUND: [(round_codes, (), DecodeRoundError)],
         E_AUTO: [(sched_codes, (), SchedulerError),
+                 (table_codes, (SchedulerError.Table,), TableError),
+                 (cache_codes, (), PrefixCacheError)],
+        E_STEP: [(step_codes, (), StepError),
+                 (sched_codes, (), SchedulerError),
                  (table_codes, (SchedulerError.Table,), TableError),
                  (cache_codes, (), PrefixCacheError)],
     }

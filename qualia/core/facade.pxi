@@ -79,10 +79,13 @@ cdef class Scheduler:
     cdef PageCache cache
     cdef Streams streams
     cdef list _admissions   # per slot: the last Admission returned for it (immutable, reused)
+    cdef StepState step     # the engine step (core/step.pxi)
+    cdef _StepBuffers _step_bufs
 
     def __cinit__(self, max_requests, num_blocks, page_tokens, logical_pages,
                   prefix_entries=64, prefix_pages=None, prefix_caching="auto", cache_key=None,
-                  max_namespaces=1024, event_capacity=4096):
+                  max_namespaces=1024, event_capacity=4096, max_num_batched_tokens=2048,
+                  max_num_seqs=None, max_queued=None, max_prefill_chunk=None, vocab_size=None):
         cdef uint32_t pt = _u32(page_tokens, "page_tokens")
         cdef uint32_t nb = _u32(num_blocks, "num_blocks")
         if pt == 0:
@@ -103,6 +106,21 @@ cdef class Scheduler:
         cdef uint32_t ev_cap = _u32(event_capacity, "event_capacity")
         if ev_cap > (1 << 26):
             raise ValueError(f"event_capacity must be in [0, 67108864], got {ev_cap}")
+        cdef uint32_t budget = _u32(max_num_batched_tokens, "max_num_batched_tokens")
+        if budget == 0:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        cdef object seqs = None if max_num_seqs is None else _u32(max_num_seqs, "max_num_seqs")
+        cdef object queued = None if max_queued is None else _u32(max_queued, "max_queued")
+        cdef uint32_t chunk = 0
+        if max_prefill_chunk is not None:
+            chunk = _u32(max_prefill_chunk, "max_prefill_chunk")
+            if chunk == 0:
+                raise ValueError("max_prefill_chunk must be at least 1 (or None)")
+        cdef uint64_t vocab = 0
+        if vocab_size is not None:
+            vocab = _u32(vocab_size, "vocab_size")
+            if vocab == 0:
+                raise ValueError("vocab_size must be at least 1 (or None)")
         self.page_tokens = pt
         self.pool = BlockPool(nb)
         self.requests = RequestScheduler(max_requests, logical_pages)
@@ -139,8 +157,23 @@ cdef class Scheduler:
         if self.mode == MODE_AUTO:
             pc_init(&self.cache, nb, pt, max_ns, ev_cap, <const uint8_t *><char *>key)
             streams_init(&self.streams, mr, lp, pt)
+        if seqs is None:
+            seqs = mr
+        if not 1 <= seqs <= mr:
+            raise ValueError(f"max_num_seqs must be in [1, max_requests={mr}], got {seqs}")
+        if queued is None:
+            queued = 4 * mr
+        if queued < seqs or queued > (1 << 30):
+            raise ValueError(f"max_queued must be in [max_num_seqs={seqs}, 2**30], "
+                             f"got {queued}")
+        self._step_bufs = _StepBuffers()
+        step_init(&self.step, self._step_bufs, &self.requests.s, &self.pool.pool, &self.cache,
+                  &self.streams, self.undo, self.copies_p, &self.pages_copied,
+                  &self.pages_allocated, self.mode, pt, budget, <uint32_t>seqs,
+                  <uint32_t>queued, chunk, vocab)
 
     def __dealloc__(self):
+        step_free(&self.step)
         PyMem_Free(self.undo)
         pc_free(&self.cache)
         streams_free(&self.streams)
@@ -238,6 +271,7 @@ cdef class Scheduler:
         """Admit a request.  Automatic mode: share the longest verified cached run of the
         prompt's full pages (at least one prompt token is left to compute).  Explicit mode: look
         up ``prompt_tokens[:prefix_len]`` in the prefix store and attach its pages on a hit."""
+        self._no_step()
         if self.mode != MODE_EXPLICIT:
             return self._admit_auto(request_id, prompt_tokens, namespace, prefix_len)
         cdef uint64_t rid = _u64(request_id, "request_id")
@@ -276,35 +310,14 @@ cdef class Scheduler:
 
     cdef int _make_writable(self, int32_t index, uint64_t first, uint64_t last,
                             Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept:
-        # ensure_writable for logical pages first..last of one request, logging for undo.  The
-        # loop runs in 64 bits: `last` may be 2**32-1, where a u32 `last + 1` would wrap and
-        # skip the check.
-        cdef Cow c
-        cdef uint64_t lp = first
-        cdef int rc
-        cdef Sched *s = &self.requests.s
-        while lp <= last:
-            if lp > U32_MAX:
-                return Q_OUT_OF_RANGE
-            rc = table_ensure_writable(&s.slots[index].blocks, <uint32_t>lp, &self.pool.pool, &c)
-            if rc:
-                return rc
-            if c.kind != COW_EXCLUSIVE:
-                self.undo[n_undo[0]].slot = index
-                self.undo[n_undo[0]].logical_page = <uint32_t>lp
-                self.undo[n_undo[0]].kind = c.kind
-                self.undo[n_undo[0]].src = c.src
-                self.undo[n_undo[0]].dst = c.page
-                n_undo[0] += 1
-                if c.kind == COW_COPY:
-                    self.copies_p[n_copies[0]].src_page = c.src
-                    self.copies_p[n_copies[0]].dst_page = c.page
-                    n_copies[0] += 1
-            lp += 1
-        return Q_OK
+        # ensure_writable for logical pages first..last of one request, logging for undo
+        # (facade_make_writable, core/step.pxi: the engine step reserves through it too)
+        return facade_make_writable(&self.requests.s, &self.pool.pool, self.undo, self.copies_p,
+                                    index, first, last, n_undo, n_copies)
 
     def reserve(self, request_id, num_tokens):
         """Make writable every page of the next ``num_tokens`` positions; return the copies."""
+        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
         cdef Sched *s = &self.requests.s
@@ -351,6 +364,7 @@ cdef class Scheduler:
 
     def advance(self, request_id, num_tokens):
         """``record_token`` ``num_tokens`` times (saturating); returns the new token count."""
+        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
         cdef Slot *sl
@@ -373,6 +387,7 @@ cdef class Scheduler:
 
     def complete_prefill(self, request_id, first_token):
         """The prompt is prefilled: go to Decode with ``first_token`` as the next input."""
+        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t t = _u32(first_token, "first_token")
         cdef int32_t index
@@ -437,6 +452,7 @@ cdef class Scheduler:
         records, so a backend that keeps its ``outputs`` cannot change what ``decode``
         returned.  The read-only ``items``, ``block_table`` and ``copies`` views a Python
         backend gets are valid during the call."""
+        self._no_step()
         cdef qualia_backend *cb = NULL
         cdef int rc = Q_OK
         # RESOLVE the whole backend before anything is owned or read: its capsule or bound
@@ -560,6 +576,7 @@ cdef class Scheduler:
     def finish(self, request_id):
         """Release the request's pages and free its slot.  Automatic mode: pages are released
         last page first; cached pages nobody else holds become reclaimable."""
+        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef int rc
         cdef uint64_t tok = self._own()
@@ -578,6 +595,7 @@ cdef class Scheduler:
     def fork(self, parent_id, child_id):
         """Start request ``child_id`` as a copy-on-write fork of the decoding request
         ``parent_id`` (docs/DESIGN.md, "Forks"); returns the child's slot."""
+        self._no_step()
         cdef uint64_t prid = _u64(parent_id, "parent_id")
         cdef uint64_t crid = _u64(child_id, "child_id")
         cdef int32_t child = -1
@@ -743,12 +761,9 @@ cdef class Scheduler:
 
     cdef int _auto_make_room(self, int32_t index, uint32_t first, uint32_t last) noexcept:
         # reserve: reclaim what the call will allocate, or fail before changing anything
-        cdef uint64_t need = 0
-        cdef int rc = auto_need_pages(&self.requests.s.slots[index].blocks, first, last,
-                                      &self.pool.pool, &self.cache, &need)
-        if rc:
-            return rc
-        return pc_make_room(&self.cache, &self.pool.pool, need)
+        # (facade_make_room, core/step.pxi: the engine step reserves through it too)
+        return facade_make_room(&self.requests.s, &self.pool.pool, &self.cache, index, first,
+                                last)
 
     cdef int _auto_decode_prepare(self) noexcept:
         # decode: note each decoding slot's input token and position (streams still cached);
@@ -978,3 +993,292 @@ cdef class Scheduler:
         finally:
             self._unown(tok)
 
+
+    # -- the engine step (core/step.pxi; docs/DESIGN.md, "The engine step") ---------------------
+    cdef int _no_step(self) except -1:
+        # the manual verbs refuse while step requests exist (queued, running or uncollected)
+        if self.step.count or self.step.n_done:
+            raise StepError.ModeConflict(None, "engine-step requests exist; the manual verbs "
+                                               "(admit/reserve/advance/complete_prefill/decode/"
+                                               "finish) are refused until they are done")
+        return 0
+
+    @property
+    def num_waiting(self):
+        return self.step.n_waiting
+
+    @property
+    def num_running(self):
+        return self.step.n_running
+
+    @property
+    def max_num_batched_tokens(self):
+        return self.step.budget
+
+    @property
+    def max_num_seqs(self):
+        return self.step.max_seqs
+
+    @property
+    def max_queued(self):
+        return self.step.max_queued
+
+    @property
+    def max_prefill_chunk(self):
+        return self.step.max_chunk if self.step.max_chunk else None
+
+    @property
+    def vocab_size(self):
+        return self.step.vocab if self.step.vocab else None
+
+    def has_unfinished(self):
+        return self.step.count != 0
+
+    def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
+                    priority=0, eos_token_id=None, stop_token_ids=(), ignore_eos=False):
+        """Queue a request: its prompt is copied into the token arena (docs/DESIGN.md, "The
+        engine step", "Requests")."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef uint32_t max_new = _u32(max_new_tokens, "max_new_tokens")
+        cdef uint32_t stop[STOP_MAX]
+        cdef uint32_t n_stop = 0, eos = 0
+        cdef bint has_eos = eos_token_id is not None
+        cdef Toks t
+        cdef Py_ssize_t nsl
+        cdef uint64_t nsh = 0, tok
+        cdef uint8_t *nsb = NULL
+        cdef int rc
+        if max_new == 0:
+            raise ValueError("max_new_tokens must be at least 1")
+        prio = operator.index(priority)
+        if not -(1 << 31) <= prio < (1 << 31):
+            raise OverflowError(f"priority must be in [-2**31, 2**31-1], got {prio}")
+        if has_eos:
+            eos = _u32(eos_token_id, "eos_token_id")
+        if isinstance(stop_token_ids, (str, bytes)):
+            raise TypeError("stop_token_ids must be a sequence of token ids")
+        stops = [_u32(x, "stop token id") for x in stop_token_ids]
+        if len(stops) > STOP_MAX:
+            raise ValueError(f"at most {STOP_MAX} stop token ids, got {len(stops)}")
+        for n_stop in range(len(stops)):
+            stop[n_stop] = stops[n_stop]
+        n_stop = len(stops)
+        cdef bint ignore = bool(ignore_eos)
+        cdef bytes ns = _namespace_bytes(namespace)
+        nsl = len(ns)
+        if nsl > NS_MAX_BYTES:
+            raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
+        if self.mode == MODE_EXPLICIT:
+            raise StepError.ModeConflict(None, "the engine step works in prefix_caching 'auto' "
+                                               "and 'off', not 'explicit'")
+        keep = _tokens_resolve(prompt_tokens, &t, -1, "")   # last: no user code runs after it
+        try:
+            if t.n == 0:
+                raise ValueError("the prompt must have at least one token")
+            if t.n > U32_MAX:
+                raise StepError.NeverFits()
+            if self.mode == MODE_AUTO:
+                nsh = self.cache.ns.hashes[0] if nsl == 0 else \
+                    pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
+                if nsl:
+                    nsb = <uint8_t *>malloc(nsl)
+                    if nsb == NULL:
+                        raise MemoryError()
+                    memcpy(nsb, <char *>ns, nsl)
+            tok = self._own()
+            try:
+                rc = step_add(&self.step, rid, t.ptr, <uint32_t>t.n, max_new, prio, has_eos, eos,
+                              stop, n_stop, ignore, nsb, <uint32_t>nsl, nsh,
+                              self.pool.pool.num_blocks)
+            finally:
+                self._unown(tok)
+            if rc:
+                free(nsb)
+        finally:
+            _tokens_free(&t)
+        if rc:
+            raise _error(E_STEP, rc)
+
+    def abort(self, request_id):
+        """Drop a waiting or running request (a running one hands its pages back now; if it is
+        in the pending plan, update() skips it)."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef StepState *st = &self.step
+        cdef uint64_t *grown
+        cdef uint32_t cap
+        cdef int rc
+        cdef uint64_t tok = self._own()
+        try:
+            if st.n_accum + 1 + st.max_seqs > st.accum_cap:
+                # room for this abort and a whole update before the next plan
+                cap = 2 * st.accum_cap
+                grown = <uint64_t *>PyMem_Realloc(st.fin_accum, cap * sizeof(uint64_t))
+                if grown == NULL:
+                    raise MemoryError()
+                st.fin_accum = grown
+                st.accum_cap = cap
+                if cap > st.finished_cap:
+                    st.finished_ids = <uint64_t *>self._step_bufs.add(
+                        "finished_request_ids", _DT_U64, cap)
+                    st.finished_cap = cap
+            rc = step_abort(st, rid)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_STEP, rc)
+
+    def schedule(self):
+        """Plan the next step (docs/DESIGN.md, "The engine step", "One step")."""
+        cdef int rc
+        cdef uint64_t tok = self._own()
+        try:
+            rc = step_schedule(&self.step)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_STEP, rc)
+        return step_plan(&self.step, self._step_bufs)
+
+    cdef int _sampled(self, object ids) except -1:
+        # RESOLVE update()'s sampled ids into step.sampled[0..m), checked (the twin's order)
+        cdef StepState *st = &self.step
+        cdef const uint32_t *p
+        cdef Py_ssize_t n, i
+        cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+        cdef uint32_t m = st.m if st.pending else 0
+        cdef uint32_t[::1] v
+        if _u32_array(ids, &p, &n):
+            if n != m:
+                raise ValueError(f"the plan samples {m} rows, got {n} token ids")
+            for i in range(n):
+                if p[i] > limit:
+                    raise ValueError(f"sampled token id {p[i]} is outside [0, {limit}]")
+            memcpy(st.sampled, p, n * sizeof(uint32_t))
+            return 0
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1:
+                raise ValueError(f"sampled_token_ids must be 1-D, got {ids.ndim} dimensions")
+            if ids.dtype.kind not in "iu":
+                raise TypeError(f"sampled_token_ids must be integers, got dtype {ids.dtype}")
+            values = ids.tolist()
+        else:
+            if isinstance(ids, (str, bytes)):
+                raise TypeError("sampled_token_ids must be a sequence of token ids")
+            values = [_u32(x, "sampled token id") for x in ids]
+        if len(values) != m:
+            raise ValueError(f"the plan samples {m} rows, got {len(values)} token ids")
+        for x in values:
+            if not 0 <= x <= limit:
+                raise ValueError(f"sampled token id {x} is outside [0, {limit}]")
+        for i in range(m):
+            st.sampled[i] = <uint32_t>values[i]
+        return 0
+
+    def update(self, sampled_token_ids):
+        """Apply one plan's sampled tokens; returns the finished requests, in plan order."""
+        cdef int rc
+        cdef uint64_t tok
+        if not self.step.pending:
+            raise StepError.NoPlan(None, "schedule() first")
+        self._sampled(sampled_token_ids)
+        tok = self._own()
+        try:
+            rc = step_update(&self.step, self.step.sampled)
+            finished = step_collect(&self.step)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_STEP, rc)
+        return finished
+
+    def discard_plan(self):
+        """Drop the pending plan after its execution failed: the reserved pages stay with their
+        requests and the same tokens are scheduled again."""
+        cdef uint64_t tok = self._own()
+        try:
+            step_discard(&self.step)
+        finally:
+            self._unown(tok)
+
+    def request_tokens(self, request_id):
+        """Prompt plus generated tokens of a queued or running request."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef int32_t e = step_find(&self.step, rid)
+        if e < 0 or self.step.req[e].state == SR_FINISHED:
+            raise StepError.UnknownRequest(None, f"request {rid}")
+        return _array_of(&self.step.arena[<size_t>e * self.step.entry_cap],
+                         self.step.req[e].num_tokens)
+
+    def step_requests(self):
+        """Ids of the queued and running requests, in arrival order."""
+        cdef StepState *st = &self.step
+        cdef uint32_t e
+        found = []
+        for e in range(st.max_queued):
+            if st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING:
+                found.append((st.req[e].arrival, st.req[e].rid))
+        found.sort()
+        return [rid for _, rid in found]
+
+    def run(self, backend, max_steps=None):
+        """schedule -> execute -> update until no request is left or ``max_steps`` steps ran.
+        Returns ``RunResult(stats, finished)``: one STEP_STATS row per step and the finished
+        requests in the order they finished.
+
+        A C step backend (``__qualia_step_backend__``) runs whole stretches of steps in C without
+        the GIL (the scheduler is owned meanwhile: other calls get BusyError); the stats rows are
+        written into arrays of up to 4096 rows allocated between stretches, and the finished
+        requests are collected between stretches.  A Python backend's ``execute_step(plan)`` is
+        called with the GIL, between ``schedule()`` and ``update()``.  If a backend fails, that
+        step is discarded (nothing of it applied) and the error propagates."""
+        cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        cdef qualia_step_backend *cb = NULL
+        cdef StepStat row
+        cdef StepStat *rows
+        cdef uint32_t steps = 0, want
+        cdef int32_t status = 0
+        cdef int rc = Q_OK
+        cdef uint64_t tok
+        handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
+        stats = []
+        finished = []
+        if cb == NULL:
+            while self.step.count and (limit is None or len(stats) < limit):
+                plan = self.schedule()
+                try:
+                    ids = handle(plan)
+                except BaseException:
+                    self.discard_plan()
+                    raise
+                done = self.update(ids)
+                finished.extend(done)
+                step_stat(&self.step, &row, <uint32_t>len(done))
+                stats.append(row)
+            out = np.empty(len(stats), dtype=STEP_STATS)
+            rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
+            for i, r in enumerate(stats):
+                rows[i] = r
+            return RunResult(out, finished)
+        total = 0
+        while self.step.count and (limit is None or total < limit):
+            want = 4096 if limit is None else min(4096, limit - total)
+            chunk = np.empty(want, dtype=STEP_STATS)
+            rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
+            tok = self._own()
+            try:
+                with nogil:
+                    rc = step_run(&self.step, cb, rows, want, &steps, &status)
+                finished.extend(step_collect(&self.step))
+            finally:
+                self._unown(tok)
+            stats.append(chunk[:steps])
+            total += steps
+            if rc == RUN_BACKEND_FAILED:
+                raise RaggedBackendError.Failed(status)
+            if rc == RUN_BAD_TOKEN:
+                raise ValueError(f"the step backend sampled token id {self.step.sampled[status]} "
+                                 f"(row {status}), outside [0, {self.step.vocab - 1}]")
+            if rc:
+                raise _error(E_STEP, rc)
+        out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
+        return RunResult(out, finished)

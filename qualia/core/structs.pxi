@@ -30,7 +30,14 @@ cdef enum:
     Q_BACKEND_LAUNCH_COUNT = 22
     Q_ROUND_TOO_LARGE = 23      # the lowered block table passes 2**32-1 entries (OverflowError)
     Q_NAMESPACES_FULL = 24      # automatic prefix caching: every namespace id is in use
-    Q_FORK_IN_PREFILL = 25      # fork of a request that is still in its prefill
+    Q_STEP_DUPLICATE = 25       # the engine step (core/step.pxi): StepError variants
+    Q_STEP_UNKNOWN = 26
+    Q_NEVER_FITS = 27
+    Q_QUEUE_FULL = 28
+    Q_PLAN_PENDING = 29
+    Q_NO_PLAN = 30
+    Q_MODE_CONFLICT = 31
+    Q_FORK_IN_PREFILL = 32      # fork of a request that is still in its prefill
 
 cdef enum:
     COW_EXCLUSIVE = 0
@@ -124,6 +131,8 @@ cdef extern from *:
     #define QUALIA_ALIGN_VIEW _Alignof(qualia_request_view)
     #define QUALIA_ALIGN_COPY _Alignof(qualia_copy_op)
     #define QUALIA_ALIGN_BACKEND _Alignof(qualia_backend)
+    #define QUALIA_ALIGN_STEP_PLAN _Alignof(qualia_step_plan)
+    #define QUALIA_ALIGN_STEP_BACKEND _Alignof(qualia_step_backend)
     """
     size_t QUALIA_ALIGN_ITEM
     size_t QUALIA_ALIGN_OUTPUT
@@ -131,6 +140,8 @@ cdef extern from *:
     size_t QUALIA_ALIGN_VIEW
     size_t QUALIA_ALIGN_COPY
     size_t QUALIA_ALIGN_BACKEND
+    size_t QUALIA_ALIGN_STEP_PLAN
+    size_t QUALIA_ALIGN_STEP_BACKEND
     int __builtin_ctzll(unsigned long long) nogil
 
 cdef extern from "<stdint.h>":

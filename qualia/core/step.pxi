@@ -1,0 +1,1135 @@
+# The engine step (docs/DESIGN.md, "The engine step"): requests queued in C with their tokens
+# in an arena sized at construction, a waiting heap and a running list, one step planned under
+# a token budget (schedule), its sampled tokens applied (update), and the plan's kernel-ready
+# metadata written into buffers sized once.
+#
+# Built on the facade's primitives, in the order the pure-Python twin (qualia/twin_step.py)
+# uses them: admission (auto_admit with its automatic prefix hit, or the seed's plain admit in
+# mode "off"), page reservation (facade_make_room + facade_make_writable: reclaim, then
+# copy-on-write / allocate), advance (token_count += n and auto_fill), noting a sampled token
+# into the slot's stream (auto_note_token) and finish (auto_finish, which hands the pages to the
+# cache).  So physical pages agree with the twin's by construction.
+#
+# step_schedule and step_update are `noexcept nogil` and return status codes: Scheduler.run()
+# loops schedule -> execute -> update without the GIL for a C step backend.
+
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+from libc.stdlib cimport malloc, free
+
+cdef enum:
+    SR_FREE = 0
+    SR_WAITING = 1
+    SR_RUNNING = 2
+    SR_FINISHED = 3     # finished inside run(), waiting to be collected
+
+cdef enum:
+    FIN_NONE = 0
+    FIN_LENGTH = 1
+    FIN_STOP = 2
+
+cdef tuple _FINISH_REASONS = (None, "length", "stop")
+
+#: Stop token ids a request may name (held inline in its entry).
+MAX_STOP_TOKENS = 16
+cdef enum:
+    STOP_MAX = 16
+
+
+cdef struct StepReq:
+    uint64_t rid
+    uint64_t arrival        # add_request counter: ties of equal priority, oldest first
+    uint64_t admitted       # admission counter: "most recently admitted" picks victims
+    int64_t priority        # lower is served first
+    uint64_t nsh            # namespace hash (auto mode)
+    uint8_t *nsb            # namespace bytes (malloc'd; NULL when empty)
+    uint32_t nsl
+    uint32_t num_prompt
+    uint32_t num_tokens     # prompt + outputs
+    uint32_t num_computed   # tokens whose K/V is written
+    uint32_t max_new
+    uint32_t eos
+    uint32_t n_stop
+    uint32_t stop[STOP_MAX]
+    int32_t slot            # facade slot while running, else -1
+    int32_t row             # block-table row while running, else -1
+    int32_t heap_pos        # position in the waiting heap while waiting, else -1
+    int32_t plan_pos        # position in the pending plan, else -1
+    uint64_t sched_step     # the step that last scheduled it
+    uint8_t has_eos
+    uint8_t ignore_eos
+    uint8_t state
+    uint8_t reason
+    uint8_t decode          # scheduled in the pending plan as a decode
+
+
+# One row of STEP_STATS (qualia._types): twelve uint32 fields, no padding.
+cdef struct StepStat:
+    uint32_t num_seqs
+    uint32_t num_tokens
+    uint32_t num_prefill_tokens
+    uint32_t num_decode_tokens
+    uint32_t num_sampled
+    uint32_t num_new
+    uint32_t num_preempted
+    uint32_t num_cached_tokens
+    uint32_t num_finished
+    uint32_t num_waiting
+    uint32_t num_running
+    uint32_t free_pages
+
+if STEP_STATS.itemsize != sizeof(StepStat) or any(
+        STEP_STATS.fields[name][0] != np.dtype("<u4") or STEP_STATS.fields[name][1] != 4 * k
+        for k, name in enumerate(STEP_STATS.names)):
+    raise ImportError("qualia._types.STEP_STATS does not match the core's StepStat")
+
+
+cdef struct StepState:
+    # limits
+    uint32_t budget         # max_num_batched_tokens
+    uint32_t max_seqs       # max_num_seqs: rows of the block table, requests of a plan
+    uint32_t max_chunk      # max_prefill_chunk (0: only the budget limits a chunk)
+    uint32_t max_queued
+    uint32_t entry_cap      # tokens of one arena entry = logical_pages * page_tokens
+    uint32_t page_tokens
+    uint32_t logical_pages
+    uint64_t vocab          # 0: any uint32 id
+    int mode
+    # the facade's state
+    Sched *s
+    Pool *p
+    PageCache *c
+    Streams *ss
+    Undo *undo
+    qualia_copy_op *cow     # the facade's copies scratch (one reservation)
+    uint64_t *pages_copied
+    uint64_t *pages_allocated
+    # requests
+    StepReq *req            # max_queued
+    uint32_t *arena         # max_queued x entry_cap
+    int32_t *free_ids       # stack of free entries
+    uint32_t n_free
+    int32_t *index          # request id -> entry (open addressing)
+    uint32_t index_mask
+    uint64_t arrivals
+    uint64_t admissions
+    uint32_t count          # waiting + running
+    int32_t *heap           # waiting, by (priority, arrival)
+    uint32_t n_waiting
+    int32_t *running        # admission order
+    uint32_t n_running
+    int32_t *row_owner      # max_seqs: entry holding each row, -1 when free
+    uint8_t *row_dirty      # max_seqs: rewritten since the previous plan
+    uint32_t *row_len       # max_seqs: leading entries of the row that may be set
+    int32_t *order          # max_seqs: scratch, this step's running order
+    # the plan
+    uint64_t step_no
+    bint pending
+    uint32_t n              # scheduled requests
+    uint32_t T              # scheduled tokens
+    uint32_t m              # sampled rows
+    uint32_t n_changed
+    uint32_t n_kv
+    uint32_t n_copies
+    uint32_t copies_cap
+    uint32_t n_new
+    uint32_t n_preempted
+    uint32_t n_finished     # finished ids of the plan (copied from the accumulator)
+    uint32_t num_prefill_tokens
+    uint32_t num_decode_tokens
+    uint32_t num_cached_tokens
+    int32_t *plan_entry     # max_seqs
+    uint32_t *plan_chunk    # max_seqs
+    int32_t *plan_sample    # max_seqs: sampled row or -1
+    uint8_t *plan_alive     # max_seqs: 0 once aborted after schedule
+    uint64_t *request_ids
+    int32_t *query_start_loc
+    int32_t *seq_lens
+    uint32_t *input_ids
+    int32_t *positions
+    int64_t *slot_mapping
+    int32_t *logits_indices
+    uint64_t *sampled_request_ids
+    int32_t *block_table
+    int32_t *block_table_rows
+    int32_t *changed_rows
+    int32_t *kv_indptr
+    int32_t *kv_indices
+    int32_t *kv_last_page_len
+    qualia_copy_op *copies
+    uint64_t *new_ids
+    uint64_t *preempted_ids
+    uint64_t *finished_ids  # the plan's copy
+    uint32_t finished_cap
+    uint64_t *fin_accum     # finished or aborted since the previous plan
+    uint32_t n_accum
+    uint32_t accum_cap
+    # finished requests not yet handed to Python (entries in state SR_FINISHED)
+    int32_t *done
+    uint32_t n_done
+    uint32_t *sampled       # max_seqs: update()'s validated sampled ids
+
+
+cdef inline uint64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+
+
+# -- facade primitives without the GIL (Scheduler.reserve/decode call the same functions) ------
+
+cdef int facade_make_writable(Sched *s, Pool *p, Undo *undo, qualia_copy_op *copies,
+                              int32_t index, uint64_t first, uint64_t last,
+                              Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept nogil:
+    # ensure_writable for logical pages first..last of one request, logging for undo.  The
+    # loop runs in 64 bits: `last` may be 2**32-1, where a u32 `last + 1` would wrap and skip
+    # the check.
+    cdef Cow c
+    cdef uint64_t lp = first
+    cdef int rc
+    while lp <= last:
+        if lp > U32_MAX:
+            return Q_OUT_OF_RANGE
+        rc = table_ensure_writable(&s.slots[index].blocks, <uint32_t>lp, p, &c)
+        if rc:
+            return rc
+        if c.kind != COW_EXCLUSIVE:
+            undo[n_undo[0]].slot = index
+            undo[n_undo[0]].logical_page = <uint32_t>lp
+            undo[n_undo[0]].kind = c.kind
+            undo[n_undo[0]].src = c.src
+            undo[n_undo[0]].dst = c.page
+            n_undo[0] += 1
+            if c.kind == COW_COPY:
+                copies[n_copies[0]].src_page = c.src
+                copies[n_copies[0]].dst_page = c.page
+                n_copies[0] += 1
+        lp += 1
+    return Q_OK
+
+
+cdef int facade_make_room(Sched *s, Pool *p, PageCache *c, int32_t index, uint32_t first,
+                          uint32_t last) noexcept nogil:
+    # reserve (automatic mode): reclaim what the call will allocate, or fail before changing
+    # anything
+    cdef uint64_t need = 0
+    cdef int rc = auto_need_pages(&s.slots[index].blocks, first, last, p, c, &need)
+    if rc:
+        return rc
+    return pc_make_room(c, p, need)
+
+
+# -- entries, the id index, the waiting heap, rows ----------------------------------------------
+
+cdef inline uint32_t _step_home(StepState *st, uint64_t rid) noexcept nogil:
+    cdef uint64_t h = rid * <uint64_t>0x9E3779B97F4A7C15
+    return <uint32_t>((h >> 32) & st.index_mask)
+
+
+cdef uint32_t _step_home_of(void *ctx, int32_t e) noexcept nogil:
+    cdef StepState *st = <StepState *>ctx
+    return _step_home(st, st.req[e].rid)
+
+
+cdef int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
+    cdef uint32_t i = _step_home(st, rid)
+    cdef int32_t e
+    while True:
+        e = st.index[i]
+        if e < 0:
+            return -1
+        if st.req[e].rid == rid:
+            return e
+        i = (i + 1) & st.index_mask
+
+
+cdef inline bint _before(StepState *st, int32_t a, int32_t b) noexcept nogil:
+    # waiting order: (priority, arrival)
+    if st.req[a].priority != st.req[b].priority:
+        return st.req[a].priority < st.req[b].priority
+    return st.req[a].arrival < st.req[b].arrival
+
+
+cdef inline void _heap_set(StepState *st, uint32_t i, int32_t e) noexcept nogil:
+    st.heap[i] = e
+    st.req[e].heap_pos = <int32_t>i
+
+
+cdef void _heap_up(StepState *st, uint32_t i) noexcept nogil:
+    cdef int32_t e = st.heap[i]
+    cdef uint32_t parent
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _before(st, e, st.heap[parent]):
+            break
+        _heap_set(st, i, st.heap[parent])
+        i = parent
+    _heap_set(st, i, e)
+
+
+cdef void _heap_down(StepState *st, uint32_t i) noexcept nogil:
+    cdef int32_t e = st.heap[i]
+    cdef uint32_t child
+    while True:
+        child = 2 * i + 1
+        if child >= st.n_waiting:
+            break
+        if child + 1 < st.n_waiting and _before(st, st.heap[child + 1], st.heap[child]):
+            child += 1
+        if not _before(st, st.heap[child], e):
+            break
+        _heap_set(st, i, st.heap[child])
+        i = child
+    _heap_set(st, i, e)
+
+
+cdef void heap_push(StepState *st, int32_t e) noexcept nogil:
+    st.req[e].state = SR_WAITING
+    _heap_set(st, st.n_waiting, e)
+    st.n_waiting += 1
+    _heap_up(st, st.n_waiting - 1)
+
+
+cdef void heap_remove(StepState *st, int32_t e) noexcept nogil:
+    cdef uint32_t i = <uint32_t>st.req[e].heap_pos
+    cdef int32_t last
+    st.n_waiting -= 1
+    st.req[e].heap_pos = -1
+    if i == st.n_waiting:
+        return
+    last = st.heap[st.n_waiting]
+    _heap_set(st, i, last)
+    _heap_up(st, i)
+    _heap_down(st, <uint32_t>st.req[last].heap_pos)
+
+
+cdef void running_remove(StepState *st, int32_t e) noexcept nogil:
+    cdef uint32_t i = 0
+    while i < st.n_running and st.running[i] != e:
+        i += 1
+    if i == st.n_running:
+        return
+    memmove(&st.running[i], &st.running[i + 1], (st.n_running - i - 1) * sizeof(int32_t))
+    st.n_running -= 1
+
+
+cdef void row_release(StepState *st, int32_t e) noexcept nogil:
+    # the row is cleared to -1 (a change when it held pages) and freed
+    cdef int32_t r = st.req[e].row
+    cdef int32_t *row
+    cdef uint32_t k
+    if r < 0:
+        return
+    row = &st.block_table[<size_t>r * st.logical_pages]
+    if st.row_len[r]:
+        for k in range(st.row_len[r]):
+            row[k] = -1
+        st.row_len[r] = 0
+        st.row_dirty[r] = 1
+    st.row_owner[r] = -1
+    st.req[e].row = -1
+
+
+cdef inline int32_t row_lowest_free(StepState *st) noexcept nogil:
+    cdef uint32_t r
+    for r in range(st.max_seqs):
+        if st.row_owner[r] < 0:
+            return <int32_t>r
+    return -1
+
+
+cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noexcept nogil:
+    # the row of entry e mirrors its slot's pages first..last (inclusive); marked when it changed
+    cdef int32_t r = st.req[e].row
+    cdef Table *t = &st.s.slots[st.req[e].slot].blocks
+    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
+    cdef uint32_t k
+    cdef int32_t v
+    if last >= t.len:
+        last = t.len - 1 if t.len else 0
+    if t.len:
+        for k in range(first, last + 1):
+            v = <int32_t>t.entries[k]
+            if row[k] != v:
+                row[k] = v
+                st.row_dirty[r] = 1
+    st.row_len[r] = t.len
+
+
+cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
+    # the caller made room (abort grows the buffer with the GIL; update needs at most max_seqs)
+    if st.n_accum < st.accum_cap:
+        st.fin_accum[st.n_accum] = rid
+        st.n_accum += 1
+
+
+cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
+    # facade finish: release the request's pages (auto mode: into the cache) and free its slot
+    cdef int rc
+    if st.mode == MODE_AUTO:
+        rc = auto_finish(st.s, st.p, st.c, st.ss, st.req[e].slot)
+    else:
+        rc = sched_finish(st.s, st.req[e].slot, st.p)
+    st.req[e].slot = -1
+    return rc
+
+
+cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
+    # forget the entry: id index, namespace reference, stop ids
+    cdef StepReq *r = &st.req[e]
+    oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
+    if r.nsb != NULL:
+        free(r.nsb)
+        r.nsb = NULL
+    r.state = SR_FREE
+    st.free_ids[st.n_free] = e
+    st.n_free += 1
+
+
+# -- schedule --------------------------------------------------------------------------------
+
+cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
+    # the facade's reserve of the next n positions of entry e (reclaim, then make writable);
+    # copies go to the plan, the row mirrors the pages.  On failure nothing changed.
+    cdef int32_t slot = st.req[e].slot
+    cdef uint64_t start = st.s.slots[slot].token_count
+    cdef uint32_t first = <uint32_t>(start // st.page_tokens)
+    cdef uint32_t last = <uint32_t>((start + n - 1) // st.page_tokens)
+    cdef Py_ssize_t n_undo = 0, n_copies = 0, k
+    cdef int rc = Q_OK
+    if last >= st.logical_pages:
+        return Q_OUT_OF_RANGE
+    if st.mode == MODE_AUTO:
+        rc = facade_make_room(st.s, st.p, st.c, slot, first, last)
+    if rc == Q_OK:
+        rc = facade_make_writable(st.s, st.p, st.undo, st.cow, slot, first, last, &n_undo,
+                                  &n_copies)
+    if rc == Q_OK and st.n_copies + n_copies > st.copies_cap:
+        rc = Q_OUTPUT_TOO_SMALL     # cannot happen: copies_cap bounds a step's pages
+    if rc:
+        _undo(st.s, st.p, st.undo, n_undo)
+        return rc
+    for k in range(n_copies):
+        st.copies[st.n_copies] = st.cow[k]
+        st.n_copies += 1
+    st.pages_copied[0] += n_copies
+    st.pages_allocated[0] += n_undo - n_copies
+    if st.mode == MODE_AUTO:
+        auto_after_cow(st.c, st.p, st.undo, n_undo)
+    row_write(st, e, first, last)
+    return Q_OK
+
+
+cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
+    # among running requests not yet scheduled in this step, plus the current one: the highest
+    # priority value, ties -> the most recently admitted
+    cdef int32_t best = cur, e
+    cdef uint32_t i
+    for i in range(st.n_running):
+        e = st.running[i]
+        if e != cur and st.req[e].sched_step == st.step_no:
+            continue
+        if (st.req[e].priority > st.req[best].priority
+                or (st.req[e].priority == st.req[best].priority
+                    and st.req[e].admitted > st.req[best].admitted)):
+            best = e
+    return best
+
+
+cdef int preempt(StepState *st, int32_t e) noexcept nogil:
+    # recompute: release the pages (full pages stay cached in auto mode), back to waiting with
+    # its arrival number and outputs
+    cdef int rc = slot_release(st, e)
+    row_release(st, e)
+    running_remove(st, e)
+    st.req[e].num_computed = 0
+    heap_push(st, e)
+    st.preempted_ids[st.n_preempted] = st.req[e].rid
+    st.n_preempted += 1
+    return rc
+
+
+cdef inline uint32_t _chunk(StepState *st, uint32_t remaining, uint32_t left) noexcept nogil:
+    cdef uint32_t n = remaining if remaining < left else left
+    if remaining > 1 and st.max_chunk and n > st.max_chunk:
+        n = st.max_chunk
+    return n
+
+
+cdef void plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
+    cdef uint32_t j = st.n
+    st.plan_entry[j] = e
+    st.plan_chunk[j] = n
+    st.plan_alive[j] = 1
+    st.req[e].plan_pos = <int32_t>j
+    st.req[e].sched_step = st.step_no
+    st.n += 1
+
+
+cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
+                       uint32_t *cached) noexcept nogil:
+    # The head of the waiting queue: its cache hit (auto mode), its chunk, whether its pages fit
+    # (free + reclaimable, less the reclaimable pages its own hit takes); then admit, reserve,
+    # take a row.  Q_EXHAUSTED when it does not fit (nothing changed).
+    cdef StepReq *r = &st.req[e]
+    cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
+    cdef uint32_t hit = 0, k, rec = 0, n, need
+    cdef int32_t row
+    cdef Admission_c adm
+    cdef int rc
+    cdef uint64_t avail
+    cdef Table *t
+    if st.mode == MODE_AUTO:
+        k = _probe_hit(st, e, &rec)
+        hit = k * st.page_tokens
+    n = _chunk(st, r.num_tokens - hit, left)
+    need = <uint32_t>((hit + n - 1) // st.page_tokens + 1 - hit // st.page_tokens)
+    avail = <uint64_t>st.p.free_top + st.c.n_state[PC_RECLAIMABLE] - rec
+    if need > avail:
+        return Q_EXHAUSTED
+    row = row_lowest_free(st)
+    if row < 0 or st.s.active >= st.s.max_requests:
+        return Q_EXHAUSTED      # cannot happen: running < max_num_seqs <= max_requests
+    if st.mode == MODE_AUTO:
+        rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
+                        r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl, r.nsh, &adm)
+    else:
+        rc = sched_admit(st.s, r.rid, False, 0, 0, NULL, st.p, &adm)
+    if rc:
+        return rc
+    heap_remove(st, e)
+    r.state = SR_RUNNING
+    r.slot = adm.slot
+    r.num_computed = adm.prefix_tokens
+    r.row = row
+    st.row_owner[row] = e
+    st.admissions += 1
+    r.admitted = st.admissions
+    st.running[st.n_running] = e
+    st.n_running += 1
+    rc = step_reserve(st, e, n)
+    if rc == Q_OK:
+        # the row mirrors the whole table: the hit's pages and the chunk's
+        t = &st.s.slots[adm.slot].blocks
+        row_write(st, e, 0, t.len - 1 if t.len else 0)
+    chunk[0] = n
+    cached[0] = adm.prefix_tokens
+    return rc
+
+
+cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
+    # the pages an admission of entry e would take from the cache now, and how many of them are
+    # reclaimable (cached_prefix's rule)
+    cdef StepReq *r = &st.req[e]
+    cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
+    cdef uint32_t n = r.num_tokens
+    cdef uint32_t hashed = (n - 1) // st.page_tokens if n else 0
+    cdef uint32_t k, i, ns
+    cdef bint collided
+    rec[0] = 0
+    ns = ns_find(&st.c.ns, r.nsh, r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl)
+    if ns == U32_MAX:
+        return 0
+    k = auto_match(st.c, tok, n, ns, r.nsh, hashed, st.ss.probe_ident, st.ss.probe_canon,
+                   st.ss.probe_gen, &collided)
+    for i in range(k):
+        rec[0] += pc_rec(st.c, st.ss.probe_canon[i]).state == PC_RECLAIMABLE
+    return k
+
+
+cdef int step_schedule(StepState *st) noexcept nogil:
+    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, page, t, hit
+    cdef int32_t e, v, slot
+    cdef bint preempted = False
+    cdef int rc
+    cdef StepReq *r
+    cdef Table *tb
+    cdef size_t base
+    if st.pending:
+        return Q_PLAN_PENDING
+    st.step_no += 1
+    st.n = st.T = st.m = st.n_kv = st.n_copies = st.n_new = st.n_preempted = 0
+    st.num_prefill_tokens = st.num_decode_tokens = st.num_cached_tokens = 0
+    # 1. running requests: decodes, then prefills, each in admission order
+    for i in range(st.n_running):
+        e = st.running[i]
+        if st.req[e].num_tokens - st.req[e].num_computed == 1:
+            st.order[nd] = e
+            nd += 1
+    j = nd
+    for i in range(st.n_running):
+        e = st.running[i]
+        if st.req[e].num_tokens - st.req[e].num_computed != 1:
+            st.order[j] = e
+            j += 1
+    for i in range(j):
+        e = st.order[i]
+        if left == 0:
+            break
+        if st.req[e].state != SR_RUNNING:
+            continue            # preempted earlier in this step
+        rem = st.req[e].num_tokens - st.req[e].num_computed
+        n = _chunk(st, rem, left)
+        while True:
+            rc = step_reserve(st, e, n)
+            if rc == Q_OK:
+                break
+            if rc != Q_EXHAUSTED:
+                return rc
+            v = pick_victim(st, e)
+            rc = preempt(st, v)
+            if rc:
+                return rc
+            preempted = True
+            if v == e:
+                break
+        if st.req[e].state != SR_RUNNING:
+            continue
+        plan_add(st, e, n)
+        st.req[e].decode = rem == 1
+        left -= n
+    # 2. waiting requests by (priority, arrival), unless this step preempted
+    if not preempted:
+        while st.n_waiting and left > 0 and st.n_running < st.max_seqs:
+            e = st.heap[0]
+            rc = admit_waiting(st, e, left, &n, &hit)
+            if rc == Q_EXHAUSTED:
+                break
+            if rc == Q_NAMESPACES_FULL and st.n_running:
+                break           # running requests will free namespace ids
+            if rc:
+                return rc       # nothing changed: nothing ran before an admission failed
+            st.new_ids[st.n_new] = st.req[e].rid
+            st.n_new += 1
+            st.num_cached_tokens += hit
+            plan_add(st, e, n)
+            st.req[e].decode = 0
+            left -= n
+    # 3. metadata, in plan order
+    st.query_start_loc[0] = 0
+    st.kv_indptr[0] = 0
+    for j in range(st.n):
+        e = st.plan_entry[j]
+        r = &st.req[e]
+        n = st.plan_chunk[j]
+        q = r.num_computed
+        slot = r.slot
+        tb = &st.s.slots[slot].blocks
+        st.request_ids[j] = r.rid
+        st.seq_lens[j] = <int32_t>(q + n)
+        st.block_table_rows[j] = r.row
+        memcpy(&st.input_ids[st.T], &st.arena[<size_t>e * st.entry_cap + q],
+               n * sizeof(uint32_t))
+        for t in range(n):
+            pos = q + t
+            page = tb.entries[pos // st.page_tokens]
+            st.positions[st.T + t] = <int32_t>pos
+            st.slot_mapping[st.T + t] = <int64_t>page * st.page_tokens + pos % st.page_tokens
+        if r.decode:
+            st.num_decode_tokens += n
+        else:
+            st.num_prefill_tokens += n
+        st.T += n
+        st.query_start_loc[j + 1] = <int32_t>st.T
+        if q + n == r.num_tokens:
+            st.logits_indices[st.m] = <int32_t>(st.T - 1)
+            st.sampled_request_ids[st.m] = r.rid
+            st.plan_sample[j] = <int32_t>st.m
+            st.m += 1
+        else:
+            st.plan_sample[j] = -1
+        pages = (q + n + st.page_tokens - 1) // st.page_tokens
+        for t in range(pages):
+            st.kv_indices[st.n_kv + t] = <int32_t>tb.entries[t]
+        st.n_kv += pages
+        st.kv_indptr[j + 1] = <int32_t>st.n_kv
+        st.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.page_tokens)
+    st.n_changed = 0
+    for i in range(st.max_seqs):
+        if st.row_dirty[i]:
+            st.row_dirty[i] = 0
+            st.changed_rows[st.n_changed] = <int32_t>i
+            st.n_changed += 1
+    # the plan reports what finished or was aborted since the previous plan
+    memcpy(st.finished_ids, st.fin_accum, st.n_accum * sizeof(uint64_t))
+    st.n_finished = st.n_accum
+    st.n_accum = 0
+    st.pending = True
+    return Q_OK
+
+
+# -- update ----------------------------------------------------------------------------------
+
+cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
+    # sampled[0..m) was validated by the caller.  Finished entries go to st.done (state
+    # SR_FINISHED) for the caller to report and free.
+    cdef uint32_t j, n, tok, pos, k
+    cdef int32_t e, row
+    cdef StepReq *r
+    cdef Slot *sl
+    cdef uint8_t reason
+    cdef int rc, first = Q_OK
+    cdef uint64_t tc
+    if not st.pending:
+        return Q_NO_PLAN
+    for j in range(st.n):
+        e = st.plan_entry[j]
+        if not st.plan_alive[j]:
+            continue
+        r = &st.req[e]
+        r.plan_pos = -1
+        n = st.plan_chunk[j]
+        # advance: the chunk's K/V is written; pages that filled go to the cache
+        sl = &st.s.slots[r.slot]
+        tc = <uint64_t>sl.token_count + n
+        sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
+        r.num_computed += n
+        if st.mode == MODE_AUTO:
+            auto_fill(st.s, st.p, st.c, st.ss, <uint32_t>r.slot)
+        if st.plan_sample[j] < 0:
+            continue
+        tok = sampled[st.plan_sample[j]]
+        pos = r.num_tokens
+        st.arena[<size_t>e * st.entry_cap + pos] = tok
+        if st.mode == MODE_AUTO:
+            auto_note_token(st.s, st.ss, <uint32_t>r.slot, pos, tok)
+        r.num_tokens += 1
+        reason = FIN_NONE
+        if r.num_tokens - r.num_prompt >= r.max_new:
+            reason = FIN_LENGTH
+        elif r.has_eos and not r.ignore_eos and tok == r.eos:
+            reason = FIN_STOP
+        else:
+            for k in range(r.n_stop):
+                if r.stop[k] == tok:
+                    reason = FIN_STOP
+                    break
+        if reason == FIN_NONE:
+            continue
+        r.reason = reason
+        rc = slot_release(st, e)
+        if rc and first == Q_OK:
+            first = rc
+        row_release(st, e)
+        running_remove(st, e)
+        r.state = SR_FINISHED
+        st.count -= 1
+        st.done[st.n_done] = e
+        st.n_done += 1
+        accum_finished(st, r.rid)
+    st.pending = False
+    return first
+
+
+cdef void step_discard(StepState *st) noexcept nogil:
+    # drop the pending plan: reserved pages stay with their requests, nothing advances
+    cdef uint32_t j
+    for j in range(st.n):
+        if st.plan_alive[j]:
+            st.req[st.plan_entry[j]].plan_pos = -1
+    st.pending = False
+
+
+# -- requests in and out -------------------------------------------------------------------------
+
+cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
+                  uint32_t max_new, int64_t priority, bint has_eos, uint32_t eos,
+                  const uint32_t *stop, uint32_t n_stop, bint ignore_eos, uint8_t *nsb,
+                  uint32_t nsl, uint64_t nsh, uint32_t num_blocks) noexcept nogil:
+    # Queue a request (the twin's checks, in its order).  On success the entry owns nsb.
+    cdef uint64_t total = <uint64_t>n + max_new
+    cdef uint64_t pages
+    cdef int32_t e
+    cdef StepReq *r
+    if st.s.active > st.n_running:
+        return Q_MODE_CONFLICT
+    if step_find(st, rid) >= 0:
+        return Q_STEP_DUPLICATE
+    if total > st.entry_cap:
+        return Q_NEVER_FITS
+    pages = (total - 1 + st.page_tokens - 1) // st.page_tokens
+    if pages > num_blocks:
+        return Q_NEVER_FITS
+    if st.n_free == 0:
+        return Q_QUEUE_FULL
+    st.n_free -= 1
+    e = st.free_ids[st.n_free]
+    r = &st.req[e]
+    memset(r, 0, sizeof(StepReq))
+    r.rid = rid
+    r.arrival = st.arrivals
+    st.arrivals += 1
+    r.priority = priority
+    r.nsh = nsh
+    r.nsb = nsb
+    r.nsl = nsl
+    r.num_prompt = n
+    r.num_tokens = n
+    r.max_new = max_new
+    r.has_eos = has_eos
+    r.eos = eos
+    r.ignore_eos = ignore_eos
+    r.n_stop = n_stop
+    if n_stop:
+        memcpy(r.stop, stop, n_stop * sizeof(uint32_t))
+    r.slot = -1
+    r.row = -1
+    r.heap_pos = -1
+    r.plan_pos = -1
+    memcpy(&st.arena[<size_t>e * st.entry_cap], tok, <size_t>n * sizeof(uint32_t))
+    oa_insert(st.index, st.index_mask, _step_home(st, rid), e)
+    st.count += 1
+    heap_push(st, e)
+    return Q_OK
+
+
+cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
+    # a waiting or running request; the caller made room in fin_accum
+    cdef int32_t e = step_find(st, rid)
+    cdef int rc = Q_OK
+    if e < 0 or st.req[e].state == SR_FINISHED:
+        return Q_STEP_UNKNOWN
+    if st.req[e].state == SR_RUNNING:
+        rc = slot_release(st, e)
+        row_release(st, e)
+        running_remove(st, e)
+        if st.pending and st.req[e].plan_pos >= 0:
+            st.plan_alive[st.req[e].plan_pos] = 0
+    else:
+        heap_remove(st, e)
+    st.count -= 1
+    accum_finished(st, rid)
+    entry_free(st, e)
+    return rc
+
+
+# -- Python side: the plan object, allocation ---------------------------------------------------
+
+cdef class StepPlan:
+    """One step's plan (docs/DESIGN.md, "The engine step", "The plan"): read-only numpy views
+    over buffers the scheduler sized at construction, valid until its next ``schedule()``."""
+    cdef readonly object request_ids
+    cdef readonly object query_start_loc
+    cdef readonly object seq_lens
+    cdef readonly object input_ids
+    cdef readonly object positions
+    cdef readonly object slot_mapping
+    cdef readonly object logits_indices
+    cdef readonly object sampled_request_ids
+    cdef readonly object block_table
+    cdef readonly object block_table_rows
+    cdef readonly object changed_rows
+    cdef readonly object kv_indptr
+    cdef readonly object kv_indices
+    cdef readonly object kv_last_page_len
+    cdef readonly object copies
+    cdef readonly object new_request_ids
+    cdef readonly object preempted_request_ids
+    cdef readonly object finished_request_ids
+    cdef readonly uint32_t num_prefill_tokens
+    cdef readonly uint32_t num_decode_tokens
+    cdef readonly uint32_t num_cached_tokens
+    cdef readonly uint32_t page_tokens
+
+    @property
+    def num_seqs(self):
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self):
+        return len(self.input_ids)
+
+    def __repr__(self):
+        return (f"StepPlan(num_seqs={self.num_seqs}, num_tokens={self.num_tokens}, "
+                f"num_prefill_tokens={self.num_prefill_tokens}, "
+                f"num_decode_tokens={self.num_decode_tokens})")
+
+
+cdef class _StepBuffers:
+    """The plan's buffers (one read-only region each) and full-length views of them; a plan's
+    arrays are slices of these views."""
+    cdef list regions
+    cdef dict full
+
+    def __cinit__(self):
+        self.regions = []
+        self.full = {}
+
+    cdef void *add(self, str name, object dtype, Py_ssize_t n) except NULL:
+        cdef Py_ssize_t size = (n if n > 0 else 1) * (<cnp.dtype>dtype).itemsize
+        cdef _Region r = _region_new(size, False)
+        self.regions.append(r)
+        self.full[name] = qualia_np_view(dtype, r.ptr, n, False, r)
+        return r.ptr
+
+
+cdef object _DT_I32 = np.dtype(np.int32)
+cdef object _DT_I64 = np.dtype(np.int64)
+cdef object _DT_U64 = np.dtype(np.uint64)
+
+
+cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCache *c,
+                   Streams *ss, Undo *undo, qualia_copy_op *cow, uint64_t *copied,
+                   uint64_t *allocated, int mode, uint32_t page_tokens, uint32_t budget,
+                   uint32_t max_seqs, uint32_t max_queued, uint32_t max_chunk,
+                   uint64_t vocab) except -1:
+    cdef uint32_t lp = s.logical_pages, i
+    cdef size_t cap = 1
+    cdef size_t entry_cap = <size_t>lp * page_tokens
+    memset(st, 0, sizeof(StepState))
+    st.budget = budget
+    st.max_seqs = max_seqs
+    st.max_chunk = max_chunk
+    st.max_queued = max_queued
+    st.page_tokens = page_tokens
+    st.logical_pages = lp
+    st.entry_cap = <uint32_t>entry_cap
+    st.vocab = vocab
+    st.mode = mode
+    st.s = s
+    st.p = p
+    st.c = c
+    st.ss = ss
+    st.undo = undo
+    st.cow = cow
+    st.pages_copied = copied
+    st.pages_allocated = allocated
+    while cap < 2 * <size_t>max_queued:
+        cap <<= 1
+    st.index_mask = <uint32_t>(cap - 1)
+    st.req = <StepReq *>PyMem_Calloc(max_queued, sizeof(StepReq))
+    st.arena = <uint32_t *>PyMem_Malloc(max(<size_t>max_queued * entry_cap, 1) * sizeof(uint32_t))
+    st.free_ids = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.index = <int32_t *>PyMem_Malloc(cap * sizeof(int32_t))
+    st.heap = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.running = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.row_owner = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.row_dirty = <uint8_t *>PyMem_Calloc(max_seqs, 1)
+    st.row_len = <uint32_t *>PyMem_Calloc(max_seqs, sizeof(uint32_t))
+    st.order = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan_entry = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
+    st.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
+    st.done = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.sampled = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
+    st.accum_cap = max_queued + max_seqs
+    st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
+    if (st.req == NULL or st.arena == NULL or st.free_ids == NULL or st.index == NULL
+            or st.heap == NULL or st.running == NULL or st.row_owner == NULL
+            or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
+            or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
+            or st.plan_alive == NULL or st.done == NULL or st.sampled == NULL
+            or st.fin_accum == NULL):
+        raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
+                          f"of {entry_cap} tokens")
+    for i in range(max_queued):
+        st.free_ids[i] = <int32_t>(max_queued - 1 - i)   # entry 0 is taken first
+    st.n_free = max_queued
+    for i in range(cap):
+        st.index[i] = -1
+    for i in range(max_seqs):
+        st.row_owner[i] = -1
+    st.copies_cap = budget // page_tokens + 2 * max_seqs + 1
+    st.request_ids = <uint64_t *>bufs.add("request_ids", _DT_U64, max_seqs)
+    st.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_I32, max_seqs + 1)
+    st.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_I32, max_seqs)
+    st.input_ids = <uint32_t *>bufs.add("input_ids", _DT_U32, budget)
+    st.positions = <int32_t *>bufs.add("positions", _DT_I32, budget)
+    st.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_I64, budget)
+    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_I32, max_seqs)
+    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_U64, max_seqs)
+    st.block_table = <int32_t *>bufs.add("block_table", _DT_I32, <Py_ssize_t>max_seqs * lp)
+    st.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_I32, max_seqs)
+    st.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_I32, max_seqs)
+    st.kv_indptr = <int32_t *>bufs.add("kv_indptr", _DT_I32, max_seqs + 1)
+    st.kv_indices = <int32_t *>bufs.add("kv_indices", _DT_I32, <Py_ssize_t>max_seqs * lp)
+    st.kv_last_page_len = <int32_t *>bufs.add("kv_last_page_len", _DT_I32, max_seqs)
+    st.copies = <qualia_copy_op *>bufs.add("copies", _DT_COPY, st.copies_cap)
+    st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_U64, max_seqs)
+    st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_U64, max_seqs)
+    st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_U64, st.accum_cap)
+    st.finished_cap = st.accum_cap
+    for i in range(<uint32_t>(max_seqs * lp)):
+        st.block_table[i] = -1
+    bufs.full["block_table"] = bufs.full["block_table"].reshape(max_seqs, lp)
+    return 0
+
+
+cdef void step_free(StepState *st) noexcept:
+    cdef uint32_t e
+    if st.req != NULL:
+        for e in range(st.max_queued):
+            if st.req[e].nsb != NULL:
+                free(st.req[e].nsb)
+    PyMem_Free(st.req)
+    PyMem_Free(st.arena)
+    PyMem_Free(st.free_ids)
+    PyMem_Free(st.index)
+    PyMem_Free(st.heap)
+    PyMem_Free(st.running)
+    PyMem_Free(st.row_owner)
+    PyMem_Free(st.row_dirty)
+    PyMem_Free(st.row_len)
+    PyMem_Free(st.order)
+    PyMem_Free(st.plan_entry)
+    PyMem_Free(st.plan_chunk)
+    PyMem_Free(st.plan_sample)
+    PyMem_Free(st.plan_alive)
+    PyMem_Free(st.done)
+    PyMem_Free(st.sampled)
+    PyMem_Free(st.fin_accum)
+    memset(st, 0, sizeof(StepState))
+
+
+cdef object step_plan(StepState *st, _StepBuffers bufs):
+    """The pending plan as a StepPlan of slices of the buffers' views."""
+    cdef StepPlan plan = StepPlan.__new__(StepPlan)
+    cdef dict f = bufs.full
+    cdef Py_ssize_t n = st.n, T = st.T, m = st.m
+    plan.request_ids = f["request_ids"][:n]
+    plan.query_start_loc = f["query_start_loc"][:n + 1]
+    plan.seq_lens = f["seq_lens"][:n]
+    plan.input_ids = f["input_ids"][:T]
+    plan.positions = f["positions"][:T]
+    plan.slot_mapping = f["slot_mapping"][:T]
+    plan.logits_indices = f["logits_indices"][:m]
+    plan.sampled_request_ids = f["sampled_request_ids"][:m]
+    plan.block_table = f["block_table"]
+    plan.block_table_rows = f["block_table_rows"][:n]
+    plan.changed_rows = f["changed_rows"][:st.n_changed]
+    plan.kv_indptr = f["kv_indptr"][:n + 1]
+    plan.kv_indices = f["kv_indices"][:st.n_kv]
+    plan.kv_last_page_len = f["kv_last_page_len"][:n]
+    plan.copies = f["copies"][:st.n_copies]
+    plan.new_request_ids = f["new_request_ids"][:st.n_new]
+    plan.preempted_request_ids = f["preempted_request_ids"][:st.n_preempted]
+    plan.finished_request_ids = f["finished_request_ids"][:st.n_finished]
+    plan.num_prefill_tokens = st.num_prefill_tokens
+    plan.num_decode_tokens = st.num_decode_tokens
+    plan.num_cached_tokens = st.num_cached_tokens
+    plan.page_tokens = st.page_tokens
+    return plan
+
+
+cdef list step_collect(StepState *st):
+    """FinishedRequest for every entry in st.done, in order; the entries are freed."""
+    cdef list out = []
+    cdef uint32_t k
+    cdef int32_t e
+    cdef StepReq *r
+    cdef uint32_t[::1] v
+    for k in range(st.n_done):
+        e = st.done[k]
+        r = &st.req[e]
+        arr = np.empty(r.num_tokens - r.num_prompt, dtype=np.uint32)
+        v = arr
+        if r.num_tokens > r.num_prompt:
+            memcpy(&v[0], &st.arena[<size_t>e * st.entry_cap + r.num_prompt],
+                   (r.num_tokens - r.num_prompt) * sizeof(uint32_t))
+        out.append(FinishedRequest(r.rid, arr, _FINISH_REASONS[r.reason]))
+    for k in range(st.n_done):
+        entry_free(st, st.done[k])
+    st.n_done = 0
+    return out
+
+
+cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept nogil:
+    row.num_seqs = st.n
+    row.num_tokens = st.T
+    row.num_prefill_tokens = st.num_prefill_tokens
+    row.num_decode_tokens = st.num_decode_tokens
+    row.num_sampled = st.m
+    row.num_new = st.n_new
+    row.num_preempted = st.n_preempted
+    row.num_cached_tokens = st.num_cached_tokens
+    row.num_finished = finished
+    row.num_waiting = st.n_waiting
+    row.num_running = st.n_running
+    row.free_pages = st.p.free_top + st.c.n_state[PC_RECLAIMABLE]
+
+
+# -- the loop without the GIL, for a C step backend --------------------------------------------
+
+cdef enum:
+    RUN_BACKEND_FAILED = -1     # step_run's status: the backend returned nonzero (in *status)
+    RUN_BAD_TOKEN = -2          # a sampled id past vocab_size (in *status: its row)
+
+
+cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
+    # the pending plan as the ABI struct: pointers into the buffers sized at construction
+    p.struct_size = sizeof(qualia_step_plan)
+    p.page_tokens = st.page_tokens
+    p.num_requests = st.n
+    p.num_tokens = st.T
+    p.num_sampled = st.m
+    p.num_prefill_tokens = st.num_prefill_tokens
+    p.num_decode_tokens = st.num_decode_tokens
+    p.num_kv_indices = st.n_kv
+    p.block_table_num_rows = st.max_seqs
+    p.block_table_num_cols = st.logical_pages
+    p.block_table_row_stride = st.logical_pages
+    p.num_changed_rows = st.n_changed
+    p.num_copies = st.n_copies
+    p.num_new = st.n_new
+    p.num_preempted = st.n_preempted
+    p.num_finished = st.n_finished
+    p.request_ids = st.request_ids
+    p.query_start_loc = st.query_start_loc
+    p.seq_lens = st.seq_lens
+    p.input_ids = st.input_ids
+    p.positions = st.positions
+    p.slot_mapping = st.slot_mapping
+    p.logits_indices = st.logits_indices
+    p.sampled_request_ids = st.sampled_request_ids
+    p.block_table = st.block_table
+    p.block_table_rows = st.block_table_rows
+    p.changed_rows = st.changed_rows
+    p.kv_indptr = st.kv_indptr
+    p.kv_indices = st.kv_indices
+    p.kv_last_page_len = st.kv_last_page_len
+    p.copies = st.copies
+    p.new_request_ids = st.new_ids
+    p.preempted_request_ids = st.preempted_ids
+    p.finished_request_ids = st.finished_ids
+
+
+cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32_t max_rows,
+                  uint32_t *steps, int32_t *status) noexcept nogil:
+    # schedule -> execute -> update until no request is left or max_rows steps ran.  A failing
+    # step is discarded (nothing of it applied) and ends the loop.
+    cdef qualia_step_plan plan
+    cdef uint32_t k = 0, done, i
+    cdef int rc = Q_OK
+    cdef int32_t s
+    cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+    while st.count and k < max_rows:
+        rc = step_schedule(st)
+        if rc:
+            break
+        step_abi_plan(st, &plan)
+        s = 0
+        if cb.copy_pages != NULL and st.n_copies:
+            s = cb.copy_pages(cb.ctx, st.copies, st.n_copies)
+        if s == 0:
+            s = cb.execute_step(cb.ctx, &plan, st.sampled, NULL)
+        if s != 0:
+            step_discard(st)
+            status[0] = s
+            rc = RUN_BACKEND_FAILED
+            break
+        for i in range(st.m):
+            if st.sampled[i] > limit:
+                step_discard(st)
+                status[0] = <int32_t>i
+                rc = RUN_BAD_TOKEN
+                break
+        if rc:
+            break
+        done = st.n_done
+        rc = step_update(st, st.sampled)
+        step_stat(st, &rows[k], st.n_done - done)
+        k += 1
+        if rc:
+            break
+    steps[0] = k
+    return rc
