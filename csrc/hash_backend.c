@@ -3,8 +3,7 @@
  * scheduler, and with fault injection so tests can exercise every DecodeRoundError. */
 #include "hash_backend.h"
 
-uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
-                                     uint32_t vocab)
+static inline uint64_t qualia_hash_mix(uint64_t request_id, uint32_t position, uint32_t token_id)
 {
     uint64_t x = request_id * 0x9E3779B97F4A7C15ull + (uint64_t)position * 0xBF58476D1CE4E5B9ull
                  + (uint64_t)token_id;
@@ -13,8 +12,20 @@ uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t
     x ^= x >> 27;
     x *= 0x94D049BB133111EBull;
     x ^= x >> 31;
+    return x;
+}
+
+uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
+                                     uint32_t vocab)
+{
+    uint64_t x = qualia_hash_mix(request_id, position, token_id);
     /* multiply-high range reduction: uniform like x % vocab, without a 64-bit divide */
     return (uint32_t)(((unsigned __int128)x * vocab) >> 64);
+}
+
+float qualia_hash_logprob(uint64_t request_id, uint32_t position, uint32_t token_id)
+{
+    return -(float)(qualia_hash_mix(request_id, position, token_id) & 0xFFFFu) / 4096.0f;
 }
 
 int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
@@ -54,6 +65,32 @@ int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
             outputs[0].slot += 1;
         }
     }
+    return 0;
+}
+
+int32_t qualia_hash_execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sampled_out,
+                                 float *logprobs_out)
+{
+    qualia_hash_backend *self = (qualia_hash_backend *)ctx;
+    uint32_t m = plan->num_sampled;
+    self->step_calls += 1;
+    if (self->fault == QUALIA_FAULT_ERROR) {
+        return self->code;
+    }
+    for (uint32_t r = 0; r < m; r++) {
+        int32_t t = plan->logits_indices[r];
+        if (t < 0 || (uint32_t)t >= plan->num_tokens) {
+            return QUALIA_HASH_BAD_PLAN;
+        }
+        uint64_t request_id = plan->sampled_request_ids[r];
+        uint32_t position = (uint32_t)plan->positions[t];
+        uint32_t token_id = plan->input_ids[t];
+        sampled_out[r] = qualia_hash_next_token(request_id, position, token_id, self->vocab);
+        if (logprobs_out != NULL) {
+            logprobs_out[r] = qualia_hash_logprob(request_id, position, token_id);
+        }
+    }
+    self->sampled += m;
     return 0;
 }
 

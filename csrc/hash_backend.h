@@ -30,13 +30,26 @@ typedef struct qualia_hash_backend {
     uint64_t items;         /* items processed */
     uint64_t pages_copied;  /* copy ops seen */
     uint64_t copy_calls;
+    uint64_t step_calls;    /* execute_step calls */
+    uint64_t sampled;       /* sampled rows produced by execute_step */
 } qualia_hash_backend;
+
+/* execute_step's status when a plan's logits_indices names a token outside [0, num_tokens) */
+#define QUALIA_HASH_BAD_PLAN (-22)
 
 uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position, uint32_t token_id,
                                 uint32_t vocab);
 int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items, uint32_t n_items,
                                    const uint32_t *block_table, uint32_t n_table,
                                    qualia_batch_output *outputs, qualia_batch_receipt *receipt);
+/* One engine step (the step ABI of qualia.h): for each sampled row r, with t = logits_indices[r],
+ * sampled_out[r] = qualia_hash_next_token(sampled_request_ids[r], positions[t], input_ids[t]),
+ * and, when logprobs_out is not NULL, logprobs_out[r] = qualia_hash_logprob(the same triple). */
+int32_t qualia_hash_execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sampled_out,
+                                 float *logprobs_out);
+/* A deterministic stand-in log-probability: -(low 16 bits of the hash's mixed word) / 4096,
+ * exact in float32, in (-16, 0]. */
+float qualia_hash_logprob(uint64_t request_id, uint32_t position, uint32_t token_id);
 int32_t qualia_hash_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops);
 
 #ifdef __cplusplus

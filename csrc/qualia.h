@@ -1,5 +1,6 @@
 /*
- * qualia.h: the C ABI shared by the qualia scheduler core and decode backends.
+ * qualia.h: the C ABI shared by the qualia scheduler core and its backends (decode rounds,
+ * and whole engine steps).
  *
  * Every struct a backend sees is declared here, once.  The Python package derives its numpy
  * dtypes from these definitions (sizeof/offsetof of the compiled structs), and its tests assert
@@ -100,6 +101,112 @@ typedef struct qualia_backend {
     qualia_execute_ragged_fn execute_ragged;
     qualia_copy_pages_fn copy_pages;  /* optional */
 } qualia_backend;
+
+/*
+ * The step backend interface (QUALIA_STEP_ABI_VERSION 1): one whole engine step.
+ *
+ * A versioned addition beside the decode-round interface above, which is unchanged.  The
+ * scheduler lowers each step into a `qualia_step_plan` (every array it describes stays valid for
+ * the duration of the call only) and hands it to `execute_step` with the GIL released.
+ *
+ * Counts come first, then pointers.  `struct_size` is sizeof(qualia_step_plan) as the scheduler was
+ * compiled; a backend built against a later header reads a field only when it lies inside
+ * struct_size.  Every pointer is read-only for the backend; a pointer whose count is 0 may be NULL.
+ *
+ * Conventions (the same arrays as the Python StepPlan, docs/DESIGN.md "The step backend ABI"):
+ *   - the n scheduled requests appear in plan order: decodes, running prefill chunks, admissions;
+ *   - request i computes flat tokens [query_start_loc[i], query_start_loc[i+1]) of the T tokens;
+ *     seq_lens[i] is its context length after the step (tokens already computed + its chunk);
+ *   - slot_mapping[t] = page * page_tokens + positions[t] % page_tokens: where token t's K/V goes;
+ *   - the m sampled rows: logits_indices[r] is the flat token (0 <= . < T) whose logits are
+ *     sampled for request sampled_request_ids[r] (the last token of a decode or of a prompt's
+ *     last chunk);
+ *   - block_table is dense and persistent: block_table_num_rows rows (max_num_seqs) of
+ *     block_table_num_cols pages (logical_pages), row r starting at block_table[r *
+ *     block_table_row_stride]; -1 past a request's pages.  block_table_rows[i] is request i's
+ *     row; changed_rows lists, ascending, the rows rewritten since the previous step;
+ *   - kv_indptr (n+1), kv_indices (num_kv_indices = kv_indptr[n]) and kv_last_page_len (n, each in
+ *     1..page_tokens) are the paged-KV CSR form of the pages covering seq_lens;
+ *   - copies are copy-on-write page copies that must happen before the forward pass;
+ *   - new / preempted / finished request ids tell the backend which per-request state to create or
+ *     drop: admitted (or resumed) in this step, preempted in this step, finished or aborted since
+ *     the previous step.
+ */
+#define QUALIA_STEP_ABI_VERSION 1u
+#define QUALIA_STEP_CAPSULE_NAME "qualia.step_backend.v1"
+
+typedef struct qualia_step_plan {
+    uint32_t struct_size;            /* sizeof(qualia_step_plan) as the scheduler sees it */
+    uint32_t page_tokens;            /* tokens per KV page */
+    uint32_t num_requests;           /* n */
+    uint32_t num_tokens;             /* T: scheduled tokens (prefill + decode) */
+    uint32_t num_sampled;            /* m: rows to sample; sampled_out has m entries */
+    uint32_t num_prefill_tokens;
+    uint32_t num_decode_tokens;
+    uint32_t num_kv_indices;         /* kv_indptr[n] */
+    uint32_t block_table_num_rows;   /* max_num_seqs */
+    uint32_t block_table_num_cols;   /* logical pages per row */
+    uint32_t block_table_row_stride; /* int32 entries between row starts (>= num_cols) */
+    uint32_t num_changed_rows;
+    uint32_t num_copies;
+    uint32_t num_new;
+    uint32_t num_preempted;
+    uint32_t num_finished;
+    const uint64_t *request_ids;         /* [n] */
+    const int32_t *query_start_loc;      /* [n + 1] */
+    const int32_t *seq_lens;             /* [n] */
+    const uint32_t *input_ids;           /* [T] */
+    const int32_t *positions;            /* [T] */
+    const int64_t *slot_mapping;         /* [T] */
+    const int32_t *logits_indices;       /* [m] */
+    const uint64_t *sampled_request_ids; /* [m] */
+    const int32_t *block_table;          /* [num_rows * row_stride] */
+    const int32_t *block_table_rows;     /* [n] */
+    const int32_t *changed_rows;         /* [num_changed_rows] */
+    const int32_t *kv_indptr;            /* [n + 1] */
+    const int32_t *kv_indices;           /* [num_kv_indices] */
+    const int32_t *kv_last_page_len;     /* [n] */
+    const qualia_copy_op *copies;        /* [num_copies] */
+    const uint64_t *new_request_ids;       /* [num_new] */
+    const uint64_t *preempted_request_ids; /* [num_preempted] */
+    const uint64_t *finished_request_ids;  /* [num_finished] */
+} qualia_step_plan;
+
+/*
+ * A step backend exposes a PyCapsule named QUALIA_STEP_CAPSULE_NAME whose pointer is a
+ * `qualia_step_backend`, as its `__qualia_step_backend__` attribute (or a method of that name
+ * returning it).  The struct must outlive the capsule.  The scheduler checks abi_version,
+ * struct_size and execute_step once when it resolves the backend, then calls it with the GIL
+ * released, possibly for many consecutive steps: the functions must not touch Python.
+ *
+ * execute_step: run one step's forward pass over *plan and sample.  Write sampled_out[r] for every
+ * r < plan->num_sampled: the token sampled for sampled_request_ids[r].  logprobs_out is NULL
+ * unless the scheduler asks for log-probabilities; when not NULL it has num_sampled entries and a
+ * backend that sets QUALIA_STEP_WRITES_LOGPROBS in flags writes the natural-log probability of
+ * each sampled token there.  A backend that cannot produce them leaves flags without that bit and
+ * ignores logprobs_out (the scheduler then does not read it).  Return 0 on success; any other value
+ * is the backend's own error code, and the step is not applied.
+ *
+ * copy_pages (may be NULL): when set, the scheduler calls it with plan->copies just before
+ * execute_step for every step that has copies; when NULL, execute_step performs plan->copies
+ * itself before its forward pass.  Return 0 on success.
+ */
+enum {
+    QUALIA_STEP_WRITES_LOGPROBS = 1u  /* flags: execute_step fills logprobs_out when given */
+};
+
+typedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *plan,
+                                          uint32_t *sampled_out, float *logprobs_out);
+
+typedef struct qualia_step_backend {
+    uint32_t abi_version;   /* QUALIA_STEP_ABI_VERSION */
+    uint32_t struct_size;   /* sizeof(qualia_step_backend) */
+    uint32_t flags;         /* QUALIA_STEP_WRITES_LOGPROBS or 0 */
+    uint32_t _reserved;     /* always 0 */
+    void *ctx;              /* handed back to every call */
+    qualia_execute_step_fn execute_step;
+    qualia_copy_pages_fn copy_pages;  /* optional */
+} qualia_step_backend;
 
 #ifdef __cplusplus
 }

@@ -19,13 +19,17 @@ try:
         RAGGED_BATCH_OUTPUT,
         RAGGED_BATCH_RECEIPT,
         REQUEST_VIEW,
+        STEP_ABI_VERSION,
+        STEP_CAPSULE_NAME,
         BlockPool,
         HashBackend,
         PrefixIdentity,
         PrefixKvStore,
+        PrefixRouterIndex,
         RequestScheduler,
         Scheduler,
         SequenceBlockTable,
+        hash_logprob,
         hash_next_token,
     )
 except ImportError as _exc:
@@ -70,10 +74,11 @@ def get_include() -> str:
 __all__ = [
     "Admission", "BACKEND_ABI_VERSION", "BACKEND_CAPSULE_NAME", "BackendAbiError", "BlockPool",
     "BusyError", "CachedPrefix", "CacheEntry", "CacheStats", "COPY_OP", "CopyOnWrite",
-    "CopyPagesBackend", "DecodeRoundError", "errors", "get_include", "hash_next_token",
+    "CopyPagesBackend", "DecodeRoundError", "errors", "get_include", "hash_logprob",
+    "hash_next_token",
     "HashBackend", "KV_EVENT", "PoolError", "PrefixCacheError", "PrefixIdentity", "PrefixKvError",
-    "PrefixKvStore", "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT",
+    "PrefixKvStore", "PrefixRouterIndex", "QualiaError", "RAGGED_BATCH_ITEM", "RAGGED_BATCH_OUTPUT",
     "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
-    "SequenceBlockTable", "StepError", "TableError",
+    "SequenceBlockTable", "STEP_ABI_VERSION", "STEP_CAPSULE_NAME", "StepError", "TableError",
 ]

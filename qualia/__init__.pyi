@@ -9,13 +9,17 @@ from ._core import RAGGED_BATCH_ITEM as RAGGED_BATCH_ITEM
 from ._core import RAGGED_BATCH_OUTPUT as RAGGED_BATCH_OUTPUT
 from ._core import RAGGED_BATCH_RECEIPT as RAGGED_BATCH_RECEIPT
 from ._core import REQUEST_VIEW as REQUEST_VIEW
+from ._core import STEP_ABI_VERSION as STEP_ABI_VERSION
+from ._core import STEP_CAPSULE_NAME as STEP_CAPSULE_NAME
 from ._core import BlockPool as BlockPool
 from ._core import HashBackend as HashBackend
 from ._core import PrefixIdentity as PrefixIdentity
 from ._core import PrefixKvStore as PrefixKvStore
+from ._core import PrefixRouterIndex as PrefixRouterIndex
 from ._core import RequestScheduler as RequestScheduler
 from ._core import Scheduler as Scheduler
 from ._core import SequenceBlockTable as SequenceBlockTable
+from ._core import hash_logprob as hash_logprob
 from ._core import hash_next_token as hash_next_token
 from ._types import Admission as Admission
 from ._types import CachedPrefix as CachedPrefix
@@ -55,6 +59,7 @@ __all__ = [
     "DecodeRoundError",
     "errors",
     "get_include",
+    "hash_logprob",
     "hash_next_token",
     "HashBackend",
     "KV_EVENT",
@@ -64,6 +69,7 @@ __all__ = [
     "PrefixIdentity",
     "PrefixKvError",
     "PrefixKvStore",
+    "PrefixRouterIndex",
     "QualiaError",
     "RAGGED_BATCH_ITEM",
     "RAGGED_BATCH_OUTPUT",
@@ -77,6 +83,8 @@ __all__ = [
     "Scheduler",
     "SchedulerError",
     "SequenceBlockTable",
+    "STEP_ABI_VERSION",
+    "STEP_CAPSULE_NAME",
     "TableError",
 ]
 

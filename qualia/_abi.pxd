@@ -1,6 +1,6 @@
-# Cython view of csrc/qualia.h: the structs shared with decode backends.  Cython users
+# Cython view of csrc/qualia.h: the structs shared with decode and step backends.  Cython users
 # `cimport qualia._abi` with `include_dirs=[qualia.get_include()]`.
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t
 
 cdef extern from "qualia.h" nogil:
     ctypedef struct qualia_batch_item:
@@ -52,4 +52,59 @@ cdef extern from "qualia.h" nogil:
         uint32_t struct_size
         void *ctx
         qualia_execute_ragged_fn execute_ragged
+        qualia_copy_pages_fn copy_pages
+
+    # The step backend interface (QUALIA_STEP_ABI_VERSION 1): one whole engine step.
+    unsigned int QUALIA_STEP_ABI_VERSION
+    const char *QUALIA_STEP_CAPSULE_NAME
+
+    enum:
+        QUALIA_STEP_WRITES_LOGPROBS
+
+    ctypedef struct qualia_step_plan:
+        uint32_t struct_size
+        uint32_t page_tokens
+        uint32_t num_requests
+        uint32_t num_tokens
+        uint32_t num_sampled
+        uint32_t num_prefill_tokens
+        uint32_t num_decode_tokens
+        uint32_t num_kv_indices
+        uint32_t block_table_num_rows
+        uint32_t block_table_num_cols
+        uint32_t block_table_row_stride
+        uint32_t num_changed_rows
+        uint32_t num_copies
+        uint32_t num_new
+        uint32_t num_preempted
+        uint32_t num_finished
+        const uint64_t *request_ids
+        const int32_t *query_start_loc
+        const int32_t *seq_lens
+        const uint32_t *input_ids
+        const int32_t *positions
+        const int64_t *slot_mapping
+        const int32_t *logits_indices
+        const uint64_t *sampled_request_ids
+        const int32_t *block_table
+        const int32_t *block_table_rows
+        const int32_t *changed_rows
+        const int32_t *kv_indptr
+        const int32_t *kv_indices
+        const int32_t *kv_last_page_len
+        const qualia_copy_op *copies
+        const uint64_t *new_request_ids
+        const uint64_t *preempted_request_ids
+        const uint64_t *finished_request_ids
+
+    ctypedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *plan,
+                                               uint32_t *sampled_out, float *logprobs_out)
+
+    ctypedef struct qualia_step_backend:
+        uint32_t abi_version
+        uint32_t struct_size
+        uint32_t flags
+        uint32_t _reserved
+        void *ctx
+        qualia_execute_step_fn execute_step
         qualia_copy_pages_fn copy_pages

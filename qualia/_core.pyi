@@ -29,12 +29,18 @@ KV_CLEARED_KIND: int
 BACKEND_CAPSULE_NAME: str
 BACKEND_ABI_VERSION: int
 BACKEND_STRUCT_SIZE: int
+STEP_CAPSULE_NAME: str
+STEP_ABI_VERSION: int
+STEP_PLAN_STRUCT_SIZE: int
+STEP_BACKEND_STRUCT_SIZE: int
+STEP_WRITES_LOGPROBS: int
 
 _Tokens = Union[Sequence[int], npt.NDArray[np.integer]]
 _Namespace = Union[bytes, bytearray, memoryview, str]
 _Backend = Any  # a RaggedBackend, an object with __qualia_backend__, or the capsule itself
 
 def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = ...) -> int: ...
+def hash_logprob(request_id: int, position: int, token_id: int) -> float: ...
 
 @disjoint_base
 class BlockPool:
@@ -144,6 +150,8 @@ class HashBackend:
     ) -> HashBackend: ...
     @property
     def __qualia_backend__(self) -> object: ...
+    @property
+    def __qualia_step_backend__(self) -> object: ...
     vocab: int
     fault: Optional[str]
     code: int
@@ -151,6 +159,14 @@ class HashBackend:
     items: int
     pages_copied: int
     copy_calls: int
+    step_calls: int
+    sampled: int
+    def execute_step(
+        self,
+        plan: Any,
+        sampled_out: Optional[npt.NDArray[np.uint32]] = ...,
+        logprobs_out: Optional[npt.NDArray[np.float32]] = ...,
+    ) -> npt.NDArray[np.uint32]: ...
     def execute_ragged(
         self,
         items: npt.NDArray[Any],
@@ -235,3 +251,40 @@ class Scheduler:
     def _debug_identity_mask(self, mask: int, parent_mask: int = ...) -> None: ...
 
 def _layout() -> Dict[str, Tuple[int, int, List[Tuple[str, str, int]]]]: ...
+def _call_step_backend(
+    backend: Any,
+    plan: Any,
+    sampled_out: Optional[npt.NDArray[np.uint32]] = ...,
+    logprobs_out: Optional[npt.NDArray[np.float32]] = ...,
+    logprobs: bool = ...,
+) -> Any: ...
+
+@disjoint_base
+class PrefixRouterIndex:
+    def __new__(cls, capacity: int, max_replicas: int = ...) -> PrefixRouterIndex: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def max_replicas(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    def __len__(self) -> int: ...
+    def apply_events(self, replica: int, events: npt.NDArray[Any]) -> int: ...
+    def remove_replica(self, replica: int) -> int: ...
+    def clear(self) -> None: ...
+    def replicas_of(self, identity: int) -> int: ...
+    def match(
+        self, identities: Union[Sequence[int], npt.NDArray[np.integer]]
+    ) -> npt.NDArray[np.uint32]: ...
+    def match_into(
+        self,
+        identities: Union[Sequence[int], npt.NDArray[np.integer]],
+        out: npt.NDArray[np.uint32],
+    ) -> int: ...
+    def route(
+        self,
+        identities: Union[Sequence[int], npt.NDArray[np.integer]],
+        cost: npt.NDArray[np.float64],
+        out: npt.NDArray[np.uint32],
+    ) -> int: ...
+    def stats(self) -> Dict[str, int]: ...

@@ -25,11 +25,13 @@
 #   core/identity.pxi    prefix identity and token hashing
 #   core/index.pxi       open addressing shared by the store and request indexes
 #   core/store.pxi       prefix KV store
-#   core/backends.pxi    backend resolution, receipts, the built-in hash backend
+#   core/backends.pxi    backend resolution (rounds and steps), receipts, step-plan lowering,
+#                        the built-in hash backend
 #   core/requests.pxi    the seed's request scheduler and its decode round
 #   core/pagecache.pxi   automatic prefix caching: the page cache, its hash, namespaces, events
 #   core/autoprefix.pxi  automatic prefix caching: the facade's token streams, admit/fill/finish
 #   core/facade.pxi      qualia.Scheduler: admit / reserve / decode / finish
+#   core/router.pxi      the router's index: page identity -> replicas holding it (KV events)
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
                              PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ND)
@@ -37,9 +39,9 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_Occurred, PyErr_Clear
 from cpython.long cimport PyLong_CheckExact
 from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_INCREF, Py_DECREF
 from cpython.pycapsule cimport (PyCapsule_New, PyCapsule_CheckExact, PyCapsule_GetName,
-                                PyCapsule_GetPointer)
+                                PyCapsule_GetPointer, PyCapsule_GetContext, PyCapsule_SetContext)
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
 from libc.string cimport memcmp, memcpy, memset, strcmp
 
@@ -79,3 +81,4 @@ include "core/pagecache.pxi"
 include "core/autoprefix.pxi"
 include "core/fork.pxi"
 include "core/facade.pxi"
+include "core/router.pxi"

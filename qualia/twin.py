@@ -849,11 +849,13 @@ class PyHashBackend:
             raise TypeError("code must be an i32 int")
         self.code = code
         self.calls = 0
+        self.step_calls = 0
+        self.sampled = 0
         self.pages_copied = 0
         self.copy_log: List[tuple] = []
 
     @staticmethod
-    def next_token(request_id, position, token_id, vocab=32000) -> int:
+    def _mix(request_id, position, token_id) -> int:
         x = (int(request_id) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9
              + int(token_id)) & _MASK64
         x ^= x >> 30
@@ -861,7 +863,37 @@ class PyHashBackend:
         x ^= x >> 27
         x = (x * 0x94D049BB133111EB) & _MASK64
         x ^= x >> 31
+        return x
+
+    @staticmethod
+    def next_token(request_id, position, token_id, vocab=32000) -> int:
+        x = PyHashBackend._mix(request_id, position, token_id)
         return (x * int(vocab)) >> 64  # multiply-high range reduction, as the C backend
+
+    @staticmethod
+    def logprob(request_id, position, token_id) -> float:
+        """The hash backend's stand-in log-probability (DESIGN.md "Hash backend")."""
+        return -(PyHashBackend._mix(request_id, position, token_id) & 0xFFFF) / 4096
+
+    def execute_step(self, plan, sampled_out=None, logprobs_out=None):
+        """One engine step: sampled row r gets next_token(sampled_request_ids[r], the position
+        and input token of flat row logits_indices[r]), as HashBackend.execute_step."""
+        self.step_calls += 1
+        if self.fault == "raise":
+            raise RuntimeError("PyHashBackend: injected fault")
+        if self.fault == "error":
+            raise RaggedBackendError.Failed(self.code)
+        rows = np.asarray(plan.logits_indices).tolist()
+        ids = np.asarray(plan.sampled_request_ids).tolist()
+        positions = np.asarray(plan.positions)
+        tokens = np.asarray(plan.input_ids)
+        out = np.empty(len(rows), np.uint32) if sampled_out is None else sampled_out
+        for r, (rid, t) in enumerate(zip(ids, rows)):
+            out[r] = self.next_token(rid, int(positions[t]), int(tokens[t]), self.vocab)
+            if logprobs_out is not None:
+                logprobs_out[r] = self.logprob(rid, int(positions[t]), int(tokens[t]))
+        self.sampled += len(rows)
+        return out
 
     def execute_ragged(self, items, block_table, outputs):
         self.calls += 1

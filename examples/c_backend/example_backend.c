@@ -10,6 +10,18 @@
  *   example_backend.new(vocab, delay_us=0) -> capsule   (delay_us sleeps inside each call)
  *   example_backend.stats(capsule) -> (calls, items, pages_copied)
  *   example_backend.layout() -> {struct: (sizeof, {field: offsetof})} as this compiler sees it
+ *
+ * It is also a step backend (the step ABI of qualia.h): one whole engine step per call.
+ *
+ *   example_backend.new_step(vocab, logprobs=False) -> "qualia.step_backend.v1" capsule
+ *   example_backend.step_stats(capsule) -> (steps, sampled, pages_copied)
+ *
+ * Its step "model": for sampled row r, with t = logits_indices[r] and i the request whose tokens
+ * hold t, next token = (31 * input_ids[t] + positions[t] + seq_lens[i] + sum of request i's
+ * kv_indices) mod vocab.  Before sampling it checks that the plan is self-consistent (each
+ * request's block-table row starts with its kv_indices, and every token's slot_mapping names the
+ * page of its position), returning status 18 / 19 otherwise.  With logprobs it declares
+ * QUALIA_STEP_WRITES_LOGPROBS and writes -(next token) / vocab.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,6 +73,108 @@ static int32_t example_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t
     (void)ops;
     self->pages_copied += n_ops;
     return 0;
+}
+
+typedef struct example_step_backend {
+    qualia_step_backend iface; /* first, so the capsule pointer is the interface */
+    uint32_t vocab;
+    uint32_t _pad;
+    uint64_t steps;
+    uint64_t sampled;
+    uint64_t pages_copied;
+} example_step_backend;
+
+static int32_t example_step_check(const qualia_step_plan *p)
+{
+    for (uint32_t i = 0; i < p->num_requests; i++) {
+        const int32_t *row = p->block_table + (size_t)p->block_table_rows[i] * p->block_table_row_stride;
+        int32_t lo = p->kv_indptr[i], hi = p->kv_indptr[i + 1];
+        if ((uint32_t)(hi - lo) > p->block_table_num_cols) return 18;
+        for (int32_t k = lo; k < hi; k++) {
+            if (row[k - lo] != p->kv_indices[k]) return 18;
+        }
+        for (int32_t t = p->query_start_loc[i]; t < p->query_start_loc[i + 1]; t++) {
+            uint32_t pos = (uint32_t)p->positions[t];
+            uint32_t lp = pos / p->page_tokens;
+            if ((int64_t)lp >= hi - lo) return 19;
+            int64_t want = (int64_t)p->kv_indices[lo + lp] * p->page_tokens + pos % p->page_tokens;
+            if (p->slot_mapping[t] != want) return 19;
+        }
+    }
+    return 0;
+}
+
+static int32_t example_execute_step(void *ctx, const qualia_step_plan *plan,
+                                    uint32_t *sampled_out, float *logprobs_out)
+{
+    example_step_backend *self = (example_step_backend *)ctx;
+    self->steps++;
+    if (plan->struct_size < sizeof(qualia_step_plan) || plan->page_tokens == 0) return 20;
+    int32_t status = example_step_check(plan);
+    if (status != 0) return status;
+    uint32_t i = 0;
+    for (uint32_t r = 0; r < plan->num_sampled; r++) {
+        int32_t t = plan->logits_indices[r];
+        if (t < 0 || (uint32_t)t >= plan->num_tokens) return 21;
+        /* the request holding flat token t (rows are sampled in plan order) */
+        while (i + 1 < plan->num_requests && plan->query_start_loc[i + 1] <= t) i++;
+        uint64_t sum = 0;
+        for (int32_t k = plan->kv_indptr[i]; k < plan->kv_indptr[i + 1]; k++) {
+            sum += (uint32_t)plan->kv_indices[k];
+        }
+        uint32_t next = (uint32_t)((31ull * plan->input_ids[t] + (uint32_t)plan->positions[t]
+                                    + (uint32_t)plan->seq_lens[i] + sum) % self->vocab);
+        sampled_out[r] = next;
+        if (logprobs_out != NULL) logprobs_out[r] = -(float)next / (float)self->vocab;
+    }
+    self->sampled += plan->num_sampled;
+    return 0;
+}
+
+static int32_t example_step_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t n_ops)
+{
+    example_step_backend *self = (example_step_backend *)ctx;
+    (void)ops;
+    self->pages_copied += n_ops;
+    return 0;
+}
+
+static void example_step_free(PyObject *capsule)
+{
+    PyMem_Free(PyCapsule_GetPointer(capsule, QUALIA_STEP_CAPSULE_NAME));
+}
+
+static PyObject *example_new_step(PyObject *mod, PyObject *args)
+{
+    unsigned int vocab;
+    int logprobs = 0;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "I|p", &vocab, &logprobs)) return NULL;
+    if (vocab == 0) {
+        PyErr_SetString(PyExc_ValueError, "vocab must be at least 1");
+        return NULL;
+    }
+    example_step_backend *b = PyMem_Calloc(1, sizeof *b);
+    if (!b) return PyErr_NoMemory();
+    b->iface.abi_version = QUALIA_STEP_ABI_VERSION;
+    b->iface.struct_size = sizeof(qualia_step_backend);
+    b->iface.flags = logprobs ? QUALIA_STEP_WRITES_LOGPROBS : 0;
+    b->iface.ctx = b;
+    b->iface.execute_step = example_execute_step;
+    b->iface.copy_pages = example_step_copy_pages;
+    b->vocab = vocab;
+    PyObject *cap = PyCapsule_New(&b->iface, QUALIA_STEP_CAPSULE_NAME, example_step_free);
+    if (!cap) PyMem_Free(b);
+    return cap;
+}
+
+static PyObject *example_step_stats(PyObject *mod, PyObject *cap)
+{
+    (void)mod;
+    example_step_backend *b = PyCapsule_GetPointer(cap, QUALIA_STEP_CAPSULE_NAME);
+    if (!b) return NULL;
+    return Py_BuildValue("(KKK)", (unsigned long long)b->steps, (unsigned long long)b->sampled,
+                         (unsigned long long)b->pages_copied);
 }
 
 static void example_free(PyObject *capsule)
@@ -147,6 +261,34 @@ static PyObject *example_layout(PyObject *mod, PyObject *unused)
     FIELD(d, qualia_backend, ctx); FIELD(d, qualia_backend, execute_ragged);
     FIELD(d, qualia_backend, copy_pages);
     STRUCT(out, "backend", qualia_backend, d);
+    d = PyDict_New();
+    FIELD(d, qualia_step_plan, struct_size); FIELD(d, qualia_step_plan, page_tokens);
+    FIELD(d, qualia_step_plan, num_requests); FIELD(d, qualia_step_plan, num_tokens);
+    FIELD(d, qualia_step_plan, num_sampled); FIELD(d, qualia_step_plan, num_prefill_tokens);
+    FIELD(d, qualia_step_plan, num_decode_tokens); FIELD(d, qualia_step_plan, num_kv_indices);
+    FIELD(d, qualia_step_plan, block_table_num_rows);
+    FIELD(d, qualia_step_plan, block_table_num_cols);
+    FIELD(d, qualia_step_plan, block_table_row_stride);
+    FIELD(d, qualia_step_plan, num_changed_rows); FIELD(d, qualia_step_plan, num_copies);
+    FIELD(d, qualia_step_plan, num_new); FIELD(d, qualia_step_plan, num_preempted);
+    FIELD(d, qualia_step_plan, num_finished);
+    FIELD(d, qualia_step_plan, request_ids); FIELD(d, qualia_step_plan, query_start_loc);
+    FIELD(d, qualia_step_plan, seq_lens); FIELD(d, qualia_step_plan, input_ids);
+    FIELD(d, qualia_step_plan, positions); FIELD(d, qualia_step_plan, slot_mapping);
+    FIELD(d, qualia_step_plan, logits_indices); FIELD(d, qualia_step_plan, sampled_request_ids);
+    FIELD(d, qualia_step_plan, block_table); FIELD(d, qualia_step_plan, block_table_rows);
+    FIELD(d, qualia_step_plan, changed_rows); FIELD(d, qualia_step_plan, kv_indptr);
+    FIELD(d, qualia_step_plan, kv_indices); FIELD(d, qualia_step_plan, kv_last_page_len);
+    FIELD(d, qualia_step_plan, copies); FIELD(d, qualia_step_plan, new_request_ids);
+    FIELD(d, qualia_step_plan, preempted_request_ids);
+    FIELD(d, qualia_step_plan, finished_request_ids);
+    STRUCT(out, "step_plan", qualia_step_plan, d);
+    d = PyDict_New();
+    FIELD(d, qualia_step_backend, abi_version); FIELD(d, qualia_step_backend, struct_size);
+    FIELD(d, qualia_step_backend, flags); FIELD(d, qualia_step_backend, _reserved);
+    FIELD(d, qualia_step_backend, ctx); FIELD(d, qualia_step_backend, execute_step);
+    FIELD(d, qualia_step_backend, copy_pages);
+    STRUCT(out, "step_backend", qualia_step_backend, d);
     return out;
 }
 
@@ -154,6 +296,9 @@ static PyMethodDef example_methods[] = {
     {"new", example_new, METH_VARARGS, "new(vocab, delay_us=0) -> backend capsule"},
     {"stats", example_stats, METH_O, "stats(capsule) -> (calls, items, pages_copied)"},
     {"layout", example_layout, METH_NOARGS, "ABI layout as this compiler sees qualia.h"},
+    {"new_step", example_new_step, METH_VARARGS,
+     "new_step(vocab, logprobs=False) -> step backend capsule"},
+    {"step_stats", example_step_stats, METH_O, "step_stats(capsule) -> (steps, sampled, pages_copied)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef example_module = {PyModuleDef_HEAD_INIT, "example_backend",

@@ -5,6 +5,24 @@ cdef qualia_batch_output _out
 cdef qualia_batch_receipt _rec
 cdef qualia_request_view _view
 cdef qualia_copy_op _cop
+cdef qualia_step_plan _splan
+cdef qualia_step_backend _sbk
+
+# The step plan's fields in declaration order: (name, numpy type of the field or of what the
+# pointer points at, is a pointer).  Pointers are laid out as "<u8" in _layout (LP64).
+_STEP_PLAN_COUNTS = ("struct_size", "page_tokens", "num_requests", "num_tokens", "num_sampled",
+                     "num_prefill_tokens", "num_decode_tokens", "num_kv_indices",
+                     "block_table_num_rows", "block_table_num_cols", "block_table_row_stride",
+                     "num_changed_rows", "num_copies", "num_new", "num_preempted",
+                     "num_finished")
+_STEP_PLAN_ARRAYS = (("request_ids", "<u8"), ("query_start_loc", "<i4"), ("seq_lens", "<i4"),
+                     ("input_ids", "<u4"), ("positions", "<i4"), ("slot_mapping", "<i8"),
+                     ("logits_indices", "<i4"), ("sampled_request_ids", "<u8"),
+                     ("block_table", "<i4"), ("block_table_rows", "<i4"),
+                     ("changed_rows", "<i4"), ("kv_indptr", "<i4"), ("kv_indices", "<i4"),
+                     ("kv_last_page_len", "<i4"), ("copies", "copy_op"),
+                     ("new_request_ids", "<u8"), ("preempted_request_ids", "<u8"),
+                     ("finished_request_ids", "<u8"))
 
 
 def _layout():
@@ -41,6 +59,38 @@ def _layout():
         ("src_page", "<u4", <char *>&_cop.src_page - b),
         ("dst_page", "<u4", <char *>&_cop.dst_page - b)])
     layout["backend"] = (sizeof(qualia_backend), QUALIA_ALIGN_BACKEND, [])
+    b = <char *>&_splan
+    counts = [
+        <char *>&_splan.struct_size - b, <char *>&_splan.page_tokens - b,
+        <char *>&_splan.num_requests - b, <char *>&_splan.num_tokens - b,
+        <char *>&_splan.num_sampled - b, <char *>&_splan.num_prefill_tokens - b,
+        <char *>&_splan.num_decode_tokens - b, <char *>&_splan.num_kv_indices - b,
+        <char *>&_splan.block_table_num_rows - b, <char *>&_splan.block_table_num_cols - b,
+        <char *>&_splan.block_table_row_stride - b, <char *>&_splan.num_changed_rows - b,
+        <char *>&_splan.num_copies - b, <char *>&_splan.num_new - b,
+        <char *>&_splan.num_preempted - b, <char *>&_splan.num_finished - b]
+    ptrs = [
+        <char *>&_splan.request_ids - b, <char *>&_splan.query_start_loc - b,
+        <char *>&_splan.seq_lens - b, <char *>&_splan.input_ids - b,
+        <char *>&_splan.positions - b, <char *>&_splan.slot_mapping - b,
+        <char *>&_splan.logits_indices - b, <char *>&_splan.sampled_request_ids - b,
+        <char *>&_splan.block_table - b, <char *>&_splan.block_table_rows - b,
+        <char *>&_splan.changed_rows - b, <char *>&_splan.kv_indptr - b,
+        <char *>&_splan.kv_indices - b, <char *>&_splan.kv_last_page_len - b,
+        <char *>&_splan.copies - b, <char *>&_splan.new_request_ids - b,
+        <char *>&_splan.preempted_request_ids - b, <char *>&_splan.finished_request_ids - b]
+    layout["step_plan"] = (sizeof(qualia_step_plan), QUALIA_ALIGN_STEP_PLAN,
+                           [(name, "<u4", off) for name, off in zip(_STEP_PLAN_COUNTS, counts)]
+                           + [(f[0], "<u8", off) for f, off in zip(_STEP_PLAN_ARRAYS, ptrs)])
+    b = <char *>&_sbk
+    layout["step_backend"] = (sizeof(qualia_step_backend), QUALIA_ALIGN_STEP_BACKEND, [
+        ("abi_version", "<u4", <char *>&_sbk.abi_version - b),
+        ("struct_size", "<u4", <char *>&_sbk.struct_size - b),
+        ("flags", "<u4", <char *>&_sbk.flags - b),
+        ("_reserved", "<u4", <char *>&_sbk._reserved - b),
+        ("ctx", "<u8", <char *>&_sbk.ctx - b),
+        ("execute_step", "<u8", <char *>&_sbk.execute_step - b),
+        ("copy_pages", "<u8", <char *>&_sbk.copy_pages - b)])
     return layout
 
 
@@ -59,6 +109,11 @@ COPY_OP = _dtype(_LAYOUT["copy_op"])
 BACKEND_CAPSULE_NAME = (<bytes>QUALIA_BACKEND_CAPSULE_NAME).decode()
 BACKEND_ABI_VERSION = QUALIA_BACKEND_ABI_VERSION
 BACKEND_STRUCT_SIZE = sizeof(qualia_backend)
+STEP_CAPSULE_NAME = (<bytes>QUALIA_STEP_CAPSULE_NAME).decode()
+STEP_ABI_VERSION = QUALIA_STEP_ABI_VERSION
+STEP_PLAN_STRUCT_SIZE = sizeof(qualia_step_plan)
+STEP_BACKEND_STRUCT_SIZE = sizeof(qualia_step_backend)
+STEP_WRITES_LOGPROBS = QUALIA_STEP_WRITES_LOGPROBS
 
 
 def _normalize_format(fmt):
@@ -82,7 +137,9 @@ def _normalize_format(fmt):
 cdef dict _FORMATS = {}
 for _name, _dt in (("item", RAGGED_BATCH_ITEM), ("output", RAGGED_BATCH_OUTPUT),
                    ("request_view", REQUEST_VIEW), ("copy_op", COPY_OP),
-                   ("u32", np.dtype(np.uint32))):
+                   ("u32", np.dtype(np.uint32)), ("i32", np.dtype(np.int32)),
+                   ("i64", np.dtype(np.int64)), ("u64", np.dtype(np.uint64)),
+                   ("f32", np.dtype(np.float32))):
     _FORMATS[_name] = (memoryview(np.zeros(1, _dt)).format,
                        _normalize_format(memoryview(np.zeros(1, _dt)).format),
                        memoryview(np.zeros(1, _dt)).format.encode("ascii"))

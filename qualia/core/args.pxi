@@ -101,7 +101,8 @@ cdef _Buffer _acquire(object obj, str what, str kind, Py_ssize_t itemsize, size_
 
 def _dtype_name(kind):
     return {"item": "RAGGED_BATCH_ITEM", "output": "RAGGED_BATCH_OUTPUT",
-            "request_view": "REQUEST_VIEW", "copy_op": "COPY_OP", "u32": "uint32"}[kind]
+            "request_view": "REQUEST_VIEW", "copy_op": "COPY_OP", "u32": "uint32",
+            "i32": "int32", "i64": "int64", "u64": "uint64", "f32": "float32"}[kind]
 
 
 # -- memory handed to Python as numpy views ------------------------------------------------------

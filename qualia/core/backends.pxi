@@ -64,6 +64,273 @@ cdef object _resolve_backend(object backend, qualia_backend **cb):
     return fn
 
 
+cdef object _c_step_backend(object backend, qualia_step_backend **out):
+    # A C step backend is a PyCapsule named QUALIA_STEP_CAPSULE_NAME, handed over directly or as
+    # the backend's __qualia_step_backend__ attribute (or the result of calling it).  The same
+    # checks as the decode-round interface: name, ABI version, struct size, function pointer.
+    cdef const char *name
+    cdef qualia_step_backend *b
+    if PyCapsule_CheckExact(backend):
+        cap = backend
+    else:
+        cap = getattr(backend, "__qualia_step_backend__", None)
+        if cap is None:
+            return None
+        if not PyCapsule_CheckExact(cap) and callable(cap):
+            cap = cap()
+        if not PyCapsule_CheckExact(cap):
+            raise BackendAbiError(None, f"__qualia_step_backend__ must be a PyCapsule named "
+                                        f"{STEP_CAPSULE_NAME!r}, got {type(cap).__name__}")
+    name = PyCapsule_GetName(cap)
+    if name == NULL or strcmp(name, QUALIA_STEP_CAPSULE_NAME) != 0:
+        got = None if name == NULL else (<bytes>name).decode("utf-8", "replace")
+        raise BackendAbiError(None, f"step backend capsule is named {got!r}, "
+                                    f"expected {STEP_CAPSULE_NAME!r}")
+    b = <qualia_step_backend *>PyCapsule_GetPointer(cap, name)
+    if b == NULL:
+        raise BackendAbiError(None, "step backend capsule holds a NULL pointer")
+    if b.abi_version != QUALIA_STEP_ABI_VERSION:
+        raise BackendAbiError(None, f"step backend ABI version {b.abi_version}, expected "
+                                    f"{QUALIA_STEP_ABI_VERSION}")
+    if b.struct_size < sizeof(qualia_step_backend):
+        raise BackendAbiError(None, f"step backend struct_size {b.struct_size}, expected at "
+                                    f"least {sizeof(qualia_step_backend)}")
+    if b.execute_step == NULL:
+        raise BackendAbiError(None, "step backend execute_step pointer is NULL")
+    out[0] = b
+    return cap
+
+
+cdef object _resolve_step_backend(object backend, qualia_step_backend **cb):
+    # RESOLVE for an engine step: for a C step backend, set *cb and return its capsule (which
+    # keeps *cb alive); for a Python backend, leave *cb NULL and return its bound execute_step.
+    # Runs user code (properties, __getattr__), so it is called before a step owns anything.
+    cb[0] = NULL
+    cap = _c_step_backend(backend, cb)
+    if cap is not None:
+        return cap
+    fn = getattr(backend, "execute_step", None)
+    if not callable(fn):
+        raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule) or "
+                        f"have an execute_step(plan) method, not {type(backend).__name__}")
+    return fn
+
+
+# -- lowering a Python step plan into a qualia_step_plan --------------------------------------
+
+cdef class _LoweredPlan:
+    """A qualia_step_plan over the arrays of a Python plan object, with every buffer held (and
+    checked: dtype, 1-D, C-contiguous, lengths consistent, indices in range) for as long as this
+    object lives.  Lets Python-loop users (and tests) call C step code over any plan."""
+    cdef qualia_step_plan plan
+    cdef list held
+    cdef Py_buffer table
+    cdef bint table_held
+
+    def __dealloc__(self):
+        if self.table_held:
+            PyBuffer_Release(&self.table)
+            self.table_held = False
+
+
+cdef tuple _PLAN_KINDS = (("request_ids", "u64"), ("query_start_loc", "i32"),
+                          ("seq_lens", "i32"), ("input_ids", "u32"), ("positions", "i32"),
+                          ("slot_mapping", "i64"), ("logits_indices", "i32"),
+                          ("sampled_request_ids", "u64"), ("block_table_rows", "i32"),
+                          ("changed_rows", "i32"), ("kv_indptr", "i32"), ("kv_indices", "i32"),
+                          ("kv_last_page_len", "i32"), ("copies", "copy_op"),
+                          ("new_request_ids", "u64"), ("preempted_request_ids", "u64"),
+                          ("finished_request_ids", "u64"))
+cdef frozenset _PLAN_OPTIONAL = frozenset({"copies", "new_request_ids", "preempted_request_ids",
+                                           "finished_request_ids"})
+cdef dict _KIND_SIZE = {"u64": 8, "i64": 8, "i32": 4, "u32": 4, "copy_op": sizeof(qualia_copy_op)}
+
+
+cdef _Buffer _plan_array(object plan, str name, str kind):
+    arr = getattr(plan, name, None)
+    if arr is None:
+        if name not in _PLAN_OPTIONAL:
+            raise TypeError(f"plan has no {name!r} array")
+        arr = np.zeros(0, COPY_OP if kind == "copy_op" else np.uint64)
+    cdef Py_ssize_t size = _KIND_SIZE[kind]
+    return _acquire(arr, f"plan.{name}", kind, size, size if kind != "copy_op" else
+                    QUALIA_ALIGN_COPY, False)
+
+
+cdef int _check_prefix_sums(const int32_t *a, Py_ssize_t n1, int64_t total, str what) except -1:
+    # a[0] == 0, non-decreasing, a[n1 - 1] == total
+    cdef Py_ssize_t i
+    if a[0] != 0 or a[n1 - 1] != total:
+        raise ValueError(f"{what} must run from 0 to {total}")
+    for i in range(1, n1):
+        if a[i] < a[i - 1]:
+            raise ValueError(f"{what} must be non-decreasing")
+    return 0
+
+
+cdef int _check_indices(const int32_t *a, Py_ssize_t n, int64_t limit, str what) except -1:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if a[i] < 0 or a[i] >= limit:
+            raise ValueError(f"{what}[{i}] = {a[i]} is outside [0, {limit})")
+    return 0
+
+
+cdef _LoweredPlan _lower_step_plan(object plan):
+    # RESOLVE: read and check every array of `plan` (attributes named as StepPlan's) and fill a
+    # qualia_step_plan pointing into them.  Runs user code (attribute access, buffer exports).
+    cdef _LoweredPlan lp = _LoweredPlan.__new__(_LoweredPlan)
+    cdef dict bufs = {}
+    cdef _Buffer b
+    lp.held = []
+    for name, kind in _PLAN_KINDS:
+        b = _plan_array(plan, name, kind)
+        bufs[name] = b
+        lp.held.append(b)
+    page_tokens = getattr(plan, "page_tokens", 0)
+    table = getattr(plan, "block_table", None)
+    if table is None:
+        raise TypeError("plan has no 'block_table' array")
+    cdef qualia_step_plan *p = &lp.plan
+    memset(p, 0, sizeof(qualia_step_plan))
+    p.struct_size = sizeof(qualia_step_plan)
+    p.page_tokens = _u32(page_tokens, "plan.page_tokens")
+    # the 2-D block table: int32, rows of contiguous entries, row stride a whole number of entries
+    try:
+        PyObject_GetBuffer(table, &lp.table, PyBUF_STRIDES | PyBUF_FORMAT)
+    except (TypeError, BufferError, ValueError) as exc:
+        raise TypeError(f"plan.block_table must be a 2-D int32 numpy array, "
+                        f"got {type(table).__name__}") from exc
+    lp.table_held = True
+    fmt = (<bytes>lp.table.format).decode("ascii", "replace") if lp.table.format != NULL else "B"
+    if _normalize_format(fmt) != _FORMATS["i32"][1] or lp.table.itemsize != 4:
+        raise TypeError(f"plan.block_table must have dtype int32, got format {fmt!r}")
+    if lp.table.ndim != 2:
+        raise ValueError(f"plan.block_table must be 2-D, got {lp.table.ndim} dimensions")
+    if lp.table.suboffsets != NULL and lp.table.suboffsets[0] >= 0:
+        raise ValueError("plan.block_table must not be an indirect buffer")
+    cdef Py_ssize_t rows = lp.table.shape[0], cols = lp.table.shape[1]
+    cdef Py_ssize_t s0 = lp.table.strides[0] if lp.table.strides != NULL else 4 * cols
+    cdef Py_ssize_t s1 = lp.table.strides[1] if lp.table.strides != NULL else 4
+    if (cols > 1 and s1 != 4) or (rows > 1 and (s0 % 4 != 0 or s0 < 4 * cols)):
+        raise ValueError("plan.block_table rows must be contiguous int32 entries with a row "
+                         "stride of at least one row")
+    if rows * cols > 0 and (<uintptr_t>lp.table.buf) % 4 != 0:
+        raise ValueError("plan.block_table is misaligned")
+    if rows > U32_MAX or cols > U32_MAX or s0 // 4 > U32_MAX:
+        raise OverflowError("plan.block_table is too large")
+    p.block_table = <const int32_t *>lp.table.buf
+    p.block_table_num_rows = <uint32_t>rows
+    p.block_table_num_cols = <uint32_t>cols
+    p.block_table_row_stride = <uint32_t>(s0 // 4 if rows > 1 else cols)
+    cdef Py_ssize_t n = (<_Buffer>bufs["request_ids"]).length
+    cdef Py_ssize_t T = (<_Buffer>bufs["input_ids"]).length
+    cdef Py_ssize_t m = (<_Buffer>bufs["logits_indices"]).length
+    if n > U32_MAX or T > 0x7FFFFFFF or m > U32_MAX:
+        raise OverflowError("plan is too large for the step ABI")
+    for name, want in (("query_start_loc", n + 1), ("seq_lens", n), ("positions", T),
+                       ("slot_mapping", T), ("sampled_request_ids", m),
+                       ("block_table_rows", n), ("kv_indptr", n + 1),
+                       ("kv_last_page_len", n)):
+        if (<_Buffer>bufs[name]).length != want:
+            raise ValueError(f"plan.{name} has {(<_Buffer>bufs[name]).length} entries, "
+                             f"expected {want}")
+    cdef Py_ssize_t nkv = (<_Buffer>bufs["kv_indices"]).length
+    _check_prefix_sums(<const int32_t *>(<_Buffer>bufs["query_start_loc"]).ptr, n + 1, T,
+                       "plan.query_start_loc")
+    _check_prefix_sums(<const int32_t *>(<_Buffer>bufs["kv_indptr"]).ptr, n + 1, nkv,
+                       "plan.kv_indptr")
+    _check_indices(<const int32_t *>(<_Buffer>bufs["logits_indices"]).ptr, m, T,
+                   "plan.logits_indices")
+    _check_indices(<const int32_t *>(<_Buffer>bufs["block_table_rows"]).ptr, n, rows,
+                   "plan.block_table_rows")
+    _check_indices(<const int32_t *>(<_Buffer>bufs["changed_rows"]).ptr,
+                   (<_Buffer>bufs["changed_rows"]).length, rows, "plan.changed_rows")
+    p.num_requests = <uint32_t>n
+    p.num_tokens = <uint32_t>T
+    p.num_sampled = <uint32_t>m
+    p.num_kv_indices = <uint32_t>nkv
+    p.num_prefill_tokens = _u32(getattr(plan, "num_prefill_tokens", 0), "plan.num_prefill_tokens")
+    p.num_decode_tokens = _u32(getattr(plan, "num_decode_tokens", 0), "plan.num_decode_tokens")
+    p.num_changed_rows = <uint32_t>(<_Buffer>bufs["changed_rows"]).length
+    p.num_copies = <uint32_t>(<_Buffer>bufs["copies"]).length
+    p.num_new = <uint32_t>(<_Buffer>bufs["new_request_ids"]).length
+    p.num_preempted = <uint32_t>(<_Buffer>bufs["preempted_request_ids"]).length
+    p.num_finished = <uint32_t>(<_Buffer>bufs["finished_request_ids"]).length
+    p.request_ids = <const uint64_t *>(<_Buffer>bufs["request_ids"]).ptr
+    p.query_start_loc = <const int32_t *>(<_Buffer>bufs["query_start_loc"]).ptr
+    p.seq_lens = <const int32_t *>(<_Buffer>bufs["seq_lens"]).ptr
+    p.input_ids = <const uint32_t *>(<_Buffer>bufs["input_ids"]).ptr
+    p.positions = <const int32_t *>(<_Buffer>bufs["positions"]).ptr
+    p.slot_mapping = <const int64_t *>(<_Buffer>bufs["slot_mapping"]).ptr
+    p.logits_indices = <const int32_t *>(<_Buffer>bufs["logits_indices"]).ptr
+    p.sampled_request_ids = <const uint64_t *>(<_Buffer>bufs["sampled_request_ids"]).ptr
+    p.block_table_rows = <const int32_t *>(<_Buffer>bufs["block_table_rows"]).ptr
+    p.changed_rows = <const int32_t *>(<_Buffer>bufs["changed_rows"]).ptr
+    p.kv_indptr = <const int32_t *>(<_Buffer>bufs["kv_indptr"]).ptr
+    p.kv_indices = <const int32_t *>(<_Buffer>bufs["kv_indices"]).ptr
+    p.kv_last_page_len = <const int32_t *>(<_Buffer>bufs["kv_last_page_len"]).ptr
+    p.copies = <const qualia_copy_op *>(<_Buffer>bufs["copies"]).ptr
+    p.new_request_ids = <const uint64_t *>(<_Buffer>bufs["new_request_ids"]).ptr
+    p.preempted_request_ids = <const uint64_t *>(<_Buffer>bufs["preempted_request_ids"]).ptr
+    p.finished_request_ids = <const uint64_t *>(<_Buffer>bufs["finished_request_ids"]).ptr
+    return lp
+
+
+cdef tuple _step_outputs(uint32_t m, object sampled_out, object logprobs_out, bint want_logprobs):
+    # The caller's output arrays (checked: uint32 / float32, 1-D, writable, >= m entries), or
+    # fresh ones.  Returns (sampled, logprobs or None, _Buffer, _Buffer or None).
+    if sampled_out is None:
+        sampled_out = np.empty(m, np.uint32)
+    cdef _Buffer bs = _acquire(sampled_out, "sampled_out", "u32", 4, 4, True)
+    if bs.length < m:
+        raise ValueError(f"sampled_out has {bs.length} entries, the plan samples {m}")
+    cdef _Buffer bl = None
+    if logprobs_out is None and want_logprobs:
+        logprobs_out = np.empty(m, np.float32)
+    if logprobs_out is not None:
+        bl = _acquire(logprobs_out, "logprobs_out", "f32", 4, 4, True)
+        if bl.length < m:
+            raise ValueError(f"logprobs_out has {bl.length} entries, the plan samples {m}")
+    return sampled_out, logprobs_out, bs, bl
+
+
+def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logprobs=False):
+    """Run one step of a C step backend (capsule, or an object exposing
+    ``__qualia_step_backend__``) over a Python plan object, as the scheduler calls it: resolve and
+    check the capsule, lower the plan, call ``copy_pages`` (when set and the plan has copies),
+    then ``execute_step`` without the GIL.  Returns ``sampled`` or ``(sampled, logprobs)`` when
+    ``logprobs`` (logprobs stay NaN unless the backend declares QUALIA_STEP_WRITES_LOGPROBS).
+    A nonzero status raises ``RaggedBackendError.Failed(status)``.  For tests and Python loops
+    that drive C step backends; not a hot path."""
+    cdef qualia_step_backend *cb = NULL
+    cap = _c_step_backend(backend, &cb)
+    if cap is None:
+        raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule), "
+                        f"not {type(backend).__name__}")
+    cdef _LoweredPlan lp = _lower_step_plan(plan)
+    out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, sampled_out, logprobs_out,
+                                     bool(logprobs))
+    cdef float *lptr = NULL
+    cdef float nan = float("nan")
+    cdef Py_ssize_t i
+    if bl is not None:
+        lptr = <float *>(<_Buffer>bl).ptr
+        if not (cb.flags & QUALIA_STEP_WRITES_LOGPROBS):
+            lptr = NULL  # the backend does not produce them: it gets NULL, the caller NaN
+        for i in range(lp.plan.num_sampled):
+            (<float *>(<_Buffer>bl).ptr)[i] = nan
+    cdef int32_t status = 0
+    with nogil:
+        if cb.copy_pages != NULL and lp.plan.num_copies > 0:
+            status = cb.copy_pages(cb.ctx, lp.plan.copies, lp.plan.num_copies)
+        if status == 0:
+            status = cb.execute_step(cb.ctx, &lp.plan, <uint32_t *>(<_Buffer>bs).ptr, lptr)
+    if status != 0:
+        raise RaggedBackendError.Failed(status)
+    return (out, lps) if lps is not None else out
+
+
 cdef int _run_backend(qualia_backend *cb, object fn,
                       qualia_batch_item *items, uint32_t n, uint32_t *table, uint32_t off,
                       qualia_batch_output *outs, object items_v, object table_v, object outs_v,
@@ -135,7 +402,13 @@ cdef extern from "hash_backend.h" nogil:
         uint64_t items
         uint64_t pages_copied
         uint64_t copy_calls
+        uint64_t step_calls
+        uint64_t sampled
 
+    int32_t QUALIA_HASH_BAD_PLAN
+    float qualia_hash_logprob(uint64_t request_id, uint32_t position, uint32_t token_id)
+    int32_t qualia_hash_execute_step(void *ctx, const qualia_step_plan *plan,
+                                     uint32_t *sampled_out, float *logprobs_out)
     uint32_t qualia_hash_next_token(uint64_t request_id, uint32_t position,
                                          uint32_t token_id, uint32_t vocab)
     int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items,
@@ -156,8 +429,17 @@ def hash_next_token(request_id, position, token_id, vocab=32000):
                                        _u32(token_id, "token_id"), _u32(vocab, "vocab"))
 
 
+def hash_logprob(request_id, position, token_id):
+    """The hash backend's deterministic stand-in log-probability of the token it samples for
+    (request_id, position, token_id): -(low 16 bits of the mixed hash word) / 4096, in (-16, 0]
+    (docs/DESIGN.md, "Hash backend")."""
+    return qualia_hash_logprob(_u64(request_id, "request_id"), _u32(position, "position"),
+                               _u32(token_id, "token_id"))
+
+
 cdef struct _RefBlock:
     qualia_backend iface
+    qualia_step_backend step_iface
     qualia_hash_backend state
 
 
@@ -165,16 +447,29 @@ cdef void _free_ref_block(object cap) noexcept:
     PyMem_Free(PyCapsule_GetPointer(cap, QUALIA_BACKEND_CAPSULE_NAME))
 
 
-cdef class HashBackend:
-    """A deterministic decode backend in C: next token = hash(request_id, position, token_id).
+cdef void _free_step_capsule(object cap) noexcept:
+    # The step capsule points into the block the round capsule owns; it holds a reference to
+    # that capsule (its context), so the block outlives every capsule that points into it.
+    cdef void *ctx = PyCapsule_GetContext(cap)
+    if ctx != NULL:
+        Py_DECREF(<object>ctx)
 
-    Exposes ``__qualia_backend__`` (the capsule the scheduler calls without the GIL) and the
-    same computation as Python methods ``execute_ragged``/``copy_pages``.  ``fault`` injects a
-    failure: ``"error"`` (returns ``code``), ``"batch_size"``, ``"launches"`` or ``"swap"``.
+
+cdef class HashBackend:
+    """A deterministic decode and step backend in C: next token = hash(request_id, position,
+    token_id).
+
+    Exposes ``__qualia_backend__`` (the decode-round capsule) and ``__qualia_step_backend__``
+    (the step capsule), which the scheduler calls without the GIL, and the same computations as
+    Python methods ``execute_ragged``/``execute_step``/``copy_pages``.  ``fault`` injects a
+    failure: ``"error"`` (returns ``code``, rounds and steps), ``"batch_size"``, ``"launches"``
+    or ``"swap"`` (rounds only).
     """
     cdef qualia_hash_backend *st
     cdef qualia_backend *iface
+    cdef qualia_step_backend *step_iface
     cdef object _capsule
+    cdef object _step_capsule
 
     def __cinit__(self, vocab=32000, fault=None, code=-1):
         cdef uint32_t v = _u32(vocab, "vocab")
@@ -199,12 +494,27 @@ cdef class HashBackend:
         self.iface.ctx = self.st
         self.iface.execute_ragged = qualia_hash_execute_ragged
         self.iface.copy_pages = qualia_hash_copy_pages
+        self.step_iface = &blk.step_iface
+        self.step_iface.abi_version = QUALIA_STEP_ABI_VERSION
+        self.step_iface.struct_size = sizeof(qualia_step_backend)
+        self.step_iface.flags = QUALIA_STEP_WRITES_LOGPROBS
+        self.step_iface.ctx = self.st
+        self.step_iface.execute_step = qualia_hash_execute_step
+        self.step_iface.copy_pages = qualia_hash_copy_pages
+        step_cap = PyCapsule_New(self.step_iface, QUALIA_STEP_CAPSULE_NAME, _free_step_capsule)
+        PyCapsule_SetContext(step_cap, <void *>self._capsule)
+        Py_INCREF(self._capsule)
+        self._step_capsule = step_cap
         self.fault = fault
         self.code = code
 
     @property
     def __qualia_backend__(self):
         return self._capsule
+
+    @property
+    def __qualia_step_backend__(self):
+        return self._step_capsule
 
     @property
     def vocab(self):
@@ -251,6 +561,30 @@ cdef class HashBackend:
     @property
     def copy_calls(self):
         return self.st.copy_calls
+
+    @property
+    def step_calls(self):
+        return self.st.step_calls
+
+    @property
+    def sampled(self):
+        return self.st.sampled
+
+    def execute_step(self, plan, sampled_out=None, logprobs_out=None):
+        """One engine step over ``plan`` (a StepPlan, or any object with its arrays): for each
+        sampled row r, the next token of (``sampled_request_ids[r]``, the position and input
+        token of flat row ``logits_indices[r]``), by the same C function the scheduler calls
+        through ``__qualia_step_backend__``.  Returns ``sampled_out`` (a new uint32 array of m
+        ids when None); ``logprobs_out`` (float32, optional) receives ``hash_logprob`` of each
+        row.  The plan's copies are not performed here (call ``copy_pages``)."""
+        cdef _LoweredPlan lp = _lower_step_plan(plan)
+        out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, sampled_out, logprobs_out, False)
+        cdef float *lptr = NULL if bl is None else <float *>(<_Buffer>bl).ptr
+        cdef int32_t rc = qualia_hash_execute_step(self.st, &lp.plan,
+                                                   <uint32_t *>(<_Buffer>bs).ptr, lptr)
+        if rc:
+            raise RaggedBackendError.Failed(rc)
+        return out
 
     def execute_ragged(self, items, block_table, outputs):
         cdef _Buffer bi = _acquire(items, "items", "item", sizeof(qualia_batch_item),

@@ -124,6 +124,8 @@ cdef extern from *:
     #define QUALIA_ALIGN_VIEW _Alignof(qualia_request_view)
     #define QUALIA_ALIGN_COPY _Alignof(qualia_copy_op)
     #define QUALIA_ALIGN_BACKEND _Alignof(qualia_backend)
+    #define QUALIA_ALIGN_STEP_PLAN _Alignof(qualia_step_plan)
+    #define QUALIA_ALIGN_STEP_BACKEND _Alignof(qualia_step_backend)
     """
     size_t QUALIA_ALIGN_ITEM
     size_t QUALIA_ALIGN_OUTPUT
@@ -131,6 +133,8 @@ cdef extern from *:
     size_t QUALIA_ALIGN_VIEW
     size_t QUALIA_ALIGN_COPY
     size_t QUALIA_ALIGN_BACKEND
+    size_t QUALIA_ALIGN_STEP_PLAN
+    size_t QUALIA_ALIGN_STEP_BACKEND
     int __builtin_ctzll(unsigned long long) nogil
 
 cdef extern from "<stdint.h>":
