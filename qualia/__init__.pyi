@@ -15,6 +15,7 @@ from ._core import BlockPool as BlockPool
 from ._core import HashBackend as HashBackend
 from ._core import PrefixIdentity as PrefixIdentity
 from ._core import PrefixKvStore as PrefixKvStore
+from ._core import PrefixRouterIndex as PrefixRouterIndex
 from ._core import RequestScheduler as RequestScheduler
 from ._core import Scheduler as Scheduler
 from ._core import SequenceBlockTable as SequenceBlockTable
@@ -68,6 +69,7 @@ __all__ = [
     "PrefixIdentity",
     "PrefixKvError",
     "PrefixKvStore",
+    "PrefixRouterIndex",
     "QualiaError",
     "RAGGED_BATCH_ITEM",
     "RAGGED_BATCH_OUTPUT",

@@ -216,6 +216,8 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="serve a synthetic workload and report",
                          description="Serve a synthetic workload on qualia.Scheduler.")
     _add_simulate_options(sim, DEFAULTS)
+    from .cluster import add_cluster_options  # imports no Ray: that waits for --replicas
+    add_cluster_options(sim)
     demo_defaults = dict(DEFAULTS, requests=12, num_blocks=48, max_requests=8,
                          prompt_len=(20, 60), output_len=(8, 24))
     demo = sub.add_parser("demo", help="a tiny simulate run with --check",
@@ -409,6 +411,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
+        from . import cluster  # Ray is imported only when a cluster run starts
+        if cluster.wants_cluster(args):
+            return cluster.simulate_cli(args)
         if args.command in ("simulate", "demo"):
             return _simulate(args)
         parser.error(f"unknown command {args.command!r}")  # pragma: no cover

@@ -32,6 +32,7 @@
 #   core/autoprefix.pxi  automatic prefix caching: the facade's token streams, admit/fill/finish
 #   core/step.pxi        the engine step: request queue, token arena, schedule / update in C
 #   core/facade.pxi      qualia.Scheduler: admit / reserve / decode / finish, and the step API
+#   core/router.pxi      the router's index: page identity -> replicas holding it (KV events)
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
                              PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ND)
@@ -83,3 +84,4 @@ include "core/autoprefix.pxi"
 include "core/fork.pxi"
 include "core/step.pxi"
 include "core/facade.pxi"
+include "core/router.pxi"

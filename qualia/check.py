@@ -2,7 +2,8 @@
 
 * With a model backend the tokens are compared with the **dense model**
   (:class:`qualia.model.DenseModel`: the same weights, one contiguous KV array per request, no
-  paging, no sharing).
+  paging, no sharing), greedy or with the same seeded sampler settings
+  (:func:`dense_reference`).
 * With a decode-only backend (the C ``qualia.HashBackend``, or ``qualia.twin.PyHashBackend``)
   they are compared with the **hash rule** computed in pure Python (:func:`hash_generate`, over
   ``qualia.twin``): the first token is the rule applied to the last prompt token at its position,
@@ -18,7 +19,7 @@ import collections
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence
 
-__all__ = ["CheckResult", "hash_next_token", "hash_generate", "check_outputs",
+__all__ = ["CheckResult", "hash_next_token", "hash_generate", "check_outputs", "dense_reference",
            "verify_end_state", "progress_reporter", "DENSE_MODEL", "HASH_RULE"]
 
 DENSE_MODEL = "dense model"
@@ -63,21 +64,44 @@ class CheckResult:
                 f"{self.against}: {ids}{more}")
 
 
+def dense_reference(weights, prompt: Sequence[int], max_new_tokens: int, *,
+                    end_token: Optional[int] = None, stop_token_ids: Sequence[int] = (),
+                    sampling=None, request_id: int = 0) -> List[int]:
+    """The tokens the dense model (no paging) generates for ``prompt``: at most
+    ``max_new_tokens``, stopping after ``end_token`` or a stop id (included); ``sampling`` (a
+    ``qualia.model.SamplingParams``, default greedy) keyed by ``request_id`` and each token's
+    position, as the paged step runner keys it.  Whatever the batching, chunking, prefix hits,
+    copies or preemptions of a paged run, its tokens must equal these."""
+    from .model import DenseModel
+
+    return DenseModel(weights).generate(prompt, max_new_tokens, end_token,
+                                        stop_token_ids=stop_token_ids, sampling=sampling,
+                                        request_id=request_id)
+
+
 def check_outputs(requests: Mapping[int, object], outputs: Mapping[int, List[int]], *,
                   weights=None, end_token: Optional[int] = None, vocab: int = 32000,
-                  on_checked: Optional[Callable[[int], None]] = None) -> CheckResult:
+                  on_checked: Optional[Callable[[int], None]] = None,
+                  sampling=None, stop_token_ids: Sequence[int] = ()) -> CheckResult:
     """Compare ``outputs[request_id]`` with the dense model of ``weights`` (when given) or with
     the pure-Python hash rule over ``vocab``.  ``requests`` maps request id -> a request (with
     ``prompt`` and ``max_new_tokens``); the check fails too when a request has no output.
-    ``on_checked(request_id)`` is called after each request."""
+    ``on_checked(request_id)`` is called after each request.
+
+    Dense model only: ``sampling`` is one ``SamplingParams`` for every request, or a callable
+    ``request_id -> SamplingParams`` (or None: greedy); ``stop_token_ids`` end a generation like
+    ``end_token``."""
     if weights is not None:
         from .model import DenseModel
 
         dense = DenseModel(weights)
         against = DENSE_MODEL
+        stops = tuple(int(t) for t in stop_token_ids)
 
         def want(rid, req):
-            return dense.generate(req.prompt, req.max_new_tokens, end_token)
+            params = sampling(rid) if callable(sampling) else sampling
+            return dense.generate(req.prompt, req.max_new_tokens, end_token,
+                                  stop_token_ids=stops, sampling=params, request_id=rid)
     else:
         against = HASH_RULE
 

@@ -630,11 +630,23 @@ class Scheduler:
     def decode(self, backend):
         decoding = [i for i, s in enumerate(self._slots) if s.state == RequestState.DECODE]
         need = [0]
-        for i in decoding:
-            lp = self._slots[i].token_count // self.page_tokens
-            err = self._need_pages(self._slots[i].blocks, lp, lp, need)
-            if err:
-                raise DecodeRoundError.Scheduler(SchedulerError.Table(TableError.VARIANTS[err]()))
+        seen: List[int] = []     # a shared page's writers: each but the last holder copies it
+        try:
+            for i in decoding:
+                lp = self._slots[i].token_count // self.page_tokens
+                blocks = self._slots[i].blocks
+                err = self._need_pages(blocks, lp, lp, need)
+                if err:
+                    raise DecodeRoundError.Scheduler(
+                        SchedulerError.Table(TableError.VARIANTS[err]()))
+                if lp < len(blocks):
+                    page = blocks._entries[lp]
+                    if page < self.pool.num_blocks and self.pool._refcounts[page] >= 2:
+                        self.pool._refcounts[page] -= 1
+                        seen.append(page)
+        finally:
+            for page in seen:
+                self.pool._refcounts[page] += 1
         err = self._make_room(need[0])
         if err:
             raise DecodeRoundError.Scheduler(SchedulerError.Table(TableError.VARIANTS[err]()))

@@ -11,21 +11,22 @@ request groups whose members share pages through ``Scheduler.fork``:
   the prompt, the partly filled last page included: the first decode of each copies that page
   (``plan.copies``).  Members decode and stop independently; when the last one stops, ``update``
   returns one ``FinishedGroup`` with the ``k`` outputs under the parent's id, in member order.
-* ``add_request(..., beam_width=w)``: beam search as a policy over fork and finish.  Each live
-  beam's row asks the backend for its ``plan.num_topk`` best next tokens with their
-  log-probabilities.  When every live beam of the group has its candidates, the group keeps the
-  ``w`` best continuations by cumulative log-probability: a beam with no continuation kept is
-  finished (its pages released), a beam with ``c`` kept continues with the first and forks
-  ``c - 1`` children for the others.  A kept candidate that is a stop token (eos unless
-  ignored, or a stop id) ranked among the first ``w`` candidates closes a hypothesis instead.
-  The group stops when it has ``w`` hypotheses or its beams reach ``max_new_tokens``; the
-  result is the hypotheses by score, best first.
+* ``add_request(..., beam_width=w)``: beam search as a policy over fork and finish, the policy
+  of the dense reference ``qualia.model.DenseModel.beam_search``: ``w`` places hold live or
+  finished beams.  Each live beam's row asks the backend for its ``plan.num_topk = w`` best next
+  tokens with their log-probabilities.  When every live beam of the group is computed and has
+  its candidates, the candidates (scored by cumulative log-probability; ties: the earlier beam,
+  then the lower id) fill the ``w - finished`` free places in order; a kept candidate that is a
+  stop token (eos unless ignored, or a stop id) or reaches ``max_new_tokens`` finishes a
+  hypothesis.  A beam with no live continuation is finished (pages released), a beam with ``c``
+  live continuations forks ``c - 1`` children and continues with the first.  The group ends when
+  no beam is live; the result is the hypotheses best first (ties: finished first first).
 
-Sampling is keyed, not stateful: the row of member ``j`` of a request with seed ``s`` that
-samples output ``t`` carries ``sample_keys = (s + j, t)``; a backend draws that token with
-``numpy.random.default_rng([s + j, t])``, so a dense reference run with the same keys draws the
-same tokens whatever the batching, preemption or recomputation (``dense_sample``,
-``dense_beam_search`` below, and ``StepModelBackend``).
+Sampling is the backend's: ``StepModelBackend`` runs ``qualia.model.PagedModelBackend``, whose
+sampler draws row ``i`` keyed by ``(seed, sampled_request_ids[i], position)``; the members of a
+group have distinct ids (``FinishedGroup.member_ids``), so the dense reference
+``DenseModel.generate(..., sampling=..., request_id=member)`` draws the same tokens whatever the
+batching, preemption or recomputation.
 
 When no request slot or plan row is free for a child at fork time, the child waits as an
 ordinary request holding its prompt and first token (it is admitted later, sharing the prompt's
@@ -34,7 +35,6 @@ full pages through the prefix cache): slower, never wrong.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -46,23 +46,24 @@ from qualia.errors import StepError
 from qualia.twin import _u32, _u64
 from qualia.twin_step import StepPlan, StepScheduler, _Req
 
-__all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend", "dense_sample",
-           "dense_beam_search", "log_softmax", "keyed_draw"]
+__all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend",
+           "run_forks", "CHILD_BASE"]
 
 #: internal ids of children start here and count up, skipping ids in use
 CHILD_BASE = 1 << 63
-M64 = (1 << 64) - 1
 
 
 class FinishedGroup(NamedTuple):
-    """A finished group: the parent's id, one uint32 output per member (``n``: member order;
-    beam search: hypotheses best first), why each stopped, and (beam search) each hypothesis's
-    cumulative log-probability."""
+    """A finished group: the parent's id; ``n``: one uint32 output per member in member order,
+    why each stopped, ``scores=None`` and the members' ids (what the sampler keys on); beam
+    search: the hypotheses best first, why each ended, their cumulative log-probabilities, and
+    ``member_ids=[]``."""
 
     request_id: int
     outputs: List[np.ndarray]
     finish_reasons: List[str]
     scores: Optional[List[float]]
+    member_ids: List[int]
 
 
 @dataclass
@@ -70,10 +71,6 @@ class _Group:
     kind: str                   # "n" or "beam"
     parent: int
     width: int
-    seed: int
-    eos: Optional[int]
-    stop: Any
-    ignore_eos: bool
     max_new: int
     members: List[int] = field(default_factory=list)    # "n": member j's id; "beam": live beams
     forked: bool = False
@@ -85,30 +82,15 @@ class _Group:
 
 @dataclass
 class ForkStepPlan(StepPlan):
-    """A ``StepPlan`` with the sampling keys of its rows and the candidates beam rows need."""
+    """A ``StepPlan`` that may repeat a logits row (the members of an ``n`` group sampling the
+    prompt's last row) and may ask for candidates (beam rows)."""
 
-    #: uint64[m, 2]: (seed of the member, index of the output drawn) per sampled row
-    sample_keys: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
     #: the backend returns this many best tokens per row (0: no beam row in the plan)
     num_topk: int = 0
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = np.asarray(logits, dtype=np.float64)
-    m = float(x.max())
-    return x - (m + float(np.log(np.exp(x - m).sum())))
-
-
-def keyed_draw(logprobs: np.ndarray, seed: int, t: int) -> int:
-    """The token drawn for key (seed, t) from ``exp(logprobs)`` (inverse CDF, one uniform)."""
-    u = np.random.default_rng([seed & M64, t]).random()
-    cdf = np.cumsum(np.exp(logprobs))
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(cdf) - 1))
-
-
-def _topk(logprobs: np.ndarray, k: int) -> Tuple[List[int], List[float]]:
-    order = np.argsort(-logprobs, kind="stable")[:k]
-    return order.tolist(), logprobs[order].tolist()
+def _stops(r: _Req, tok: int) -> bool:
+    return (r.eos is not None and tok == r.eos and not r.ignore_eos) or tok in r.stop
 
 
 class ForkStepScheduler(StepScheduler):
@@ -118,7 +100,6 @@ class ForkStepScheduler(StepScheduler):
         super().__init__(*args, **kw)
         self._groups: Dict[int, _Group] = {}
         self._group_of: Dict[int, _Group] = {}      # member id -> its group
-        self._seed: Dict[int, int] = {}             # request/member id -> sampling seed
         self._reserved: set = set()                 # child ids handed out, not yet requests
         self._child_ids = itertools.count(CHILD_BASE)
         self.forks = 0
@@ -127,7 +108,7 @@ class ForkStepScheduler(StepScheduler):
 
     # -- requests in -------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, n=1, beam_width=None,
-                    seed=0, **kw) -> None:
+                    **kw) -> None:
         rid = _u64(request_id, "request_id")
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be an int, not {type(n).__name__}")
@@ -141,24 +122,28 @@ class ForkStepScheduler(StepScheduler):
                                  f"{self.max_num_seqs}], got {beam_width}")
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
-        seed = _u64(seed, "seed")
         if rid in self._reserved:
             raise StepError.DuplicateRequest(None, f"request {rid} (a group member's id)")
         super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
-        self._seed[rid] = seed
         r = self._reqs[rid]
         if n > 1 or beam_width is not None:
             g = _Group("n" if beam_width is None else "beam", rid,
-                       n if beam_width is None else beam_width, seed, r.eos, r.stop,
-                       r.ignore_eos, r.max_new_tokens, [rid])
+                       n if beam_width is None else beam_width, r.max_new_tokens, [rid])
             if g.kind == "n":
-                for j in range(1, n):
+                for _ in range(1, n):
                     cid = self._new_child_id()
                     self._reserved.add(cid)
                     g.members.append(cid)
-                    self._seed[cid] = (seed + j) & M64
             self._groups[rid] = g
             self._group_of[rid] = g
+
+    def group_members(self, request_id) -> List[int]:
+        """The member ids of a queued or running ``n`` group (what the sampler keys on), or of
+        the live beams of a beam group."""
+        g = self._groups.get(_u64(request_id, "request_id"))
+        if g is None:
+            raise StepError.UnknownRequest(None, f"no group {request_id}")
+        return list(g.members)
 
     def _new_child_id(self) -> int:
         while True:
@@ -176,53 +161,43 @@ class ForkStepScheduler(StepScheduler):
                                                      f"the group ({self._group_of[rid].parent})")
             super().abort(rid)
             return
-        live = [m for m in g.members if m in self._reqs]
-        for m in live:
+        for m in [m for m in g.members if m in self._reqs]:
             super().abort(m)
         self._drop_group(g)
 
     def _drop_group(self, g: _Group) -> None:
-        for m in list(self._group_of):
-            if self._group_of[m] is g:
-                del self._group_of[m]
-                self._seed.pop(m, None)
+        for m in [m for m, x in self._group_of.items() if x is g]:
+            del self._group_of[m]
         self._reserved.difference_update(g.members)
         self._groups.pop(g.parent, None)
-        self._seed.pop(g.parent, None)
 
     # -- one step out ------------------------------------------------------------------------------
     def _lower(self, chunks, new, preempted, cached) -> StepPlan:
         plan = super()._lower(chunks, new, preempted, cached)
-        logits, sampled, keys = [], [], []
+        logits, sampled = [], []
         topk = 0
-        rows = plan.logits_indices.tolist()
-        ids = plan.sampled_request_ids.tolist()
-        for li, rid in zip(rows, ids):
-            r = self._reqs[rid]
+        for li, rid in zip(plan.logits_indices.tolist(), plan.sampled_request_ids.tolist()):
             g = self._group_of.get(rid)
-            t = r.num_outputs
             if g is not None and g.kind == "n" and not g.forked:
-                for j, m in enumerate(g.members):
-                    logits.append(li)
-                    sampled.append(m)
-                    keys.append(((g.seed + j) & M64, t))
+                logits.extend([li] * len(g.members))     # every member samples this row
+                sampled.extend(g.members)
                 continue
             logits.append(li)
             sampled.append(rid)
-            keys.append((self._seed.get(rid, 0), t))
             if g is not None and g.kind == "beam":
-                topk = max(topk, 2 * g.width)
+                topk = max(topk, g.width)
         parts = {f.name: getattr(plan, f.name) for f in fields(StepPlan)}
         parts["logits_indices"] = _ro(np.array(logits, dtype=np.int32))
         parts["sampled_request_ids"] = _ro(np.array(sampled, dtype=np.uint64))
-        out = ForkStepPlan(**parts, sample_keys=_ro(np.array(keys, dtype=np.uint64)
-                                                    .reshape(-1, 2)), num_topk=topk)
+        out = ForkStepPlan(**parts, num_topk=topk)
         self._plan = out
         self.pages_copied += len(out.copies)
         return out
 
     # -- tokens back -------------------------------------------------------------------------------
     def update(self, sampled_token_ids, topk_ids=None, topk_logprobs=None) -> List[Any]:
+        """``StepScheduler.update``; a plan with beam rows (``num_topk > 0``) also takes each
+        row's ``num_topk`` best ids and their log-probabilities (``[m, num_topk]`` arrays)."""
         plan = self._plan
         if plan is None:
             raise StepError.NoPlan(None, "schedule() first")
@@ -256,15 +231,13 @@ class ForkStepScheduler(StepScheduler):
             if row == first:
                 continue
             g = self._group_of.get(r.request_id)
-            if g is None:
+            if g is None or (g.kind == "n" and g.forked):
                 self._take(r, values[first], finished)
-            elif g.kind == "n" and not g.forked:
-                self._fork_n(g, r, values[first:row], finished)
             elif g.kind == "n":
-                self._take(r, values[first], finished)
+                self._fork_n(g, r, values[first:row], finished)
             else:
-                w = g.width
-                g.cand[r.request_id] = (tids[first, :w * 2].tolist(), tlps[first, :w * 2].tolist())
+                g.cand[r.request_id] = (tids[first, :g.width].tolist(),
+                                        tlps[first, :g.width].tolist())
                 if g not in beams:
                     beams.append(g)
         for g in beams:
@@ -299,9 +272,7 @@ class ForkStepScheduler(StepScheduler):
     def _stop_reason(self, r: _Req, tok: int) -> Optional[str]:
         if r.num_outputs >= r.max_new_tokens:
             return "length"
-        if r.eos is not None and tok == r.eos and not r.ignore_eos:
-            return "stop"
-        if tok in r.stop:
+        if _stops(r, tok):
             return "stop"
         return None
 
@@ -311,7 +282,7 @@ class ForkStepScheduler(StepScheduler):
             f._note_token(f._find(r.request_id), len(r.tokens), tok)
         r.tokens.append(tok)
 
-    def _finish_member(self, r: _Req, reason: str) -> None:
+    def _finish_member(self, r: _Req) -> None:
         if r.running:
             self._stop_running(r)
         else:
@@ -326,7 +297,7 @@ class ForkStepScheduler(StepScheduler):
         if reason is None:
             return
         out = r.tokens[r.prompt_len:]
-        self._finish_member(r, reason)
+        self._finish_member(r)
         g = self._group_of.get(r.request_id)
         if g is None:
             finished.append(FinishedRequest(r.request_id, np.array(out, dtype=np.uint32),
@@ -336,7 +307,7 @@ class ForkStepScheduler(StepScheduler):
         if len(g.results) == len(g.members):
             finished.append(FinishedGroup(
                 g.parent, [np.array(g.results[m][0], dtype=np.uint32) for m in g.members],
-                [g.results[m][1] for m in g.members], None))
+                [g.results[m][1] for m in g.members], None, list(g.members)))
             self._drop_group(g)
 
     def _spawn(self, parent: _Req, cid: int) -> _Req:
@@ -377,60 +348,49 @@ class ForkStepScheduler(StepScheduler):
         if not all(b.running and b.num_computed == len(b.tokens)
                    and b.request_id in g.cand for b in live):
             return          # a beam is still being (re)computed: select when all are ready
-        w = g.width
-        cands = []
+        cands: List[Tuple[float, int, int, _Req]] = []
         for rank, b in enumerate(live):
             base = g.cum.get(b.request_id, 0.0)
             ids, lps = g.cand[b.request_id]
-            for c, (tok, lp) in enumerate(zip(ids, lps)):
-                cands.append((-(base + lp), rank, c, b, int(tok), base + lp))
-        cands.sort(key=lambda x: x[:3])
-        kept: List[Tuple[_Req, int, float]] = []
-        for pos, (_, _, _, b, tok, score) in enumerate(cands):
-            if (b.eos is not None and tok == b.eos and not b.ignore_eos) or tok in b.stop:
-                if pos < w:
-                    g.hyps.append((score, len(g.hyps), b.tokens[b.prompt_len:] + [tok],
-                                   "stop"))
-                continue
-            kept.append((b, tok, score))
-            if len(kept) == w:
-                break
+            cands.extend((base + lp, rank, int(tok), b) for tok, lp in zip(ids, lps))
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         g.cand.clear()
-        done = len(g.hyps) >= w
-        if not done and kept and kept[0][0].num_outputs + 1 >= g.max_new:
-            for b, tok, score in kept:
-                g.hyps.append((score, len(g.hyps), b.tokens[b.prompt_len:] + [tok], "length"))
-            done = True
-        if done or not kept:
+        kept: List[Tuple[_Req, int, float]] = []
+        for score, _, tok, b in cands[:g.width - len(g.hyps)]:
+            out = b.tokens[b.prompt_len:] + [tok]
+            if _stops(b, tok) or len(out) >= g.max_new:
+                g.hyps.append((score, len(g.hyps), out, "stop" if _stops(b, tok) else "length"))
+            else:
+                kept.append((b, tok, score))
+        if not kept:
             for b in live:
-                self._finish_member(b, "stop")
-            hyps = sorted(g.hyps, key=lambda h: (-h[0], h[1]))[:w]
+                self._finish_member(b)
+            hyps = sorted(g.hyps, key=lambda h: (-h[0], h[1]))
             finished.append(FinishedGroup(
                 g.parent, [np.array(h[2], dtype=np.uint32) for h in hyps],
-                [h[3] for h in hyps], [h[0] for h in hyps]))
+                [h[3] for h in hyps], [h[0] for h in hyps], []))
             self._drop_group(g)
             return
-        # beams with no continuation go first (their slots and rows free up for the forks)
+        # beams with no live continuation go first (their slots and rows free up for the forks)
         users = {b.request_id for b, _, _ in kept}
         for b in live:
             if b.request_id not in users:
-                self._finish_member(b, "stop")
+                self._finish_member(b)
                 del self._group_of[b.request_id]
                 g.cum.pop(b.request_id, None)
         # then each kept beam forks its extra continuations before noting its own token
-        seen: Dict[int, int] = {}
-        plan: List[Tuple[_Req, int, float]] = []
+        seen = set()
+        order: List[Tuple[_Req, int, float]] = []
         for b, tok, score in kept:
             if b.request_id in seen:
                 child = self._spawn(b, self._new_child_id())
                 self._group_of[child.request_id] = g
-                self._seed[child.request_id] = self._seed.get(b.request_id, g.seed)
-                plan.append((child, tok, score))
+                order.append((child, tok, score))
             else:
-                seen[b.request_id] = 1
-                plan.append((b, tok, score))
+                seen.add(b.request_id)
+                order.append((b, tok, score))
         g.members = []
-        for r, tok, score in plan:
+        for r, tok, score in order:
             self._note(r, tok)
             g.cum[r.request_id] = score
             g.members.append(r.request_id)
@@ -441,47 +401,33 @@ def _ro(a: np.ndarray) -> np.ndarray:
     return a
 
 
-# -- a model backend and dense references ------------------------------------------------------
+# -- a model backend ----------------------------------------------------------------------------
 
 class StepModelBackend:
     """``execute_step(plan)`` for ``ForkStepScheduler`` over ``qualia.model.PagedModelBackend``:
-    copies pages, computes each request's chunk, and for every sampled row returns the keyed
-    draw from the row's log-probabilities (``update``'s first argument) and, when the plan asks
-    for them, its ``num_topk`` best tokens with their log-probabilities."""
+    one forward per plan; returns the sampled ids of its rows (the model's keyed sampler), and
+    when the plan has beam rows also each row's ``num_topk`` best ids with their
+    log-probabilities (ties: the lower id first), for ``update``."""
 
-    def __init__(self, weights, num_blocks: int, page_tokens: int) -> None:
+    def __init__(self, weights, num_blocks: int, page_tokens: int, **kw) -> None:
         from qualia.model import PagedModelBackend
 
-        self.paged = PagedModelBackend(weights, num_blocks, page_tokens)
+        self.paged = PagedModelBackend(weights, num_blocks, page_tokens, **kw)
 
     def execute_step(self, plan: ForkStepPlan):
-        if len(plan.copies):
-            self.paged.copy_pages(plan.copies)
-        qsl = plan.query_start_loc.tolist()
-        last: Dict[int, np.ndarray] = {}
-        for i in range(len(plan.request_ids)):
-            a, b = qsl[i], qsl[i + 1]
-            pages = plan.kv_indices[plan.kv_indptr[i]:plan.kv_indptr[i + 1]]
-            logits = self.paged.prefill_logits(plan.input_ids[a:b], int(plan.positions[a]),
-                                               pages)
-            last[b - 1] = log_softmax(logits)
-        keys = plan.sample_keys.tolist()
-        k = plan.num_topk
-        sampled, tids, tlps = [], [], []
-        for row, li in enumerate(plan.logits_indices.tolist()):
-            lp = last[li]
-            sampled.append(keyed_draw(lp, keys[row][0], keys[row][1]))
-            if k:
-                ids, lps = _topk(lp, k)
-                tids.append(ids)
-                tlps.append(lps)
-        out = np.array(sampled, dtype=np.uint32)
-        if k:
-            return out, np.array(tids, dtype=np.int64), np.array(tlps, dtype=np.float64)
-        return out
+        from qualia.model import log_softmax
+
+        logits = self.paged.step_logits(plan)
+        li = np.asarray(plan.logits_indices, dtype=np.int64)
+        ids = self.paged.sample(logits, plan.sampled_request_ids, plan.positions[li] + 1)
+        if not plan.num_topk:
+            return ids
+        lp = log_softmax(logits)
+        order = np.argsort(-lp, axis=-1, kind="stable")[:, :plan.num_topk]
+        return ids, order.astype(np.int64), np.take_along_axis(lp, order, axis=-1)
 
 
-def run_forks(sched: ForkStepScheduler, backend: StepModelBackend, max_steps: int = 100000):
+def run_forks(sched: ForkStepScheduler, backend, max_steps: int = 100000):
     """Drive ``sched`` to completion; returns (finished, peak pages held by requests, steps).
     Pages are counted after each ``schedule`` (the step's pages are reserved then)."""
     finished: List[Any] = []
@@ -490,75 +436,8 @@ def run_forks(sched: ForkStepScheduler, backend: StepModelBackend, max_steps: in
     f = sched.facade
     while sched.has_unfinished() and steps < max_steps:
         plan = sched.schedule()
-        assert isinstance(plan, ForkStepPlan)
-        peak = max(peak, f.num_blocks - f.free_pages)   # the step's pages are reserved here
+        peak = max(peak, f.num_blocks - f.free_pages)
         out = backend.execute_step(plan)
-        if isinstance(out, tuple):
-            finished.extend(sched.update(*out))
-        else:
-            finished.extend(sched.update(out))
+        finished.extend(sched.update(*out) if isinstance(out, tuple) else sched.update(out))
         steps += 1
     return finished, peak, steps
-
-
-def dense_sample(weights, prompt, max_new_tokens: int, seed: int, eos=None, stop=()):
-    """A dense run of one sequence with keyed sampling: output t drawn with key (seed, t)."""
-    from qualia.model import DenseSequence
-
-    seq = DenseSequence(weights, len(prompt) + max_new_tokens)
-    lp = log_softmax(seq.feed_logits(list(prompt)))
-    out: List[int] = []
-    while True:
-        tok = keyed_draw(lp, seed, len(out))
-        out.append(tok)
-        if len(out) >= max_new_tokens or tok == eos or tok in stop:
-            return out
-        lp = log_softmax(seq.feed_logits([tok]))
-
-
-def dense_beam_search(weights, prompt, beam_width: int, max_new_tokens: int, eos=None,
-                      stop=()):
-    """Beam search over dense sequences (one contiguous KV copy per beam), with the rules of
-    ``ForkStepScheduler``: hypotheses best first as (tokens, score)."""
-    from qualia.model import DenseSequence
-
-    w = beam_width
-    seq = DenseSequence(weights, len(prompt) + max_new_tokens + 1)
-    beams: List[Tuple[List[int], float, Any, Any]] = [
-        ([], 0.0, seq, log_softmax(seq.feed_logits(list(prompt))))]
-    hyps: List[Tuple[float, int, List[int]]] = []
-    while True:
-        cands = []
-        for rank, (_, base, _, lp) in enumerate(beams):
-            ids, lps = _topk(lp, 2 * w)
-            for c, (tok, x) in enumerate(zip(ids, lps)):
-                cands.append((-(base + x), rank, c, tok, base + x))
-        cands.sort(key=lambda x: x[:3])
-        kept = []
-        for pos, (_, rank, _, tok, score) in enumerate(cands):
-            if tok == eos or tok in stop:
-                if pos < w:
-                    hyps.append((score, len(hyps), beams[rank][0] + [tok]))
-                continue
-            kept.append((rank, tok, score))
-            if len(kept) == w:
-                break
-        done = len(hyps) >= w
-        if not done and kept and len(beams[kept[0][0]][0]) + 1 >= max_new_tokens:
-            for rank, tok, score in kept:
-                hyps.append((score, len(hyps), beams[rank][0] + [tok]))
-            done = True
-        if done or not kept:
-            best = sorted(hyps, key=lambda h: (-h[0], h[1]))[:w]
-            return [(h[2], h[0]) for h in best]
-        used: Dict[int, int] = {}
-        nxt = []
-        for rank, tok, score in kept:
-            toks, _, s, _ = beams[rank]
-            if rank in used:
-                s = copy.deepcopy(s)
-            used[rank] = 1
-            nxt.append((toks + [tok], score, s, None))
-        beams = []
-        for toks, score, s, _ in nxt:
-            beams.append((toks, score, s, log_softmax(s.feed_logits([toks[-1]]))))

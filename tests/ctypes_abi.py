@@ -24,3 +24,30 @@ class CView(ctypes.Structure):
 
 class CCopy(ctypes.Structure):
     _fields_ = [("src_page", ctypes.c_uint32), ("dst_page", ctypes.c_uint32)]
+
+
+_u32, _p = ctypes.c_uint32, ctypes.c_void_p
+
+# qualia_step_plan: 16 u32 counts, then 18 pointers (the order of csrc/qualia.h)
+STEP_PLAN_COUNTS = ["struct_size", "page_tokens", "num_requests", "num_tokens", "num_sampled",
+                    "num_prefill_tokens", "num_decode_tokens", "num_kv_indices",
+                    "block_table_num_rows", "block_table_num_cols", "block_table_row_stride",
+                    "num_changed_rows", "num_copies", "num_new", "num_preempted",
+                    "num_finished"]
+STEP_PLAN_POINTERS = ["request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
+                      "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
+                      "block_table_rows", "changed_rows", "kv_indptr", "kv_indices",
+                      "kv_last_page_len", "copies", "new_request_ids", "preempted_request_ids",
+                      "finished_request_ids"]
+
+
+class CStepPlan(ctypes.Structure):
+    _fields_ = [(n, _u32) for n in STEP_PLAN_COUNTS] + [(n, _p) for n in STEP_PLAN_POINTERS]
+
+
+class CStepBackend(ctypes.Structure):
+    _fields_ = [("abi_version", _u32), ("struct_size", _u32), ("flags", _u32),
+                ("_reserved", _u32), ("ctx", _p), ("execute_step", _p), ("copy_pages", _p)]
+
+
+EXECUTE_STEP = ctypes.CFUNCTYPE(ctypes.c_int32, _p, ctypes.POINTER(CStepPlan), _p, _p)

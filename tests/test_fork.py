@@ -246,3 +246,29 @@ def test_fork_is_a_manual_verb_refused_beside_step_requests():
     s.add_request(1, [1, 2, 3], max_new_tokens=2)
     with pytest.raises(StepError.ModeConflict):
         s.fork(1, 2)
+
+
+@pytest.mark.parametrize("S", FACADES)
+@pytest.mark.parametrize("reclaimable", [False, True])
+def test_a_round_counts_a_page_shared_by_k_writers_as_k_minus_1_copies(S, reclaimable):
+    # 4 members share the partly filled page 2: the round copies it 3 times (the last holder
+    # writes in place), so 3 pages are enough, free or reclaimable
+    s = S(4, 6, 4, 8)
+    if reclaimable:
+        s.admit(9, [50, 51, 52, 53, 54])
+        s.reserve(9, 5)
+        s.advance(9, 5)
+        s.finish(9)                               # its full page stays cached, reclaimable
+        assert len(s.reclaimable_pages()) == 1
+    s.admit(1, list(range(10)))
+    s.reserve(1, 10)
+    s.advance(1, 10)
+    s.complete_prefill(1, 99)
+    for c in (2, 3, 4):
+        s.fork(1, c)
+    assert s.free_pages == 3
+    backend = CopyingBackend()
+    receipt, _ = s.decode(backend)
+    assert receipt.batch_size == 4 and len(backend.copied) == 3
+    assert s.free_pages == 0
+    assert len({int(s.block_table(r)[2]) for r in (1, 2, 3, 4)}) == 4

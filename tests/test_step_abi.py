@@ -12,6 +12,13 @@ import types
 
 import numpy as np
 import pytest
+from ctypes_abi import (
+    EXECUTE_STEP,
+    STEP_PLAN_COUNTS,
+    STEP_PLAN_POINTERS,
+    CStepBackend,
+    CStepPlan,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,15 +26,8 @@ import qualia
 from qualia import _core
 
 # Offsets of the step ABI on LP64 (the table of docs/DESIGN.md, "The step backend ABI").
-PLAN_COUNTS = ["struct_size", "page_tokens", "num_requests", "num_tokens", "num_sampled",
-               "num_prefill_tokens", "num_decode_tokens", "num_kv_indices",
-               "block_table_num_rows", "block_table_num_cols", "block_table_row_stride",
-               "num_changed_rows", "num_copies", "num_new", "num_preempted", "num_finished"]
-PLAN_POINTERS = ["request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
-                 "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
-                 "block_table_rows", "changed_rows", "kv_indptr", "kv_indices",
-                 "kv_last_page_len", "copies", "new_request_ids", "preempted_request_ids",
-                 "finished_request_ids"]
+PLAN_COUNTS = STEP_PLAN_COUNTS
+PLAN_POINTERS = STEP_PLAN_POINTERS
 STEP_PLAN_OFFSETS = {**{name: 4 * i for i, name in enumerate(PLAN_COUNTS)},
                      **{name: 64 + 8 * i for i, name in enumerate(PLAN_POINTERS)}}
 STEP_BACKEND_OFFSETS = {"abi_version": 0, "struct_size": 4, "flags": 8, "_reserved": 12,
@@ -144,6 +144,41 @@ def test_step_constants():
     assert _core.STEP_WRITES_LOGPROBS == 1
 
 
+def test_ctypes_mirror_matches_the_compiled_structs():
+    assert ctypes.sizeof(CStepPlan) == _core.STEP_PLAN_STRUCT_SIZE
+    assert {n: getattr(CStepPlan, n).offset for n in PLAN_COUNTS + PLAN_POINTERS} == \
+        STEP_PLAN_OFFSETS
+    assert ctypes.sizeof(CStepBackend) == _core.STEP_BACKEND_STRUCT_SIZE
+
+
+def test_hash_step_reads_a_hand_filled_struct():
+    """Called through its capsule's function pointer with a qualia_step_plan filled field by
+    field (ctypes, no lowering by the core), the hash backend samples by the rule."""
+    plan = mixed_plan()
+    hb, iface = _hash_iface()
+    assert (iface.abi_version, iface.flags) == (1, _core.STEP_WRITES_LOGPROBS)
+    c = CStepPlan()
+    c.struct_size = ctypes.sizeof(CStepPlan)
+    c.page_tokens = plan.page_tokens
+    c.num_requests = len(plan.request_ids)
+    c.num_tokens = len(plan.input_ids)
+    c.num_sampled = len(plan.logits_indices)
+    for name in PLAN_POINTERS:
+        setattr(c, name, getattr(plan, name).ctypes.data)
+    sampled = np.zeros(3, np.uint32)
+    lps = np.zeros(3, np.float32)
+    fn = EXECUTE_STEP(iface.execute_step)
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, lps.ctypes.data) == 0
+    assert np.array_equal(sampled, hash_rule(plan, 32000))
+    assert lps.tolist() == [qualia.hash_logprob(int(rid), int(plan.positions[t]),
+                                                int(plan.input_ids[t]))
+                            for rid, t in zip(plan.sampled_request_ids, plan.logits_indices)]
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == 0  # logprobs not asked
+    c.num_tokens = 5  # logits_indices now point past T: the C step refuses (status -22)
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == -22
+    assert hb.step_calls == 3
+
+
 def test_round_abi_is_unchanged():
     """The step ABI is an addition: the v1 round structs and constants stay as they were."""
     assert _core.BACKEND_STRUCT_SIZE == 32
@@ -159,6 +194,13 @@ def test_c_consumer_sees_the_same_step_layout(example_backend):
         csize, calign, _ = _core._layout()[name]
         assert (size, align) == (csize, calign)
         assert fields == offsets
+
+
+def test_cython_consumer_sees_the_same_step_layout(cython_backend):
+    sizes = cython_backend.sizes()
+    assert sizes["step_plan"] == _core.STEP_PLAN_STRUCT_SIZE
+    assert sizes["step_backend"] == _core.STEP_BACKEND_STRUCT_SIZE
+    assert cython_backend.step_plan_offsets() == STEP_PLAN_OFFSETS
 
 
 # -- the hash backend's step -----------------------------------------------------------------
@@ -367,20 +409,13 @@ _new_capsule.restype = ctypes.py_object
 _new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
-class _StepIface(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
-                ("flags", ctypes.c_uint32), ("_reserved", ctypes.c_uint32),
-                ("ctx", ctypes.c_void_p), ("execute_step", ctypes.c_void_p),
-                ("copy_pages", ctypes.c_void_p)]
-
-
 def _hash_iface():
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype = ctypes.c_void_p
     get.argtypes = [ctypes.py_object, ctypes.c_char_p]
     hb = qualia.HashBackend()
     cap = hb.__qualia_step_backend__
-    return hb, _StepIface.from_address(get(cap, qualia.STEP_CAPSULE_NAME.encode()))
+    return hb, CStepBackend.from_address(get(cap, qualia.STEP_CAPSULE_NAME.encode()))
 
 
 _KEEP = []
@@ -388,7 +423,7 @@ _KEEP = []
 
 def _capsule(name=b"qualia.step_backend.v1", **changes):
     hb, real = _hash_iface()
-    iface = _StepIface(real.abi_version, real.struct_size, real.flags, 0, real.ctx,
+    iface = CStepBackend(real.abi_version, real.struct_size, real.flags, 0, real.ctx,
                        real.execute_step, real.copy_pages)
     for k, v in changes.items():
         setattr(iface, k, v)
@@ -447,6 +482,16 @@ def test_example_step_backend_end_to_end(example_backend, handover):
     assert example_backend.step_stats(cap) == (1, 2, 1)
 
 
+def test_cython_step_backend_end_to_end(cython_backend):
+    backend = cython_backend.StepBackend(991)
+    plan = mixed_plan()
+    lps = np.zeros(3, np.float32)
+    sampled, got = _core._call_step_backend(backend, plan, logprobs_out=lps)
+    assert got is lps and np.array_equal(sampled, example_rule(plan, 991))
+    assert np.isnan(lps).all()  # it does not declare QUALIA_STEP_WRITES_LOGPROBS
+    assert backend.stats() == (1, 3)
+
+
 def test_example_step_backend_logprobs(example_backend):
     plan = mixed_plan()
     with_lp = example_backend.new_step(1000, True)
@@ -500,3 +545,99 @@ def test_step_backends_match_their_rules_on_any_plan(example_backend, plan, voca
     # the separately compiled example checks the plan's consistency (status 18/19 otherwise)
     cap = example_backend.new_step(vocab)
     assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, vocab))
+
+
+# -- plans of the pure-Python twin of the engine step -----------------------------------------
+
+
+def _twin(**kw):
+    from qualia.twin_step import StepScheduler
+
+    args = dict(max_requests=6, num_blocks=40, page_tokens=4, logical_pages=16,
+                max_num_batched_tokens=24, max_prefill_chunk=10)
+    args.update(kw)
+    return StepScheduler(**args)
+
+
+def _add_requests(s, seed=3, n=10):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 1000, 12).tolist()
+    prompts = {}
+    for rid in range(n):
+        own = rng.integers(0, 1000, int(rng.integers(1, 20))).tolist()
+        prompt = (shared if rid % 2 else []) + own
+        prompts[rid] = prompt
+        s.add_request(rid, np.array(prompt, np.uint32), max_new_tokens=int(rng.integers(1, 12)),
+                      priority=int(rng.integers(0, 3)))
+    return prompts
+
+
+def test_twin_step_run_with_the_c_hash_backend_follows_the_decode_rule():
+    """A run of steps samples what the engine's prefill rule and decode rounds give: the first
+    output is the hash of the prompt's last token at its position, each later one the hash of the
+    previous output at the next position."""
+    s = _twin()
+    prompts = _add_requests(s)
+    result = s.run(qualia.HashBackend(vocab=1000))
+    assert len(result.finished) == len(prompts)
+    for fin in result.finished:
+        seq = list(prompts[fin.request_id])
+        for out in fin.output_tokens.tolist():
+            assert out == qualia.hash_next_token(fin.request_id, len(seq) - 1, seq[-1], 1000)
+            seq.append(out)
+
+
+def test_twin_plans_pass_the_compiled_example_and_match_the_python_twin(example_backend):
+    """Every plan of a run with chunking, prefix hits and preemptions (a small pool) is lowered,
+    accepted by the separately compiled example's consistency checks, and sampled alike by the C
+    hash backend (capsule and method) and its Python twin."""
+    from qualia.twin import PyHashBackend
+
+    s = _twin(num_blocks=14)
+    _add_requests(s, seed=5, n=12)
+    hb, twin = qualia.HashBackend(vocab=777), PyHashBackend(vocab=777)
+    cap = example_backend.new_step(777)
+    preempted = 0
+    while s.has_unfinished():
+        plan = s.schedule()
+        preempted += len(plan.preempted_request_ids)
+        want = twin.execute_step(plan)
+        assert np.array_equal(hb.execute_step(plan), want)
+        assert np.array_equal(_core._call_step_backend(hb, plan), want)
+        assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, 777))
+        s.update(want)
+    assert preempted > 0
+
+
+class PyExampleStep:
+    """examples/c_backend's step model as a Python step backend."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def execute_step(self, plan):
+        return example_rule(plan, self.vocab)
+
+
+@pytest.mark.skipif(not hasattr(qualia.Scheduler, "run"), reason="the engine step is not built")
+@pytest.mark.parametrize("kind", ["hash", "example"])
+def test_core_run_with_c_step_backends_matches_the_twin(example_backend, kind):
+    """Scheduler.run drives a separately compiled step backend (the example checks every plan's
+    block-table rows and slot mapping against its CSR pages) or the C hash backend without the
+    GIL, and finishes every request with the outputs the twin gets from the same rule."""
+    from qualia.twin import PyHashBackend
+
+    kw = dict(max_requests=6, num_blocks=14, page_tokens=4, logical_pages=16,
+              max_num_batched_tokens=24, max_prefill_chunk=10)
+    core, twin = qualia.Scheduler(**kw), _twin(**kw)
+    _add_requests(core, seed=5, n=12)
+    _add_requests(twin, seed=5, n=12)
+    if kind == "hash":
+        c_backend, py_backend = qualia.HashBackend(vocab=777), PyHashBackend(vocab=777)
+    else:
+        c_backend, py_backend = example_backend.new_step(777), PyExampleStep(777)
+    got, want = core.run(c_backend), twin.run(py_backend)
+    assert [(f.request_id, f.output_tokens.tolist(), f.finish_reason) for f in got.finished] == \
+        [(f.request_id, f.output_tokens.tolist(), f.finish_reason) for f in want.finished]
+    assert len(got.finished) == 12 and not core.has_unfinished()
+    assert int(want.stats["num_preempted"].sum()) > 0

@@ -1,7 +1,7 @@
 """Parallel sampling (n > 1) and beam search over copy-on-write forks at the step level
-(qualia.twin_fork, DESIGN.md "Forks at the step level"): every member's tokens equal a dense run
-with the same sampling keys, beam search equals a dense beam search of the same width, the
-prompt's pages are held once, and misuse is refused changing nothing."""
+(qualia.twin_fork, DESIGN.md "Forks at the step level"): every member's tokens equal the dense
+run with the same sampler and request id, beam search equals the dense beam search of the same
+width, the prompt's pages are held once, and misuse is refused changing nothing."""
 
 from __future__ import annotations
 
@@ -9,19 +9,33 @@ import pytest
 
 from qualia import twin_fork as TF
 from qualia.errors import StepError
-from qualia.model import ModelConfig, ModelWeights
+from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
 
 W = ModelWeights.random(ModelConfig(vocab=64, layers=1))
+DENSE = DenseModel(W)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+HOT = SamplingParams(temperature=1.0, seed=11)
 
 
-def world(max_requests=8, num_blocks=64, page_tokens=4, logical_pages=16, **kw):
+def world(max_requests=8, num_blocks=64, page_tokens=4, logical_pages=16, sampling=HOT, **kw):
     s = TF.ForkStepScheduler(max_requests, num_blocks, page_tokens, logical_pages, **kw)
-    return s, TF.StepModelBackend(W, num_blocks, page_tokens)
+    return s, TF.StepModelBackend(W, num_blocks, page_tokens, sampling=sampling)
 
 
 def groups(finished):
     return {f.request_id: f for f in finished if isinstance(f, TF.FinishedGroup)}
+
+
+def dense(prompt, new, member, sampling=HOT, **kw):
+    return DENSE.generate(prompt, new, sampling=sampling, request_id=member, **kw)
+
+
+def dense_beams(prompt, width, new, **kw):
+    return [(h.tokens, h.logprob) for h in DENSE.beam_search(prompt, width, new, **kw)]
+
+
+def beams_of(g):
+    return [(o.tolist(), sc) for o, sc in zip(g.outputs, g.scores)]
 
 
 @pytest.mark.parametrize("page_tokens,prompt_len", [(4, 10), (4, 8), (1, 5), (3, 10)])
@@ -29,69 +43,88 @@ def groups(finished):
 def test_every_child_equals_its_dense_run(page_tokens, prompt_len, budget):
     s, b = world(page_tokens=page_tokens, logical_pages=32, max_num_batched_tokens=budget)
     prompt = PROMPT[:prompt_len]
-    s.add_request(1, prompt, max_new_tokens=6, n=4, seed=11)
-    s.add_request(2, prompt[:3], max_new_tokens=4, seed=5)
+    s.add_request(1, prompt, max_new_tokens=6, n=4)
+    s.add_request(2, prompt[:3], max_new_tokens=4)
+    members = s.group_members(1)
+    assert members[0] == 1 and len(set(members)) == 4
     finished, _, _ = TF.run_forks(s, b)
     g = groups(finished)[1]
-    assert g.finish_reasons == ["length"] * 4
-    for j, out in enumerate(g.outputs):
-        assert out.tolist() == TF.dense_sample(W, prompt, 6, 11 + j)
+    assert g.finish_reasons == ["length"] * 4 and g.member_ids == members
+    outs = [o.tolist() for o in g.outputs]
+    assert outs == [dense(prompt, 6, m) for m in members]
+    assert len({tuple(o) for o in outs}) > 1          # the members really sample apart
     plain = [f for f in finished if not isinstance(f, TF.FinishedGroup)][0]
-    assert plain.output_tokens.tolist() == TF.dense_sample(W, prompt[:3], 4, 5)
+    assert plain.output_tokens.tolist() == dense(prompt[:3], 4, 2)
     assert s.forks == 3 and s.fork_fallbacks == 0
     assert s.facade.free_pages == s.facade.num_blocks
+
+
+def test_the_prompt_row_is_sampled_once_per_member():
+    s, b = world()
+    s.add_request(1, PROMPT, max_new_tokens=3, n=3)
+    plan = s.schedule()
+    assert plan.logits_indices.tolist() == [len(PROMPT) - 1] * 3
+    assert plan.sampled_request_ids.tolist() == s.group_members(1)
+    s.update(b.execute_step(plan))
+    assert s.num_running == 3 and s.forks == 2
+    plan = s.schedule()
+    assert len(plan.copies) == 2                    # the shared partial page, once per child
 
 
 def test_prompt_pages_are_held_once_and_the_partial_page_copied_per_child():
     pt, n, new = 4, 8, 8
     s, b = world(max_requests=8, num_blocks=64, page_tokens=pt, logical_pages=8)
-    s.add_request(1, PROMPT, max_new_tokens=new, n=n, seed=1)       # 10 tokens: 2 full + 2
+    s.add_request(1, PROMPT, max_new_tokens=new, n=n)       # 10 tokens: 2 full + 2
     _, peak, _ = TF.run_forks(s, b)
-    assert s.pages_copied == n - 1                 # the shared partial page, once per child
+    assert s.pages_copied == n - 1
     tail = -(-(len(PROMPT) + new - 1) // pt) - len(PROMPT) // pt    # own pages per member
     assert peak == len(PROMPT) // pt + n * tail
-    # n independent requests of the same prompt (no forks) hold more
-    s2, b2 = world(max_requests=8, num_blocks=64, page_tokens=pt, logical_pages=8,
-                   prefix_caching="auto")
+    # n independent requests of the same prompt (no forks; full pages shared by the cache)
+    s2, b2 = world(max_requests=8, num_blocks=64, page_tokens=pt, logical_pages=8)
     for r in range(n):
-        s2.add_request(10 + r, PROMPT, max_new_tokens=new, seed=1 + r)
+        s2.add_request(10 + r, PROMPT, max_new_tokens=new)
     _, peak2, _ = TF.run_forks(s2, b2)
     assert peak2 >= peak
 
 
 def test_eos_and_stop_tokens_stop_members_independently():
     s, b = world()
-    s.add_request(1, PROMPT, max_new_tokens=12, n=6, seed=3, eos_token_id=7,
-                  stop_token_ids=[9, 40])
+    s.add_request(1, PROMPT, max_new_tokens=12, n=6, eos_token_id=7, stop_token_ids=[9, 40])
+    members = s.group_members(1)
     g = groups(TF.run_forks(s, b)[0])[1]
     for j, out in enumerate(g.outputs):
-        ref = TF.dense_sample(W, PROMPT, 12, 3 + j, eos=7, stop=(9, 40))
+        ref = dense(PROMPT, 12, members[j], end_token=7, stop_token_ids=(9, 40))
         assert out.tolist() == ref
         assert g.finish_reasons[j] == ("stop" if ref[-1] in (7, 9, 40) else "length")
 
 
 def test_children_without_a_free_slot_wait_and_still_match():
-    # 2 request slots for a group of 4: two children are queued and admitted later
     s, b = world(max_requests=2, max_num_seqs=2)
-    s.add_request(1, PROMPT, max_new_tokens=5, n=2, seed=8)
-    s.add_request(2, PROMPT, max_new_tokens=5, n=2, seed=20)
+    s.add_request(1, PROMPT, max_new_tokens=5, n=2)
+    s.add_request(2, PROMPT, max_new_tokens=5, n=2)
+    ids = {1: s.group_members(1), 2: s.group_members(2)}
     g = groups(TF.run_forks(s, b)[0])
-    for rid, seed in ((1, 8), (2, 20)):
-        for j, out in enumerate(g[rid].outputs):
-            assert out.tolist() == TF.dense_sample(W, PROMPT, 5, seed + j)
+    for rid in (1, 2):
+        assert [o.tolist() for o in g[rid].outputs] == [dense(PROMPT, 5, m) for m in ids[rid]]
     assert s.fork_fallbacks >= 1
     assert s.facade.free_pages == s.facade.num_blocks
 
 
 def test_preemption_keeps_every_member_exact():
     s, b = world(max_requests=8, num_blocks=9, page_tokens=2, logical_pages=12)
-    s.add_request(1, PROMPT[:6], max_new_tokens=6, n=3, seed=4)
-    s.add_request(2, PROMPT[:5], max_new_tokens=5, n=2, seed=9, priority=1)
-    finished, _, _ = TF.run_forks(s, b)
+    s.add_request(1, PROMPT[:6], max_new_tokens=6, n=3)
+    s.add_request(2, PROMPT[:5], max_new_tokens=5, n=2, priority=1)
+    ids = {1: s.group_members(1), 2: s.group_members(2)}
+    preempted = 0
+    finished = []
+    while s.has_unfinished():
+        plan = s.schedule()
+        preempted += len(plan.preempted_request_ids)
+        finished += s.update(b.execute_step(plan))
+    assert preempted > 0
     g = groups(finished)
-    for rid, prompt, new, seed, n in ((1, PROMPT[:6], 6, 4, 3), (2, PROMPT[:5], 5, 9, 2)):
-        assert [o.tolist() for o in g[rid].outputs] == [
-            TF.dense_sample(W, prompt, new, seed + j) for j in range(n)]
+    assert [o.tolist() for o in g[1].outputs] == [dense(PROMPT[:6], 6, m) for m in ids[1]]
+    assert [o.tolist() for o in g[2].outputs] == [dense(PROMPT[:5], 5, m) for m in ids[2]]
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4])
@@ -99,30 +132,45 @@ def test_preemption_keeps_every_member_exact():
 def test_beam_search_equals_the_dense_beam_search(width, eos):
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
-    finished, _, _ = TF.run_forks(s, b)
-    g = groups(finished)[1]
-    got = [(o.tolist(), sc) for o, sc in zip(g.outputs, g.scores)]
-    assert got == TF.dense_beam_search(W, PROMPT, width, 6, eos=eos)
+    g = groups(TF.run_forks(s, b)[0])[1]
+    assert beams_of(g) == dense_beams(PROMPT, width, 6, end_token=eos)
     assert g.scores == sorted(g.scores, reverse=True)
     assert s.facade.free_pages == s.facade.num_blocks
+
+
+def test_beam_search_with_stop_ids_finishes_hypotheses_early():
+    # the dense reference's most likely first tokens become stop ids
+    first = [t for t, _ in dense_beams(PROMPT, 4, 1)]
+    stop = [first[0][0], first[2][0]]
+    s, b = world()
+    s.add_request(1, PROMPT, max_new_tokens=6, beam_width=4, stop_token_ids=stop)
+    g = groups(TF.run_forks(s, b)[0])[1]
+    assert beams_of(g) == dense_beams(PROMPT, 4, 6, stop_token_ids=stop)
+    assert "stop" in g.finish_reasons
 
 
 def test_beam_search_under_preemption_and_beside_other_requests():
     s, b = world(max_requests=6, num_blocks=12, page_tokens=2, logical_pages=12)
     s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3)
-    s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, seed=2, priority=1)
-    g = groups(TF.run_forks(s, b)[0])
-    got = [(o.tolist(), sc) for o, sc in zip(g[1].outputs, g[1].scores)]
-    assert got == TF.dense_beam_search(W, PROMPT[:7], 3, 5)
-    assert [o.tolist() for o in g[2].outputs] == [
-        TF.dense_sample(W, PROMPT[:4], 5, 2 + j) for j in range(2)]
+    s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
+    ids = s.group_members(2)
+    preempted = 0
+    finished = []
+    while s.has_unfinished():
+        plan = s.schedule()
+        preempted += len(plan.preempted_request_ids)
+        finished += s.update(*b.execute_step(plan)) if plan.num_topk else \
+            s.update(b.execute_step(plan))
+    assert preempted > 0
+    g = groups(finished)
+    assert beams_of(g[1]) == dense_beams(PROMPT[:7], 3, 5)
+    assert [o.tolist() for o in g[2].outputs] == [dense(PROMPT[:4], 5, m) for m in ids]
 
 
 @pytest.mark.parametrize("kw,exc", [
     (dict(n=0), ValueError), (dict(n=9), ValueError), (dict(n=True), TypeError),
     (dict(n=2.0), TypeError), (dict(beam_width=0), ValueError),
     (dict(beam_width=2, n=2), ValueError), (dict(beam_width="2"), TypeError),
-    (dict(seed=-1), OverflowError),
 ])
 def test_bad_group_arguments_change_nothing(kw, exc):
     s, _ = world()
@@ -135,7 +183,8 @@ def test_bad_group_arguments_change_nothing(kw, exc):
 def test_member_ids_are_reserved_and_aborting_the_group_releases_everything():
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=8, n=3)
-    child = TF.CHILD_BASE
+    child = s.group_members(1)[1]
+    assert child == TF.CHILD_BASE
     with pytest.raises(StepError.DuplicateRequest):
         s.add_request(child, PROMPT, max_new_tokens=3)
     for _ in range(3):
@@ -154,24 +203,23 @@ def test_a_beam_plan_needs_its_candidates():
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
     plan = s.schedule()
-    assert plan.num_topk == 4
+    assert plan.num_topk == 2
     ids, tids, tlps = b.execute_step(plan)
     with pytest.raises(ValueError):
         s.update(ids)
     with pytest.raises(ValueError):
-        s.update(ids, tids[:, :2], tlps[:, :2])
+        s.update(ids, tids[:, :1], tlps[:, :1])
     s.update(ids, tids, tlps)               # the plan was still pending: nothing changed
     assert s.forks == 1
 
 
 def test_run_drives_groups_and_beams():
     s, b = world()
-    s.add_request(1, PROMPT, max_new_tokens=4, n=3, seed=6)
+    s.add_request(1, PROMPT, max_new_tokens=4, n=3)
     s.add_request(2, PROMPT[:6], max_new_tokens=4, beam_width=2)
+    ids = s.group_members(1)
     result = s.run(b)
     g = groups(result.finished)
-    assert [o.tolist() for o in g[1].outputs] == [
-        TF.dense_sample(W, PROMPT, 4, 6 + j) for j in range(3)]
-    assert [(o.tolist(), sc) for o, sc in zip(g[2].outputs, g[2].scores)] == \
-        TF.dense_beam_search(W, PROMPT[:6], 2, 4)
+    assert [o.tolist() for o in g[1].outputs] == [dense(PROMPT, 4, m) for m in ids]
+    assert beams_of(g[2]) == dense_beams(PROMPT[:6], 2, 4)
     assert len(result.stats) > 0 and not s.has_unfinished()

@@ -14,6 +14,14 @@ of the block table.
     sched.decode(backend)                 # qualia finds backend.__qualia_backend__
     backend.stats() -> (calls, items, pages_copied)
     cython_backend.sizes() -> {struct: sizeof} as this compiler sees qualia.h
+
+It is also a step backend (the step ABI), with the step model of examples/c_backend: sampled row r,
+with t = logits_indices[r] in request i, gets (31 * input_ids[t] + positions[t] + seq_lens[i] +
+sum of request i's kv_indices) mod vocab.
+
+    step = cython_backend.StepBackend(vocab)   # qualia finds step.__qualia_step_backend__
+    step.stats() -> (steps, sampled)
+    cython_backend.step_plan_offsets() -> {field: offset} of qualia_step_plan as declared
 """
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
@@ -23,12 +31,16 @@ from libc.stdint cimport int32_t, uint32_t, uint64_t
 from qualia._abi cimport (
     QUALIA_BACKEND_ABI_VERSION,
     QUALIA_BACKEND_CAPSULE_NAME,
+    QUALIA_STEP_ABI_VERSION,
+    QUALIA_STEP_CAPSULE_NAME,
     qualia_backend,
     qualia_batch_item,
     qualia_batch_output,
     qualia_batch_receipt,
     qualia_copy_op,
     qualia_request_view,
+    qualia_step_backend,
+    qualia_step_plan,
 )
 
 
@@ -114,4 +126,118 @@ def sizes():
         "request_view": sizeof(qualia_request_view),
         "copy_op": sizeof(qualia_copy_op),
         "backend": sizeof(qualia_backend),
+        "step_plan": sizeof(qualia_step_plan),
+        "step_backend": sizeof(qualia_step_backend),
+    }
+
+
+# -- the step backend -----------------------------------------------------------------------
+
+ctypedef struct step_state:
+    qualia_step_backend iface  # first, so that the capsule's pointer is the interface
+    uint32_t vocab
+    uint64_t steps
+    uint64_t sampled
+
+
+cdef int32_t _execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sampled_out,
+                           float *logprobs_out) noexcept nogil:
+    cdef step_state *self = <step_state *>ctx
+    cdef uint32_t r, i = 0
+    cdef int32_t t, k
+    cdef uint64_t pages
+    self.steps += 1
+    for r in range(plan.num_sampled):
+        t = plan.logits_indices[r]
+        if t < 0 or <uint32_t>t >= plan.num_tokens:
+            return 21
+        while i + 1 < plan.num_requests and plan.query_start_loc[i + 1] <= t:
+            i += 1
+        pages = 0
+        for k in range(plan.kv_indptr[i], plan.kv_indptr[i + 1]):
+            pages += <uint32_t>plan.kv_indices[k]
+        sampled_out[r] = <uint32_t>((31 * <uint64_t>plan.input_ids[t]
+                                     + <uint32_t>plan.positions[t]
+                                     + <uint32_t>plan.seq_lens[i] + pages) % self.vocab)
+    self.sampled += plan.num_sampled
+    return 0
+
+
+cdef void _free_step(object capsule) noexcept:
+    PyMem_Free(PyCapsule_GetPointer(capsule, QUALIA_STEP_CAPSULE_NAME))
+
+
+cdef class StepBackend:
+    """A step backend; qualia takes it as it is (``__qualia_step_backend__``)."""
+
+    cdef readonly object __qualia_step_backend__
+    cdef step_state *_state
+
+    def __cinit__(self, unsigned int vocab):
+        if vocab == 0:
+            raise ValueError("vocab must be at least 1")
+        cdef step_state *s = <step_state *>PyMem_Calloc(1, sizeof(step_state))
+        if s == NULL:
+            raise MemoryError()
+        s.iface.abi_version = QUALIA_STEP_ABI_VERSION
+        s.iface.struct_size = sizeof(qualia_step_backend)
+        s.iface.flags = 0  # no log-probabilities
+        s.iface.ctx = s
+        s.iface.execute_step = _execute_step
+        s.iface.copy_pages = NULL  # it would perform plan.copies itself
+        s.vocab = vocab
+        try:
+            self.__qualia_step_backend__ = PyCapsule_New(&s.iface, QUALIA_STEP_CAPSULE_NAME,
+                                                         _free_step)
+        except BaseException:
+            PyMem_Free(s)
+            raise
+        self._state = s  # owned by the capsule, which may outlive this object
+
+    def stats(self):
+        """(steps, sampled) so far."""
+        return (self._state.steps, self._state.sampled)
+
+
+cdef qualia_step_plan _p
+
+
+def step_plan_offsets():
+    """Offsets of qualia_step_plan's fields, by the names _abi.pxd declares."""
+    cdef char *b = <char *>&_p
+    return {
+        "struct_size": <char *>&_p.struct_size - b,
+        "page_tokens": <char *>&_p.page_tokens - b,
+        "num_requests": <char *>&_p.num_requests - b,
+        "num_tokens": <char *>&_p.num_tokens - b,
+        "num_sampled": <char *>&_p.num_sampled - b,
+        "num_prefill_tokens": <char *>&_p.num_prefill_tokens - b,
+        "num_decode_tokens": <char *>&_p.num_decode_tokens - b,
+        "num_kv_indices": <char *>&_p.num_kv_indices - b,
+        "block_table_num_rows": <char *>&_p.block_table_num_rows - b,
+        "block_table_num_cols": <char *>&_p.block_table_num_cols - b,
+        "block_table_row_stride": <char *>&_p.block_table_row_stride - b,
+        "num_changed_rows": <char *>&_p.num_changed_rows - b,
+        "num_copies": <char *>&_p.num_copies - b,
+        "num_new": <char *>&_p.num_new - b,
+        "num_preempted": <char *>&_p.num_preempted - b,
+        "num_finished": <char *>&_p.num_finished - b,
+        "request_ids": <char *>&_p.request_ids - b,
+        "query_start_loc": <char *>&_p.query_start_loc - b,
+        "seq_lens": <char *>&_p.seq_lens - b,
+        "input_ids": <char *>&_p.input_ids - b,
+        "positions": <char *>&_p.positions - b,
+        "slot_mapping": <char *>&_p.slot_mapping - b,
+        "logits_indices": <char *>&_p.logits_indices - b,
+        "sampled_request_ids": <char *>&_p.sampled_request_ids - b,
+        "block_table": <char *>&_p.block_table - b,
+        "block_table_rows": <char *>&_p.block_table_rows - b,
+        "changed_rows": <char *>&_p.changed_rows - b,
+        "kv_indptr": <char *>&_p.kv_indptr - b,
+        "kv_indices": <char *>&_p.kv_indices - b,
+        "kv_last_page_len": <char *>&_p.kv_last_page_len - b,
+        "copies": <char *>&_p.copies - b,
+        "new_request_ids": <char *>&_p.new_request_ids - b,
+        "preempted_request_ids": <char *>&_p.preempted_request_ids - b,
+        "finished_request_ids": <char *>&_p.finished_request_ids - b,
     }

@@ -89,3 +89,26 @@ cdef int facade_fork(Sched *s, Pool *p, PageCache *c, Streams *ss, bint auto, in
     if rc == Q_OK and auto:
         auto_fork_stream(ss, c, <uint32_t>parent, <uint32_t>out[0])
     return rc
+
+
+cdef inline void fork_writer_seen(Pool *p, Table *t, uint32_t lp, Undo *log,
+                                  Py_ssize_t *n) noexcept nogil:
+    # A decode round's page count (the facade's _auto_decode_prepare) met a writer of logical
+    # page lp, already counted.  When that page is shared, the writer copies it and lets go of
+    # it, so the next writer of the same page sees one holder fewer: count it so by lowering the
+    # count now (never to 0: it is >= 2), logged in `log` (the round's undo log, unused until
+    # its make-writable loop) and restored by fork_writers_restore before anything else reads it.
+    cdef uint32_t page
+    if lp >= t.len:
+        return
+    page = t.entries[lp]
+    if page < p.num_blocks and p.refcount[page] >= 2:
+        p.refcount[page] -= 1
+        log[n[0]].src = page
+        n[0] += 1
+
+
+cdef inline void fork_writers_restore(Pool *p, Undo *log, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t k
+    for k in range(n):
+        p.refcount[log[k].src] += 1

@@ -73,3 +73,14 @@ s.advance(2, 1)
 s.complete_prefill(2, first_token=7)
 receipt, outputs = s.decode(greedy)
 assert receipt == (1, 1) and int(outputs["next_token_id"][0]) == 7 + 1
+
+# -- README "Several replicas: the prefix router on Ray" ---------------------------------------
+
+from qualia.cluster import Cluster, ReplicaConfig
+from qualia.workload import Workload
+
+config = ReplicaConfig(num_blocks=192, max_requests=8, logical_pages=24)
+cl = Cluster(4, "prefix", config, local=True)   # local=False: Ray actors (after ray.init())
+res = cl.run(Workload(requests=24, turns=3, system_prompts=8, arrival_rate=0.5, vocab=32000),
+             kill_replica_at=20, rejoin_after=5)
+print(res.summary["hit_rate"], res.summary["resubmitted"], set(res.completions.values()))

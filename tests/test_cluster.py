@@ -1,0 +1,259 @@
+"""qualia.cluster: replicas behind a prefix-aware router, fault handling, metrics, the CLI.
+
+The router's logic runs in-process (``local=True``, no Ray) for most rules; the Ray tests start
+one local Ray with 2 CPUs for the module, bound every run by ``max_steps`` and stop Ray at the
+end.  They are skipped when Ray is not installed (the ``qualia[cluster]`` extra)."""
+
+import contextlib
+import dataclasses
+import io
+import subprocess
+import sys
+import types
+import urllib.request
+
+import numpy as np
+import pytest
+
+from qualia.check import check_outputs
+from qualia.cluster import POLICIES, Cluster, ReplicaConfig, compare_policies, format_comparison
+from qualia.workload import Workload
+
+CFG = ReplicaConfig(max_requests=6, num_blocks=40, page_tokens=8, logical_pages=24,
+                    max_num_batched_tokens=256)
+
+
+def workload(requests=16, turns=2, seed=3, **kw):
+    base = dict(requests=requests, seed=seed, arrival_rate=2.0, system_prompts=6,
+                system_prompt_len=24, share_ratio=0.9, prompt_len=(32, 64),
+                output_len=(4, 12), tenants=1, vocab=32000, turns=turns, user_len=(4, 12))
+    base.update(kw)
+    return Workload(**base)
+
+
+def assert_exactly_once(res):
+    assert set(res.completions) == set(res.requests)
+    assert all(n == 1 for n in res.completions.values())
+    chk = check_outputs(res.requests, res.outputs, vocab=32000)
+    assert chk.ok, chk.describe()
+
+
+def test_the_core_package_does_not_import_ray():
+    code = ("import sys, qualia, qualia.cluster, qualia.__main__; "
+            "qualia.__main__.build_parser(); assert 'ray' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_completes_every_request_once(policy):
+    cl = Cluster(3, policy, CFG, local=True)
+    res = cl.run(workload(), max_steps=2000)
+    assert_exactly_once(res)
+    assert sum(res.summary["decisions"]) == len(res.requests)
+    assert res.summary["duplicates_ignored"] == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        Cluster(0, "prefix", CFG, local=True)
+    with pytest.raises(ValueError):
+        Cluster(65, "prefix", CFG, local=True)
+    with pytest.raises(ValueError):
+        Cluster(2, "random", CFG, local=True)
+
+
+def test_round_robin_cycles_and_least_loaded_picks_the_lightest():
+    rr = Cluster(3, "round-robin", CFG, local=True)
+    assert [rr.route([1, 2, 3])[0] for _ in range(4)] == [0, 1, 2, 0]
+    ll = Cluster(3, "least-loaded", CFG, local=True)
+    ll.load = [4, 1, 2]
+    assert ll.route([1])[0] == 1
+    ll.live[1] = False
+    assert ll.route([1])[0] == 2
+    ll.load = [CFG.queue_limit] * 3      # full replicas take nothing
+    assert ll.route([1])[0] == -1
+
+
+def test_prefix_router_follows_the_events():
+    cl = Cluster(3, "prefix", CFG, local=True)
+    prompt = list(range(100, 100 + 5 * CFG.page_tokens + 1))
+    ids = cl._ident.page_identities(np.array(prompt, dtype=np.uint32))
+    ev = np.zeros(len(ids), dtype=__import__("qualia").KV_EVENT)
+    ev["kind"] = 1
+    ev["identity"] = ids
+    cl.index.apply_events(2, ev)
+    assert cl.route(prompt) == (2, 5)
+    cl.load = [0, 0, 40]                 # 40 queued x 0.25 pages > 5 cached pages
+    assert cl.route(prompt)[0] == 0
+    cl.load = [0, 0, 0]
+    cl.live[2] = False                   # a dead replica is never chosen
+    assert cl.route(prompt)[0] == 0
+
+
+def test_prefix_router_hit_rate_beside_round_robin():
+    """The figures of the README's comparison, on a multi-turn shared-prefix workload, one run
+    per policy plus one replica holding everything (deterministic: in-process replicas)."""
+    w = workload(requests=24, turns=3)
+    results = compare_policies(w, 4, CFG, local=True)
+    print("\n" + format_comparison(results))
+    rate = {r.policy: r.summary["hit_rate"] for r in results}
+    for r in results:
+        assert_exactly_once(r)
+    assert rate["prefix"] > rate["round-robin"]
+    assert rate["prefix"] > rate["least-loaded"]
+    assert rate["prefix"] >= 0.9 * rate["single replica"]
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded"])
+def test_a_replica_killed_mid_run_loses_nothing_and_rejoins(policy):
+    cl = Cluster(3, policy, CFG, local=True)
+    seen = {}
+
+    def on_step(step, c):
+        seen[step] = (list(c.live), list(c.decisions))
+
+    res = cl.run(workload(requests=20), kill_replica_at=4, rejoin_after=3, on_step=on_step,
+                 max_steps=2000)
+    assert_exactly_once(res)
+    s = res.summary
+    assert s["deaths"] == 1 and s["rejoins"] == 1 and s["resubmitted"] >= 1
+    assert seen[4][0] == [True, True, False]              # found dead at the step it was killed
+    assert seen[7][0] == [True, True, True]               # back 3 steps later
+    if policy == "least-loaded":                          # the empty newcomer is the lightest
+        assert seen[max(seen)][1][2] > seen[7][1][2]
+
+
+def test_every_replica_down_without_rejoin_is_an_error():
+    cl = Cluster(1, "prefix", CFG, local=True)
+    with pytest.raises(RuntimeError, match="every replica is down"):
+        cl.run(workload(requests=6), kill_replica_at=1, max_steps=500)
+
+
+def test_simulate_cli_local():
+    from qualia.__main__ import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["simulate", "--replicas", "2", "--local", "--requests", "8", "--backend", "c",
+                   "--check", "--num-blocks", "64", "--compare", "--no-progress"])
+    text = out.getvalue()
+    assert rc == 0, text
+    for name in POLICIES + ("single replica",):
+        assert f"| {name} |" in text
+    assert "exactly once" in text and "NOT" not in text
+
+
+def test_simulate_cli_refuses_explicit_mode():
+    from qualia.__main__ import main
+    assert main(["simulate", "--replicas", "2", "--local", "--prefix-caching", "explicit"]) == 2
+
+
+@pytest.mark.parametrize("option", [["--router", "round-robin"], ["--kill-replica", "3"],
+                                    ["--local"], ["--compare"]])
+def test_cluster_options_need_replicas(option):
+    from qualia.__main__ import main
+    assert main(["simulate", *option]) == 2
+
+
+def test_hit_tokens_without_a_plan_count():
+    """A scheduler whose plan does not count cached tokens: the replica falls back on the
+    cache's own counter and reports the same figure."""
+    from qualia.cluster import make_scheduler
+
+    class Plain:
+        def __init__(self, **kw):
+            self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
+            self.facade = self.inner.facade
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def schedule(self):
+            plan = self.inner.schedule()
+            return types.SimpleNamespace(**{k: v for k, v in vars(plan).items()
+                                            if k != "num_cached_tokens"})
+
+    w = workload(requests=10)
+    got = {}
+    for name, kind in (("twin", "twin"), ("plain", Plain)):
+        cl = Cluster(2, "prefix", dataclasses.replace(CFG, scheduler=kind), local=True)
+        res = cl.run(w, max_steps=2000)
+        assert_exactly_once(res)
+        got[name] = res.summary["cached_tokens"]
+    assert got["plain"] == got["twin"] > 0
+
+
+# -- on Ray ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def test_ray_fault_one_replica_killed_every_request_once(ray_cluster):
+    cl = Cluster(3, "prefix", CFG, step_timeout=60)
+    try:
+        res = cl.run(workload(requests=16), kill_replica_at=3, rejoin_after=2, max_steps=2000)
+    finally:
+        cl.close()
+    assert_exactly_once(res)
+    assert res.summary["deaths"] == 1 and res.summary["resubmitted"] >= 1
+    assert res.summary["rejoins"] == 1
+
+
+def test_ray_metrics_endpoint_is_scraped(ray_cluster):
+    pytest.importorskip("prometheus_client")
+    from qualia.cluster import ClusterMetrics
+    m = ClusterMetrics()
+    port = m.serve(0)
+    try:
+        cl = Cluster(2, "prefix", CFG, metrics=m)
+        try:
+            res = cl.run(workload(requests=8, turns=1), max_steps=2000)
+        finally:
+            cl.close()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    finally:
+        m.close()
+    text = body.decode()
+    assert_exactly_once(res)
+    for name in ("qualia_replica_requests_running{replica=\"0\"}",
+                 "qualia_replica_requests_waiting{replica=\"1\"}",
+                 "qualia_replica_pool_usage{replica=\"0\"}",
+                 "qualia_replica_cache_hit_rate{replica=\"0\"}",
+                 "qualia_replica_preemptions_total{replica=\"0\"}",
+                 "qualia_router_decisions_total{policy=\"prefix\",replica=\"0\"}",
+                 "qualia_router_index_identities"):
+        assert name in text, name
+    done = [ln for ln in text.splitlines()
+            if ln.startswith("qualia_router_requests_completed_total")]
+    assert done and float(done[0].split()[-1]) == len(res.requests)
+
+
+def test_ray_simulate_cli_with_a_kill(ray_cluster):
+    from qualia.__main__ import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["simulate", "--replicas", "2", "--router", "prefix", "--requests", "8",
+                   "--backend", "c", "--check", "--kill-replica", "3", "--num-blocks", "64",
+                   "--no-progress"])
+    assert rc == 0, out.getvalue()
+    assert "| prefix | 2 |" in out.getvalue()
+
+
+def test_model_backend_needs_the_step_api():
+    from qualia.cluster import Replica
+    from qualia.model import PagedModelBackend
+    if hasattr(PagedModelBackend, "execute_step"):
+        cl = Cluster(2, "prefix", dataclasses.replace(CFG, backend="model", vocab=512),
+                     local=True)
+        res = cl.run(workload(requests=4, turns=1, vocab=512), max_steps=2000)
+        assert set(res.completions.values()) == {1}
+    else:
+        with pytest.raises(ValueError, match="execute_step"):
+            Replica(0, dataclasses.replace(CFG, backend="model"))
