@@ -104,6 +104,7 @@ class ForkStepScheduler(StepScheduler):
         self._child_ids = itertools.count(CHILD_BASE)
         self.forks = 0
         self.fork_fallbacks = 0
+        self.parked = 0
         self.pages_copied = 0
 
     # -- requests in -------------------------------------------------------------------------------
@@ -124,6 +125,18 @@ class ForkStepScheduler(StepScheduler):
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
         if rid in self._reserved:
             raise StepError.DuplicateRequest(None, f"request {rid} (a group member's id)")
+        if beam_width is not None:
+            # the w beams are computed side by side: the prompt's full pages once (shared) and
+            # each beam's own tail must fit the pool together, or the group never selects
+            prompt_tokens = self.facade._load_tokens(prompt_tokens)
+            pt = self.page_tokens
+            new = _u32(max_new_tokens, "max_new_tokens")
+            n_prompt = len(prompt_tokens)
+            tail = -(-(n_prompt + new - 1) // pt) - n_prompt // pt
+            need = n_prompt // pt + beam_width * tail
+            if n_prompt and new and need > self.facade.num_blocks:
+                raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
+                                                f"side, the pool has {self.facade.num_blocks}")
         super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
         r = self._reqs[rid]
         if n > 1 or beam_width is not None:
@@ -242,6 +255,7 @@ class ForkStepScheduler(StepScheduler):
                     beams.append(g)
         for g in beams:
             self._select(g, finished)
+        self._park_blocked_beams(len(plan.input_ids) == 0)
         self._plan = None
         self._aborted_in_plan = set()
         return finished
@@ -343,6 +357,28 @@ class ForkStepScheduler(StepScheduler):
         self._take(parent, toks[0], finished)
 
     # -- beam search -------------------------------------------------------------------------------
+    def _park_blocked_beams(self, idle: bool) -> None:
+        # A beam group selects only when all its beams are running and computed.  While one of
+        # them waits (queued child, preempted beam), its computed siblings would hold their
+        # slots and rows for nothing -- with several groups, forever.  They are parked instead:
+        # preempted (full pages stay cached) and queued with the group, to be recomputed when
+        # the group is admitted again.  Only after a step that scheduled nothing: while any
+        # request computes, the waiting beam may still get its slot, row, budget and pages.
+        if idle is False:
+            return
+        for g in list(self._groups.values()):
+            if g.kind != "beam":
+                continue
+            members = [self._reqs[m] for m in g.members if m in self._reqs]
+            if all(r.running for r in members):
+                continue
+            for r in members:
+                if r.running and r.num_computed == len(r.tokens):
+                    self._stop_running(r)
+                    self._enqueue(r)
+                    g.cand.pop(r.request_id, None)
+                    self.parked += 1
+
     def _select(self, g: _Group, finished: List[Any]) -> None:
         live = [self._reqs[b] for b in g.members]
         if not all(b.running and b.num_computed == len(b.tokens)

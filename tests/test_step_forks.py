@@ -223,3 +223,78 @@ def test_run_drives_groups_and_beams():
     assert [o.tolist() for o in g[1].outputs] == [dense(PROMPT, 4, m) for m in ids]
     assert beams_of(g[2]) == dense_beams(PROMPT[:6], 2, 4)
     assert len(result.stats) > 0 and not s.has_unfinished()
+
+
+# -- random workloads ---------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+REQUEST = st.tuples(
+    st.sampled_from(["plain", "n", "beam"]), st.integers(1, 4),         # kind, n / width
+    st.integers(1, 9), st.integers(1, 6),                                # prompt length, new
+    st.sampled_from([None, 5, 17]), st.integers(0, 2),                   # eos, priority
+    st.integers(0, 3),                                                   # prompt variant
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=st.lists(REQUEST, min_size=1, max_size=4),
+       max_requests=st.integers(2, 6), num_blocks=st.integers(8, 40),
+       page_tokens=st.sampled_from([1, 2, 3, 4]), budget=st.sampled_from([2, 5, 64]),
+       abort_at=st.one_of(st.none(), st.integers(0, 12)))
+def test_random_groups_match_the_dense_references(requests, max_requests, num_blocks,
+                                                  page_tokens, budget, abort_at):
+    """Any mix of plain requests, n groups and beam groups, under any pool, budget and slot
+    count (preemption, fork fallbacks), each result equals its dense reference; an aborted
+    request returns nothing; every page comes back."""
+    s, b = world(max_requests=max_requests, num_blocks=num_blocks, page_tokens=page_tokens,
+                 logical_pages=24, max_num_batched_tokens=budget, max_num_seqs=max_requests)
+    expect = {}
+    for rid, (kind, k, plen, new, eos, prio, var) in enumerate(requests, start=1):
+        prompt = [(t + var * 7) % 64 for t in PROMPT[:plen]]
+        k = min(k, max_requests)
+        kw = dict(max_new_tokens=new, eos_token_id=eos, priority=prio)
+        try:
+            if kind == "n":
+                s.add_request(rid, prompt, n=k, **kw)
+            elif kind == "beam":
+                s.add_request(rid, prompt, beam_width=k, **kw)
+            else:
+                s.add_request(rid, prompt, **kw)
+        except StepError.NeverFits:
+            continue
+        if kind == "n" and k == 1:
+            kind = "plain"                    # n=1 is an ordinary request
+        members = s.group_members(rid) if kind == "n" else [rid]
+        expect[rid] = (kind, k, prompt, new, eos, members)
+    finished = []
+    steps = 0
+    aborted = None
+    while s.has_unfinished():
+        if steps == abort_at and expect:
+            aborted = sorted(expect)[0]
+            if aborted in s.requests():
+                s.abort(aborted)
+            else:
+                aborted = None
+        plan = s.schedule()
+        out = b.execute_step(plan)
+        finished += s.update(*out) if isinstance(out, tuple) else s.update(out)
+        steps += 1
+        assert steps < 300
+    got = {f.request_id: f for f in finished}
+    for rid, (kind, k, prompt, new, eos, members) in expect.items():
+        if rid == aborted:
+            assert rid not in got
+            continue
+        f = got[rid]
+        if kind == "beam":
+            assert beams_of(f) == dense_beams(prompt, k, new, end_token=eos)
+        elif kind == "n":
+            assert [o.tolist() for o in f.outputs] == [
+                dense(prompt, new, m, end_token=eos) for m in members]
+        else:
+            assert f.output_tokens.tolist() == dense(prompt, new, rid, end_token=eos)
+    s.facade.clear_cache()
+    assert s.facade.free_pages == s.facade.num_blocks
