@@ -165,6 +165,7 @@ class SchedulerError(QualiaError):
     Full: ClassVar[Type[_SchedulerFull]]
     UnknownRequest: ClassVar[Type[_SchedulerUnknownRequest]]
     OutputTooSmall: ClassVar[Type[_SchedulerOutputTooSmall]]
+    ForkInPrefill: ClassVar[Type[_SchedulerForkInPrefill]]
     Prefix: ClassVar[Type[_SchedulerPrefix]]
     Table: ClassVar[Type[_SchedulerTable]]
 
@@ -379,6 +380,13 @@ class _SchedulerOutputTooSmall(SchedulerError):
     """The output buffer is smaller than the number of active requests."""
 
     variant = "OutputTooSmall"
+
+
+@_variant
+class _SchedulerForkInPrefill(SchedulerError):
+    """fork: the parent is still in its prefill (only a decoding request can be forked)."""
+
+    variant = "ForkInPrefill"
 
 
 @_variant

@@ -763,6 +763,37 @@ class RequestScheduler:
             raise SchedulerError.Table(err) from err  # `?` before clear(): stays active
         slot.clear()
 
+    def fork(self, parent_id, child_id, pool) -> int:
+        """Start ``child_id`` as a copy-on-write fork of the decoding request ``parent_id``
+        (DESIGN.md "Forks"): a free slot, every page retained, the token state copied."""
+        parent_id = _u64(parent_id, "parent_id")
+        child_id = _u64(child_id, "child_id")
+        _need(pool, BlockPool, "pool")
+        self._enter()
+        parent = self._find(parent_id)
+        if parent.state != RequestState.DECODE:
+            raise SchedulerError.ForkInPrefill(None, f"request {parent_id}")
+        if any(s.state != RequestState.EMPTY and s.request_id == child_id for s in self._slots):
+            raise SchedulerError.DuplicateRequest(None, f"request {child_id}")
+        index = next((i for i, s in enumerate(self._slots) if s.state == RequestState.EMPTY), None)
+        if index is None:
+            raise SchedulerError.Full(None, f"{len(self._slots)} slots")
+        pages = parent.blocks._entries
+        err = pool._first_retain_error(pages)  # atomic: validate every retain first
+        if err is not None:
+            raise SchedulerError.Table(_flatten(err, TableError))
+        for page in pages:
+            pool.retain(page)
+        child = self._slots[index]
+        child.blocks._entries = list(pages)
+        child.request_id = child_id
+        child.state = RequestState.DECODE
+        child.token_count = parent.token_count
+        child.prefix_tokens = parent.prefix_tokens
+        child.next_token_id = parent.next_token_id
+        child.token_ready = parent.token_ready
+        return index
+
     # -- introspection (DESIGN.md API) ------------------------------------------------------------
     def block_table(self, request_id) -> List[int]:
         return self._find(_u64(request_id, "request_id")).blocks.entries()

@@ -630,11 +630,23 @@ class Scheduler:
     def decode(self, backend):
         decoding = [i for i, s in enumerate(self._slots) if s.state == RequestState.DECODE]
         need = [0]
-        for i in decoding:
-            lp = self._slots[i].token_count // self.page_tokens
-            err = self._need_pages(self._slots[i].blocks, lp, lp, need)
-            if err:
-                raise DecodeRoundError.Scheduler(SchedulerError.Table(TableError.VARIANTS[err]()))
+        seen: List[int] = []     # a shared page's writers: each but the last holder copies it
+        try:
+            for i in decoding:
+                lp = self._slots[i].token_count // self.page_tokens
+                blocks = self._slots[i].blocks
+                err = self._need_pages(blocks, lp, lp, need)
+                if err:
+                    raise DecodeRoundError.Scheduler(
+                        SchedulerError.Table(TableError.VARIANTS[err]()))
+                if lp < len(blocks):
+                    page = blocks._entries[lp]
+                    if page < self.pool.num_blocks and self.pool._refcounts[page] >= 2:
+                        self.pool._refcounts[page] -= 1
+                        seen.append(page)
+        finally:
+            for page in seen:
+                self.pool._refcounts[page] += 1
         err = self._make_room(need[0])
         if err:
             raise DecodeRoundError.Scheduler(SchedulerError.Table(TableError.VARIANTS[err]()))
@@ -738,6 +750,46 @@ class Scheduler:
         if st.live:
             st.live = False
             self._ns_unref(st.ns)
+
+    def fork(self, parent_id, child_id) -> int:
+        """``qualia.Scheduler.fork``: the child shares every page of the decoding parent and
+        continues its token stream (core/fork.pxi)."""
+        prid = _u64(parent_id, "parent_id")
+        crid = _u64(child_id, "child_id")
+        parent = self._slots[self._find(prid)]
+        pindex = self._slots.index(parent)
+        if parent.state != RequestState.DECODE:
+            raise SchedulerError.ForkInPrefill(None, f"request {prid}")
+        if any(s.state != RequestState.EMPTY and s.request_id == crid for s in self._slots):
+            raise SchedulerError.DuplicateRequest(None, f"request {crid}")
+        index = next((i for i, s in enumerate(self._slots) if s.state == RequestState.EMPTY),
+                     None)
+        if index is None:
+            raise SchedulerError.Full(None, f"{len(self._slots)} slots")
+        pages = parent.blocks._entries
+        err = self.pool._first_retain_error(pages)
+        if err is not None:
+            raise SchedulerError.Table(TableError.VARIANTS[err.variant]())
+        for page in pages:
+            self.pool.retain(page)   # a page a request holds is never reclaimable
+        child = self._slots[index]
+        child.blocks._entries = list(pages)
+        child.request_id = crid
+        child.state = RequestState.DECODE
+        child.token_count = parent.token_count
+        child.prefix_tokens = parent.prefix_tokens
+        child.next_token_id = parent.next_token_id
+        child.token_ready = parent.token_ready
+        src, dst = self._streams[pindex], self._streams[index]
+        if dst.live:
+            dst.live = False
+            self._ns_unref(dst.ns)
+        dst.known, dst.hashed, dst.done, dst.ns = src.known, src.hashed, src.done, src.ns
+        dst.live, dst.broken, dst.pending = src.live, src.broken, None
+        dst.tokens, dst.ids, dst.canon = list(src.tokens), list(src.ids), list(src.canon)
+        if src.live:
+            self._ns[src.ns][2] += 1
+        return index
 
     # -- events, stats, introspection --------------------------------------------------------------
     def _match(self, tok, ns, nsh, nhash):

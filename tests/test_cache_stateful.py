@@ -56,6 +56,7 @@ RIDS = st.one_of(st.tuples(st.just("active"), st.integers(0, 7)), st.integers(0,
 TOKENS = st.one_of(st.integers(0, 40), st.sampled_from([U32_MAX]))
 FAULTS = st.sampled_from([None, None, None, None, "error", "batch_size", "launches", "swap",
                           "raise"])
+ACTIVE = st.tuples(st.just("active"), st.integers(0, 7))
 MASKS = st.sampled_from([2**64 - 1, 2**64 - 1, 0, 0x3])
 
 
@@ -230,6 +231,29 @@ class CacheVsTwin(RuleBasedStateMachine):
             if keep and not isinstance(count, Raised):
                 self.history.append(stream[:count])
 
+    @rule(parent=st.one_of(ACTIVE, ACTIVE, RIDS),
+          child=st.one_of(st.sampled_from([300, 301, 302]), RIDS), rounds=st.integers(0, 3),
+          room=st.booleans())
+    def fork(self, parent, child, rounds, room):
+        """Fork (valid or not: unknown parent, parent in its prefill, duplicate child, full
+        table), then a few decode rounds in which parent and child copy the shared last page."""
+        parent = self.rid(parent)
+        child = self.rid(child)
+        others = [r for r in self.active() if r != parent]
+        if room and others and len(others) + 1 == self.c.max_requests:
+            self.finish(others[0], True)
+        before = self.state()
+        out = self.both("fork", parent, child)
+        if isinstance(out, Raised):
+            assert self.state() == before, f"fork raised {out.exc!r} and changed the state"
+            return
+        assert self.c.block_table(child).tolist() == self.c.block_table(parent).tolist()
+        assert self.c.token_count(child) == self.c.token_count(parent)
+        assert self.c.requests.pending_token(child) == self.c.requests.pending_token(parent)
+        self.streams[child] = list(self.streams.get(parent, []))
+        for _ in range(rounds):
+            self.decode(None, 32000)
+
     @rule()
     def clear_cache(self):
         self.both("clear_cache")
@@ -251,7 +275,8 @@ class CacheVsTwin(RuleBasedStateMachine):
 
     @rule(rid=RIDS, bad=st.sampled_from([-1, 2**64, 1.5, None, True, "1"]),
           call=st.sampled_from(["admit", "reserve", "advance", "complete_prefill", "finish",
-                                "admit_prefix_len", "admit_prompt", "admit_ns"]))
+                                "admit_prefix_len", "admit_prompt", "admit_ns", "fork_parent",
+                                "fork_child"]))
     def bad_argument(self, rid, bad, call):
         rid = self.rid(rid)
         fn = {
@@ -263,6 +288,8 @@ class CacheVsTwin(RuleBasedStateMachine):
             "admit_prefix_len": lambda s: s.admit(rid, [1, 2, 3], prefix_len=2),
             "admit_prompt": lambda s: s.admit(rid, [1, bad, 3]),
             "admit_ns": lambda s: s.admit(rid, [1, 2, 3], namespace=bad),
+            "fork_parent": lambda s: s.fork(bad, 300),
+            "fork_child": lambda s: s.fork(rid, bad),
         }[call]
         before = self.state()
         a = attempt(lambda: fn(self.c))
@@ -273,6 +300,8 @@ class CacheVsTwin(RuleBasedStateMachine):
             assert self.state() == before, f"{call}({bad!r}) raised and changed the state"
         elif call.startswith("admit"):
             self.streams[rid if call != "admit" else bad] = []
+        elif call.startswith("fork"):
+            self.streams[bad] = list(self.streams.get(rid, []))
 
     @rule(rid=RIDS)
     def overlong_prompt(self, rid):

@@ -128,6 +128,9 @@ def _trigger(impl, variant):
     elif variant == "SchedulerError.Full":
         sched.admit_with_prefix(1, None, store, pool)
         sched.admit_with_prefix(2, None, store, pool)
+    elif variant == "SchedulerError.ForkInPrefill":
+        sched.admit_with_prefix(1, None, store, pool)
+        sched.fork(1, 2, pool)
     elif variant == "SchedulerError.UnknownRequest":
         sched.record_token(1)
     elif variant == "SchedulerError.OutputTooSmall":

@@ -121,6 +121,7 @@ RIDS = st.one_of(
     st.tuples(st.just("active"), st.integers(0, 31)),
     st.sampled_from([0, 1, 2, 3, 5, 2**32, U64_MAX]),
 )
+ACTIVE = st.tuples(st.just("active"), st.integers(0, 31))
 TOKENS = st.one_of(st.sampled_from([3, 0, 1, 31999, U32_MAX]), st.integers(0, U32_MAX))
 LOGICAL = st.sampled_from([0, 1, 2, 3, 4, 5, 6, U32_MAX])
 CODES = st.sampled_from([-1, 1, 7, -(2**31), 2**31 - 1])
@@ -373,6 +374,20 @@ class CoreVsReference(RuleBasedStateMachine):
         rid = self.rid(rid)
         self.both("finish", lambda m, w: w.sched.finish(rid, w.pool))
 
+    @op('request', parent=st.one_of(ACTIVE, ACTIVE, RIDS),
+        child=st.one_of(st.sampled_from([200, 201, 2**63]), RIDS), lp=LOGICAL)
+    def fork(self, parent, child, lp):
+        """fork (any outcome compared, refcounts conserved by `agree`), then the child writes a
+        page it shares with the parent: copy-on-write."""
+        parent = self.rid(parent)
+        child = self.rid(child)
+        out = self.both("fork", lambda m, w: w.sched.fork(parent, child, w.pool))
+        if not isinstance(out, Raised):
+            r = self.ref.sched
+            assert r.block_table(child) == r.block_table(parent)
+            assert r.pending_token(child) == r.pending_token(parent)
+            self.both("ensure_writable", lambda m, w: w.sched.ensure_writable(child, lp, w.pool))
+
     @op('request', extra=st.integers(-2, 2))
     def runnable_into(self, extra):
         size = max(0, len(self.active()) + extra)
@@ -585,7 +600,7 @@ class CoreVsReference(RuleBasedStateMachine):
           call=st.sampled_from(["retain", "release", "refcount", "record_token", "finish",
                                 "mark_prefill_complete", "seed_rid", "seed_token",
                                 "ensure_lp", "publish_page", "publish_tokens", "admit_rid",
-                                "table_lp", "table_attach"]))
+                                "table_lp", "table_attach", "fork_parent", "fork_child"]))
     def bad_argument(self, bad, call):
         ids = self.active()
         live = ids[0] if ids else 0
@@ -598,6 +613,8 @@ class CoreVsReference(RuleBasedStateMachine):
             "mark_prefill_complete": lambda m, w: w.sched.mark_prefill_complete(bad),
             "seed_rid": lambda m, w: w.sched.seed_decode_token(bad, 1),
             "admit_rid": lambda m, w: w.sched.admit_with_prefix(bad, None, w.store, w.pool),
+            "fork_parent": lambda m, w: w.sched.fork(bad, 201, w.pool),
+            "fork_child": lambda m, w: w.sched.fork(live, bad, w.pool),
         }
         if ids:
             calls["seed_token"] = lambda m, w: w.sched.seed_decode_token(live, bad)
@@ -920,6 +937,19 @@ class FacadeInvariants(RuleBasedStateMachine):
     def finish(self, rid):
         rid = self.rid(rid)
         self.guarded("finish", lambda: self.s.finish(rid))
+
+    @rule(parent=st.one_of(ACTIVE, ACTIVE, RIDS),
+          child=st.one_of(st.sampled_from([200, 201]), RIDS))
+    def fork(self, parent, child):
+        parent = self.rid(parent)
+        child = self.rid(child)
+        out = self.guarded("fork", lambda: self.s.fork(parent, child))
+        if not isinstance(out, Raised):
+            s = self.s
+            assert s.block_table(child).tolist() == s.block_table(parent).tolist()
+            assert s.token_count(child) == s.token_count(parent)
+            assert s.requests.pending_token(child) == s.requests.pending_token(parent)
+            assert s.requests.request_view(child)[2] == qualia.RequestState.DECODE
 
     @rule()
     def evict_unused_lru(self):

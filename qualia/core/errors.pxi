@@ -35,7 +35,8 @@ cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Ove
                           "ItemBufferTooSmall", "OutputBufferTooSmall", "BlockTableBufferTooSmall",
                           "MissingInputToken", "OutputIdentityMismatch", "BackendLaunchCount",
                           None, "NamespaceTableFull", "DuplicateRequest", "UnknownRequest",
-                          "NeverFits", "QueueFull", "PlanPending", "NoPlan", "ModeConflict")
+                          "NeverFits", "QueueFull", "PlanPending", "NoPlan", "ModeConflict",
+                          "ForkInPrefill")
 
 
 def _error_table():
@@ -45,6 +46,7 @@ def _error_table():
     sched_codes = range(Q_DUPLICATE_REQUEST, Q_OUTPUT_TOO_SMALL + 1)
     round_codes = range(Q_ITEM_BUFFER_TOO_SMALL, Q_BACKEND_LAUNCH_COUNT + 1)
     cache_codes = range(Q_NAMESPACES_FULL, Q_NAMESPACES_FULL + 1)
+    fork_codes = range(Q_FORK_IN_PREFILL, Q_FORK_IN_PREFILL + 1)
     step_codes = range(Q_STEP_DUPLICATE, Q_MODE_CONFLICT + 1)
     # layer -> [(codes, wrappers outermost first, family of the leaf)]
     rules = {
@@ -54,6 +56,7 @@ def _error_table():
                   (pool_codes, (PrefixKvError.Pool,), PoolError)],
         E_ATTACH: [(table_codes, (PrefixKvError.Table,), TableError)],
         E_SCHED: [(sched_codes, (), SchedulerError),
+                  (fork_codes, (), SchedulerError),
                   (table_codes, (SchedulerError.Table,), TableError)],
         E_ADMIT: [(sched_codes, (), SchedulerError),
                   (table_codes, (SchedulerError.Prefix, PrefixKvError.Table), TableError)],

@@ -592,6 +592,25 @@ cdef class Scheduler:
         if rc:
             raise _error(E_SCHED, rc)
 
+    def fork(self, parent_id, child_id):
+        """Start request ``child_id`` as a copy-on-write fork of the decoding request
+        ``parent_id`` (docs/DESIGN.md, "Forks"); returns the child's slot."""
+        self._no_step()
+        cdef uint64_t prid = _u64(parent_id, "parent_id")
+        cdef uint64_t crid = _u64(child_id, "child_id")
+        cdef int32_t child = -1
+        cdef int rc
+        cdef uint64_t tok = self._own()
+        try:
+            rc = facade_fork(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
+                             self.mode == MODE_AUTO, _slot_of(&self.requests.s, prid), crid,
+                             &child)
+        finally:
+            self._unown(tok)
+        if rc:
+            raise _error(E_SCHED, rc)
+        return child
+
     # -- prefix store --------------------------------------------------------------------------
     def evict(self, PrefixIdentity identity not None):
         cdef int rc
@@ -750,7 +769,9 @@ cdef class Scheduler:
         # decode: note each decoding slot's input token and position (streams still cached);
         # reclaim what the round's make-writable will allocate, or fail before changing anything.
         # With no reclaimable page there is nothing to reclaim, and the make-writable loop fails
-        # with the same first error, changing nothing, so the count is skipped.
+        # with the same first error, changing nothing, so the count is skipped.  A page several
+        # decoding forks share is counted as the round will find it: each writer but the last
+        # holder copies it (fork_writer_seen, undone before returning).
         cdef Sched *s = &self.requests.s
         cdef Pool *p = &self.pool.pool
         cdef uint64_t need = 0
@@ -759,7 +780,8 @@ cdef class Scheduler:
         cdef bint note = self.streams.cacheable != 0
         cdef uint32_t i, w, lp
         cdef uint64_t bits
-        cdef int rc
+        cdef int rc = Q_OK
+        cdef Py_ssize_t n_seen = 0
         cdef Slot *sl
         cdef Stream *st
         if not count and not note:
@@ -781,14 +803,21 @@ cdef class Scheduler:
                 if lp == sl.blocks.len and lp < sl.blocks.capacity:
                     need += 1                      # the usual cases, inline
                     if need > avail:
-                        return Q_EXHAUSTED
+                        rc = Q_EXHAUSTED
+                        break
                 elif lp < sl.blocks.len and sl.blocks.entries[lp] < p.num_blocks \
                         and p.refcount[sl.blocks.entries[lp]] == 1:
                     pass
                 else:
                     rc = auto_need_pages(&sl.blocks, lp, lp, p, &self.cache, &need)
                     if rc:
-                        return rc
+                        break
+                    fork_writer_seen(p, &sl.blocks, lp, self.undo, &n_seen)
+            if rc:
+                break
+        fork_writers_restore(p, self.undo, n_seen)
+        if rc:
+            return rc
         if count:
             return pc_make_room(&self.cache, p, need)
         return Q_OK

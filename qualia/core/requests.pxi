@@ -396,6 +396,23 @@ cdef class RequestScheduler:
         if rc:
             raise _error(E_SCHED, rc)
 
+    def fork(self, parent_id, child_id, BlockPool pool not None):
+        """Start request ``child_id`` as a copy-on-write fork of the decoding request
+        ``parent_id``: it shares every page (retained in ``pool``) and copies the token state
+        (docs/DESIGN.md, "Forks").  Returns the child's slot."""
+        cdef uint64_t prid = _u64(parent_id, "parent_id")
+        cdef uint64_t crid = _u64(child_id, "child_id")
+        cdef int32_t child = -1
+        cdef int rc
+        cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
+        try:
+            rc = sched_fork(&self.s, &pool.pool, _slot_of(&self.s, prid), crid, &child)
+        finally:
+            own_release(tok, &self.owner, &pool.owner, NULL, NULL)
+        if rc:
+            raise _error(E_SCHED, rc)
+        return child
+
     def block_table(self, request_id):
         cdef int32_t index = self._find(request_id)
         return _list_of(self.s.slots[index].blocks.entries, self.s.slots[index].blocks.len)

@@ -37,6 +37,7 @@ cdef enum:
     Q_PLAN_PENDING = 29
     Q_NO_PLAN = 30
     Q_MODE_CONFLICT = 31
+    Q_FORK_IN_PREFILL = 32      # fork of a request that is still in its prefill
 
 cdef enum:
     COW_EXCLUSIVE = 0

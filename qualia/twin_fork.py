@@ -1,0 +1,479 @@
+"""Parallel sampling (``n > 1``) and beam search on copy-on-write forks, in plain Python
+(docs/DESIGN.md, "Forks at the step level").
+
+``ForkStepScheduler`` extends the engine-step twin (``qualia.twin_step.StepScheduler``) with
+request groups whose members share pages through ``Scheduler.fork``:
+
+* ``add_request(..., n=k)``: the prompt is prefilled once.  The step whose chunk reaches the end of
+  the prompt samples ``k`` rows from the prompt's last logits row (``logits_indices`` repeats that
+  row, ``sampled_request_ids`` names the members); ``update`` then forks the parent into
+  ``k - 1`` children, each continuing with its own first token.  The children share every page of
+  the prompt, the partly filled last page included: the first decode of each copies that page
+  (``plan.copies``).  Members decode and stop independently; when the last one stops, ``update``
+  returns one ``FinishedGroup`` with the ``k`` outputs under the parent's id, in member order.
+* ``add_request(..., beam_width=w)``: beam search as a policy over fork and finish, the policy
+  of the dense reference ``qualia.model.DenseModel.beam_search``: ``w`` places hold live or
+  finished beams.  Each live beam's row asks the backend for its ``plan.num_topk = w`` best next
+  tokens with their log-probabilities.  When every live beam of the group is computed and has
+  its candidates, the candidates (scored by cumulative log-probability; ties: the earlier beam,
+  then the lower id) fill the ``w - finished`` free places in order; a kept candidate that is a
+  stop token (eos unless ignored, or a stop id) or reaches ``max_new_tokens`` finishes a
+  hypothesis.  A beam with no live continuation is finished (pages released), a beam with ``c``
+  live continuations forks ``c - 1`` children and continues with the first.  The group ends when
+  no beam is live; the result is the hypotheses best first (ties: finished first first).
+
+Sampling is the backend's: ``StepModelBackend`` runs ``qualia.model.PagedModelBackend``, whose
+sampler draws row ``i`` keyed by ``(seed, sampled_request_ids[i], position)``; the members of a
+group have distinct ids (``FinishedGroup.member_ids``), so the dense reference
+``DenseModel.generate(..., sampling=..., request_id=member)`` draws the same tokens whatever the
+batching, preemption or recomputation.
+
+When no request slot or plan row is free for a child at fork time, the child waits as an
+ordinary request holding its prompt and first token (it is admitted later, sharing the prompt's
+full pages through the prefix cache): slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from qualia._types import STEP_STATS, FinishedRequest, RequestState, RunResult
+from qualia.errors import StepError
+from qualia.twin import _u32, _u64
+from qualia.twin_step import StepPlan, StepScheduler, _Req
+
+__all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend",
+           "run_forks", "CHILD_BASE"]
+
+#: internal ids of children start here and count up, skipping ids in use
+CHILD_BASE = 1 << 63
+
+
+class FinishedGroup(NamedTuple):
+    """A finished group: the parent's id; ``n``: one uint32 output per member in member order,
+    why each stopped, ``scores=None`` and the members' ids (what the sampler keys on); beam
+    search: the hypotheses best first, why each ended, their cumulative log-probabilities, and
+    ``member_ids=[]``."""
+
+    request_id: int
+    outputs: List[np.ndarray]
+    finish_reasons: List[str]
+    scores: Optional[List[float]]
+    member_ids: List[int]
+
+
+@dataclass
+class _Group:
+    kind: str                   # "n" or "beam"
+    parent: int
+    width: int
+    max_new: int
+    members: List[int] = field(default_factory=list)    # "n": member j's id; "beam": live beams
+    forked: bool = False
+    results: Dict[int, Tuple[List[int], str]] = field(default_factory=dict)
+    hyps: List[Tuple[float, int, List[int], str]] = field(default_factory=list)
+    cum: Dict[int, float] = field(default_factory=dict)  # beam id -> cumulative log-probability
+    cand: Dict[int, Tuple[List[int], List[float]]] = field(default_factory=dict)
+
+
+@dataclass
+class ForkStepPlan(StepPlan):
+    """A ``StepPlan`` that may repeat a logits row (the members of an ``n`` group sampling the
+    prompt's last row) and may ask for candidates (beam rows)."""
+
+    #: the backend returns this many best tokens per row (0: no beam row in the plan)
+    num_topk: int = 0
+
+
+def _stops(r: _Req, tok: int) -> bool:
+    return (r.eos is not None and tok == r.eos and not r.ignore_eos) or tok in r.stop
+
+
+class ForkStepScheduler(StepScheduler):
+    """``StepScheduler`` with ``n`` and ``beam_width`` groups over copy-on-write forks."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._groups: Dict[int, _Group] = {}
+        self._group_of: Dict[int, _Group] = {}      # member id -> its group
+        self._reserved: set = set()                 # child ids handed out, not yet requests
+        self._child_ids = itertools.count(CHILD_BASE)
+        self.forks = 0
+        self.fork_fallbacks = 0
+        self.parked = 0
+        self.pages_copied = 0
+
+    # -- requests in -------------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_tokens, *, max_new_tokens, n=1, beam_width=None,
+                    **kw) -> None:
+        rid = _u64(request_id, "request_id")
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be an int, not {type(n).__name__}")
+        if not 1 <= n <= self.max_num_seqs:
+            raise ValueError(f"n must be in [1, max_num_seqs={self.max_num_seqs}], got {n}")
+        if beam_width is not None:
+            if isinstance(beam_width, bool) or not isinstance(beam_width, int):
+                raise TypeError(f"beam_width must be an int, not {type(beam_width).__name__}")
+            if not 1 <= beam_width <= self.max_num_seqs:
+                raise ValueError(f"beam_width must be in [1, max_num_seqs="
+                                 f"{self.max_num_seqs}], got {beam_width}")
+            if n != 1:
+                raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
+        if rid in self._reserved:
+            raise StepError.DuplicateRequest(None, f"request {rid} (a group member's id)")
+        if beam_width is not None:
+            # the w beams are computed side by side: the prompt's full pages once (shared) and
+            # each beam's own tail must fit the pool together, or the group never selects
+            prompt_tokens = self.facade._load_tokens(prompt_tokens)
+            pt = self.page_tokens
+            new = _u32(max_new_tokens, "max_new_tokens")
+            n_prompt = len(prompt_tokens)
+            tail = -(-(n_prompt + new - 1) // pt) - n_prompt // pt
+            need = n_prompt // pt + beam_width * tail
+            if n_prompt and new and need > self.facade.num_blocks:
+                raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
+                                                f"side, the pool has {self.facade.num_blocks}")
+        super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
+        r = self._reqs[rid]
+        if n > 1 or beam_width is not None:
+            g = _Group("n" if beam_width is None else "beam", rid,
+                       n if beam_width is None else beam_width, r.max_new_tokens, [rid])
+            if g.kind == "n":
+                for _ in range(1, n):
+                    cid = self._new_child_id()
+                    self._reserved.add(cid)
+                    g.members.append(cid)
+            self._groups[rid] = g
+            self._group_of[rid] = g
+
+    def group_members(self, request_id) -> List[int]:
+        """The member ids of a queued or running ``n`` group (what the sampler keys on), or of
+        the live beams of a beam group."""
+        g = self._groups.get(_u64(request_id, "request_id"))
+        if g is None:
+            raise StepError.UnknownRequest(None, f"no group {request_id}")
+        return list(g.members)
+
+    def _new_child_id(self) -> int:
+        while True:
+            cid = next(self._child_ids)
+            if cid not in self._reqs and cid not in self._reserved:
+                return cid
+
+    def abort(self, request_id) -> None:
+        """Abort a request; a group's id aborts every member."""
+        rid = _u64(request_id, "request_id")
+        g = self._groups.get(rid)
+        if g is None:
+            if rid in self._group_of:
+                raise StepError.UnknownRequest(None, f"request {rid} is a group member: abort "
+                                                     f"the group ({self._group_of[rid].parent})")
+            super().abort(rid)
+            return
+        for m in [m for m in g.members if m in self._reqs]:
+            super().abort(m)
+        self._drop_group(g)
+
+    def _drop_group(self, g: _Group) -> None:
+        for m in [m for m, x in self._group_of.items() if x is g]:
+            del self._group_of[m]
+        self._reserved.difference_update(g.members)
+        self._groups.pop(g.parent, None)
+
+    # -- one step out ------------------------------------------------------------------------------
+    def _lower(self, chunks, new, preempted, cached) -> StepPlan:
+        plan = super()._lower(chunks, new, preempted, cached)
+        logits, sampled = [], []
+        topk = 0
+        for li, rid in zip(plan.logits_indices.tolist(), plan.sampled_request_ids.tolist()):
+            g = self._group_of.get(rid)
+            if g is not None and g.kind == "n" and not g.forked:
+                logits.extend([li] * len(g.members))     # every member samples this row
+                sampled.extend(g.members)
+                continue
+            logits.append(li)
+            sampled.append(rid)
+            if g is not None and g.kind == "beam":
+                topk = max(topk, g.width)
+        parts = {f.name: getattr(plan, f.name) for f in fields(StepPlan)}
+        parts["logits_indices"] = _ro(np.array(logits, dtype=np.int32))
+        parts["sampled_request_ids"] = _ro(np.array(sampled, dtype=np.uint64))
+        out = ForkStepPlan(**parts, num_topk=topk)
+        self._plan = out
+        self.pages_copied += len(out.copies)
+        return out
+
+    # -- tokens back -------------------------------------------------------------------------------
+    def update(self, sampled_token_ids, topk_ids=None, topk_logprobs=None) -> List[Any]:
+        """``StepScheduler.update``; a plan with beam rows (``num_topk > 0``) also takes each
+        row's ``num_topk`` best ids and their log-probabilities (``[m, num_topk]`` arrays)."""
+        plan = self._plan
+        if plan is None:
+            raise StepError.NoPlan(None, "schedule() first")
+        m = len(plan.logits_indices)
+        values = self._sampled(sampled_token_ids, m)
+        k = plan.num_topk if isinstance(plan, ForkStepPlan) else 0
+        tids = tlps = np.zeros((0, 0))
+        if k:
+            if topk_ids is None or topk_logprobs is None:
+                raise ValueError(f"this plan has beam rows: pass topk_ids and topk_logprobs "
+                                 f"of shape ({m}, {k})")
+            tids = np.asarray(topk_ids)
+            tlps = np.asarray(topk_logprobs, dtype=np.float64)
+            if tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu":
+                raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
+                                 f"arrays")
+        f = self.facade
+        finished: List[Any] = []
+        beams: List[_Group] = []
+        qsl = plan.query_start_loc.tolist()
+        li = plan.logits_indices.tolist()
+        row = 0
+        for i, (r, n) in enumerate(plan._chunks):
+            first = row
+            while row < m and li[row] == qsl[i + 1] - 1:
+                row += 1
+            if r.request_id in self._aborted_in_plan:
+                continue
+            f.advance(r.request_id, n)
+            r.num_computed += n
+            if row == first:
+                continue
+            g = self._group_of.get(r.request_id)
+            if g is None or (g.kind == "n" and g.forked):
+                self._take(r, values[first], finished)
+            elif g.kind == "n":
+                self._fork_n(g, r, values[first:row], finished)
+            else:
+                g.cand[r.request_id] = (tids[first, :g.width].tolist(),
+                                        tlps[first, :g.width].tolist())
+                if g not in beams:
+                    beams.append(g)
+        for g in beams:
+            self._select(g, finished)
+        self._park_blocked_beams(len(plan.input_ids) == 0)
+        self._plan = None
+        self._aborted_in_plan = set()
+        return finished
+
+    def run(self, backend, max_steps=None) -> RunResult:
+        """``StepScheduler.run`` for backends whose ``execute_step`` returns the sampled ids, or
+        ``(sampled, topk_ids, topk_logprobs)`` when the plan has beam rows; ``finished`` holds
+        ``FinishedRequest`` and ``FinishedGroup`` records in the order they finished."""
+        limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        stats: List[tuple] = []
+        finished: List[Any] = []
+        while self.has_unfinished() and (limit is None or len(stats) < limit):
+            plan = self.schedule()
+            try:
+                out = backend.execute_step(plan)
+            except BaseException:
+                self.discard_plan()
+                raise
+            done = self.update(*out) if isinstance(out, tuple) else self.update(out)
+            finished.extend(done)
+            stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
+                          plan.num_decode_tokens, len(plan.logits_indices),
+                          len(plan.new_request_ids), len(plan.preempted_request_ids),
+                          plan.num_cached_tokens, len(done), self.num_waiting,
+                          self.num_running, self.facade.free_pages))
+        return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+
+    def _stop_reason(self, r: _Req, tok: int) -> Optional[str]:
+        if r.num_outputs >= r.max_new_tokens:
+            return "length"
+        if _stops(r, tok):
+            return "stop"
+        return None
+
+    def _note(self, r: _Req, tok: int) -> None:
+        f = self.facade
+        if r.running:
+            f._note_token(f._find(r.request_id), len(r.tokens), tok)
+        r.tokens.append(tok)
+
+    def _finish_member(self, r: _Req) -> None:
+        if r.running:
+            self._stop_running(r)
+        else:
+            self._waiting.remove(r)
+        del self._reqs[r.request_id]
+        self._finished_since.append(r.request_id)
+
+    def _take(self, r: _Req, tok: int, finished: List[Any]) -> None:
+        # one sampled token for a plain request or a forked member of an "n" group
+        self._note(r, tok)
+        reason = self._stop_reason(r, tok)
+        if reason is None:
+            return
+        out = r.tokens[r.prompt_len:]
+        self._finish_member(r)
+        g = self._group_of.get(r.request_id)
+        if g is None:
+            finished.append(FinishedRequest(r.request_id, np.array(out, dtype=np.uint32),
+                                            reason))
+            return
+        g.results[r.request_id] = (out, reason)
+        if len(g.results) == len(g.members):
+            finished.append(FinishedGroup(
+                g.parent, [np.array(g.results[m][0], dtype=np.uint32) for m in g.members],
+                [g.results[m][1] for m in g.members], None, list(g.members)))
+            self._drop_group(g)
+
+    def _spawn(self, parent: _Req, cid: int) -> _Req:
+        """A child of the running ``parent`` (its tokens so far): forked when a slot and a row
+        are free, else queued as an ordinary request (admitted later through the cache)."""
+        f = self.facade
+        child = _Req(cid, list(parent.tokens), parent.prompt_len, parent.max_new_tokens,
+                     parent.namespace, parent.priority, parent.arrival, parent.eos,
+                     set(parent.stop), parent.ignore_eos)
+        self._reserved.discard(cid)
+        self._reqs[cid] = child
+        if self._rows_free and f.active_count < f.max_requests:
+            if f._slots[f._find(parent.request_id)].state != RequestState.DECODE:
+                f.complete_prefill(parent.request_id, 0)   # fork needs a decoding parent
+            f.fork(parent.request_id, cid)
+            child.running = True
+            child.num_computed = parent.num_computed
+            child.admitted = next(self._admissions)
+            child.row = self._rows_free.pop(0)
+            self._running.append(child)
+            self.forks += 1
+        else:
+            self._enqueue(child)
+            self.fork_fallbacks += 1
+        return child
+
+    def _fork_n(self, g: _Group, parent: _Req, toks: List[int], finished: List[Any]) -> None:
+        g.forked = True
+        children = [self._spawn(parent, cid) for cid in g.members[1:]]
+        for j, child in enumerate(children, start=1):
+            self._group_of[child.request_id] = g
+            self._take(child, toks[j], finished)
+        self._take(parent, toks[0], finished)
+
+    # -- beam search -------------------------------------------------------------------------------
+    def _park_blocked_beams(self, idle: bool) -> None:
+        # A beam group selects only when all its beams are running and computed.  While one of
+        # them waits (queued child, preempted beam), its computed siblings would hold their
+        # slots and rows for nothing -- with several groups, forever.  They are parked instead:
+        # preempted (full pages stay cached) and queued with the group, to be recomputed when
+        # the group is admitted again.  Only after a step that scheduled nothing: while any
+        # request computes, the waiting beam may still get its slot, row, budget and pages.
+        if idle is False:
+            return
+        for g in list(self._groups.values()):
+            if g.kind != "beam":
+                continue
+            members = [self._reqs[m] for m in g.members if m in self._reqs]
+            if all(r.running for r in members):
+                continue
+            for r in members:
+                if r.running and r.num_computed == len(r.tokens):
+                    self._stop_running(r)
+                    self._enqueue(r)
+                    g.cand.pop(r.request_id, None)
+                    self.parked += 1
+
+    def _select(self, g: _Group, finished: List[Any]) -> None:
+        live = [self._reqs[b] for b in g.members]
+        if not all(b.running and b.num_computed == len(b.tokens)
+                   and b.request_id in g.cand for b in live):
+            return          # a beam is still being (re)computed: select when all are ready
+        cands: List[Tuple[float, int, int, _Req]] = []
+        for rank, b in enumerate(live):
+            base = g.cum.get(b.request_id, 0.0)
+            ids, lps = g.cand[b.request_id]
+            cands.extend((base + lp, rank, int(tok), b) for tok, lp in zip(ids, lps))
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        g.cand.clear()
+        kept: List[Tuple[_Req, int, float]] = []
+        for score, _, tok, b in cands[:g.width - len(g.hyps)]:
+            out = b.tokens[b.prompt_len:] + [tok]
+            if _stops(b, tok) or len(out) >= g.max_new:
+                g.hyps.append((score, len(g.hyps), out, "stop" if _stops(b, tok) else "length"))
+            else:
+                kept.append((b, tok, score))
+        if not kept:
+            for b in live:
+                self._finish_member(b)
+            hyps = sorted(g.hyps, key=lambda h: (-h[0], h[1]))
+            finished.append(FinishedGroup(
+                g.parent, [np.array(h[2], dtype=np.uint32) for h in hyps],
+                [h[3] for h in hyps], [h[0] for h in hyps], []))
+            self._drop_group(g)
+            return
+        # beams with no live continuation go first (their slots and rows free up for the forks)
+        users = {b.request_id for b, _, _ in kept}
+        for b in live:
+            if b.request_id not in users:
+                self._finish_member(b)
+                del self._group_of[b.request_id]
+                g.cum.pop(b.request_id, None)
+        # then each kept beam forks its extra continuations before noting its own token
+        seen = set()
+        order: List[Tuple[_Req, int, float]] = []
+        for b, tok, score in kept:
+            if b.request_id in seen:
+                child = self._spawn(b, self._new_child_id())
+                self._group_of[child.request_id] = g
+                order.append((child, tok, score))
+            else:
+                seen.add(b.request_id)
+                order.append((b, tok, score))
+        g.members = []
+        for r, tok, score in order:
+            self._note(r, tok)
+            g.cum[r.request_id] = score
+            g.members.append(r.request_id)
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+# -- a model backend ----------------------------------------------------------------------------
+
+class StepModelBackend:
+    """``execute_step(plan)`` for ``ForkStepScheduler`` over ``qualia.model.PagedModelBackend``:
+    one forward per plan; returns the sampled ids of its rows (the model's keyed sampler), and
+    when the plan has beam rows also each row's ``num_topk`` best ids with their
+    log-probabilities (ties: the lower id first), for ``update``."""
+
+    def __init__(self, weights, num_blocks: int, page_tokens: int, **kw) -> None:
+        from qualia.model import PagedModelBackend
+
+        self.paged = PagedModelBackend(weights, num_blocks, page_tokens, **kw)
+
+    def execute_step(self, plan: ForkStepPlan):
+        from qualia.model import log_softmax
+
+        logits = self.paged.step_logits(plan)
+        li = np.asarray(plan.logits_indices, dtype=np.int64)
+        ids = self.paged.sample(logits, plan.sampled_request_ids, plan.positions[li] + 1)
+        if not plan.num_topk:
+            return ids
+        lp = log_softmax(logits)
+        order = np.argsort(-lp, axis=-1, kind="stable")[:, :plan.num_topk]
+        return ids, order.astype(np.int64), np.take_along_axis(lp, order, axis=-1)
+
+
+def run_forks(sched: ForkStepScheduler, backend, max_steps: int = 100000):
+    """Drive ``sched`` to completion; returns (finished, peak pages held by requests, steps).
+    Pages are counted after each ``schedule`` (the step's pages are reserved then)."""
+    finished: List[Any] = []
+    peak = 0
+    steps = 0
+    f = sched.facade
+    while sched.has_unfinished() and steps < max_steps:
+        plan = sched.schedule()
+        peak = max(peak, f.num_blocks - f.free_pages)
+        out = backend.execute_step(plan)
+        finished.extend(sched.update(*out) if isinstance(out, tuple) else sched.update(out))
+        steps += 1
+    return finished, peak, steps
