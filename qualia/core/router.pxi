@@ -184,7 +184,7 @@ cdef int ri_pick(const uint32_t *pages, const double *cost, Py_ssize_t c) noexce
             best_score = score
     return best
 
-# _DT_U64 is declared by core/step.pxi (included before this file)
+cdef object _DT_U64 = np.dtype(np.uint64)
 cdef object _DT_F64 = np.dtype(np.float64)
 
 
