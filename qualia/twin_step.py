@@ -190,6 +190,7 @@ class StepScheduler:
         self._finished_since: List[int] = []
         self._plan: Optional[StepPlan] = None
         self._aborted_in_plan: Set[int] = set()
+        self._deferred_rows: List[int] = []   # rows of requests aborted in the pending plan
         self._busy = False     # run() holds the scheduler: mutating calls get BusyError
 
     def _enter(self) -> None:
@@ -262,14 +263,22 @@ class StepScheduler:
     def _release_row(self, r: _Req) -> None:
         if r.row < 0:
             return
-        n = self._row_len[r.row]
-        if n:
-            self._block_table[r.row, :n] = -1
-            self._row_len[r.row] = 0
-            self._dirty.add(r.row)
-        self._rows_free.append(r.row)
-        self._rows_free.sort()
+        self._clear_row(r.row)
         r.row = -1
+
+    def _clear_row(self, row: int) -> None:
+        n = self._row_len[row]
+        if n:
+            self._block_table[row, :n] = -1
+            self._row_len[row] = 0
+            self._dirty.add(row)
+        self._rows_free.append(row)
+        self._rows_free.sort()
+
+    def _clear_deferred_rows(self) -> None:
+        for row in self._deferred_rows:
+            self._clear_row(row)
+        self._deferred_rows = []
 
     def _stop_running(self, r: _Req) -> None:
         # give the pages back (full pages stay cached) and the row; leave the running list
@@ -286,9 +295,13 @@ class StepScheduler:
         if r is None:
             raise StepError.UnknownRequest(None, f"request {rid}")
         if r.running:
-            self._stop_running(r)
-            if self._plan is not None:
+            if self._plan is not None and any(c is r for c, _ in self._plan._chunks):
+                # the pending plan may be executing: its block-table row keeps the pages
+                # (nobody allocates before the plan is done); update() / discard_plan() clear it
                 self._aborted_in_plan.add(rid)
+                self._deferred_rows.append(r.row)
+                r.row = -1
+            self._stop_running(r)
         else:
             self._waiting.remove(r)
         del self._reqs[rid]
@@ -522,6 +535,7 @@ class StepScheduler:
                     r.request_id, np.array(r.tokens[r.prompt_len:], dtype=np.uint32), reason))
         self._plan = None
         self._aborted_in_plan = set()
+        self._clear_deferred_rows()
         return finished
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -573,6 +587,7 @@ class StepScheduler:
     def _discard(self) -> None:
         self._plan = None
         self._aborted_in_plan = set()
+        self._clear_deferred_rows()
 
     # -- introspection -----------------------------------------------------------------------------
     def request_tokens(self, request_id) -> np.ndarray:

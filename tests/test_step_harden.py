@@ -648,3 +648,28 @@ def test_bad_stop_token_ids_change_nothing_alike(stops, exc):
         with pytest.raises(exc):
             s.add_request(9, [1], max_new_tokens=1, stop_token_ids=stops)
         assert snapshot(s) == before
+
+
+@pytest.mark.parametrize("then", ["update", "discard"])
+def test_an_abort_keeps_the_pending_plans_block_table_row_until_the_plan_is_done(then):
+    """A kernel executing the plan reads the aborted request's row: it keeps its pages (not -1)
+    until update() or discard_plan(); the next plan lists the cleared row as changed."""
+    rows = []
+    for s in both_kinds(4, 32, 4, 8):
+        s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3)
+        s.add_request(2, [6, 7, 8], max_new_tokens=3)
+        plan = s.schedule()
+        row = int(plan.block_table_rows[0])
+        pages = plan.kv_indices[plan.kv_indptr[0]:plan.kv_indptr[1]].tolist()
+        s.abort(1)
+        assert plan.block_table[row, :len(pages)].tolist() == pages
+        if then == "update":
+            s.update([4, 4][:len(plan.logits_indices) ])
+        else:
+            s.discard_plan()
+        assert (plan.block_table[row] == -1).all()
+        nxt = s.schedule()
+        assert row in nxt.changed_rows.tolist()
+        rows.append((nxt.changed_rows.tolist(), nxt.block_table.tolist(),
+                     nxt.finished_request_ids.tolist()))
+    assert rows[0] == rows[1]
