@@ -292,11 +292,12 @@ def c_backend(execute):
     """A C step backend over a ctypes callback (called without the GIL held; ctypes takes it)."""
     iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), 0, 0, None,
                          ctypes.cast(execute, ctypes.c_void_p), None)
-    _KEEP.append((iface, execute))
+    name = qualia.STEP_CAPSULE_NAME.encode()
+    _KEEP.append((iface, execute, name))    # the capsule holds raw pointers into these
     new = ctypes.pythonapi.PyCapsule_New
     new.restype = ctypes.py_object
     new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.addressof(iface), qualia.STEP_CAPSULE_NAME.encode(), None)
+    return new(ctypes.addressof(iface), name, None)
 
 
 def failing_workload(s):
