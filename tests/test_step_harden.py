@@ -12,12 +12,11 @@ import threading
 
 import numpy as np
 import pytest
+from ctypes_abi import EXECUTE_STEP, CStepBackend
 
 import qualia
 from qualia import BusyError, StepError
 from qualia.twin_step import StepScheduler
-
-from ctypes_abi import EXECUTE_STEP, CStepBackend, CStepPlan
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
