@@ -585,6 +585,11 @@ class StepScheduler:
         self._discard()
 
     def _discard(self) -> None:
+        plan = self._plan
+        if plan is not None:
+            # reported again by the next plan: the failed execution may not have applied them
+            self._dirty |= set(plan.changed_rows.tolist())
+            self._finished_since = plan.finished_request_ids.tolist() + self._finished_since
         self._plan = None
         self._aborted_in_plan = set()
         self._clear_deferred_rows()

@@ -673,3 +673,29 @@ def test_an_abort_keeps_the_pending_plans_block_table_row_until_the_plan_is_done
         rows.append((nxt.changed_rows.tolist(), nxt.block_table.tolist(),
                      nxt.finished_request_ids.tolist()))
     assert rows[0] == rows[1]
+
+
+def test_a_discarded_plan_reports_its_changed_rows_and_finished_ids_again():
+    """A backend that failed may not have applied the plan's row changes or finished ids: the
+    next plan lists them again (a discard with no plan pending changes nothing)."""
+    got = []
+    for s in both_kinds(4, 32, 4, 8):
+        s.add_request(1, [1, 2], max_new_tokens=1)
+        s.schedule()
+        s.update([3])                      # 1 finished
+        s.add_request(2, [4, 5, 6], max_new_tokens=2)
+        s.add_request(3, [7], max_new_tokens=2)
+        p1 = s.schedule()
+        first = (p1.changed_rows.tolist(), p1.finished_request_ids.tolist())
+        assert first == ([0, 1], [1])
+        s.abort(3)                         # aborted after the plan: reported after ours
+        s.discard_plan()
+        s.discard_plan()                   # nothing pending: a no-op
+        p2 = s.schedule()
+        assert p2.changed_rows.tolist() == [0, 1]
+        assert p2.finished_request_ids.tolist() == [1, 3]
+        s.update(sample(p2))
+        p3 = s.schedule()
+        assert p3.finished_request_ids.tolist() == []
+        got.append((p2.block_table.tolist(), p3.changed_rows.tolist()))
+    assert got[0] == got[1]

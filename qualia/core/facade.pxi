@@ -1118,26 +1118,11 @@ cdef class Scheduler:
         in the pending plan, update() skips it)."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef StepState *st = &self.step
-        cdef uint64_t *grown
-        cdef uint32_t cap
         cdef int rc
         cdef uint64_t tok = self._own()
         try:
-            if st.n_accum + 1 + st.max_seqs > st.accum_cap:
-                # room for this abort and a whole update before the next plan
-                cap = 2 * st.accum_cap
-                grown = <uint64_t *>PyMem_Realloc(st.fin_accum, cap * sizeof(uint64_t))
-                if grown == NULL:
-                    raise MemoryError()
-                st.fin_accum = grown
-                st.accum_cap = cap
-                if cap > st.finished_cap:
-                    # the pending plan's ids move along: its views keep the old buffer alive
-                    grown = <uint64_t *>self._step_bufs.add("finished_request_ids",
-                                                            _DT_PLAN_U64, cap)
-                    memcpy(grown, st.finished_ids, st.n_finished * sizeof(uint64_t))
-                    st.finished_ids = grown
-                    st.finished_cap = cap
+            # room for this abort and a whole update before the next plan
+            self._accum_room(st.n_accum + 1 + st.max_seqs)
             rc = step_abort(st, rid)
         finally:
             self._unown(tok)
@@ -1230,11 +1215,36 @@ cdef class Scheduler:
         finally:
             self._unown(tok)
 
+    cdef int _accum_room(self, uint64_t need) except -1:
+        # under ownership: fin_accum (and the plan's finished-id buffer) hold at least `need` ids
+        cdef StepState *st = &self.step
+        cdef uint64_t *grown
+        cdef uint32_t cap = st.accum_cap
+        if need <= cap:
+            return 0
+        while cap < need:
+            cap *= 2
+        grown = <uint64_t *>PyMem_Realloc(st.fin_accum, cap * sizeof(uint64_t))
+        if grown == NULL:
+            raise MemoryError()
+        st.fin_accum = grown
+        st.accum_cap = cap
+        if cap > st.finished_cap:
+            # the pending plan's ids move along: its views keep the old buffer alive
+            grown = <uint64_t *>self._step_bufs.add("finished_request_ids", _DT_PLAN_U64, cap)
+            memcpy(grown, st.finished_ids, st.n_finished * sizeof(uint64_t))
+            st.finished_ids = grown
+            st.finished_cap = cap
+        return 0
+
     def discard_plan(self):
         """Drop the pending plan after its execution failed: the reserved pages stay with their
-        requests and the same tokens are scheduled again."""
+        requests and the same tokens are scheduled again; the plan's changed rows and finished
+        ids are reported again by the next plan."""
         cdef uint64_t tok = self._own()
         try:
+            if self.step.pending:
+                self._accum_room(<uint64_t>self.step.n_accum + self.step.n_finished)
             step_discard(&self.step)
         finally:
             self._unown(tok)

@@ -761,13 +761,23 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
 
 
 cdef void step_discard(StepState *st) noexcept nogil:
-    # drop the pending plan: reserved pages stay with their requests, nothing advances
+    # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
+    # changed rows and finished ids are reported again by the next plan (a backend whose
+    # execution failed may not have applied them); the caller made room in fin_accum.
     cdef uint32_t j
+    if not st.pending:
+        return          # no plan: nothing to drop
     for j in range(st.n):
         if st.plan_alive[j]:
             st.req[st.plan_entry[j]].plan_pos = -1
         else:
             row_clear_deferred(st, st.block_table_rows[j])
+    for j in range(st.n_changed):
+        st.row_dirty[st.changed_rows[j]] = 1
+    if st.n_finished and st.n_accum + st.n_finished <= st.accum_cap:
+        memmove(&st.fin_accum[st.n_finished], st.fin_accum, st.n_accum * sizeof(uint64_t))
+        memcpy(st.fin_accum, st.finished_ids, st.n_finished * sizeof(uint64_t))
+        st.n_accum += st.n_finished
     st.pending = False
 
 
