@@ -699,3 +699,30 @@ def test_a_discarded_plan_reports_its_changed_rows_and_finished_ids_again():
         assert p3.finished_request_ids.tolist() == []
         got.append((p2.block_table.tolist(), p3.changed_rows.tolist()))
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (lambda plan: sample(plan)[:-1], ValueError),            # one id short
+    (lambda plan: sample(plan).astype(np.float32), TypeError),
+    (lambda plan: [99] * len(plan.logits_indices), ValueError),   # past vocab_size
+    (lambda plan: "ab", TypeError),
+    (lambda plan: None, TypeError),
+])
+def test_bad_ids_from_a_python_backend_discard_the_step_and_report_what_finished(bad, exc):
+    results = []
+    for s in both_kinds(4, 32, 4, 8, vocab_size=50):
+        failing_workload(s)
+        calls = []
+
+        class Bad:
+            def execute_step(self, plan):
+                calls.append(1)
+                return bad(plan) if len(calls) == 3 else sample(plan)
+        with pytest.raises(exc) as info:
+            s.run(Bad())
+        before = snapshot(s)
+        assert [f.request_id for f in info.value.finished] == [1, 2]
+        r = s.run(Py())
+        assert before["requests"] == [3]
+        results.append([(f.request_id, f.output_tokens.tolist()) for f in r.finished])
+    assert results[0] == results[1]
