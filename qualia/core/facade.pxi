@@ -1002,7 +1002,6 @@ cdef class Scheduler:
         finally:
             self._unown(tok)
 
-
     # -- the engine step (core/step.pxi; docs/DESIGN.md, "The engine step") ---------------------
     cdef int _no_step(self) except -1:
         # the manual verbs refuse while step requests exist (queued, running or uncollected)
