@@ -388,7 +388,7 @@ class Scheduler:
                                  f"logical_pages x page_tokens = {cap}")
             seq = [_u32(t, "token id") for t in prompt]
         else:
-            if isinstance(prompt, (str, bytes)):
+            if isinstance(prompt, (str, bytes, bytearray, memoryview)):
                 raise TypeError(f"tokens must be a sequence of token ids, "
                                 f"not {type(prompt).__name__}")
             if isinstance(prompt, np.ndarray):

@@ -33,14 +33,15 @@ update (its sampled row, if any, is ignored).
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 import numpy as np
 
 from qualia._types import STEP_STATS, FinishedRequest, RunResult
-from qualia.errors import PrefixCacheError, SchedulerError, StepError, TableError
-from qualia.twin import COPY_OP, U32_MAX, _int, _namespace_bytes, _u32, _u64
+from qualia.errors import BusyError, PrefixCacheError, SchedulerError, StepError, TableError
+from qualia.twin import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64
 from qualia.twin_cache import NS_MAX_BYTES
 from qualia.twin_cache import Scheduler as _Facade
 
@@ -112,7 +113,17 @@ class StepPlan:
 
 
 def _i32(value: Any, name: str) -> int:
-    v = _int(value, name, I32_MAX, minimum=I32_MIN)
+    """A signed 32-bit argument (the core's range): bool or non-integer -> TypeError, outside
+    [-2**31, 2**31-1] -> OverflowError.  (``twin._int`` is for unsigned fields: it refuses every
+    negative value.)"""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, not bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
+    if not I32_MIN <= v <= I32_MAX:
+        raise OverflowError(f"{name} must be in [-2**31, 2**31-1], got {v}")
     return v
 
 
@@ -123,6 +134,25 @@ class StepScheduler:
                  prefix_pages=None, prefix_caching="auto", cache_key=None, max_namespaces=1024,
                  event_capacity=4096, max_num_batched_tokens=2048, max_num_seqs=None,
                  max_queued=None, max_prefill_chunk=None, vocab_size=None) -> None:
+        # the plan's arrays are int32: refuse sizes whose page ids or offsets would not fit
+        # (checked before the pool is built: the core checks before allocating it)
+        nb = _u32(num_blocks, "num_blocks")
+        budget = _u32(max_num_batched_tokens, "max_num_batched_tokens")
+        if nb > I32_MAX + 1:
+            raise ValueError(f"num_blocks must be at most 2**31 (page ids are int32 in the step "
+                             f"plan), got {nb}")
+        if budget > I32_MAX:
+            raise ValueError(f"max_num_batched_tokens must be at most 2**31-1 (token offsets "
+                             f"are int32 in the step plan), got {budget}")
+        lp, pt = _u32(logical_pages, "logical_pages"), _u32(page_tokens, "page_tokens")
+        if lp * pt > I32_MAX:
+            raise ValueError(f"logical_pages x page_tokens must be at most 2**31-1 (positions "
+                             f"are int32 in the step plan), got {lp} x {pt}")
+        mr = _u32(max_requests, "max_requests")
+        seqs = mr if max_num_seqs is None else _u32(max_num_seqs, "max_num_seqs")
+        if lp * seqs > I32_MAX:
+            raise ValueError("max_num_seqs x logical_pages must be at most 2**31-1 (the "
+                             "paged-KV offsets are int32 in the step plan)")
         self.facade = _Facade(max_requests, num_blocks, page_tokens, logical_pages,
                               prefix_entries, prefix_pages, prefix_caching, cache_key,
                               max_namespaces, event_capacity)
@@ -160,6 +190,13 @@ class StepScheduler:
         self._finished_since: List[int] = []
         self._plan: Optional[StepPlan] = None
         self._aborted_in_plan: Set[int] = set()
+        self._deferred_rows: List[int] = []   # rows of requests aborted in the pending plan
+        self._busy = False     # run() holds the scheduler: mutating calls get BusyError
+
+    def _enter(self) -> None:
+        # the core's ownership check: after the arguments are resolved, before any state is read
+        if self._busy:
+            raise BusyError(None, "the scheduler is running run()")
 
     # -- queues ------------------------------------------------------------------------------------
     @property
@@ -191,7 +228,7 @@ class StepScheduler:
             raise ValueError("max_new_tokens must be at least 1")
         prio = _i32(priority, "priority")
         eos = None if eos_token_id is None else _u32(eos_token_id, "eos_token_id")
-        if isinstance(stop_token_ids, (str, bytes)):
+        if isinstance(stop_token_ids, (str, bytes, bytearray, memoryview)):
             raise TypeError("stop_token_ids must be a sequence of token ids")
         stop = [_u32(t, "stop token id") for t in stop_token_ids]
         if len(stop) > MAX_STOP_TOKENS:
@@ -203,6 +240,7 @@ class StepScheduler:
         tokens = self.facade._load_tokens(prompt_tokens)
         if not tokens:
             raise ValueError("the prompt must have at least one token")
+        self._enter()
         if self.facade.active_count > len(self._running):
             raise StepError.ModeConflict(None, "requests admitted with admit() are active")
         if rid in self._reqs:
@@ -225,14 +263,22 @@ class StepScheduler:
     def _release_row(self, r: _Req) -> None:
         if r.row < 0:
             return
-        n = self._row_len[r.row]
-        if n:
-            self._block_table[r.row, :n] = -1
-            self._row_len[r.row] = 0
-            self._dirty.add(r.row)
-        self._rows_free.append(r.row)
-        self._rows_free.sort()
+        self._clear_row(r.row)
         r.row = -1
+
+    def _clear_row(self, row: int) -> None:
+        n = self._row_len[row]
+        if n:
+            self._block_table[row, :n] = -1
+            self._row_len[row] = 0
+            self._dirty.add(row)
+        self._rows_free.append(row)
+        self._rows_free.sort()
+
+    def _clear_deferred_rows(self) -> None:
+        for row in self._deferred_rows:
+            self._clear_row(row)
+        self._deferred_rows = []
 
     def _stop_running(self, r: _Req) -> None:
         # give the pages back (full pages stay cached) and the row; leave the running list
@@ -244,13 +290,18 @@ class StepScheduler:
 
     def abort(self, request_id) -> None:
         rid = _u64(request_id, "request_id")
+        self._enter()
         r = self._reqs.get(rid)
         if r is None:
             raise StepError.UnknownRequest(None, f"request {rid}")
         if r.running:
-            self._stop_running(r)
-            if self._plan is not None:
+            if self._plan is not None and any(c is r for c, _ in self._plan._chunks):
+                # the pending plan may be executing: its block-table row keeps the pages
+                # (nobody allocates before the plan is done); update() / discard_plan() clear it
                 self._aborted_in_plan.add(rid)
+                self._deferred_rows.append(r.row)
+                r.row = -1
+            self._stop_running(r)
         else:
             self._waiting.remove(r)
         del self._reqs[rid]
@@ -266,6 +317,10 @@ class StepScheduler:
             raise
 
     def schedule(self) -> StepPlan:
+        self._enter()
+        return self._schedule()
+
+    def _schedule(self) -> StepPlan:
         if self._plan is not None:
             raise StepError.PlanPending(None, "update() the previous plan first")
         pt = self.page_tokens
@@ -409,7 +464,9 @@ class StepScheduler:
         return plan
 
     # -- tokens back -------------------------------------------------------------------------------
-    def _sampled(self, sampled_token_ids, m: int) -> List[int]:
+    @staticmethod
+    def _resolve_sampled(sampled_token_ids) -> List[int]:
+        # conversion only (user code -- __index__, iterators -- runs here): no state is read
         if isinstance(sampled_token_ids, np.ndarray):
             arr = sampled_token_ids
             if arr.ndim != 1:
@@ -418,9 +475,16 @@ class StepScheduler:
                 raise TypeError(f"sampled_token_ids must be integers, got dtype {arr.dtype}")
             values = arr.tolist()
         else:
-            if isinstance(sampled_token_ids, (str, bytes)):
+            if isinstance(sampled_token_ids, (str, bytes, bytearray, memoryview)):
                 raise TypeError("sampled_token_ids must be a sequence of token ids")
             values = [_u32(t, "sampled token id") for t in sampled_token_ids]
+        return values
+
+    def _check_sampled(self, values: List[int]) -> List[int]:
+        # against the plan pending now (after the conversion ran)
+        if self._plan is None:
+            raise StepError.NoPlan(None, "schedule() first")
+        m = len(self._plan.logits_indices)
         if len(values) != m:
             raise ValueError(f"the plan samples {m} rows, got {len(values)} token ids")
         limit = U32_MAX if self.vocab_size is None else self.vocab_size - 1
@@ -433,7 +497,13 @@ class StepScheduler:
         plan = self._plan
         if plan is None:
             raise StepError.NoPlan(None, "schedule() first")
-        values = self._sampled(sampled_token_ids, len(plan.logits_indices))
+        values = self._resolve_sampled(sampled_token_ids)
+        self._enter()
+        return self._update(self._check_sampled(values))
+
+    def _update(self, values: List[int]) -> List[FinishedRequest]:
+        plan = self._plan
+        assert plan is not None
         f = self.facade
         finished: List[FinishedRequest] = []
         row = 0
@@ -465,34 +535,64 @@ class StepScheduler:
                     r.request_id, np.array(r.tokens[r.prompt_len:], dtype=np.uint32), reason))
         self._plan = None
         self._aborted_in_plan = set()
+        self._clear_deferred_rows()
         return finished
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, backend, max_steps=None) -> RunResult:
+        """schedule, execute, update until idle or ``max_steps`` steps.  The scheduler is held
+        for the whole call (a backend calling a mutating method gets BusyError).  If the backend
+        fails, its step is discarded and the error propagates with ``finished``: the requests
+        the earlier steps of this call finished (they are no longer queued)."""
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        execute = getattr(backend, "execute_step", None)
+        if not callable(execute):
+            raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule) "
+                            f"or have an execute_step(plan) method, not {type(backend).__name__}")
+        self._enter()
         stats: List[tuple] = []
         finished: List[FinishedRequest] = []
-        while self.has_unfinished() and (limit is None or len(stats) < limit):
-            plan = self.schedule()
+        self._busy = True
+        try:
+            while self.has_unfinished() and (limit is None or len(stats) < limit):
+                plan = self._schedule()
+                try:
+                    ids = self._check_sampled(self._resolve_sampled(execute(plan)))
+                except BaseException:
+                    self._discard()
+                    raise
+                done = self._update(ids)
+                finished.extend(done)
+                stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
+                              plan.num_decode_tokens, len(plan.logits_indices),
+                              len(plan.new_request_ids), len(plan.preempted_request_ids),
+                              plan.num_cached_tokens, len(done), self.num_waiting,
+                              self.num_running, self.facade.free_pages))
+            return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+        except BaseException as err:
             try:
-                ids = backend.execute_step(plan)
-            except BaseException:
-                self.discard_plan()
-                raise
-            done = self.update(ids)
-            finished.extend(done)
-            stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
-                          plan.num_decode_tokens, len(plan.logits_indices),
-                          len(plan.new_request_ids), len(plan.preempted_request_ids),
-                          plan.num_cached_tokens, len(done), self.num_waiting,
-                          self.num_running, self.facade.free_pages))
-        return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+                err.finished = finished     # type: ignore[attr-defined]
+            except Exception:
+                pass
+            raise
+        finally:
+            self._busy = False
 
     def discard_plan(self) -> None:
         """Drop the pending plan after its execution failed: the scheduled tokens stay
         uncomputed and are scheduled again by the next step."""
+        self._enter()
+        self._discard()
+
+    def _discard(self) -> None:
+        plan = self._plan
+        if plan is not None:
+            # reported again by the next plan: the failed execution may not have applied them
+            self._dirty |= set(plan.changed_rows.tolist())
+            self._finished_since = plan.finished_request_ids.tolist() + self._finished_since
         self._plan = None
         self._aborted_in_plan = set()
+        self._clear_deferred_rows()
 
     # -- introspection -----------------------------------------------------------------------------
     def request_tokens(self, request_id) -> np.ndarray:

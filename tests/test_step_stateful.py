@@ -43,6 +43,8 @@ PLAN_COUNTS = ("num_prefill_tokens", "num_decode_tokens", "num_cached_tokens", "
 VOCAB = 60
 SYSTEM = [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
 PREFIXES = [SYSTEM, SYSTEM[:5], [], [], [1, 2, 3, 4, 5, 6, 7, 8]]
+# the full int32 range: negative values are served first, and the extremes must not wrap
+PRIORITIES = st.integers(-3, 3) | st.sampled_from([-(2**31), 2**31 - 1])
 
 
 def finished_key(done):
@@ -76,7 +78,7 @@ class StepVsTwin(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from(PREFIXES),
           tail=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=14),
-          max_new=st.sampled_from([0, 1, 2, 3, 5, 8, 12]), priority=st.integers(0, 3),
+          max_new=st.sampled_from([0, 1, 2, 3, 5, 8, 12]), priority=PRIORITIES,
           eos=st.sampled_from([None, None, 3, 17]), stop=st.sampled_from([(), (), (5,), (9, 2)]),
           ignore_eos=st.booleans(), namespace=st.sampled_from([b"", b"", b"", b"ns"]),
           as_array=st.booleans(), reuse=st.integers(0, 9))
@@ -91,7 +93,7 @@ class StepVsTwin(RuleBasedStateMachine):
                                           ignore_eos=ignore_eos, namespace=namespace))
 
     @rule(prefix=st.sampled_from(PREFIXES), n=st.integers(2, 5), max_new=st.integers(6, 12),
-          priorities=st.lists(st.integers(0, 2), min_size=5, max_size=5))
+          priorities=st.lists(PRIORITIES, min_size=5, max_size=5))
     def burst(self, prefix, n, max_new, priorities):
         # several long-running requests at once: pressure on the pool, hence preemptions
         for k in range(n):

@@ -38,6 +38,19 @@ cdef void _undo(Sched *s, Pool *p, Undo *log, Py_ssize_t n) noexcept nogil:
             pool_release(p, log[k].dst)
 
 
+cdef uint64_t I32_LIMIT = 2147483647   # the largest value of the plan's int32 arrays
+
+
+cdef int _attach_finished(object err, list finished) except -1:
+    # run()'s failure carries the requests its earlier steps finished: they are no longer
+    # queued, so this is the only place they are reported (docs/DESIGN.md, "The loop")
+    try:
+        err.finished = finished
+    except Exception:
+        pass    # an exception that takes no attributes: nothing more can be done
+    return 0
+
+
 cdef class Scheduler:
     """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
 
@@ -109,6 +122,14 @@ cdef class Scheduler:
         cdef uint32_t budget = _u32(max_num_batched_tokens, "max_num_batched_tokens")
         if budget == 0:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        # the step plan's arrays are int32 (what kernels take): page ids, positions, row
+        # offsets and CSR offsets must fit, or a plan would wrap silently
+        if nb > I32_LIMIT + 1:
+            raise ValueError(f"num_blocks must be at most 2**31 (page ids are int32 in the step "
+                             f"plan), got {nb}")
+        if budget > I32_LIMIT:
+            raise ValueError(f"max_num_batched_tokens must be at most 2**31-1 (token offsets "
+                             f"are int32 in the step plan), got {budget}")
         cdef object seqs = None if max_num_seqs is None else _u32(max_num_seqs, "max_num_seqs")
         cdef object queued = None if max_queued is None else _u32(max_queued, "max_queued")
         cdef uint32_t chunk = 0
@@ -128,6 +149,12 @@ cdef class Scheduler:
         self.prefixes = PrefixKvStore(prefix_entries,
                                       prefix_pages if prefix_pages is not None else max(lp, 1))
         mr = self.requests.max_requests
+        if <uint64_t>lp * pt > I32_LIMIT:
+            raise ValueError(f"logical_pages x page_tokens must be at most 2**31-1 (positions "
+                             f"are int32 in the step plan), got {lp} x {pt}")
+        if <uint64_t>lp * (mr if seqs is None else seqs) > I32_LIMIT:
+            raise ValueError(f"max_num_seqs x logical_pages must be at most 2**31-1 (the "
+                             f"paged-KV offsets are int32 in the step plan)")
         self.items_cap = mr
         self.table_cap = max(mr * lp, 1)
         self.undo_cap = max(mr, lp, 1)
@@ -271,7 +298,6 @@ cdef class Scheduler:
         """Admit a request.  Automatic mode: share the longest verified cached run of the
         prompt's full pages (at least one prompt token is left to compute).  Explicit mode: look
         up ``prompt_tokens[:prefix_len]`` in the prefix store and attach its pages on a hit."""
-        self._no_step()
         if self.mode != MODE_EXPLICIT:
             return self._admit_auto(request_id, prompt_tokens, namespace, prefix_len)
         cdef uint64_t rid = _u64(request_id, "request_id")
@@ -296,6 +322,7 @@ cdef class Scheduler:
                 L = self._prefix_len(prefix_len, t.n)
             tok = self._own()
             try:
+                self._no_step()     # under ownership, after every argument is resolved
                 if L > 0:
                     _digest_hilo(t.ptr, L, ns, &hi, &lo)
                 rc = sched_admit(&self.requests.s, rid, L > 0, hi, lo, &self.prefixes.store,
@@ -317,7 +344,6 @@ cdef class Scheduler:
 
     def reserve(self, request_id, num_tokens):
         """Make writable every page of the next ``num_tokens`` positions; return the copies."""
-        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
         cdef Sched *s = &self.requests.s
@@ -327,6 +353,7 @@ cdef class Scheduler:
         cdef uint64_t start, first, last
         cdef uint64_t tok = self._own()
         try:
+            self._no_step()     # under ownership, after every argument is resolved
             index = _slot_of(s, rid)
             if n == 0:
                 return np.zeros(0, dtype=COPY_OP)
@@ -364,7 +391,6 @@ cdef class Scheduler:
 
     def advance(self, request_id, num_tokens):
         """``record_token`` ``num_tokens`` times (saturating); returns the new token count."""
-        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t n = _u32(num_tokens, "num_tokens")
         cdef Slot *sl
@@ -373,6 +399,7 @@ cdef class Scheduler:
         cdef int32_t index
         cdef uint64_t tok = self._own()
         try:
+            self._no_step()     # under ownership, after every argument is resolved
             index = _slot_of(&self.requests.s, rid)
             sl = &self.requests.s.slots[index]
             t = <uint64_t>sl.token_count + n
@@ -387,12 +414,12 @@ cdef class Scheduler:
 
     def complete_prefill(self, request_id, first_token):
         """The prompt is prefilled: go to Decode with ``first_token`` as the next input."""
-        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t t = _u32(first_token, "first_token")
         cdef int32_t index
         cdef uint64_t tok = self._own()
         try:
+            self._no_step()     # under ownership, after every argument is resolved
             index = _slot_of(&self.requests.s, rid)
             slot_set_decode(&self.requests.s, index)
             self.requests.s.slots[index].next_token_id = t
@@ -452,7 +479,6 @@ cdef class Scheduler:
         records, so a backend that keeps its ``outputs`` cannot change what ``decode``
         returned.  The read-only ``items``, ``block_table`` and ``copies`` views a Python
         backend gets are valid during the call."""
-        self._no_step()
         cdef qualia_backend *cb = NULL
         cdef int rc = Q_OK
         # RESOLVE the whole backend before anything is owned or read: its capsule or bound
@@ -463,6 +489,7 @@ cdef class Scheduler:
             copy_fn = getattr(backend, "copy_pages", None)
         cdef uint64_t tok = self._own()
         try:
+            self._no_step()     # under ownership, after every argument is resolved
             result = self._decode(cb, handle, copy_fn, &rc)
         finally:
             self._unown(tok)
@@ -576,11 +603,11 @@ cdef class Scheduler:
     def finish(self, request_id):
         """Release the request's pages and free its slot.  Automatic mode: pages are released
         last page first; cached pages nobody else holds become reclaimable."""
-        self._no_step()
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef int rc
         cdef uint64_t tok = self._own()
         try:
+            self._no_step()     # under ownership, after every argument is resolved
             if self.mode == MODE_AUTO:
                 rc = auto_finish(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
                                  _slot_of(&self.requests.s, rid))
@@ -737,6 +764,7 @@ cdef class Scheduler:
         try:
             tok = self._own()
             try:
+                self._no_step()     # under ownership, after every argument is resolved
                 if self.mode == MODE_OFF:
                     rc = sched_admit(&self.requests.s, rid, False, 0, 0, &self.prefixes.store,
                                      &self.pool.pool, &adm)
@@ -1056,7 +1084,7 @@ cdef class Scheduler:
         cdef Py_ssize_t nsl
         cdef uint64_t nsh = 0, tok
         cdef uint8_t *nsb = NULL
-        cdef int rc
+        cdef int rc = Q_OK
         if max_new == 0:
             raise ValueError("max_new_tokens must be at least 1")
         if isinstance(priority, (bool, np.bool_)):
@@ -1066,7 +1094,7 @@ cdef class Scheduler:
             raise OverflowError(f"priority must be in [-2**31, 2**31-1], got {prio}")
         if has_eos:
             eos = _u32(eos_token_id, "eos_token_id")
-        if isinstance(stop_token_ids, (str, bytes)):
+        if isinstance(stop_token_ids, (str, bytes, bytearray, memoryview)):
             raise TypeError("stop_token_ids must be a sequence of token ids")
         stops = [_u32(x, "stop token id") for x in stop_token_ids]
         if len(stops) > STOP_MAX:
@@ -1096,15 +1124,18 @@ cdef class Scheduler:
                     if nsb == NULL:
                         raise MemoryError()
                     memcpy(nsb, <char *>ns, nsl)
-            tok = self._own()
+            rc = -1     # until step_add says otherwise, nsb is ours to free
             try:
-                rc = step_add(&self.step, rid, t.ptr, <uint32_t>t.n, max_new, prio, has_eos, eos,
-                              stop, n_stop, ignore, nsb, <uint32_t>nsl, nsh,
-                              self.pool.pool.num_blocks)
+                tok = self._own()
+                try:
+                    rc = step_add(&self.step, rid, t.ptr, <uint32_t>t.n, max_new, prio, has_eos,
+                                  eos, stop, n_stop, ignore, nsb, <uint32_t>nsl, nsh,
+                                  self.pool.pool.num_blocks)
+                finally:
+                    self._unown(tok)
             finally:
-                self._unown(tok)
-            if rc:
-                free(nsb)
+                if rc:
+                    free(nsb)   # on success the entry owns it
         finally:
             _tokens_free(&t)
         if rc:
@@ -1115,26 +1146,11 @@ cdef class Scheduler:
         in the pending plan, update() skips it)."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef StepState *st = &self.step
-        cdef uint64_t *grown
-        cdef uint32_t cap
         cdef int rc
         cdef uint64_t tok = self._own()
         try:
-            if st.n_accum + 1 + st.max_seqs > st.accum_cap:
-                # room for this abort and a whole update before the next plan
-                cap = 2 * st.accum_cap
-                grown = <uint64_t *>PyMem_Realloc(st.fin_accum, cap * sizeof(uint64_t))
-                if grown == NULL:
-                    raise MemoryError()
-                st.fin_accum = grown
-                st.accum_cap = cap
-                if cap > st.finished_cap:
-                    # the pending plan's ids move along: its views keep the old buffer alive
-                    grown = <uint64_t *>self._step_bufs.add("finished_request_ids",
-                                                            _DT_PLAN_U64, cap)
-                    memcpy(grown, st.finished_ids, st.n_finished * sizeof(uint64_t))
-                    st.finished_ids = grown
-                    st.finished_cap = cap
+            # room for this abort and a whole update before the next plan
+            self._accum_room(st.n_accum + 1 + st.max_seqs)
             rc = step_abort(st, rid)
         finally:
             self._unown(tok)
@@ -1147,69 +1163,116 @@ cdef class Scheduler:
         cdef uint64_t tok = self._own()
         try:
             rc = step_schedule(&self.step)
+            if rc == Q_OK:
+                # built while owned: no other call (a GC callback, another thread) can update,
+                # abort or re-plan between the plan and its views
+                plan = step_plan(&self.step, self._step_bufs)
         finally:
             self._unown(tok)
         if rc:
             raise _error(E_STEP, rc)
-        return step_plan(&self.step, self._step_bufs)
+        return plan
 
-    cdef int _sampled(self, object ids) except -1:
-        # RESOLVE update()'s sampled ids into step.sampled[0..m), checked (the twin's order)
-        cdef StepState *st = &self.step
+    cdef object _resolve_sampled(self, object ids):
+        # RESOLVE update()'s sampled ids, reading no scheduler state: an exact 1-D native uint32
+        # ndarray is returned as it is (read in place, under ownership); anything else becomes
+        # a private list of exact ints (user code -- __index__, iterators -- runs here only).
         cdef const uint32_t *p
-        cdef Py_ssize_t n, i
-        cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
-        cdef uint32_t m = st.m if st.pending else 0
-        cdef uint32_t[::1] v
+        cdef Py_ssize_t n
         if _u32_array(ids, &p, &n):
-            if n != m:
-                raise ValueError(f"the plan samples {m} rows, got {n} token ids")
-            for i in range(n):
-                if p[i] > limit:
-                    raise ValueError(f"sampled token id {p[i]} is outside [0, {limit}]")
-            memcpy(st.sampled, p, n * sizeof(uint32_t))
-            return 0
+            return ids
         if isinstance(ids, np.ndarray):
             if ids.ndim != 1:
                 raise ValueError(f"sampled_token_ids must be 1-D, got {ids.ndim} dimensions")
             if ids.dtype.kind not in "iu":
                 raise TypeError(f"sampled_token_ids must be integers, got dtype {ids.dtype}")
-            values = ids.tolist()
-        else:
-            if isinstance(ids, (str, bytes)):
-                raise TypeError("sampled_token_ids must be a sequence of token ids")
-            values = [_u32(x, "sampled token id") for x in ids]
-        if len(values) != m:
-            raise ValueError(f"the plan samples {m} rows, got {len(values)} token ids")
-        for x in values:
-            if not 0 <= x <= limit:
-                raise ValueError(f"sampled token id {x} is outside [0, {limit}]")
-        for i in range(m):
-            st.sampled[i] = <uint32_t>values[i]
+            return ids.tolist()
+        if isinstance(ids, (str, bytes, bytearray, memoryview)):
+            raise TypeError("sampled_token_ids must be a sequence of token ids")
+        return [_u32(x, "sampled token id") for x in ids]
+
+    cdef int _load_sampled(self, object values) except -1:
+        # under ownership: the pending plan's length and the vocabulary checked, the ids copied
+        # into step.sampled.  No user code runs: values is an exact uint32 ndarray (copied
+        # first, then checked, so a thread writing the caller's array cannot slip an id past
+        # the check) or a private list of exact ints.
+        cdef StepState *st = &self.step
+        cdef const uint32_t *p
+        cdef Py_ssize_t n, i
+        cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+        if not st.pending:
+            raise StepError.NoPlan(None, "schedule() first")
+        if type(values) is list:
+            n = len(<list>values)
+            if n != st.m:
+                raise ValueError(f"the plan samples {st.m} rows, got {n} token ids")
+            for x in <list>values:
+                if not 0 <= x <= limit:
+                    raise ValueError(f"sampled token id {x} is outside [0, {limit}]")
+            for i in range(n):
+                st.sampled[i] = <uint32_t>(<list>values)[i]
+            return 0
+        _u32_array(values, &p, &n)
+        if n != st.m:
+            raise ValueError(f"the plan samples {st.m} rows, got {n} token ids")
+        memcpy(st.sampled, p, n * sizeof(uint32_t))
+        for i in range(n):
+            if st.sampled[i] > limit:
+                raise ValueError(f"sampled token id {st.sampled[i]} is outside [0, {limit}]")
         return 0
 
-    def update(self, sampled_token_ids):
-        """Apply one plan's sampled tokens; returns the finished requests, in plan order."""
+    cdef list _update_owned(self, object values):
+        # update() with the scheduler owned by the caller
         cdef int rc
-        cdef uint64_t tok
-        if not self.step.pending:
-            raise StepError.NoPlan(None, "schedule() first")
-        self._sampled(sampled_token_ids)
-        tok = self._own()
-        try:
-            rc = step_update(&self.step, self.step.sampled)
-            finished = step_collect(&self.step)
-        finally:
-            self._unown(tok)
+        self._load_sampled(values)
+        rc = step_update(&self.step, self.step.sampled)
+        finished = step_collect(&self.step)
         if rc:
             raise _error(E_STEP, rc)
         return finished
 
+    def update(self, sampled_token_ids):
+        """Apply one plan's sampled tokens; returns the finished requests, in plan order."""
+        cdef uint64_t tok
+        if not self.step.pending:     # fails early (a read); checked again once owned
+            raise StepError.NoPlan(None, "schedule() first")
+        values = self._resolve_sampled(sampled_token_ids)
+        tok = self._own()
+        try:
+            return self._update_owned(values)
+        finally:
+            self._unown(tok)
+
+    cdef int _accum_room(self, uint64_t need) except -1:
+        # under ownership: fin_accum (and the plan's finished-id buffer) hold at least `need` ids
+        cdef StepState *st = &self.step
+        cdef uint64_t *grown
+        cdef uint32_t cap = st.accum_cap
+        if need <= cap:
+            return 0
+        while cap < need:
+            cap *= 2
+        grown = <uint64_t *>PyMem_Realloc(st.fin_accum, cap * sizeof(uint64_t))
+        if grown == NULL:
+            raise MemoryError()
+        st.fin_accum = grown
+        st.accum_cap = cap
+        if cap > st.finished_cap:
+            # the pending plan's ids move along: its views keep the old buffer alive
+            grown = <uint64_t *>self._step_bufs.add("finished_request_ids", _DT_PLAN_U64, cap)
+            memcpy(grown, st.finished_ids, st.n_finished * sizeof(uint64_t))
+            st.finished_ids = grown
+            st.finished_cap = cap
+        return 0
+
     def discard_plan(self):
         """Drop the pending plan after its execution failed: the reserved pages stay with their
-        requests and the same tokens are scheduled again."""
+        requests and the same tokens are scheduled again; the plan's changed rows and finished
+        ids are reported again by the next plan."""
         cdef uint64_t tok = self._own()
         try:
+            if self.step.pending:
+                self._accum_room(<uint64_t>self.step.n_accum + self.step.n_finished)
             step_discard(&self.step)
         finally:
             self._unown(tok)
@@ -1239,12 +1302,15 @@ cdef class Scheduler:
         Returns ``RunResult(stats, finished)``: one STEP_STATS row per step and the finished
         requests in the order they finished.
 
-        A C step backend (``__qualia_step_backend__``) runs whole stretches of steps in C without
-        the GIL (the scheduler is owned meanwhile: other calls get BusyError); the stats rows are
-        written into arrays of up to 4096 rows allocated between stretches, and the finished
-        requests are collected between stretches.  A Python backend's ``execute_step(plan)`` is
-        called with the GIL, between ``schedule()`` and ``update()``.  If a backend fails, that
-        step is discarded (nothing of it applied) and the error propagates."""
+        The scheduler is owned for the whole call: a backend (or a GC callback, or another
+        thread) calling a mutating method meanwhile gets BusyError.  A C step backend
+        (``__qualia_step_backend__``) runs whole stretches of steps in C without the GIL; the
+        stats rows are written into arrays of up to 4096 rows allocated between stretches, and
+        the finished requests are collected between stretches.  A Python backend's
+        ``execute_step(plan)`` is called with the GIL, between schedule and update.  If a
+        backend fails, that step is discarded (nothing of it applied) and the error propagates
+        with the requests the earlier steps of this call finished as its ``finished`` attribute
+        (a list of FinishedRequest; they are no longer queued)."""
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
         cdef qualia_step_backend *cb = NULL
         cdef StepStat row
@@ -1256,46 +1322,57 @@ cdef class Scheduler:
         handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
         stats = []
         finished = []
-        if cb == NULL:
-            while self.step.count and (limit is None or len(stats) < limit):
-                plan = self.schedule()
-                try:
-                    ids = handle(plan)
-                except BaseException:
-                    self.discard_plan()
-                    raise
-                done = self.update(ids)
-                finished.extend(done)
-                step_stat(&self.step, &row, <uint32_t>len(done))
-                stats.append(row)
-            out = np.empty(len(stats), dtype=STEP_STATS)
-            rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
-            for i, r in enumerate(stats):
-                rows[i] = r
-            return RunResult(out, finished)
-        total = 0
-        while self.step.count and (limit is None or total < limit):
-            want = 4096 if limit is None else min(4096, limit - total)
-            chunk = np.empty(want, dtype=STEP_STATS)
-            rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
-            tok = self._own()
-            try:
+        tok = self._own()
+        try:
+            if cb == NULL:
+                while self.step.count and (limit is None or len(stats) < limit):
+                    rc = step_schedule(&self.step)
+                    if rc:
+                        raise _error(E_STEP, rc)
+                    plan = step_plan(&self.step, self._step_bufs)
+                    try:
+                        # the backend and the conversion of its ids run while the scheduler
+                        # is owned: a call back into it gets BusyError
+                        values = self._resolve_sampled(handle(plan))
+                        self._load_sampled(values)
+                    except BaseException:
+                        step_discard(&self.step)
+                        raise
+                    done = self._update_owned(values)
+                    finished.extend(done)
+                    step_stat(&self.step, &row, <uint32_t>len(done))
+                    stats.append(row)
+                out = np.empty(len(stats), dtype=STEP_STATS)
+                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
+                for i, r in enumerate(stats):
+                    rows[i] = r
+                return RunResult(out, finished)
+            total = 0
+            while self.step.count and (limit is None or total < limit):
+                want = 4096 if limit is None else min(4096, limit - total)
+                chunk = np.empty(want, dtype=STEP_STATS)
+                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
                 with nogil:
                     rc = step_run(&self.step, cb, rows, want, &steps, &status)
                 finished.extend(step_collect(&self.step))
-            finally:
-                self._unown(tok)
-            stats.append(chunk[:steps])
-            total += steps
-            if rc == RUN_BACKEND_FAILED:
-                raise RaggedBackendError.Failed(status)
-            if rc == RUN_BAD_TOKEN:
-                raise ValueError(f"the step backend sampled token id {self.step.sampled[status]} "
-                                 f"(row {status}), outside [0, {self.step.vocab - 1}]")
-            if rc:
-                raise _error(E_STEP, rc)
-        if len(stats) == 1:
-            out = stats[0]
-        else:
-            out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
-        return RunResult(out, finished)
+                stats.append(chunk[:steps])
+                total += steps
+                if rc == RUN_BACKEND_FAILED:
+                    raise RaggedBackendError.Failed(status)
+                if rc == RUN_BAD_TOKEN:
+                    raise ValueError(f"the step backend sampled token id "
+                                     f"{self.step.sampled[status]} (row {status}), outside "
+                                     f"[0, {self.step.vocab - 1}]")
+                if rc:
+                    raise _error(E_STEP, rc)
+            if len(stats) == 1:
+                out = stats[0]
+            else:
+                out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
+            return RunResult(out, finished)
+        except BaseException as err:
+            # the requests earlier steps of this call finished are freed: report them
+            _attach_finished(err, finished)
+            raise
+        finally:
+            self._unown(tok)

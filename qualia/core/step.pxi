@@ -23,6 +23,9 @@ cdef enum:
     SR_FINISHED = 3     # finished inside run(), waiting to be collected
 
 cdef enum:
+    ROW_DEFERRED = -2   # row_owner of a row whose request was aborted in the pending plan
+
+cdef enum:
     FIN_NONE = 0
     FIN_LENGTH = 1
     FIN_STOP = 2
@@ -332,9 +335,23 @@ cdef void row_release(StepState *st, int32_t e) noexcept nogil:
 cdef inline int32_t row_lowest_free(StepState *st) noexcept nogil:
     cdef uint32_t r
     for r in range(st.max_seqs):
-        if st.row_owner[r] < 0:
+        if st.row_owner[r] == -1:
             return <int32_t>r
     return -1
+
+
+cdef void row_clear_deferred(StepState *st, int32_t r) noexcept nogil:
+    # the row of a request aborted while in the pending plan, now that the plan is done
+    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
+    cdef uint32_t k
+    if st.row_owner[r] != ROW_DEFERRED:
+        return
+    if st.row_len[r]:
+        for k in range(st.row_len[r]):
+            row[k] = -1
+        st.row_len[r] = 0
+        st.row_dirty[r] = 1
+    st.row_owner[r] = -1
 
 
 cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noexcept nogil:
@@ -696,6 +713,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
     for j in range(st.n):
         e = st.plan_entry[j]
         if not st.plan_alive[j]:
+            row_clear_deferred(st, st.block_table_rows[j])
             continue
         r = &st.req[e]
         r.plan_pos = -1
@@ -743,11 +761,23 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
 
 
 cdef void step_discard(StepState *st) noexcept nogil:
-    # drop the pending plan: reserved pages stay with their requests, nothing advances
+    # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
+    # changed rows and finished ids are reported again by the next plan (a backend whose
+    # execution failed may not have applied them); the caller made room in fin_accum.
     cdef uint32_t j
+    if not st.pending:
+        return          # no plan: nothing to drop
     for j in range(st.n):
         if st.plan_alive[j]:
             st.req[st.plan_entry[j]].plan_pos = -1
+        else:
+            row_clear_deferred(st, st.block_table_rows[j])
+    for j in range(st.n_changed):
+        st.row_dirty[st.changed_rows[j]] = 1
+    if st.n_finished and st.n_accum + st.n_finished <= st.accum_cap:
+        memmove(&st.fin_accum[st.n_finished], st.fin_accum, st.n_accum * sizeof(uint64_t))
+        memcpy(st.fin_accum, st.finished_ids, st.n_finished * sizeof(uint64_t))
+        st.n_accum += st.n_finished
     st.pending = False
 
 
@@ -812,10 +842,15 @@ cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
         return Q_STEP_UNKNOWN
     if st.req[e].state == SR_RUNNING:
         rc = slot_release(st, e)
-        row_release(st, e)
-        running_remove(st, e)
         if st.pending and st.req[e].plan_pos >= 0:
+            # the pending plan may be executing: its block-table row keeps the pages (nobody
+            # allocates before the plan is done) and is cleared by update() or discard_plan()
             st.plan_alive[st.req[e].plan_pos] = 0
+            st.row_owner[st.req[e].row] = ROW_DEFERRED
+            st.req[e].row = -1
+        else:
+            row_release(st, e)
+        running_remove(st, e)
     else:
         heap_remove(st, e)
     st.count -= 1
