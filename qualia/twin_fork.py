@@ -215,7 +215,9 @@ class ForkStepScheduler(StepScheduler):
         if plan is None:
             raise StepError.NoPlan(None, "schedule() first")
         m = len(plan.logits_indices)
-        values = self._sampled(sampled_token_ids, m)
+        values = self._resolve_sampled(sampled_token_ids)
+        self._enter()
+        values = self._check_sampled(values)
         k = plan.num_topk if isinstance(plan, ForkStepPlan) else 0
         tids = tlps = np.zeros((0, 0))
         if k:
@@ -258,6 +260,7 @@ class ForkStepScheduler(StepScheduler):
         self._park_blocked_beams(len(plan.input_ids) == 0)
         self._plan = None
         self._aborted_in_plan = set()
+        self._clear_deferred_rows()
         return finished
 
     def run(self, backend, max_steps=None) -> RunResult:
