@@ -211,13 +211,18 @@ class ForkStepScheduler(StepScheduler):
     def update(self, sampled_token_ids, topk_ids=None, topk_logprobs=None) -> List[Any]:
         """``StepScheduler.update``; a plan with beam rows (``num_topk > 0``) also takes each
         row's ``num_topk`` best ids and their log-probabilities (``[m, num_topk]`` arrays)."""
-        plan = self._plan
-        if plan is None:
+        if self._plan is None:
             raise StepError.NoPlan(None, "schedule() first")
-        m = len(plan.logits_indices)
-        values = self._resolve_sampled(sampled_token_ids)
+        values = self._resolve_sampled(sampled_token_ids)    # user code runs here only
         self._enter()
+        return self._update_fork(values, topk_ids, topk_logprobs)
+
+    def _update_fork(self, values, topk_ids, topk_logprobs) -> List[Any]:
+        # checked against the plan pending now, then applied (StepScheduler._update's rule)
         values = self._check_sampled(values)
+        plan = self._plan
+        assert plan is not None
+        m = len(plan.logits_indices)
         k = plan.num_topk if isinstance(plan, ForkStepPlan) else 0
         tids = tlps = np.zeros((0, 0))
         if k:
@@ -268,23 +273,40 @@ class ForkStepScheduler(StepScheduler):
         ``(sampled, topk_ids, topk_logprobs)`` when the plan has beam rows; ``finished`` holds
         ``FinishedRequest`` and ``FinishedGroup`` records in the order they finished."""
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        execute = getattr(backend, "execute_step", None)
+        if not callable(execute):
+            raise TypeError(f"backend must have an execute_step(plan) method, "
+                            f"not {type(backend).__name__}")
+        self._enter()
         stats: List[tuple] = []
         finished: List[Any] = []
-        while self.has_unfinished() and (limit is None or len(stats) < limit):
-            plan = self.schedule()
+        self._busy = True       # held for the whole call (StepScheduler.run's rule)
+        try:
+            while self.has_unfinished() and (limit is None or len(stats) < limit):
+                plan = self._schedule()
+                try:
+                    out = execute(plan)
+                    ids, tk, tl = out if isinstance(out, tuple) else (out, None, None)
+                    done = self._update_fork(self._resolve_sampled(ids), tk, tl)
+                except BaseException:
+                    if self._plan is plan:      # refused before anything changed
+                        self._discard()
+                    raise
+                finished.extend(done)
+                stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
+                              plan.num_decode_tokens, len(plan.logits_indices),
+                              len(plan.new_request_ids), len(plan.preempted_request_ids),
+                              plan.num_cached_tokens, len(done), self.num_waiting,
+                              self.num_running, self.facade.free_pages))
+            return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+        except BaseException as err:
             try:
-                out = backend.execute_step(plan)
-            except BaseException:
-                self.discard_plan()
-                raise
-            done = self.update(*out) if isinstance(out, tuple) else self.update(out)
-            finished.extend(done)
-            stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
-                          plan.num_decode_tokens, len(plan.logits_indices),
-                          len(plan.new_request_ids), len(plan.preempted_request_ids),
-                          plan.num_cached_tokens, len(done), self.num_waiting,
-                          self.num_running, self.facade.free_pages))
-        return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+                err.finished = finished     # type: ignore[attr-defined]
+            except Exception:
+                pass
+            raise
+        finally:
+            self._busy = False
 
     def _stop_reason(self, r: _Req, tok: int) -> Optional[str]:
         if r.num_outputs >= r.max_new_tokens:

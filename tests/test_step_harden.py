@@ -726,3 +726,20 @@ def test_bad_ids_from_a_python_backend_discard_the_step_and_report_what_finished
         assert before["requests"] == [3]
         results.append([(f.request_id, f.output_tokens.tolist()) for f in r.finished])
     assert results[0] == results[1]
+
+
+def test_fork_checks_for_step_requests_after_its_arguments():
+    """A child id whose __index__ finishes the parent's family and adds a step request: fork
+    sees the step request (ModeConflict), not a stale 'no step requests'."""
+    s = make(4, 32, 4, 8)
+    s.admit(1, [1, 2, 3])
+    s.reserve(1, 3)
+    s.advance(1, 3)
+    s.complete_prefill(1, 4)
+
+    def sneak():
+        s.finish(1)
+        s.add_request(3, [4], max_new_tokens=1)
+    with pytest.raises(StepError.ModeConflict):
+        s.fork(1, Hook(2, sneak))
+    assert s.active_count == 0 and s.step_requests() == [3]

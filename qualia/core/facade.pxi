@@ -622,13 +622,13 @@ cdef class Scheduler:
     def fork(self, parent_id, child_id):
         """Start request ``child_id`` as a copy-on-write fork of the decoding request
         ``parent_id`` (docs/DESIGN.md, "Forks"); returns the child's slot."""
-        self._no_step()
         cdef uint64_t prid = _u64(parent_id, "parent_id")
         cdef uint64_t crid = _u64(child_id, "child_id")
         cdef int32_t child = -1
         cdef int rc
         cdef uint64_t tok = self._own()
         try:
+            self._no_step()     # under ownership, after every argument is resolved
             rc = facade_fork(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
                              self.mode == MODE_AUTO, _slot_of(&self.requests.s, prid), crid,
                              &child)
