@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import qualia
 from qualia.errors import StepError
 
 __all__ = ["POLICIES", "ReplicaConfig", "Replica", "Cluster", "ClusterResult", "ClusterMetrics",
+           "init_local_ray",
            "HashStepBackend", "make_scheduler", "compare_policies", "format_comparison",
            "add_cluster_options", "wants_cluster", "simulate_cli"]
 
@@ -320,6 +322,25 @@ class ClusterResult:
     completions: Dict[int, int]
     requests: Dict[int, Any]
     summary: Dict[str, Any]
+
+
+def init_local_ray(num_cpus: int = 2) -> None:
+    """Start a local Ray for this process, from a neutral working directory.
+
+    Ray's workers start in the driver's working directory and put it first on ``sys.path``: from
+    a checkout's root, the source folder ``qualia/`` (whose compiled core is not built there)
+    would hide the installed package in every replica.  Ray is started from an empty temporary
+    folder instead, and this process's working directory is restored at once."""
+    import tempfile
+
+    ray = _ray()
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="qualia-ray-") as neutral:
+        os.chdir(neutral)
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        finally:
+            os.chdir(here)
 
 
 class _LocalHandle:
@@ -826,7 +847,7 @@ def simulate_cli(args, out=None, err=None) -> int:
         elif args.ray_address:
             ray.init(address=args.ray_address, log_to_driver=False)
         else:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            init_local_ray(num_cpus=2)
     metrics = None
     try:
         if args.metrics_port is not None:

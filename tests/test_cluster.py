@@ -38,10 +38,11 @@ def assert_exactly_once(res):
     assert chk.ok, chk.describe()
 
 
-def test_the_core_package_does_not_import_ray():
+def test_the_core_package_does_not_import_ray(tmp_path):
     code = ("import sys, qualia, qualia.cluster, qualia.__main__; "
             "qualia.__main__.build_parser(); assert 'ray' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    # from an empty folder: `python -c` puts the working directory first on sys.path
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -211,7 +212,8 @@ def test_hit_tokens_without_a_plan_count():
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from qualia.cluster import init_local_ray
+    init_local_ray(num_cpus=2)
     try:
         yield ray
     finally:

@@ -46,7 +46,8 @@ cdef int sched_fork(Sched *s, Pool *p, int32_t parent, uint64_t child_rid,
     return Q_OK
 
 
-cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent, uint32_t child) noexcept nogil:
+cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
+                           uint32_t child) noexcept nogil:
     # The child's token stream continues the parent's.  Only the live tail is copied, so the
     # cost does not grow with the context: auto_fill starts at page `done` (reading the chain
     # value and cache entry of page done-1) and a decode notes tokens at positions
