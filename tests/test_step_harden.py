@@ -743,3 +743,40 @@ def test_fork_checks_for_step_requests_after_its_arguments():
     with pytest.raises(StepError.ModeConflict):
         s.fork(1, Hook(2, sneak))
     assert s.active_count == 0 and s.step_requests() == [3]
+
+
+# -- the raw objects while engine-step requests exist ----------------------------------------------
+
+
+def test_raw_objects_refuse_changes_while_step_requests_exist():
+    """s.pool / s.requests / s.prefixes changed behind the step would corrupt its pages (a raw
+    finish once made later plans list a page twice): while step requests exist, their mutating
+    calls raise StepError.ModeConflict and change nothing; reads still work; once the step is
+    idle they are free again."""
+    s = qualia.Scheduler(4, 32, 4, 8)
+    s.add_request(1, list(range(1, 10)), max_new_tokens=3)
+    plan = s.schedule()
+    s.update([5] * len(plan.logits_indices))
+    page = int(s.block_table(1)[0]) if hasattr(s, "block_table") else 0
+    before = (s.pool.refcount(page), s.stats()["free_pages"], s.requests.active_count())
+    for call in (lambda: s.requests.finish(1, s.pool), lambda: s.pool.release(page),
+                 lambda: s.pool.allocate(), lambda: s.pool.retain(page),
+                 lambda: s.prefixes.evict_lru(s.pool), lambda: s.requests.record_token(1)):
+        with pytest.raises(qualia.StepError.ModeConflict):
+            call()
+    assert (s.pool.refcount(page), s.stats()["free_pages"], s.requests.active_count()) == before
+    result = s.run(qualia.HashBackend())          # the facade's own calls are unaffected
+    assert [f.request_id for f in result.finished] == [1]
+    free = s.pool.allocate()                       # idle: the raw objects are free again
+    s.pool.release(free)
+
+
+def test_raw_objects_outliving_their_facade_are_free():
+    s = qualia.Scheduler(4, 32, 4, 8)
+    s.add_request(1, [1, 2, 3], max_new_tokens=2)
+    pool = s.pool
+    with pytest.raises(qualia.StepError.ModeConflict):
+        pool.allocate()
+    del s
+    gc.collect()
+    pool.release(pool.allocate())

@@ -200,6 +200,13 @@ cdef class Scheduler:
                   <uint32_t>queued, chunk, vocab)
 
     def __dealloc__(self):
+        # the raw objects may outlive the facade: hand them back free
+        if self.requests is not None and self.requests.owner == OWN_STEP_HELD:
+            self.requests.owner = 0
+        if self.prefixes is not None and self.prefixes.owner == OWN_STEP_HELD:
+            self.prefixes.owner = 0
+        if self.pool is not None and self.pool.owner == OWN_STEP_HELD:
+            self.pool.owner = 0
         step_free(&self.step)
         PyMem_Free(self.undo)
         pc_free(&self.cache)
@@ -207,12 +214,31 @@ cdef class Scheduler:
 
     # -- ownership -------------------------------------------------------------------------------
     cdef inline uint64_t _own(self) except 0:
-        return own_acquire(&self.owner, &self.requests.owner, &self.prefixes.owner,
-                           &self.pool.owner)
+        # raw objects held for the step (OWN_STEP_HELD) are taken over by the facade's own calls
+        cdef bint held = self.owner == 0 and self.requests.owner == OWN_STEP_HELD
+        if held:
+            self._hold_raw(OWN_STEP_HELD, 0)
+        try:
+            return own_acquire(&self.owner, &self.requests.owner, &self.prefixes.owner,
+                               &self.pool.owner)
+        except BaseException:
+            if held:
+                self._hold_raw(0, OWN_STEP_HELD)
+            raise
 
     cdef inline void _unown(self, uint64_t token) noexcept:
         own_release(token, &self.owner, &self.requests.owner, &self.prefixes.owner,
                     &self.pool.owner)
+        if self.owner == 0 and (self.step.count or self.step.n_done):
+            self._hold_raw(0, OWN_STEP_HELD)
+
+    cdef inline void _hold_raw(self, uint64_t was, uint64_t now) noexcept:
+        if self.requests.owner == was:
+            self.requests.owner = now
+        if self.prefixes.owner == was:
+            self.prefixes.owner = now
+        if self.pool.owner == was:
+            self.pool.owner = now
 
     # -- properties and stats ------------------------------------------------------------------
     @property

@@ -21,17 +21,28 @@
 
 cdef uint64_t _own_seq = 0
 
+# A facade with engine-step requests lends its raw objects (`s.pool`, `s.prefixes`,
+# `s.requests`) to nobody: between its calls their owner fields hold OWN_STEP_HELD, so a raw
+# mutating call gets StepError.ModeConflict instead of changing pages or slots the step holds
+# (the facade's own calls take them over; core/facade.pxi, _own/_unown).
+cdef uint64_t OWN_STEP_HELD = 0xFFFFFFFFFFFFFFFF
+
 
 cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) except 0:
     """Stamp every non-NULL owner field with a fresh token if all are free; else BusyError."""
     global _own_seq
     cdef uint64_t token
+    if ((a != NULL and a[0] == OWN_STEP_HELD) or (b != NULL and b[0] == OWN_STEP_HELD)
+            or (c != NULL and c[0] == OWN_STEP_HELD) or (d != NULL and d[0] == OWN_STEP_HELD)):
+        raise StepError.ModeConflict(None, "this object belongs to a Scheduler that has "
+                                           "engine-step requests: use the Scheduler's verbs; "
+                                           "nothing was changed")
     if ((a != NULL and a[0] != 0) or (b != NULL and b[0] != 0)
             or (c != NULL and c[0] != 0) or (d != NULL and d[0] != 0)):
         raise BusyError(None, "the object is in use by another call (a decode round, its "
                               "backend, or another thread); nothing was changed, retry after it")
     _own_seq += 1
-    if _own_seq == 0:  # 2**64 calls later
+    if _own_seq == 0 or _own_seq == OWN_STEP_HELD:  # 2**64 calls later
         _own_seq = 1
     token = _own_seq
     if a != NULL:
