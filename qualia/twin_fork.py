@@ -41,7 +41,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from qualia._types import STEP_STATS, FinishedRequest, RequestState, RunResult
+from qualia._types import FinishedRequest, RequestState
 from qualia.errors import StepError
 from qualia.twin import _u32, _u64
 from qualia.twin_step import StepPlan, StepScheduler, _Req
@@ -268,45 +268,19 @@ class ForkStepScheduler(StepScheduler):
         self._clear_deferred_rows()
         return finished
 
-    def run(self, backend, max_steps=None) -> RunResult:
-        """``StepScheduler.run`` for backends whose ``execute_step`` returns the sampled ids, or
-        ``(sampled, topk_ids, topk_logprobs)`` when the plan has beam rows; ``finished`` holds
-        ``FinishedRequest`` and ``FinishedGroup`` records in the order they finished."""
-        limit = None if max_steps is None else _u32(max_steps, "max_steps")
-        execute = getattr(backend, "execute_step", None)
-        if not callable(execute):
-            raise TypeError(f"backend must have an execute_step(plan) method, "
-                            f"not {type(backend).__name__}")
-        self._enter()
-        stats: List[tuple] = []
-        finished: List[Any] = []
-        self._busy = True       # held for the whole call (StepScheduler.run's rule)
+    def _run_step(self, execute, plan: StepPlan) -> List[Any]:
+        """``StepScheduler.run``'s step for backends whose ``execute_step`` returns the sampled
+        ids, or ``(sampled, topk_ids, topk_logprobs)`` when the plan has beam rows; ``finished``
+        then holds ``FinishedRequest`` and ``FinishedGroup`` records in the order they
+        finished."""
         try:
-            while self.has_unfinished() and (limit is None or len(stats) < limit):
-                plan = self._schedule()
-                try:
-                    out = execute(plan)
-                    ids, tk, tl = out if isinstance(out, tuple) else (out, None, None)
-                    done = self._update_fork(self._resolve_sampled(ids), tk, tl)
-                except BaseException:
-                    if self._plan is plan:      # refused before anything changed
-                        self._discard()
-                    raise
-                finished.extend(done)
-                stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
-                              plan.num_decode_tokens, len(plan.logits_indices),
-                              len(plan.new_request_ids), len(plan.preempted_request_ids),
-                              plan.num_cached_tokens, len(done), self.num_waiting,
-                              self.num_running, self.facade.free_pages))
-            return RunResult(np.array(stats, dtype=STEP_STATS), finished)
-        except BaseException as err:
-            try:
-                err.finished = finished     # type: ignore[attr-defined]
-            except Exception:
-                pass
+            out = execute(plan)
+            ids, tk, tl = out if isinstance(out, tuple) else (out, None, None)
+            return self._update_fork(self._resolve_sampled(ids), tk, tl)
+        except BaseException:
+            if self._plan is plan:      # refused before anything changed
+                self._discard()
             raise
-        finally:
-            self._busy = False
 
     def _stop_reason(self, r: _Req, tok: int) -> Optional[str]:
         if r.num_outputs >= r.max_new_tokens:

@@ -551,17 +551,12 @@ class StepScheduler:
                             f"or have an execute_step(plan) method, not {type(backend).__name__}")
         self._enter()
         stats: List[tuple] = []
-        finished: List[FinishedRequest] = []
+        finished: List[Any] = []
         self._busy = True
         try:
             while self.has_unfinished() and (limit is None or len(stats) < limit):
                 plan = self._schedule()
-                try:
-                    ids = self._check_sampled(self._resolve_sampled(execute(plan)))
-                except BaseException:
-                    self._discard()
-                    raise
-                done = self._update(ids)
+                done = self._run_step(execute, plan)
                 finished.extend(done)
                 stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
                               plan.num_decode_tokens, len(plan.logits_indices),
@@ -577,6 +572,15 @@ class StepScheduler:
             raise
         finally:
             self._busy = False
+
+    def _run_step(self, execute, plan: StepPlan) -> List[Any]:
+        # run()'s one step after schedule: execute the plan and apply it; a failure discards it
+        try:
+            ids = self._check_sampled(self._resolve_sampled(execute(plan)))
+        except BaseException:
+            self._discard()
+            raise
+        return self._update(ids)
 
     def discard_plan(self) -> None:
         """Drop the pending plan after its execution failed: the scheduled tokens stay
