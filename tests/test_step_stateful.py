@@ -21,6 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from step_checks import assert_same_plan
 
 import qualia
 from qualia.errors import QualiaError
@@ -34,12 +35,6 @@ SETTINGS = settings(
     suppress_health_check=list(HealthCheck),
 )
 ALLOWED = (QualiaError, TypeError, ValueError, OverflowError)
-PLAN_ARRAYS = ("request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
-               "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
-               "block_table_rows", "changed_rows", "kv_indptr", "kv_indices", "kv_last_page_len",
-               "copies", "new_request_ids", "preempted_request_ids", "finished_request_ids")
-PLAN_COUNTS = ("num_prefill_tokens", "num_decode_tokens", "num_cached_tokens", "page_tokens",
-               "num_seqs", "num_tokens")
 VOCAB = 60
 SYSTEM = [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
 PREFIXES = [SYSTEM, SYSTEM[:5], [], [], [1, 2, 3, 4, 5, 6, 7, 8]]
@@ -114,12 +109,7 @@ class StepVsTwin(RuleBasedStateMachine):
         out = self.both(lambda s: s.schedule())
         if out[0][0] == "ok":
             a, b = out[0][1], out[1][1]
-            for name in PLAN_ARRAYS:
-                x, y = getattr(a, name), getattr(b, name)
-                assert x.dtype == y.dtype and x.shape == y.shape, (name, x, y)
-                assert np.array_equal(x, y), (name, x, y)
-            for name in PLAN_COUNTS:
-                assert getattr(a, name) == getattr(b, name), name
+            assert_same_plan(a, b)
             self.plan = a
 
     @precondition(lambda self: self.plan is not None)
