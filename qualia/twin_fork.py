@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from qualia._types import FinishedRequest, RequestState
+from qualia._types import FinishedGroup, FinishedRequest, RequestState
 from qualia.errors import StepError
 from qualia.twin import _u32, _u64
 from qualia.twin_step import StepPlan, StepScheduler, _Req
@@ -51,19 +51,6 @@ __all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBacke
 
 #: internal ids of children start here and count up, skipping ids in use
 CHILD_BASE = 1 << 63
-
-
-class FinishedGroup(NamedTuple):
-    """A finished group: the parent's id; ``n``: one uint32 output per member in member order,
-    why each stopped, ``scores=None`` and the members' ids (what the sampler keys on); beam
-    search: the hypotheses best first, why each ended, their cumulative log-probabilities, and
-    ``member_ids=[]``."""
-
-    request_id: int
-    outputs: List[np.ndarray]
-    finish_reasons: List[str]
-    scores: Optional[List[float]]
-    member_ids: List[int]
 
 
 @dataclass
