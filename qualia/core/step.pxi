@@ -865,7 +865,6 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
     for j in range(st.n):
         e = st.plan_entry[j]
         if not st.plan_alive[j]:
-            row_clear_deferred(st, st.block_table_rows[j])
             continue
         r = &st.req[e]
         r.plan_pos = -1
@@ -885,6 +884,11 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
             rc = step_take(st, e, sampled[st.plan_sample[j]])
         if rc and first == Q_OK:
             first = rc
+    # the rows of requests aborted in the plan are free again once it is applied (after the
+    # forks above: a child never takes a row the executing plan may still read)
+    for j in range(st.n):
+        if not st.plan_alive[j]:
+            row_clear_deferred(st, st.block_table_rows[j])
     st.pending = False
     return first
 
