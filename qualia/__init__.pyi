@@ -29,8 +29,8 @@ from ._types import CachedPrefix as CachedPrefix
 from ._types import CacheEntry as CacheEntry
 from ._types import CacheStats as CacheStats
 from ._types import CopyOnWrite as CopyOnWrite
-from ._types import FinishedRequest as FinishedRequest
 from ._types import FinishedGroup as FinishedGroup
+from ._types import FinishedRequest as FinishedRequest
 from ._types import RaggedBatchReceipt as RaggedBatchReceipt
 from ._types import RequestState as RequestState
 from ._types import RunResult as RunResult

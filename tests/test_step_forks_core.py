@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
+from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 import qualia
 from qualia import twin_fork as TF
 from qualia.errors import StepError
 from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
-
-from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 
 class ForksVsTwin(StepVsTwin):

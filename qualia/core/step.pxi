@@ -70,7 +70,7 @@ cdef struct StepReq:
     int32_t group           # the leader (parent) entry of its n group, -1 for none
     int32_t next_member     # the next member in member order, -1 after the last
     uint32_t n_members      # leader: k
-    uint32_t n_members_done # leader: members stopped so far
+    uint32_t n_members_done  # leader: members stopped so far
     uint8_t forked          # leader: the children are forked (or queued)
     uint8_t row_fresh       # forked child: its row is written whole when next lowered
     uint8_t nsb_borrowed    # nsb is the leader's (freed with it)
@@ -186,7 +186,7 @@ cdef struct StepState:
     uint64_t next_child     # the next internal child id to try (from 2**63 up)
     uint64_t enqueues       # heap_push counter
     uint64_t forks          # children forked
-    uint64_t fork_fallbacks # children queued for lack of a slot or row
+    uint64_t fork_fallbacks  # children queued for lack of a slot or row
 
 
 cdef inline uint64_t _now_ns() noexcept nogil:
