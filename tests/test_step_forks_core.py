@@ -175,3 +175,28 @@ def test_member_ids_are_taken_and_aborting_the_group_releases_everything():
     c.update([])
     with pytest.raises(StepError.UnknownRequest):
         c.group_members(1)
+
+
+def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
+    """run() with a C step backend (the GIL-free loop) plans and finishes groups as the Python
+    loop does, and as the twin does with the same (hash) sampler."""
+    hb = qualia.HashBackend()
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
+    a, b = qualia.Scheduler(8, 14, 4, 16, **kw), qualia.Scheduler(8, 14, 4, 16, **kw)
+    t = TF.ForkStepScheduler(8, 14, 4, 16, **kw)
+    for s in (a, b, t):
+        s.add_request(1, PROMPT, max_new_tokens=5, n=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=6, n=4)
+        s.add_request(3, PROMPT[2:], max_new_tokens=4)
+    result = a.run(hb)
+
+    class Py:
+        def execute_step(self, plan):
+            return hb.execute_step(plan)
+    rb, rt = b.run(Py()), t.run(Py())
+    assert np.array_equal(result.stats, rb.stats) and np.array_equal(result.stats, rt.stats)
+    assert finished_key(result.finished) == finished_key(rb.finished) == \
+        finished_key(rt.finished)
+    assert sorted(type(f).__name__ for f in result.finished) == \
+        ["FinishedGroup", "FinishedGroup", "FinishedRequest"]
+    assert a.free_pages == a.num_blocks
