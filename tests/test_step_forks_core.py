@@ -200,3 +200,19 @@ def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     assert sorted(type(f).__name__ for f in result.finished) == \
         ["FinishedGroup", "FinishedGroup", "FinishedRequest"]
     assert a.free_pages == a.num_blocks
+
+
+@pytest.mark.parametrize("seqs", [8, 4])
+def test_groups_without_prefix_caching_equal_their_dense_runs(seqs):
+    """prefix_caching='off' (the twin models 'auto' only): the members still fork and share the
+    prompt's pages, and a child queued for lack of a row recomputes its prompt."""
+    c = qualia.Scheduler(8, 64, 4, 32, prefix_caching="off", max_num_seqs=seqs)
+    c.add_request(1, PROMPT, max_new_tokens=6, n=4)
+    c.add_request(2, PROMPT[:3], max_new_tokens=4)
+    members = c.group_members(1)
+    r = c.run(CoreModelBackend(64, 4))
+    g = [f for f in r.finished if isinstance(f, qualia.FinishedGroup)][0]
+    assert [o.tolist() for o in g.outputs] == \
+        [DENSE.generate(PROMPT, 6, sampling=HOT, request_id=m) for m in members]
+    assert c.forks + c.fork_fallbacks == 3 and (c.fork_fallbacks > 0) == (seqs == 4)
+    assert c.free_pages == c.num_blocks
