@@ -48,6 +48,7 @@ from ._types import (
     CacheEntry,
     CacheStats,
     CopyOnWrite,
+    FinishedGroup,
     FinishedRequest,
     RaggedBatchReceipt,
     RequestState,
@@ -86,5 +87,5 @@ __all__ = [
     "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
     "SequenceBlockTable", "STEP_ABI_VERSION", "STEP_CAPSULE_NAME", "StepError", "TableError",
-    "StepPlan", "FinishedRequest", "RunResult", "STEP_STATS", "MAX_STOP_TOKENS",
+    "StepPlan", "FinishedRequest", "FinishedGroup", "RunResult", "STEP_STATS", "MAX_STOP_TOKENS",
 ]

@@ -29,6 +29,7 @@ from ._types import CachedPrefix as CachedPrefix
 from ._types import CacheEntry as CacheEntry
 from ._types import CacheStats as CacheStats
 from ._types import CopyOnWrite as CopyOnWrite
+from ._types import FinishedGroup as FinishedGroup
 from ._types import FinishedRequest as FinishedRequest
 from ._types import RaggedBatchReceipt as RaggedBatchReceipt
 from ._types import RequestState as RequestState
@@ -93,6 +94,7 @@ __all__ = [
     "TableError",
     "StepPlan",
     "FinishedRequest",
+    "FinishedGroup",
     "RunResult",
     "STEP_STATS",
     "MAX_STOP_TOKENS",

@@ -61,7 +61,8 @@ cimport numpy as cnp
 cnp.import_array()
 
 from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
-                           RaggedBatchReceipt, RequestState, FinishedRequest, RunResult,
+                           RaggedBatchReceipt, RequestState, FinishedRequest, FinishedGroup,
+                           RunResult,
                            STEP_STATS)
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
                            PrefixCacheError, PrefixKvError, RaggedBackendError,

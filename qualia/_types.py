@@ -8,7 +8,8 @@ from typing import Any, List, NamedTuple, Optional
 import numpy as np
 
 __all__ = ["RequestState", "Admission", "RaggedBatchReceipt", "CopyOnWrite", "CacheStats",
-           "CacheEntry", "CachedPrefix", "FinishedRequest", "RunResult", "STEP_STATS"]
+           "CacheEntry", "CachedPrefix", "FinishedRequest", "FinishedGroup", "RunResult",
+           "STEP_STATS"]
 
 
 class RequestState(enum.IntEnum):
@@ -112,6 +113,19 @@ class FinishedRequest(NamedTuple):
     request_id: int
     output_tokens: Any  # np.ndarray of uint32
     finish_reason: str
+
+
+class FinishedGroup(NamedTuple):
+    """A finished request group: the parent's id; ``n``: one uint32 output per member in member
+    order, why each stopped, ``scores=None`` and the members' ids (what the sampler keys on);
+    beam search (the twin): the hypotheses best first, why each ended, their cumulative
+    log-probabilities, and ``member_ids=[]``."""
+
+    request_id: int
+    outputs: List[Any]  # np.ndarray of uint32 each
+    finish_reasons: List[str]
+    scores: Optional[List[float]]
+    member_ids: List[int]
 
 
 #: One row per step of ``run()`` (and what the twin's ``run()`` returns): the plan's sizes, what

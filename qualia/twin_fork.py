@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from qualia._types import FinishedRequest, RequestState
+from qualia._types import FinishedGroup, FinishedRequest, RequestState
 from qualia.errors import StepError
 from qualia.twin import _u32, _u64
 from qualia.twin_step import StepPlan, StepScheduler, _Req
@@ -51,19 +51,6 @@ __all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBacke
 
 #: internal ids of children start here and count up, skipping ids in use
 CHILD_BASE = 1 << 63
-
-
-class FinishedGroup(NamedTuple):
-    """A finished group: the parent's id; ``n``: one uint32 output per member in member order,
-    why each stopped, ``scores=None`` and the members' ids (what the sampler keys on); beam
-    search: the hypotheses best first, why each ended, their cumulative log-probabilities, and
-    ``member_ids=[]``."""
-
-    request_id: int
-    outputs: List[np.ndarray]
-    finish_reasons: List[str]
-    scores: Optional[List[float]]
-    member_ids: List[int]
 
 
 @dataclass
@@ -123,8 +110,6 @@ class ForkStepScheduler(StepScheduler):
                                  f"{self.max_num_seqs}], got {beam_width}")
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
-        if rid in self._reserved:
-            raise StepError.DuplicateRequest(None, f"request {rid} (a group member's id)")
         if beam_width is not None:
             # the w beams are computed side by side: the prompt's full pages once (shared) and
             # each beam's own tail must fit the pool together, or the group never selects
@@ -137,7 +122,11 @@ class ForkStepScheduler(StepScheduler):
             if n_prompt and new and need > self.facade.num_blocks:
                 raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
                                                 f"side, the pool has {self.facade.num_blocks}")
-        super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
+        self._entries_adding = n
+        try:
+            super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
+        finally:
+            del self._entries_adding
         r = self._reqs[rid]
         if n > 1 or beam_width is not None:
             g = _Group("n" if beam_width is None else "beam", rid,
@@ -158,10 +147,22 @@ class ForkStepScheduler(StepScheduler):
             raise StepError.UnknownRequest(None, f"no group {request_id}")
         return list(g.members)
 
+    def _taken(self, rid: int) -> bool:
+        # every member id of a live group is taken (reserved, running, waiting or stopped),
+        # until the group's result is returned
+        return (rid in self._reqs or rid in self._reserved or rid in self._group_of
+                or rid in self._groups)
+
+    def _entries_used(self) -> int:
+        # an n group holds n queue entries from add_request until its result is returned: its
+        # reserved children and its stopped members too (the core keeps their outputs there)
+        return (len(self._reqs) + len(self._reserved)
+                + sum(len(g.results) for g in self._groups.values() if g.kind == "n"))
+
     def _new_child_id(self) -> int:
         while True:
             cid = next(self._child_ids)
-            if cid not in self._reqs and cid not in self._reserved:
+            if not self._taken(cid):
                 return cid
 
     def abort(self, request_id) -> None:
@@ -439,7 +440,8 @@ def _ro(a: np.ndarray) -> np.ndarray:
 # -- a model backend ----------------------------------------------------------------------------
 
 class StepModelBackend:
-    """``execute_step(plan)`` for ``ForkStepScheduler`` over ``qualia.model.PagedModelBackend``:
+    """``execute_step(plan)`` for ``ForkStepScheduler`` (or ``qualia.Scheduler``) over
+    ``qualia.model.PagedModelBackend``:
     one forward per plan; returns the sampled ids of its rows (the model's keyed sampler), and
     when the plan has beam rows also each row's ``num_topk`` best ids with their
     log-probabilities (ties: the lower id first), for ``update``."""
@@ -455,10 +457,11 @@ class StepModelBackend:
         logits = self.paged.step_logits(plan)
         li = np.asarray(plan.logits_indices, dtype=np.int64)
         ids = self.paged.sample(logits, plan.sampled_request_ids, plan.positions[li] + 1)
-        if not plan.num_topk:
+        topk = getattr(plan, "num_topk", 0)     # the core's plans have no beam rows (yet)
+        if not topk:
             return ids
         lp = log_softmax(logits)
-        order = np.argsort(-lp, axis=-1, kind="stable")[:, :plan.num_topk]
+        order = np.argsort(-lp, axis=-1, kind="stable")[:, :topk]
         return ids, order.astype(np.int64), np.take_along_axis(lp, order, axis=-1)
 
 

@@ -243,7 +243,7 @@ class StepScheduler:
         self._enter()
         if self.facade.active_count > len(self._running):
             raise StepError.ModeConflict(None, "requests admitted with admit() are active")
-        if rid in self._reqs:
+        if self._taken(rid):
             raise StepError.DuplicateRequest(None, f"request {rid}")
         total = len(tokens) + max_new
         if total > self.max_tokens:
@@ -253,12 +253,23 @@ class StepScheduler:
         if pages > self.facade.num_blocks:
             raise StepError.NeverFits(None, f"{pages} pages needed, the pool has "
                                             f"{self.facade.num_blocks}")
-        if len(self._reqs) >= self.max_queued:
+        if self._entries_used() + self._entries_adding > self.max_queued:
             raise StepError.QueueFull(None, f"{self.max_queued} requests queued")
         r = _Req(rid, tokens, len(tokens), max_new, ns, prio, next(self._arrivals), eos,
                  set(stop), ignore)
         self._reqs[rid] = r
         self._enqueue(r)
+
+    #: queue entries the request being added takes (an ``n`` group of the fork twin: ``n``)
+    _entries_adding = 1
+
+    def _taken(self, rid: int) -> bool:
+        """Whether ``rid`` names a request the scheduler holds (add_request refuses it)."""
+        return rid in self._reqs
+
+    def _entries_used(self) -> int:
+        """Queue entries in use (the core's token-arena entries)."""
+        return len(self._reqs)
 
     def _release_row(self, r: _Req) -> None:
         if r.row < 0:

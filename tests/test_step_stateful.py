@@ -43,7 +43,11 @@ PRIORITIES = st.integers(-3, 3) | st.sampled_from([-(2**31), 2**31 - 1])
 
 
 def finished_key(done):
+    # FinishedRequest, or FinishedGroup (an n group: tests/test_step_forks_core.py)
     return [(f.request_id, f.output_tokens.dtype, f.output_tokens.tolist(), f.finish_reason)
+            if isinstance(f, qualia.FinishedRequest) else
+            (type(f).__name__, f.request_id, [(o.dtype, o.tolist()) for o in f.outputs],
+             f.finish_reasons, f.scores, f.member_ids)
             for f in done]
 
 

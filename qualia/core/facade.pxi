@@ -1098,10 +1098,18 @@ cdef class Scheduler:
         return self.step.count != 0
 
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
-                    priority=0, eos_token_id=None, stop_token_ids=(), ignore_eos=False):
+                    priority=0, eos_token_id=None, stop_token_ids=(), ignore_eos=False, n=1):
         """Queue a request: its prompt is copied into the token arena (docs/DESIGN.md, "The
-        engine step", "Requests")."""
+        engine step", "Requests").  ``n > 1`` samples ``n`` continuations of the prompt on
+        copy-on-write forks (docs/DESIGN.md, "Forks at the step level"): one prefill, ``n``
+        members, one ``FinishedGroup`` under ``request_id``; the group takes ``n`` entries of
+        the queue."""
         cdef uint64_t rid = _u64(request_id, "request_id")
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be an int, not {type(n).__name__}")
+        if not 1 <= n <= self.step.max_seqs:
+            raise ValueError(f"n must be in [1, max_num_seqs={self.step.max_seqs}], got {n}")
+        cdef uint32_t n_members = <uint32_t>n
         cdef uint32_t max_new = _u32(max_new_tokens, "max_new_tokens")
         cdef uint32_t stop[STOP_MAX]
         cdef uint32_t n_stop = 0, eos = 0
@@ -1156,7 +1164,7 @@ cdef class Scheduler:
                 try:
                     rc = step_add(&self.step, rid, t.ptr, <uint32_t>t.n, max_new, prio, has_eos,
                                   eos, stop, n_stop, ignore, nsb, <uint32_t>nsl, nsh,
-                                  self.pool.pool.num_blocks)
+                                  self.pool.pool.num_blocks, n_members)
                 finally:
                     self._unown(tok)
             finally:
@@ -1173,10 +1181,13 @@ cdef class Scheduler:
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef StepState *st = &self.step
         cdef int rc
+        cdef int32_t e
         cdef uint64_t tok = self._own()
         try:
-            # room for this abort and a whole update before the next plan
-            self._accum_room(st.n_accum + 1 + st.max_seqs)
+            # room for this abort (a group: its members); update() makes room for its own
+            e = step_find(st, rid)
+            self._accum_room(<uint64_t>st.n_accum + (
+                st.req[e].n_members if e >= 0 and st.req[e].group == e else 1))
             rc = step_abort(st, rid)
         finally:
             self._unown(tok)
@@ -1251,6 +1262,7 @@ cdef class Scheduler:
         # update() with the scheduler owned by the caller
         cdef int rc
         self._load_sampled(values)
+        self._accum_room(<uint64_t>self.step.n_accum + self.step.m)   # every sampled member
         rc = step_update(&self.step, self.step.sampled)
         finished = step_collect(&self.step)
         if rc:
@@ -1307,10 +1319,36 @@ cdef class Scheduler:
         """Prompt plus generated tokens of a queued or running request."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef int32_t e = step_find(&self.step, rid)
-        if e < 0 or self.step.req[e].state == SR_FINISHED:
+        if e < 0 or (self.step.req[e].state != SR_WAITING
+                     and self.step.req[e].state != SR_RUNNING):
             raise StepError.UnknownRequest(None, f"request {rid}")
         return _array_of(&self.step.arena[<size_t>e * self.step.entry_cap],
                          self.step.req[e].num_tokens)
+
+    def group_members(self, request_id):
+        """The member ids of a queued or running ``n`` group, in member order: the parent's
+        id, then its children's (what the sampler keys on)."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        cdef StepState *st = &self.step
+        cdef int32_t e = step_find(st, rid), c
+        if e < 0 or st.req[e].group != e or st.req[e].state == SR_FINISHED:
+            raise StepError.UnknownRequest(None, f"no group {rid}")
+        out = []
+        c = e
+        while c >= 0:
+            out.append(st.req[c].rid)
+            c = st.req[c].next_member
+        return out
+
+    @property
+    def forks(self):
+        """Children of ``n`` groups forked so far (each shares its parent's pages)."""
+        return self.step.forks
+
+    @property
+    def fork_fallbacks(self):
+        """Children of ``n`` groups queued for lack of a free slot or row."""
+        return self.step.fork_fallbacks
 
     def step_requests(self):
         """Ids of the queued and running requests, in arrival order."""

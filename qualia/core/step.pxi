@@ -21,6 +21,8 @@ cdef enum:
     SR_WAITING = 1
     SR_RUNNING = 2
     SR_FINISHED = 3     # finished inside run(), waiting to be collected
+    SR_RESERVED = 4     # a child of an n group not forked yet (its id is taken)
+    SR_MEMBER_DONE = 5  # a member of an n group that stopped; its output waits for the group
 
 cdef enum:
     ROW_DEFERRED = -2   # row_owner of a row whose request was aborted in the pending plan
@@ -63,6 +65,16 @@ cdef struct StepReq:
     uint8_t state
     uint8_t reason
     uint8_t decode          # scheduled in the pending plan as a decode
+    # n groups (docs/DESIGN.md, "Forks at the step level"): every member's entry is taken from
+    # add_request until the group's result is collected
+    int32_t group           # the leader (parent) entry of its n group, -1 for none
+    int32_t next_member     # the next member in member order, -1 after the last
+    uint32_t n_members      # leader: k
+    uint32_t n_members_done  # leader: members stopped so far
+    uint8_t forked          # leader: the children are forked (or queued)
+    uint8_t row_fresh       # forked child: its row is written whole when next lowered
+    uint8_t nsb_borrowed    # nsb is the leader's (freed with it)
+    uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
 
 
 # One row of STEP_STATS (qualia._types): twelve uint32 fields, no padding.
@@ -169,7 +181,12 @@ cdef struct StepState:
     # finished requests not yet handed to Python (entries in state SR_FINISHED)
     int32_t *done
     uint32_t n_done
-    uint32_t *sampled       # max_seqs: update()'s validated sampled ids
+    uint32_t *sampled       # max_queued: update()'s validated sampled ids
+    uint32_t rows_cap       # sampled rows a plan may have (max_queued: one per member entry)
+    uint64_t next_child     # the next internal child id to try (from 2**63 up)
+    uint64_t enqueues       # heap_push counter
+    uint64_t forks          # children forked
+    uint64_t fork_fallbacks  # children queued for lack of a slot or row
 
 
 cdef inline uint64_t _now_ns() noexcept nogil:
@@ -249,7 +266,11 @@ cdef inline bint _before(StepState *st, int32_t a, int32_t b) noexcept nogil:
     # waiting order: (priority, arrival)
     if st.req[a].priority != st.req[b].priority:
         return st.req[a].priority < st.req[b].priority
-    return st.req[a].arrival < st.req[b].arrival
+    if st.req[a].arrival != st.req[b].arrival:
+        return st.req[a].arrival < st.req[b].arrival
+    # members of a group share their arrival: the one enqueued last goes first (the twin
+    # inserts before equal keys)
+    return st.req[a].enq > st.req[b].enq
 
 
 cdef inline void _heap_set(StepState *st, uint32_t i, int32_t e) noexcept nogil:
@@ -287,6 +308,8 @@ cdef void _heap_down(StepState *st, uint32_t i) noexcept nogil:
 
 cdef void heap_push(StepState *st, int32_t e) noexcept nogil:
     st.req[e].state = SR_WAITING
+    st.enqueues += 1
+    st.req[e].enq = st.enqueues
     _heap_set(st, st.n_waiting, e)
     st.n_waiting += 1
     _heap_up(st, st.n_waiting - 1)
@@ -394,9 +417,9 @@ cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
     # forget the entry: id index, namespace reference, stop ids
     cdef StepReq *r = &st.req[e]
     oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
-    if r.nsb != NULL:
+    if r.nsb != NULL and not r.nsb_borrowed:
         free(r.nsb)
-        r.nsb = NULL
+    r.nsb = NULL
     r.state = SR_FREE
     st.free_ids[st.n_free] = e
     st.n_free += 1
@@ -467,6 +490,7 @@ cdef int preempt(StepState *st, int32_t e) noexcept nogil:
     row_release(st, e)
     running_remove(st, e)
     st.req[e].num_computed = 0
+    st.req[e].row_fresh = 0
     heap_push(st, e)
     st.preempted_ids[st.n_preempted] = st.req[e].rid
     st.n_preempted += 1
@@ -668,11 +692,25 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             st.num_prefill_tokens += n
         st.T += n
         st.query_start_loc[j + 1] = <int32_t>st.T
+        if r.row_fresh:
+            # a forked child's first plan: its row takes the whole table (the twin's lowering
+            # writes every page of a scheduled request's row)
+            row_write(st, e, 0, tb.len - 1 if tb.len else 0)
+            r.row_fresh = 0
         if q + n == r.num_tokens:
-            st.logits_indices[st.m] = <int32_t>(st.T - 1)
-            st.sampled_request_ids[st.m] = r.rid
             st.plan_sample[j] = <int32_t>st.m
-            st.m += 1
+            if r.group == e and not r.forked:
+                # the prompt's last row, once per member of the n group, in member order
+                v = e
+                while v >= 0:
+                    st.logits_indices[st.m] = <int32_t>(st.T - 1)
+                    st.sampled_request_ids[st.m] = st.req[v].rid
+                    st.m += 1
+                    v = st.req[v].next_member
+            else:
+                st.logits_indices[st.m] = <int32_t>(st.T - 1)
+                st.sampled_request_ids[st.m] = r.rid
+                st.m += 1
         else:
             st.plan_sample[j] = -1
         pages = (q + n + st.page_tokens - 1) // st.page_tokens
@@ -698,14 +736,128 @@ cdef int step_schedule(StepState *st) noexcept nogil:
 
 # -- update ----------------------------------------------------------------------------------
 
+cdef int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil:
+    # one sampled token for entry e (running, or a queued child of an n group): note it, apply
+    # the stop conditions; a stopped plain request goes to st.done (SR_FINISHED), a stopped
+    # member waits for its group (SR_MEMBER_DONE) and the last one puts the leader in st.done
+    cdef StepReq *r = &st.req[e]
+    cdef StepReq *g
+    cdef uint32_t pos = r.num_tokens, k
+    cdef uint8_t reason = FIN_NONE
+    cdef int rc = Q_OK
+    st.arena[<size_t>e * st.entry_cap + pos] = tok
+    if st.mode == MODE_AUTO and r.state == SR_RUNNING:
+        auto_note_token(st.s, st.ss, <uint32_t>r.slot, pos, tok)
+    r.num_tokens += 1
+    if r.num_tokens - r.num_prompt >= r.max_new:
+        reason = FIN_LENGTH
+    elif r.has_eos and not r.ignore_eos and tok == r.eos:
+        reason = FIN_STOP
+    else:
+        for k in range(r.n_stop):
+            if r.stop[k] == tok:
+                reason = FIN_STOP
+                break
+    if reason == FIN_NONE:
+        return Q_OK
+    r.reason = reason
+    if r.state == SR_RUNNING:
+        rc = slot_release(st, e)
+        row_release(st, e)
+        running_remove(st, e)
+    else:
+        heap_remove(st, e)
+    st.count -= 1
+    accum_finished(st, r.rid)
+    if r.group < 0:
+        r.state = SR_FINISHED
+        st.done[st.n_done] = e
+        st.n_done += 1
+        return rc
+    r.state = SR_MEMBER_DONE
+    g = &st.req[r.group]
+    g.n_members_done += 1
+    if g.n_members_done == g.n_members:
+        g.state = SR_FINISHED
+        st.done[st.n_done] = r.group
+        st.n_done += 1
+    return rc
+
+
+cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
+    # child entry ce of the running parent pe, with the parent's tokens so far: forked (a slot
+    # and a row are free) or queued as an ordinary request (admitted later through the cache)
+    cdef StepReq *par = &st.req[pe]
+    cdef StepReq *ch = &st.req[ce]
+    cdef int32_t row = row_lowest_free(st), slot = -1
+    cdef Slot *ps
+    cdef int rc
+    memcpy(&st.arena[<size_t>ce * st.entry_cap], &st.arena[<size_t>pe * st.entry_cap],
+           <size_t>par.num_tokens * sizeof(uint32_t))
+    ch.num_tokens = par.num_tokens
+    st.count += 1
+    if row >= 0 and st.s.active < st.s.max_requests:
+        ps = &st.s.slots[par.slot]
+        if ps.state != QUALIA_STATE_DECODE:
+            # fork takes decoding requests only: the parent's prefill is complete
+            slot_set_decode(st.s, par.slot)
+            ps.next_token_id = 0
+            ps.token_ready = 1
+        rc = facade_fork(st.s, st.p, st.c, st.ss, st.mode == MODE_AUTO, par.slot, ch.rid,
+                         &slot)
+        if rc:
+            return rc       # cannot happen: a slot is free and the pages are held
+        ch.state = SR_RUNNING
+        ch.slot = slot
+        ch.num_computed = par.num_computed
+        st.admissions += 1
+        ch.admitted = st.admissions
+        ch.row = row
+        ch.row_fresh = 1
+        st.row_owner[row] = ce
+        st.running[st.n_running] = ce
+        st.n_running += 1
+        st.forks += 1
+    else:
+        heap_push(st, ce)
+        st.fork_fallbacks += 1
+    return Q_OK
+
+
+cdef int step_fork_n(StepState *st, int32_t e, const uint32_t *toks) noexcept nogil:
+    # the leader e of an n group sampled toks[0..k): fork the k - 1 children, then each member
+    # takes its own token (the children first, the parent last)
+    cdef int32_t c
+    cdef uint32_t j
+    cdef int rc, first = Q_OK
+    st.req[e].forked = 1
+    c = st.req[e].next_member
+    while c >= 0:
+        rc = step_spawn(st, e, c)
+        if rc and first == Q_OK:
+            first = rc
+        c = st.req[c].next_member
+    c = st.req[e].next_member
+    j = 1
+    while c >= 0:
+        rc = step_take(st, c, toks[j])
+        if rc and first == Q_OK:
+            first = rc
+        j += 1
+        c = st.req[c].next_member
+    rc = step_take(st, e, toks[0])
+    if rc and first == Q_OK:
+        first = rc
+    return first
+
+
 cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
     # sampled[0..m) was validated by the caller.  Finished entries go to st.done (state
     # SR_FINISHED) for the caller to report and free.
-    cdef uint32_t j, n, tok, pos, k
-    cdef int32_t e, row
+    cdef uint32_t j, n
+    cdef int32_t e
     cdef StepReq *r
     cdef Slot *sl
-    cdef uint8_t reason
     cdef int rc, first = Q_OK
     cdef uint64_t tc
     if not st.pending:
@@ -713,7 +865,6 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
     for j in range(st.n):
         e = st.plan_entry[j]
         if not st.plan_alive[j]:
-            row_clear_deferred(st, st.block_table_rows[j])
             continue
         r = &st.req[e]
         r.plan_pos = -1
@@ -727,35 +878,17 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
             auto_fill(st.s, st.p, st.c, st.ss, <uint32_t>r.slot)
         if st.plan_sample[j] < 0:
             continue
-        tok = sampled[st.plan_sample[j]]
-        pos = r.num_tokens
-        st.arena[<size_t>e * st.entry_cap + pos] = tok
-        if st.mode == MODE_AUTO:
-            auto_note_token(st.s, st.ss, <uint32_t>r.slot, pos, tok)
-        r.num_tokens += 1
-        reason = FIN_NONE
-        if r.num_tokens - r.num_prompt >= r.max_new:
-            reason = FIN_LENGTH
-        elif r.has_eos and not r.ignore_eos and tok == r.eos:
-            reason = FIN_STOP
+        if r.group == e and not r.forked:
+            rc = step_fork_n(st, e, &sampled[st.plan_sample[j]])
         else:
-            for k in range(r.n_stop):
-                if r.stop[k] == tok:
-                    reason = FIN_STOP
-                    break
-        if reason == FIN_NONE:
-            continue
-        r.reason = reason
-        rc = slot_release(st, e)
+            rc = step_take(st, e, sampled[st.plan_sample[j]])
         if rc and first == Q_OK:
             first = rc
-        row_release(st, e)
-        running_remove(st, e)
-        r.state = SR_FINISHED
-        st.count -= 1
-        st.done[st.n_done] = e
-        st.n_done += 1
-        accum_finished(st, r.rid)
+    # the rows of requests aborted in the plan are free again once it is applied (after the
+    # forks above: a child never takes a row the executing plan may still read)
+    for j in range(st.n):
+        if not st.plan_alive[j]:
+            row_clear_deferred(st, st.block_table_rows[j])
     st.pending = False
     return first
 
@@ -786,12 +919,17 @@ cdef void step_discard(StepState *st) noexcept nogil:
 cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
                   uint32_t max_new, int64_t priority, bint has_eos, uint32_t eos,
                   const uint32_t *stop, uint32_t n_stop, bint ignore_eos, uint8_t *nsb,
-                  uint32_t nsl, uint64_t nsh, uint32_t num_blocks) noexcept nogil:
-    # Queue a request (the twin's checks, in its order).  On success the entry owns nsb.
+                  uint32_t nsl, uint64_t nsh, uint32_t num_blocks,
+                  uint32_t n_members) noexcept nogil:
+    # Queue a request (the twin's checks, in its order).  On success the entry owns nsb.  With
+    # n_members > 1 the request leads an n group: n_members - 1 more entries are taken for its
+    # children now (state SR_RESERVED, ids from 2**63 up, skipping ids in use).
     cdef uint64_t total = <uint64_t>n + max_new
-    cdef uint64_t pages
-    cdef int32_t e
+    cdef uint64_t pages, cid
+    cdef int32_t e, c, prev
+    cdef uint32_t k
     cdef StepReq *r
+    cdef StepReq *ch
     if st.s.active > st.n_running:
         return Q_MODE_CONFLICT
     if step_find(st, rid) >= 0:
@@ -801,7 +939,7 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     pages = (total - 1 + st.page_tokens - 1) // st.page_tokens
     if pages > num_blocks:
         return Q_NEVER_FITS
-    if st.n_free == 0:
+    if st.n_free < n_members:
         return Q_QUEUE_FULL
     st.n_free -= 1
     e = st.free_ids[st.n_free]
@@ -827,19 +965,41 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     r.row = -1
     r.heap_pos = -1
     r.plan_pos = -1
+    r.group = -1
+    r.next_member = -1
     memcpy(&st.arena[<size_t>e * st.entry_cap], tok, <size_t>n * sizeof(uint32_t))
     oa_insert(st.index, st.index_mask, _step_home(st, rid), e)
     st.count += 1
     heap_push(st, e)
+    if n_members > 1:
+        r.group = e
+        r.n_members = n_members
+        prev = e
+        for k in range(1, n_members):
+            cid = st.next_child
+            st.next_child += 1
+            while step_find(st, cid) >= 0:
+                cid = st.next_child
+                st.next_child += 1
+            st.n_free -= 1
+            c = st.free_ids[st.n_free]
+            ch = &st.req[c]
+            ch[0] = st.req[e]
+            ch.rid = cid
+            ch.nsb_borrowed = ch.nsb != NULL
+            ch.heap_pos = -1
+            ch.next_member = -1
+            ch.n_members = 0
+            ch.state = SR_RESERVED
+            oa_insert(st.index, st.index_mask, _step_home(st, cid), c)
+            st.req[prev].next_member = c
+            prev = c
     return Q_OK
 
 
-cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
-    # a waiting or running request; the caller made room in fin_accum
-    cdef int32_t e = step_find(st, rid)
+cdef int step_abort_one(StepState *st, int32_t e) noexcept nogil:
+    # a waiting or running entry leaves the queues (its entry is freed by the caller)
     cdef int rc = Q_OK
-    if e < 0 or st.req[e].state == SR_FINISHED:
-        return Q_STEP_UNKNOWN
     if st.req[e].state == SR_RUNNING:
         rc = slot_release(st, e)
         if st.pending and st.req[e].plan_pos >= 0:
@@ -854,8 +1014,36 @@ cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
     else:
         heap_remove(st, e)
     st.count -= 1
-    accum_finished(st, rid)
-    entry_free(st, e)
+    accum_finished(st, st.req[e].rid)
+    return rc
+
+
+cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
+    # a waiting or running request, or an n group by its parent's id (every member still
+    # queued or running, in member order); a member alone is refused.  The caller made room
+    # in fin_accum.
+    cdef int32_t e = step_find(st, rid), c, nxt
+    cdef int rc = Q_OK, r2
+    if e < 0 or st.req[e].state == SR_FINISHED:
+        return Q_STEP_UNKNOWN
+    if st.req[e].group >= 0 and st.req[e].group != e:
+        return Q_STEP_UNKNOWN       # a member of a group: abort the group
+    if st.req[e].group != e:
+        rc = step_abort_one(st, e)
+        entry_free(st, e)
+        return rc
+    c = e
+    while c >= 0:
+        if st.req[c].state == SR_RUNNING or st.req[c].state == SR_WAITING:
+            r2 = step_abort_one(st, c)
+            if r2 and rc == Q_OK:
+                rc = r2
+        c = st.req[c].next_member
+    c = e
+    while c >= 0:
+        nxt = st.req[c].next_member
+        entry_free(st, c)
+        c = nxt
     return rc
 
 
@@ -985,7 +1173,9 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
     st.done = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
-    st.sampled = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
+    st.rows_cap = max_queued
+    st.next_child = (<uint64_t>1) << 63
+    st.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
     st.accum_cap = max_queued + max_seqs
     st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
     if (st.req == NULL or st.arena == NULL or st.free_ids == NULL or st.index == NULL
@@ -1010,8 +1200,9 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.input_ids = <uint32_t *>bufs.add("input_ids", _DT_U32, budget)
     st.positions = <int32_t *>bufs.add("positions", _DT_PLAN_I32, budget)
     st.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_PLAN_I64, budget)
-    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_PLAN_I32, max_seqs)
-    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_PLAN_U64, max_seqs)
+    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_PLAN_I32, max_queued)
+    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_PLAN_U64,
+                                                  max_queued)
     st.block_table = <int32_t *>bufs.add("block_table", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
     st.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_PLAN_I32, max_seqs)
     st.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_PLAN_I32, max_seqs)
@@ -1033,7 +1224,7 @@ cdef void step_free(StepState *st) noexcept:
     cdef uint32_t e
     if st.req != NULL:
         for e in range(st.max_queued):
-            if st.req[e].nsb != NULL:
+            if st.req[e].nsb != NULL and not st.req[e].nsb_borrowed:
                 free(st.req[e].nsb)
     PyMem_Free(st.req)
     PyMem_Free(st.arena)
@@ -1085,25 +1276,51 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
 
 
 cdef list step_collect(StepState *st):
-    """FinishedRequest for every entry in st.done, in order; the entries are freed."""
+    """FinishedRequest (FinishedGroup for an n group) for every entry in st.done, in order;
+    the entries are freed."""
     cdef list out = []
     cdef uint32_t k
     cdef int32_t e
     cdef StepReq *r
-    cdef uint32_t[::1] v
+    cdef int32_t c, nxt
     for k in range(st.n_done):
         e = st.done[k]
         r = &st.req[e]
-        arr = np.empty(r.num_tokens - r.num_prompt, dtype=np.uint32)
-        v = arr
-        if r.num_tokens > r.num_prompt:
-            memcpy(&v[0], &st.arena[<size_t>e * st.entry_cap + r.num_prompt],
-                   (r.num_tokens - r.num_prompt) * sizeof(uint32_t))
-        out.append(FinishedRequest(r.rid, arr, _FINISH_REASONS[r.reason]))
+        if r.group == e:
+            # an n group: the members' outputs in member order
+            outs, reasons, ids = [], [], []
+            c = e
+            while c >= 0:
+                outs.append(_step_output(st, c))
+                reasons.append(_FINISH_REASONS[st.req[c].reason])
+                ids.append(st.req[c].rid)
+                c = st.req[c].next_member
+            out.append(FinishedGroup(r.rid, outs, reasons, None, ids))
+        else:
+            out.append(FinishedRequest(r.rid, _step_output(st, e), _FINISH_REASONS[r.reason]))
     for k in range(st.n_done):
-        entry_free(st, st.done[k])
+        e = st.done[k]
+        if st.req[e].group == e:
+            c = e
+            while c >= 0:
+                nxt = st.req[c].next_member
+                entry_free(st, c)
+                c = nxt
+        else:
+            entry_free(st, e)
     st.n_done = 0
     return out
+
+
+cdef object _step_output(StepState *st, int32_t e):
+    cdef StepReq *r = &st.req[e]
+    cdef uint32_t[::1] v
+    arr = np.empty(r.num_tokens - r.num_prompt, dtype=np.uint32)
+    v = arr
+    if r.num_tokens > r.num_prompt:
+        memcpy(&v[0], &st.arena[<size_t>e * st.entry_cap + r.num_prompt],
+               (r.num_tokens - r.num_prompt) * sizeof(uint32_t))
+    return arr
 
 
 cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept nogil:

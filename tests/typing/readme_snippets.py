@@ -23,6 +23,7 @@ while s.has_unfinished():
     plan = s.schedule()  # input_ids, positions, slot_mapping, block_table, kv_indptr, ...
     sampled = backend.execute_step(plan)  # one forward over the mixed batch
     for done in s.update(sampled):  # stop conditions applied; pages go to the cache
+        assert isinstance(done, qualia.FinishedRequest)  # a FinishedGroup for n > 1
         print(done.request_id, done.finish_reason, done.output_tokens[:4])
 
 for rid in range(8, 16):

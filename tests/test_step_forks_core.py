@@ -1,0 +1,218 @@
+"""Parallel sampling (``add_request(..., n=k)``) in the compiled engine step, against its
+pure-Python statement ``qualia.twin_fork.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the
+step level").
+
+``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
+with ``n`` groups among the requests: every plan array (repeated logits rows, the members' ids,
+the copies of the shared partial page, rows of forked children), every result (one
+``FinishedGroup`` per group), the queues, the pool's reference counts and every request's
+tokens must agree after every call.  The dense check runs ``qualia.model``'s seeded per-member
+sampler through the core and compares each member with its dense run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
+
+import qualia
+from qualia import twin_fork as TF
+from qualia.errors import StepError
+from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+
+
+class ForksVsTwin(StepVsTwin):
+    @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24),
+                seqs=st.integers(1, 5), chunk=st.sampled_from([None, None, 1, 3, 8]),
+                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]))
+    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens):
+        kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
+                  max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16)
+        self.core = qualia.Scheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.twin = TF.ForkStepScheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.next_id = 0
+        self.plan = None
+
+    @rule(prefix=st.sampled_from(PREFIXES),
+          tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          n=st.integers(1, 6), max_new=st.sampled_from([1, 2, 3, 5, 8]), priority=PRIORITIES,
+          eos=st.sampled_from([None, 3, 17]), stop=st.sampled_from([(), (5,), (9, 2)]),
+          reuse=st.integers(0, 9))
+    def group(self, prefix, tail, n, max_new, priority, eos, stop, reuse):
+        rid = self.next_id if reuse else max(self.next_id - 1, 0)   # sometimes a duplicate
+        self.next_id += 1
+        self.both(lambda s: s.add_request(rid, prefix + tail, max_new_tokens=max_new, n=n,
+                                          priority=priority, eos_token_id=eos,
+                                          stop_token_ids=stop))
+
+    @rule(pick=st.integers(0, 40), child=st.integers(0, 3))
+    def abort_member(self, pick, child):
+        # a child's id (refused: abort the group) or the group by its parent's id
+        rid = pick % (self.next_id + 2)
+        out = self.both(lambda s: s.group_members(rid))
+        if out[0][0] == "ok":
+            assert out[0][1] == out[1][1]
+            member = out[0][1][child % len(out[0][1])]
+            self.both(lambda s: s.abort(member))
+
+    @invariant()
+    def agree(self):
+        if not hasattr(self, "core"):
+            return
+        c, t = self.core, self.twin
+        assert c.num_waiting == t.num_waiting
+        assert c.num_running == t.num_running
+        assert c.has_unfinished() == t.has_unfinished()
+        assert c.free_pages == t.facade.free_pages
+        assert [c.pool.refcount(p) for p in range(c.num_blocks)] == \
+            [t.facade.pool.refcount(p) for p in range(c.num_blocks)]
+        # members share their parent's arrival: the twin lists them in the order they became
+        # requests, the core by (arrival, id)
+        assert sorted(c.step_requests()) == sorted(t.requests())
+        for rid in c.step_requests():
+            assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
+        assert c.forks == t.forks and c.fork_fallbacks == t.fork_fallbacks
+
+
+TestForksVsTwin = ForksVsTwin.TestCase
+TestForksVsTwin.settings = SETTINGS
+
+
+W = ModelWeights.random(ModelConfig(vocab=64, layers=1))
+DENSE = DenseModel(W)
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+HOT = SamplingParams(temperature=1.0, seed=11)
+
+
+class CoreModelBackend:
+    """execute_step for qualia.Scheduler over the paged numpy model (twin_fork's backend)."""
+
+    def __init__(self, num_blocks, page_tokens):
+        self.b = TF.StepModelBackend(W, num_blocks, page_tokens, sampling=HOT)
+
+    def execute_step(self, plan):
+        return np.asarray(self.b.execute_step(plan), dtype=np.uint32)
+
+
+@pytest.mark.parametrize("page_tokens,prompt_len", [(4, 10), (4, 8), (1, 5), (3, 10)])
+@pytest.mark.parametrize("budget,seqs", [(2048, 8), (3, 8), (64, 4)])
+def test_every_member_equals_its_dense_run_and_the_twin(page_tokens, prompt_len, budget, seqs):
+    """Each member's tokens equal DenseModel.generate with the member's id; the core's run
+    equals the twin's step for step (stats and results)."""
+    prompt = PROMPT[:prompt_len]
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs)
+    c = qualia.Scheduler(8, 64, page_tokens, 32, **kw)
+    t = TF.ForkStepScheduler(8, 64, page_tokens, 32, **kw)
+    for s in (c, t):
+        s.add_request(1, prompt, max_new_tokens=6, n=4)
+        s.add_request(2, prompt[:3], max_new_tokens=4)
+    members = c.group_members(1)
+    assert members == t.group_members(1) and members[0] == 1 and len(set(members)) == 4
+    rc = c.run(CoreModelBackend(64, page_tokens))
+    rt = t.run(CoreModelBackend(64, page_tokens))
+    assert np.array_equal(rc.stats, rt.stats)
+    assert finished_key(rc.finished) == finished_key(rt.finished)
+    g = [f for f in rc.finished if isinstance(f, qualia.FinishedGroup)][0]
+    assert g.request_id == 1 and g.member_ids == members and g.scores is None
+    outs = [o.tolist() for o in g.outputs]
+    assert outs == [DENSE.generate(prompt, 6, sampling=HOT, request_id=m) for m in members]
+    assert len({tuple(o) for o in outs}) > 1
+    assert c.forks + c.fork_fallbacks == 3
+    assert c.free_pages == c.num_blocks
+
+
+def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied():
+    c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(1, PROMPT, max_new_tokens=3, n=3)
+    plan = c.schedule()
+    assert plan.logits_indices.tolist() == [len(PROMPT) - 1] * 3
+    assert plan.sampled_request_ids.tolist() == c.group_members(1)
+    assert c.update([1, 2, 3]) == []
+    assert c.num_running == 3 and c.forks == 2
+    plan = c.schedule()
+    assert len(plan.copies) == 2            # the shared partial page, once per child but the last
+    assert plan.block_table_rows.tolist() == [0, 1, 2]
+    assert plan.kv_indices.tolist()[:2] == plan.kv_indices.tolist()[3:5]   # full pages shared
+
+
+def test_queue_capacity_counts_every_member():
+    c = qualia.Scheduler(4, 64, 4, 16, max_queued=5)
+    t = TF.ForkStepScheduler(4, 64, 4, 16, max_queued=5)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=3, n=4)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(2, PROMPT, max_new_tokens=3, n=2)
+        s.add_request(3, PROMPT, max_new_tokens=3)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(4, PROMPT, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("kw,exc", [(dict(n=0), ValueError), (dict(n=9), ValueError),
+                                    (dict(n=True), TypeError), (dict(n=2.0), TypeError)])
+def test_bad_n_changes_nothing(kw, exc):
+    c = qualia.Scheduler(8, 64, 4, 16)
+    with pytest.raises(exc):
+        c.add_request(1, PROMPT, max_new_tokens=3, **kw)
+    assert not c.has_unfinished()
+
+
+def test_member_ids_are_taken_and_aborting_the_group_releases_everything():
+    c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(1, PROMPT, max_new_tokens=5, n=3)
+    members = c.group_members(1)
+    with pytest.raises(StepError.DuplicateRequest):
+        c.add_request(members[1], PROMPT, max_new_tokens=3)
+    c.update([1, 2, 3]) if c.schedule() is not None else None
+    with pytest.raises(StepError.UnknownRequest):
+        c.abort(members[2])                 # a member alone
+    c.abort(1)
+    assert not c.has_unfinished() and c.free_pages == c.num_blocks
+    plan = c.schedule()
+    assert sorted(plan.finished_request_ids.tolist()) == sorted(members)
+    c.update([])
+    with pytest.raises(StepError.UnknownRequest):
+        c.group_members(1)
+
+
+def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
+    """run() with a C step backend (the GIL-free loop) plans and finishes groups as the Python
+    loop does, and as the twin does with the same (hash) sampler."""
+    hb = qualia.HashBackend()
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
+    a, b = qualia.Scheduler(8, 14, 4, 16, **kw), qualia.Scheduler(8, 14, 4, 16, **kw)
+    t = TF.ForkStepScheduler(8, 14, 4, 16, **kw)
+    for s in (a, b, t):
+        s.add_request(1, PROMPT, max_new_tokens=5, n=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=6, n=4)
+        s.add_request(3, PROMPT[2:], max_new_tokens=4)
+    result = a.run(hb)
+
+    class Py:
+        def execute_step(self, plan):
+            return hb.execute_step(plan)
+    rb, rt = b.run(Py()), t.run(Py())
+    assert np.array_equal(result.stats, rb.stats) and np.array_equal(result.stats, rt.stats)
+    assert finished_key(result.finished) == finished_key(rb.finished) == \
+        finished_key(rt.finished)
+    assert sorted(type(f).__name__ for f in result.finished) == \
+        ["FinishedGroup", "FinishedGroup", "FinishedRequest"]
+    assert a.free_pages == a.num_blocks
+
+
+@pytest.mark.parametrize("seqs", [8, 4])
+def test_groups_without_prefix_caching_equal_their_dense_runs(seqs):
+    """prefix_caching='off' (the twin models 'auto' only): the members still fork and share the
+    prompt's pages, and a child queued for lack of a row recomputes its prompt."""
+    c = qualia.Scheduler(8, 64, 4, 32, prefix_caching="off", max_num_seqs=seqs)
+    c.add_request(1, PROMPT, max_new_tokens=6, n=4)
+    c.add_request(2, PROMPT[:3], max_new_tokens=4)
+    members = c.group_members(1)
+    r = c.run(CoreModelBackend(64, 4))
+    g = [f for f in r.finished if isinstance(f, qualia.FinishedGroup)][0]
+    assert [o.tolist() for o in g.outputs] == \
+        [DENSE.generate(PROMPT, 6, sampling=HOT, request_id=m) for m in members]
+    assert c.forks + c.fork_fallbacks == 3 and (c.fork_fallbacks > 0) == (seqs == 4)
+    assert c.free_pages == c.num_blocks
