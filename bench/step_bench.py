@@ -20,7 +20,6 @@ repeated timings; the ratios are what to compare across machines.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import time
 
@@ -28,62 +27,10 @@ import time
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
+from steptime import KEY, PT, decode_cost, median, pc, time_steps  # noqa: E402
 
 import qualia  # noqa: E402
 from qualia.twin_step import StepScheduler  # noqa: E402
-
-pc = time.perf_counter_ns
-PT = 16
-KEY = bytes(range(16))
-
-
-def median(xs):
-    return float(np.median(np.asarray(xs, dtype=np.float64)))
-
-
-def decoding(cls, n, ctx, extra_pages=8, **kw):
-    """n requests of ctx-token prompts, prefilled, each decoding from now on (with room for
-    the decode steps taken while the others prefill, and extra_pages more pages)."""
-    kw.setdefault("max_num_batched_tokens", max(8192, n))
-    prefill_steps = n * ctx // max(kw["max_num_batched_tokens"] - n, 1) + 2
-    extra_pages += -(-prefill_steps // PT)
-    lp = -(-ctx // PT) + extra_pages
-    s = cls(n, n * lp + 8, PT, lp, cache_key=KEY, max_num_seqs=n, max_queued=n, **kw)
-    rng = np.random.default_rng(n + ctx)
-    for i in range(n):
-        s.add_request(i, rng.integers(0, 30000, size=ctx, dtype=np.uint32),
-                      max_new_tokens=extra_pages * PT - 1)
-    while True:   # prefill every prompt (the first token is sampled at its last chunk)
-        plan = s.schedule()
-        s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
-        if plan.num_prefill_tokens == 0:
-            break
-    return s
-
-
-def time_steps(s, steps, ids):
-    """ns per schedule + update, median of `steps` steps."""
-    ts = []
-    sched, upd = s.schedule, s.update
-    for _ in range(steps):
-        t0 = pc()
-        upd(ids)
-        sched()
-        ts.append(pc() - t0)
-    return median(ts)
-
-
-def decode_cost(cls, n, ctx, steps):
-    s = decoding(cls, n, ctx, extra_pages=steps // PT + 2)
-    plan = s.schedule()
-    assert plan.num_decode_tokens == n, (plan.num_decode_tokens, n)
-    ids = np.zeros(n, dtype=np.uint32)
-    gc.disable()
-    try:
-        t = time_steps(s, steps, ids)
-    finally:
-        gc.enable()
-    return t / n
 
 
 def s1(quick):
