@@ -25,7 +25,11 @@ sum of request i's kv_indices) mod vocab.
 """
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
-from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
+from cpython.pycapsule cimport (
+    PyCapsule_GetName,
+    PyCapsule_GetPointer,
+    PyCapsule_New,
+)
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 
 from qualia._abi cimport (
@@ -82,9 +86,34 @@ cdef int32_t _copy_pages(void *ctx, const qualia_copy_op *ops,
     return 0
 
 
-cdef void _free(object capsule) noexcept:
-    PyMem_Free(PyCapsule_GetPointer(capsule, QUALIA_BACKEND_CAPSULE_NAME))
+# -- shared by both backends: a state struct whose first member is the interface, owned by the
+# capsule that hands the interface to qualia
 
+cdef void _free(object capsule) noexcept:
+    PyMem_Free(PyCapsule_GetPointer(capsule, PyCapsule_GetName(capsule)))
+
+
+cdef void *_new_state(unsigned int vocab, size_t size) except NULL:
+    """A zeroed state struct of `size` bytes, for a backend of `vocab` tokens."""
+    if vocab == 0:
+        raise ValueError("vocab must be at least 1")
+    cdef void *s = PyMem_Calloc(1, size)
+    if s == NULL:
+        raise MemoryError()
+    return s
+
+
+cdef object _capsule(void *s, const char *name):
+    """The capsule named `name` that owns state s (freed here if the capsule cannot be made);
+    its pointer is s, the state's interface."""
+    try:
+        return PyCapsule_New(s, name, _free)
+    except BaseException:
+        PyMem_Free(s)
+        raise
+
+
+# -- the decode-round backend ---------------------------------------------------------------
 
 cdef class Backend:
     """A decode backend; qualia takes it as it is (``__qualia_backend__``)."""
@@ -93,23 +122,14 @@ cdef class Backend:
     cdef state *_state
 
     def __cinit__(self, unsigned int vocab):
-        if vocab == 0:
-            raise ValueError("vocab must be at least 1")
-        cdef state *s = <state *>PyMem_Calloc(1, sizeof(state))
-        if s == NULL:
-            raise MemoryError()
+        cdef state *s = <state *>_new_state(vocab, sizeof(state))
         s.iface.abi_version = QUALIA_BACKEND_ABI_VERSION
         s.iface.struct_size = sizeof(qualia_backend)
         s.iface.ctx = s
         s.iface.execute_ragged = _execute
         s.iface.copy_pages = _copy_pages
         s.vocab = vocab
-        try:
-            self.__qualia_backend__ = PyCapsule_New(&s.iface, QUALIA_BACKEND_CAPSULE_NAME,
-                                                    _free)
-        except BaseException:
-            PyMem_Free(s)
-            raise
+        self.__qualia_backend__ = _capsule(s, QUALIA_BACKEND_CAPSULE_NAME)
         self._state = s  # owned by the capsule, which may outlive this object
 
     def stats(self):
@@ -163,10 +183,6 @@ cdef int32_t _execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sa
     return 0
 
 
-cdef void _free_step(object capsule) noexcept:
-    PyMem_Free(PyCapsule_GetPointer(capsule, QUALIA_STEP_CAPSULE_NAME))
-
-
 cdef class StepBackend:
     """A step backend; qualia takes it as it is (``__qualia_step_backend__``)."""
 
@@ -174,11 +190,7 @@ cdef class StepBackend:
     cdef step_state *_state
 
     def __cinit__(self, unsigned int vocab):
-        if vocab == 0:
-            raise ValueError("vocab must be at least 1")
-        cdef step_state *s = <step_state *>PyMem_Calloc(1, sizeof(step_state))
-        if s == NULL:
-            raise MemoryError()
+        cdef step_state *s = <step_state *>_new_state(vocab, sizeof(step_state))
         s.iface.abi_version = QUALIA_STEP_ABI_VERSION
         s.iface.struct_size = sizeof(qualia_step_backend)
         s.iface.flags = 0  # no log-probabilities
@@ -186,12 +198,7 @@ cdef class StepBackend:
         s.iface.execute_step = _execute_step
         s.iface.copy_pages = NULL  # it would perform plan.copies itself
         s.vocab = vocab
-        try:
-            self.__qualia_step_backend__ = PyCapsule_New(&s.iface, QUALIA_STEP_CAPSULE_NAME,
-                                                         _free_step)
-        except BaseException:
-            PyMem_Free(s)
-            raise
+        self.__qualia_step_backend__ = _capsule(s, QUALIA_STEP_CAPSULE_NAME)
         self._state = s  # owned by the capsule, which may outlive this object
 
     def stats(self):
