@@ -216,7 +216,8 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     f.add_argument("--temperature", type=_temperature, default=None, metavar="T",
                    help="sample each token from softmax(logits / T), keyed by --seed, the "
                         "sequence's id and its position; 0 = greedy (model backend only; "
-                        "default: 1 with --n > 1, else 0)")
+                        "default: 1 with --n > 1, else 0; the c backend's hash rule keys "
+                        "each member by its id)")
     o = p.add_argument_group("output")
     o.add_argument("--check", action="store_true",
                    help="compare every request's tokens with the dense model (model backend) or "
@@ -321,7 +322,10 @@ def fork_option_problem(args) -> Optional[str]:
 
 def sampling_of(args):
     """The sampler of a run: ``qualia.model.SamplingParams(temperature, seed=--seed)``, or None
-    for greedy (``--temperature 0``, or no ``--temperature`` and ``--n 1``)."""
+    for greedy (``--temperature 0``; no ``--temperature`` and ``--n 1``; the c backend, whose
+    hash rule keys each member's tokens by its id)."""
+    if args.backend != "model":
+        return None
     temp = args.temperature if args.temperature is not None else (1.0 if args.n > 1 else 0.0)
     if not temp:
         return None
