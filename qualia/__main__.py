@@ -254,6 +254,8 @@ examples:
   %(prog)s simulate --check
   %(prog)s simulate --backend c --requests 2000 --arrival-rate 8 --check
   %(prog)s simulate --max-batched-tokens 128 --chunk 32 --plot run.png
+  %(prog)s simulate --n 8 --check         (8 samples per request, forked)
+  %(prog)s simulate --beam-width 4 --check
   %(prog)s demo
 
 exit status: 0 ok, 1 --check found a mismatch, 2 bad arguments (or a run the machine

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 __all__ = ["CheckResult", "hash_next_token", "hash_generate", "check_outputs", "check_groups",
            "dense_reference", "verify_end_state", "progress_reporter", "DENSE_MODEL",
@@ -178,7 +178,7 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
                               request_id=member)
 
     def compare(rid: int, g) -> Optional[str]:
-        req = requests[rid]
+        req: Any = requests[rid]
         if beam_width is not None:
             ref = dense.beam_search(req.prompt, beam_width, req.max_new_tokens, end_token)
             if len(g.outputs) != len(ref):

@@ -439,7 +439,7 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
                             f"want of a slot or row"
                             + (f", {s['beams_parked']} beams parked" if beam is not None
                                else "")))
-    if s.get("peak_unshared_pages"):
+    if forking:
         kv.append(("pages saved by sharing",
                    f"{s['pages_saved_at_peak']} at the peak of {s['peak_unshared_pages']} "
                    f"pages that unshared sequences would hold (each ceil(tokens / page) of "
