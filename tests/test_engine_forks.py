@@ -273,3 +273,47 @@ def test_summary_of_a_fork_run_fits_and_names_the_figures():
     for label in ("groups", "n = 4 samples per request, temperature 1", "8 sequences",
                   "forks", "pages saved by sharing"):
         assert label in text, text
+
+
+# -- random runs ---------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["n", "beam"]), width=st.integers(1, 4),
+       lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5),
+       max_new=st.integers(1, 6), num_blocks=st.integers(12, 40),
+       max_requests=st.integers(4, 8), budget=st.sampled_from([4, 9, 64]),
+       end_token=st.sampled_from([None, 3]), seed=st.integers(0, 3))
+def test_random_fork_runs_check_and_keep_their_books(kind, width, lengths, max_new, num_blocks,
+                                                     max_requests, budget, end_token, seed):
+    """Any small pool, budget and slot count (preemption, fork fallbacks, parked beams): every
+    group equals its dense reference, every page comes back, and the books agree."""
+    kw = dict(n=width) if kind == "n" else dict(beam_width=width)
+    engine = Engine("model", model_config=CONFIG, num_blocks=num_blocks,
+                    max_requests=max_requests, page_tokens=3, logical_pages=8,
+                    max_batched_tokens=budget, end_token=end_token,
+                    sampling=HOT if kind == "n" else None, **kw)
+    reqs = _requests(lengths, max_new, seed=seed)
+    try:
+        for r in reqs:
+            engine.submit(r)
+    except ValueError:  # a beam group that never fits this pool
+        assert kind == "beam"
+        return
+    result = engine.run(check=True)
+    st_ = result.stats
+    assert result.check.ok, result.check.describe()
+    assert st_["requests_completed"] == len(reqs)
+    f = engine.facade
+    assert f.active_count == 0 and f.free_pages == f.num_blocks
+    if kind == "n":
+        assert st_["sequences_completed"] == width * len(reqs)
+        assert st_["forks"] + st_["fork_fallbacks"] == (width - 1) * len(reqs)
+    assert 0 <= st_["pages_saved_at_peak"] <= st_["peak_unshared_pages"]
+    assert st_["peak_held_pages"] <= num_blocks
+    outputs = ([o for g in result.groups.values() for o in g.outputs] if engine.forking
+               else list(result.outputs.values()))  # n = 1: plain requests
+    assert st_["tokens_generated"] == sum(len(o) for o in outputs)
