@@ -8,6 +8,8 @@ Examples::
     qualia simulate --json run.json --no-progress
     qualia simulate --backend c --trace azure_conv.csv --logical-pages 512 --num-blocks 8192
     qualia simulate --max-batched-tokens 256 --chunk 64 --plot run.png
+    qualia simulate --n 8 --check         # 8 samples per request, forked copy-on-write
+    qualia simulate --beam-width 4 --check
     qualia demo                           # a tiny run with --check
 
 Exit status: 0 on success, 1 when ``--check`` finds a mismatch, 2 for bad arguments (an option
@@ -26,7 +28,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 from .report import format_summary, jsonable
 from .resources import available_memory, format_bytes, memory_estimate
 
-__all__ = ["main", "build_parser", "format_summary"]
+__all__ = ["main", "build_parser", "format_summary", "fork_option_problem", "sampling_of"]
 
 DEFAULTS = dict(
     requests=48,
@@ -123,6 +125,16 @@ def _seconds(text: str) -> float:
     return v
 
 
+def _temperature(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v < float("inf"):  # also nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     d = defaults
     w = p.add_argument_group("workload")
@@ -193,6 +205,19 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
                    help="'model': the numpy paged-attention model; 'c': the built-in C hash "
                         "backend, qualia.HashBackend (default %(default)s)")
+    f = p.add_argument_group("sampling and forks")
+    f.add_argument("--n", type=_int_in(1, 65536), default=1, metavar="K",
+                   help="parallel samples per request: each prompt is prefilled once and K "
+                        "sequences fork from it, sharing its pages copy-on-write; K <= "
+                        "--max-seqs (default %(default)s)")
+    f.add_argument("--beam-width", type=_int_in(1, 65536), default=None, metavar="W",
+                   help="beam search of width W for every request, over forks (model backend "
+                        "only; not with --n > 1); W <= --max-seqs (default: none)")
+    f.add_argument("--temperature", type=_temperature, default=None, metavar="T",
+                   help="sample each token from softmax(logits / T), keyed by --seed, the "
+                        "sequence's id and its position; 0 = greedy (model backend only; "
+                        "default: 1 with --n > 1, else 0; the c backend's hash rule keys "
+                        "each member by its id)")
     o = p.add_argument_group("output")
     o.add_argument("--check", action="store_true",
                    help="compare every request's tokens with the dense model (model backend) or "
@@ -229,6 +254,8 @@ examples:
   %(prog)s simulate --check
   %(prog)s simulate --backend c --requests 2000 --arrival-rate 8 --check
   %(prog)s simulate --max-batched-tokens 128 --chunk 32 --plot run.png
+  %(prog)s simulate --n 8 --check         (8 samples per request, forked)
+  %(prog)s simulate --beam-width 4 --check
   %(prog)s demo
 
 exit status: 0 ok, 1 --check found a mismatch, 2 bad arguments (or a run the machine
@@ -262,7 +289,51 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                                       "with --backend c).")
     _add_simulate_options(demo, demo_defaults)
     demo.set_defaults(check=True)
+    sim.set_defaults(subparser=sim)
+    demo.set_defaults(subparser=demo)
     return parser
+
+
+def fork_option_problem(args) -> Optional[str]:
+    """What is wrong with the combination of ``--n``, ``--beam-width``, ``--temperature``
+    and the other options (an argparse error message), or None."""
+    n, beam, temp = args.n, args.beam_width, args.temperature
+    seqs = args.max_seqs if args.max_seqs is not None else args.max_requests
+    what = "--max-seqs" if args.max_seqs is not None else "--max-requests"
+    if beam is not None and n > 1:
+        return "argument --beam-width: not allowed with --n > 1 (beam search returns W " \
+               "hypotheses per request)"
+    if n > seqs:
+        return f"argument --n: must be <= {what} ({seqs}): a group's sequences run side by side"
+    if beam is not None and beam > seqs:
+        return (f"argument --beam-width: must be <= {what} ({seqs}): a group's beams run side "
+                f"by side")
+    if beam is not None and args.backend != "model":
+        return "argument --beam-width: needs --backend model (the model's log-probabilities)"
+    if temp is not None and args.backend != "model":
+        return "argument --temperature: needs --backend model (a decode rule has no logits)"
+    if temp is not None and beam is not None:
+        return "argument --temperature: not allowed with --beam-width (beam search ranks " \
+               "candidates by log-probability, it does not sample)"
+    if getattr(args, "replicas", None) is not None and (n > 1 or beam is not None
+                                                        or temp is not None):
+        return "argument --replicas: not supported with --n, --beam-width or --temperature " \
+               "(the cluster serves one greedy sequence per request)"
+    return None
+
+
+def sampling_of(args):
+    """The sampler of a run: ``qualia.model.SamplingParams(temperature, seed=--seed)``, or None
+    for greedy (``--temperature 0``; no ``--temperature`` and ``--n 1``; the c backend, whose
+    hash rule keys each member's tokens by its id)."""
+    if args.backend != "model":
+        return None
+    temp = args.temperature if args.temperature is not None else (1.0 if args.n > 1 else 0.0)
+    if not temp:
+        return None
+    from .model import SamplingParams
+
+    return SamplingParams(temperature=temp, seed=args.seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,7 +484,8 @@ def _simulate(args, out=None, err=None) -> int:
                 end_token=args.end_token, clock=clock, prefix_caching=args.prefix_caching,
                 max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs,
                 max_prefill_chunk=args.chunk,
-                step_seconds=None if args.step_ms is None else args.step_ms / 1e3)
+                step_seconds=None if args.step_ms is None else args.step_ms / 1e3,
+                n=args.n, beam_width=args.beam_width, sampling=sampling_of(args))
         except (ValueError, TypeError, OverflowError) as exc:
             print(f"error: {exc}", file=err)
             return 2
@@ -447,6 +519,7 @@ def _simulate(args, out=None, err=None) -> int:
         "check": bool(args.check), "trace": args.trace,
         "max_batched_tokens": args.max_batched_tokens, "max_seqs": args.max_seqs,
         "chunk": args.chunk, "step_ms": args.step_ms,
+        "n": args.n, "beam_width": args.beam_width, "temperature": args.temperature,
     }
     if isinstance(workload, Trace):
         summary["config"]["trace_form"] = workload.form
@@ -485,6 +558,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
+        sub = vars(args).pop("subparser", None)  # the args stay plain values
+        if args.command in ("simulate", "demo"):
+            problem = fork_option_problem(args)
+            if problem is not None:
+                sub.error(problem)
         from . import cluster  # Ray is imported only when a cluster run starts
         if cluster.wants_cluster(args):
             return cluster.simulate_cli(args)

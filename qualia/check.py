@@ -16,14 +16,16 @@ completed exactly once, and the pool holding nothing but the prefix store's page
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
-from typing import Callable, List, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
-__all__ = ["CheckResult", "hash_next_token", "hash_generate", "check_outputs", "dense_reference",
-           "verify_end_state", "progress_reporter", "DENSE_MODEL", "HASH_RULE"]
+__all__ = ["CheckResult", "hash_next_token", "hash_generate", "check_outputs", "check_groups",
+           "dense_reference", "verify_end_state", "progress_reporter", "DENSE_MODEL",
+           "HASH_RULE", "DENSE_BEAM"]
 
 DENSE_MODEL = "dense model"
 HASH_RULE = "pure-Python hash rule"
+DENSE_BEAM = "dense beam search"
 
 
 def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
@@ -50,18 +52,24 @@ def hash_generate(request_id: int, prompt: Sequence[int], max_new_tokens: int,
 
 @dataclass
 class CheckResult:
+    """``ok``: every request was checked and matched; ``mismatched``: the request ids that did
+    not; ``problems``: what differed, one line per mismatched request (groups: which member or
+    hypothesis, and where)."""
+
     ok: bool
     checked: int
     mismatched: List[int]
     against: str
+    problems: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
         if self.ok:
             return f"all {self.checked} requests match the {self.against}"
         ids = ", ".join(str(r) for r in self.mismatched[:10])
         more = "" if len(self.mismatched) <= 10 else f" (+{len(self.mismatched) - 10} more)"
+        first = f"; first: {self.problems[0]}" if self.problems else ""
         return (f"{len(self.mismatched)} of {self.checked} requests DIFFER from the "
-                f"{self.against}: {ids}{more}")
+                f"{self.against}: {ids}{more}{first}")
 
 
 def dense_reference(weights, prompt: Sequence[int], max_new_tokens: int, *,
@@ -109,13 +117,104 @@ def check_outputs(requests: Mapping[int, object], outputs: Mapping[int, List[int
             return hash_generate(rid, req.prompt, req.max_new_tokens, end_token, vocab)
 
     mismatched = []
+    problems = []
     for rid in sorted(outputs):
-        if want(rid, requests[rid]) != outputs[rid]:
+        ref = want(rid, requests[rid])
+        if ref != outputs[rid]:
             mismatched.append(rid)
+            problems.append(f"request {rid}: {_first_difference(outputs[rid], ref)}")
         if on_checked is not None:
             on_checked(rid)
     n = len(outputs)
-    return CheckResult(not mismatched and n == len(requests), n, mismatched, against)
+    return CheckResult(not mismatched and n == len(requests), n, mismatched, against, problems)
+
+
+def _first_difference(got: Sequence[int], want: Sequence[int]) -> str:
+    """Where two token lists part: ``token i: got a, want b`` or the lengths."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return f"token {i}: got {a}, want {b}"
+    return f"got {len(got)} tokens, want {len(want)}"
+
+
+#: scores of the paged beams and of the dense beam search: equal up to this relative error
+SCORE_RTOL = 1e-9
+
+
+def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *,
+                 weights=None, end_token: Optional[int] = None, vocab: int = 32000,
+                 on_checked: Optional[Callable[[int], None]] = None, sampling=None,
+                 beam_width: Optional[int] = None, n: int = 1) -> CheckResult:
+    """Compare each finished group (``groups[request_id]``, a
+    :class:`qualia.report.GroupOutput`) with its references.
+
+    * ``n`` groups: the group has ``n`` outputs and member ids, and member ``j``'s tokens equal
+      the dense model's ``generate`` of the request's prompt with ``sampling`` keyed by
+      ``member_ids[j]`` (with ``weights``), or the hash rule run under ``member_ids[j]``.
+    * beam groups (``beam_width``; dense model only): the hypotheses, best first, equal
+      ``DenseModel.beam_search`` of the same width, prompt, ``max_new_tokens`` and
+      ``end_token``: the same token lists in the same order, each score equal to the dense
+      one up to a relative error of :data:`SCORE_RTOL`.
+
+    The check fails too when a request has no group."""
+    import math
+
+    if beam_width is not None and weights is None:
+        raise ValueError("checking beam search needs the model's weights")
+    problems: List[str] = []
+    mismatched: List[int] = []
+    if weights is not None:
+        from .model import DenseModel
+
+        dense = DenseModel(weights)
+        against = DENSE_BEAM if beam_width is not None else DENSE_MODEL
+    else:
+        against = HASH_RULE
+
+    def member_ref(member: int, req) -> List[int]:
+        if weights is None:
+            return hash_generate(member, req.prompt, req.max_new_tokens, end_token, vocab)
+        return dense.generate(req.prompt, req.max_new_tokens, end_token, sampling=sampling,
+                              request_id=member)
+
+    def compare(rid: int, g) -> Optional[str]:
+        req: Any = requests[rid]
+        if beam_width is not None:
+            ref = dense.beam_search(req.prompt, beam_width, req.max_new_tokens, end_token)
+            if len(g.outputs) != len(ref):
+                return (f"request {rid}: {len(g.outputs)} hypotheses, the {against} has "
+                        f"{len(ref)}")
+            scores = g.scores or [math.nan] * len(ref)
+            for j, (got, score, hyp) in enumerate(zip(g.outputs, scores, ref)):
+                if list(got) != list(hyp.tokens):
+                    return (f"request {rid} hypothesis {j} (best first): "
+                            f"{_first_difference(got, hyp.tokens)}")
+                if not math.isclose(score, hyp.logprob, rel_tol=SCORE_RTOL, abs_tol=1e-12):
+                    return (f"request {rid} hypothesis {j}: score {score!r}, the {against} "
+                            f"gives {hyp.logprob!r}")
+            return None
+        if len(g.outputs) != n or len(g.member_ids) != n:
+            return (f"request {rid}: {len(g.outputs)} outputs and {len(g.member_ids)} member "
+                    f"ids, want n={n}")
+        for j, (member, got) in enumerate(zip(g.member_ids, g.outputs)):
+            want = member_ref(member, req)
+            if list(got) != want:
+                return (f"request {rid} member {j} (id {member}): "
+                        f"{_first_difference(got, want)}")
+        return None
+
+    for rid in sorted(groups):
+        problem = compare(rid, groups[rid])
+        if problem is not None:
+            mismatched.append(rid)
+            problems.append(problem)
+        if on_checked is not None:
+            on_checked(rid)
+    missing = sorted(set(requests) - set(groups))
+    if missing:
+        problems.append(f"{len(missing)} requests have no group result: {missing[:10]}")
+    k = len(groups)
+    return CheckResult(not mismatched and not missing, k, mismatched, against, problems)
 
 
 def progress_reporter(progress: Callable[[str, int, int], None], total: int

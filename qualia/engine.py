@@ -41,8 +41,9 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from .check import CheckResult, check_outputs, progress_reporter, verify_end_state
-from .report import Counters, EngineResult, Timeline, backend_label, collect_stats
+from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
+from .errors import StepError
+from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
 from .resources import memory_estimate
 from .timing import (
     BACKEND,
@@ -66,7 +67,10 @@ __all__ = [
     "pages_needed",
     "make_scheduler_factory",
     "ModelSteps",
+    "PlanModelSteps",
     "DecodeRuleSteps",
+    "core_supports",
+    "GroupOutput",
     # re-exported: the engine's input and output types, and the memory estimate
     "memory_estimate",
     "Request",
@@ -92,25 +96,95 @@ def core_has_step_api() -> bool:
     return callable(getattr(qualia.Scheduler, "add_request", None))
 
 
-def make_scheduler_factory(implementation: str = "auto") -> Callable[..., Any]:
+_CORE_FORKS: Dict[str, bool] = {}
+
+
+def core_supports(feature: str) -> bool:
+    """Whether this build's compiled ``qualia.Scheduler`` takes ``add_request(..., n=k)``
+    (``feature="n"``) or ``add_request(..., beam_width=w)`` with the beam plan
+    (``plan.num_topk``, ``update(ids, topk_ids, topk_logprobs)``; ``feature="beam"``).  Found
+    once by adding a one-token request to a throwaway scheduler of a few pages."""
+    if feature not in ("n", "beam"):
+        raise ValueError(f"feature must be 'n' or 'beam', not {feature!r}")
+    if feature not in _CORE_FORKS:
+        _CORE_FORKS[feature] = _probe_core(feature)
+    return _CORE_FORKS[feature]
+
+
+def _probe_core(feature: str) -> bool:
+    if not core_has_step_api():
+        return False
+    import qualia
+
+    try:
+        s: Any = qualia.Scheduler(2, 4, 4, 2, max_num_seqs=2)  # the kw may be unknown to it
+        kw = {"n": 2} if feature == "n" else {"beam_width": 2}
+        s.add_request(0, [1, 2], max_new_tokens=1, **kw)
+        if feature == "beam":
+            plan = s.schedule()
+            if int(getattr(plan, "num_topk", 0) or 0) != 2:
+                return False
+            s.discard_plan()
+    except Exception:  # any refusal: this build does not take it
+        return False
+    return True
+
+
+def make_scheduler_factory(implementation: str = "auto", *, n: int = 1,
+                           beam_width: Optional[int] = None) -> Callable[..., Any]:
     """The class the engine builds its scheduler with: ``"core"`` (``qualia.Scheduler``),
-    ``"twin"`` (``qualia.twin_step.StepScheduler``) or ``"auto"`` (the core when it has the step
-    API, else the twin)."""
+    ``"twin"`` (``qualia.twin_step.StepScheduler``, or ``qualia.twin_fork.ForkStepScheduler``
+    for ``n > 1`` or ``beam_width``) or ``"auto"`` (the core when it has the step API and
+    supports the forks asked for, else the twin)."""
     if implementation not in ("auto", "core", "twin"):
         raise ValueError(f"implementation must be 'auto', 'core' or 'twin', not "
                          f"{implementation!r}")
+    feature = "beam" if beam_width is not None else "n" if n > 1 else None
     if implementation == "auto":
-        implementation = "core" if core_has_step_api() else "twin"
+        ok = core_has_step_api() and (feature is None or core_supports(feature))
+        implementation = "core" if ok else "twin"
     if implementation == "core":
         import qualia
 
         if not core_has_step_api():
             raise ValueError("implementation='core': this build's qualia.Scheduler has no "
                              "engine step API (add_request/schedule/update)")
+        if feature is not None and not core_supports(feature):
+            what = "beam search (beam_width)" if feature == "beam" else "parallel sampling (n)"
+            raise ValueError(f"implementation='core': this build's qualia.Scheduler has no "
+                             f"{what}; use implementation='auto' or 'twin' (the pure-Python "
+                             f"qualia.twin_fork.ForkStepScheduler)")
         return qualia.Scheduler
+    if feature is not None:
+        from .twin_fork import ForkStepScheduler
+
+        return ForkStepScheduler
     from .twin_step import StepScheduler
 
     return StepScheduler
+
+
+def _group_options(n, beam_width, max_seqs: int, max_queued: Optional[int]
+                   ) -> Tuple[int, Optional[int]]:
+    """``n`` and ``beam_width`` checked: ints, at least 1, at most ``max_seqs`` (a group's
+    sequences run side by side), ``n`` at most ``max_queued`` (a group takes ``n`` queue
+    entries), and not both."""
+    for name, value in (("n", n), ("beam_width", beam_width)):
+        if value is None and name == "beam_width":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if not 1 <= int(value) <= max_seqs:
+            raise ValueError(f"{name} must be in [1, max_seqs={max_seqs}] (a group's sequences "
+                             f"run side by side), got {value}")
+    n = int(n)
+    if beam_width is not None and n != 1:
+        raise ValueError("n > 1 and beam_width exclude each other: beam search returns "
+                         "beam_width hypotheses")
+    if max_queued is not None and n > int(max_queued):
+        raise ValueError(f"n={n} is more than max_queued={max_queued}: a group takes n queue "
+                         f"entries")
+    return n, None if beam_width is None else int(beam_width)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,6 +225,45 @@ class ModelSteps:
         return getattr(self.model, name)
 
 
+class PlanModelSteps:
+    """``execute_step(plan)`` over a model with the batched step of
+    :class:`qualia.model.PagedModelBackend` (``step_logits`` and ``sample``): one forward over
+    the plan (its copies first), then one token per sampled row, drawn by the model's keyed
+    sampler for ``plan.sampled_request_ids`` (so the members of a group, sampling the same
+    logits row, draw apart).  A plan with beam rows (``plan.num_topk > 0``) also gets each
+    row's ``num_topk`` most likely ids and their log-probabilities (best first, ties: the lower
+    id): ``(ids, topk_ids, topk_logprobs)``, what ``update`` takes."""
+
+    def __init__(self, model) -> None:
+        for name in ("step_logits", "sample"):
+            if not callable(getattr(model, name, None)):
+                raise TypeError(f"{type(model).__name__} has no {name}(): sampling and forks "
+                                f"need a model with the batched step of "
+                                f"qualia.model.PagedModelBackend")
+        self.model = model
+        self.steps = 0
+
+    def execute_step(self, plan):
+        from .model import _topk_of, log_softmax
+
+        model = self.model
+        logits = model.step_logits(plan)
+        li = np.asarray(plan.logits_indices, dtype=np.int64)
+        ids = model.sample(logits, plan.sampled_request_ids,
+                           np.asarray(plan.positions, dtype=np.int64)[li] + 1)
+        self.steps += 1
+        k = int(getattr(plan, "num_topk", 0) or 0)
+        if not k:
+            return ids
+        top_ids, top_lps = _topk_of(log_softmax(logits), k)
+        return ids, top_ids, top_lps
+
+    def __getattr__(self, name):  # weights, config, counters of the model
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
 class DecodeRuleSteps:
     """``execute_step(plan)`` for a decode-rule backend: each sampled row's token is
     ``rule(request_id, position, token)`` of the row's last token (``qualia.hash_next_token``
@@ -179,10 +292,12 @@ class DecodeRuleSteps:
 
 
 class _Live:
-    """Engine-side record of one request: when it arrived, got its first token, finished."""
+    """Engine-side record of one request (of one group: ``n > 1`` or beam search): when it
+    arrived, got its first token, finished; ``outputs`` is its answer (a group's first member or
+    best hypothesis), ``longest`` the most tokens one of its sequences generated."""
 
     __slots__ = ("req", "arrival_step", "arrival_t", "first_step", "first_t", "end_step",
-                 "end_t", "outputs", "admissions", "computed")
+                 "end_t", "outputs", "longest")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -193,8 +308,7 @@ class _Live:
         self.end_step = -1
         self.end_t = 0.0
         self.outputs: List[int] = []
-        self.admissions = 0
-        self.computed = 0  # tokens it had computed when last preempted
+        self.longest = 0
 
 
 class Engine:
@@ -212,6 +326,17 @@ class Engine:
 
     ``implementation`` (``"auto"``, ``"core"``, ``"twin"``) or ``scheduler_factory`` (called
     with the scheduler's constructor arguments) choose the scheduler class.
+
+    Forks (docs/DESIGN.md, "Forks in the engine"): ``n > 1`` adds every request with
+    ``add_request(..., n=n)`` (one prefill, ``n`` sampled sequences sharing the prompt's pages
+    copy-on-write), ``beam_width=w`` with ``add_request(..., beam_width=w)`` (beam search, model
+    backend only); at most one of the two, each at most ``max_seqs``.  ``"auto"`` takes the core
+    when it supports what is asked, else the twin ``qualia.twin_fork.ForkStepScheduler``.  A
+    finished group's sequences are all in :attr:`groups`; ``outputs[request_id]`` is its first
+    member (``n``) or best hypothesis (beam).  ``sampling`` (a
+    :class:`qualia.model.SamplingParams`; model backend only; default greedy) draws each token
+    keyed by ``(seed, member id, position)``: the members of an ``n`` group differ only with a
+    temperature > 0.
 
     ``step_seconds``: the serving clock's cost of one step (None: the measured time of each
     step).  ``clock`` is the :class:`~qualia.timing.Stopwatch` the engine charges its time to
@@ -240,8 +365,13 @@ class Engine:
         implementation: str = "auto",
         scheduler_factory: Optional[Callable[..., Any]] = None,
         step_seconds: Optional[float] = None,
+        n: int = 1,
+        beam_width: Optional[int] = None,
+        sampling=None,
     ) -> None:
         import qualia
+
+        from .model import GREEDY, SamplingParams
 
         self._owns_clock = clock is None
         self.clock = clock if clock is not None else Stopwatch(SETUP)
@@ -252,6 +382,13 @@ class Engine:
         if step_seconds is not None and not 0.0 <= float(step_seconds) < float("inf"):
             raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
         self.step_seconds = None if step_seconds is None else float(step_seconds)
+        seqs = int(max_requests if max_seqs is None else max_seqs)
+        self.n, self.beam_width = _group_options(n, beam_width, seqs, max_queued)
+        #: requests are added as groups (n > 1 or beam search)
+        self.forking = self.n > 1 or self.beam_width is not None
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a qualia.model.SamplingParams, not "
+                            f"{type(sampling).__name__}")
         self.page_tokens = int(page_tokens)
         self.end_token = None if end_token is None else int(end_token)
 
@@ -263,7 +400,8 @@ class Engine:
 
                 cfg = model_config if model_config is not None else ModelConfig()
                 self.weights = ModelWeights.random(cfg)
-                backend = PagedModelBackend(self.weights, num_blocks, page_tokens)
+                backend = PagedModelBackend(self.weights, num_blocks, page_tokens,
+                                            sampling=GREEDY if sampling is None else sampling)
             elif backend == "c":
                 backend = qualia.HashBackend(vocab=32000 if vocab is None else vocab)
             else:
@@ -290,12 +428,26 @@ class Engine:
             # the decode rule's vocabulary; any u32 prompt token id is fine
             self.vocab = int(vocab if vocab is not None else getattr(backend, "vocab", 32000))
             self._prompt_vocab = None
+        own = getattr(backend, "sampling", None) if self.is_model else None
+        if sampling is not None and not sampling.greedy and not self.is_model:
+            raise ValueError("sampling needs the model backend (a decode rule has no "
+                             "logits to sample)")
+        if sampling is not None and own is not None and own != sampling:
+            raise ValueError(f"sampling={sampling} differs from the model backend's own "
+                             f"sampling={own}: set it on one of them")
+        #: how the model backend picks tokens (greedy for a decode rule)
+        self.sampling = sampling if sampling is not None else (
+            own if isinstance(own, SamplingParams) else GREEDY)
+        if self.beam_width is not None and not self.is_model:
+            raise ValueError("beam search needs the model backend: it ranks candidates by the "
+                             "model's log-probabilities, which a decode rule does not have")
         steps = self._step_backend(backend)
         self.backend = TimedBackend(steps, self.clock)
 
         # the scheduler
         factory = (scheduler_factory if scheduler_factory is not None
-                   else make_scheduler_factory(implementation))
+                   else make_scheduler_factory(implementation, n=self.n,
+                                               beam_width=self.beam_width))
         self.scheduler = factory(
             max_requests, num_blocks, page_tokens, logical_pages,
             prefix_caching=prefix_caching, max_num_batched_tokens=max_batched_tokens,
@@ -320,10 +472,15 @@ class Engine:
         self.step_no = 0
         self.now = 0.0  # the serving clock, seconds
         self._empty_plans = 0  # consecutive plans that scheduled nothing
-        # computed tokens per block-table row after the last plan, and each running request's
-        # row: what a preempted request had computed (its recompute, when it resumes)
-        self._row_computed = np.zeros(self.max_seqs, dtype=np.int64)
-        self._row_of: Dict[int, int] = {}
+        # per running sequence (a request, or one member of a group): its tokens with K/V
+        # after the last plan it was in, and the pages that many tokens take on their own
+        # (the non-sharing count); per sequence that left the running set (preempted,
+        # parked): what it had computed (its recompute, when it resumes); admissions so far
+        self._seq_of: Dict[int, int] = {}
+        self._unshared = 0  # sum of ceil(seq_len / page_tokens) over self._seq_of
+        self._left: Dict[int, int] = {}
+        self._admitted: Dict[int, int] = {}
+        self._parked_seen = 0
         self._awaiting_first: Dict[int, _Live] = {}  # admitted, no token sampled yet
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
@@ -334,6 +491,8 @@ class Engine:
         self._completions: Dict[int, int] = {}
         self.outputs: Dict[int, List[int]] = {}
         self.finish_reasons: Dict[int, str] = {}
+        #: every sequence of each finished group (n > 1 or beam search), by request id
+        self.groups: Dict[int, GroupOutput] = {}
         # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
         self._next_turn: Optional[Callable[[Request, List[int], int], Optional[Request]]] = None
 
@@ -350,9 +509,13 @@ class Engine:
 
     def _step_backend(self, backend):
         """``backend`` as an object with ``execute_step(plan)`` (see the module docstring)."""
+        if self.is_model and self.beam_width is not None:
+            return PlanModelSteps(backend)  # the beam rows' candidates too
         if callable(getattr(backend, "execute_step", None)):
             return backend
         if callable(getattr(backend, "prefill", None)):
+            if self.forking or not self.sampling.greedy:
+                return PlanModelSteps(backend)  # rows sampled per member, not per sequence
             return ModelSteps(backend)
         rule = getattr(backend, "next_token", None)
         if callable(rule):
@@ -433,6 +596,16 @@ class Engine:
                 f"request {request.request_id} can never be served: prompt of "
                 f"{len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} is "
                 f"more than the {table} tokens a request may hold (logical_pages x page_tokens)")
+        if self.beam_width is not None:  # the beams are computed side by side
+            pt, w = self.page_tokens, self.beam_width
+            n_prompt = len(request.prompt)
+            tail = -(-(n_prompt + request.max_new_tokens - 1) // pt) - n_prompt // pt
+            need = n_prompt // pt + w * tail
+            if need > self.num_blocks:
+                raise UnservableRequest(
+                    f"request {request.request_id} can never be served: its {w} beams need "
+                    f"{need} pages side by side (the prompt's full pages once, each beam's own "
+                    f"tail), the pool has {self.num_blocks}")
         rid = request.request_id
         self._requests[rid] = request
         live = _Live(request)
@@ -465,7 +638,8 @@ class Engine:
             checked = self.check(None if progress is None
                                  else progress_reporter(progress, len(self.outputs)))
             self.last_check = checked
-        return EngineResult(self.stats(), dict(self.outputs), checked, self.timeline)
+        return EngineResult(self.stats(), dict(self.outputs), checked, self.timeline,
+                            dict(self.groups))
 
     def step(self) -> None:
         """One engine step: the arrivals due, then schedule, execute and update."""
@@ -491,12 +665,23 @@ class Engine:
             backlog.append(live)
         s = self.scheduler
         room = self.max_queued - s.num_waiting - s.num_running
+        group = ({} if not self.forking else {"n": self.n} if self.beam_width is None
+                 else {"beam_width": self.beam_width})
         while backlog and room > 0:
             live = backlog.popleft()
             r = live.req
-            self._call(s.add_request, r.request_id, r.prompt, max_new_tokens=r.max_new_tokens,
-                       namespace=r.namespace, eos_token_id=self.end_token)
-            room -= 1
+            try:
+                self._call(s.add_request, r.request_id, r.prompt,
+                           max_new_tokens=r.max_new_tokens, namespace=r.namespace,
+                           eos_token_id=self.end_token, **group)
+            except StepError.QueueFull:
+                # a group takes n entries, its stopped members' too, until its result is
+                # returned: the queue is fuller than num_waiting + num_running say
+                if not self.forking:
+                    raise
+                backlog.appendleft(live)
+                return
+            room -= self.n
 
     def _skip_idle(self) -> None:
         """Nothing queued or running: jump the step counter and the clock to the next
@@ -520,6 +705,7 @@ class Engine:
         secs = self.clock.seconds
         s0, b0 = secs[SCHEDULER], secs[BACKEND]
         plan = self._call(s.schedule)
+        held = self.num_blocks - int(self.facade.free_pages)  # the step's pages are reserved
         try:
             sampled = self.backend.execute_step(plan)
         except BaseException:
@@ -527,8 +713,13 @@ class Engine:
             if callable(discard):
                 discard()
             raise
-        finished = self._call(s.update, sampled)
-        firsts = self._record(plan)
+        if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
+            finished = self._call(s.update, *sampled)
+        else:
+            finished = self._call(s.update, sampled)
+        firsts = self._record(plan, held)
+        if self.forking:
+            self._count_forks()
         self._check_progress(plan)
         if self.caching == "auto":
             self._drain_events()
@@ -558,9 +749,26 @@ class Engine:
                 f"engine stuck: {self._empty_plans} steps in a row scheduled nothing with "
                 f"{s.num_waiting} waiting and {s.num_running} running requests")
 
-    def _record(self, plan) -> List[_Live]:
-        """The books of one step: tokens, admissions, hits, preemptions; returns the requests
-        that got their first token."""
+    def _count_forks(self) -> None:
+        """The scheduler's fork counters, after the step's update."""
+        s, c = self.scheduler, self.counters
+        c.forks = int(getattr(s, "forks", 0))
+        c.fork_fallbacks = int(getattr(s, "fork_fallbacks", 0))
+        parked = int(getattr(s, "parked", 0))
+        if parked != self._parked_seen:
+            # beams parked by this update left the running set outside any plan: every
+            # sequence not in a plan since is treated as gone (what it computed is kept for
+            # its recompute); a running one is counted again from its next plan
+            self._parked_seen = parked
+            self._left.update(self._seq_of)
+            self._seq_of.clear()
+            self._unshared = 0
+        c.beams_parked = parked
+
+    def _record(self, plan, held: int) -> List[_Live]:
+        """The books of one step (``held``: pages requests held right after the schedule):
+        tokens, admissions, hits, preemptions, pages with and without sharing; returns the
+        requests that got their first token."""
         c, live = self.counters, self._live
         n_tokens = len(plan.input_ids)
         c.scheduled_tokens += n_tokens
@@ -572,10 +780,20 @@ class Engine:
         c.max_plan_seqs = max(c.max_plan_seqs, len(plan.request_ids))
         if plan.num_prefill_tokens and plan.num_decode_tokens:
             c.mixed_steps += 1
-        for rid in plan.preempted_request_ids.tolist():  # rows keep last plan's counts
-            row = self._row_of.pop(rid, None)
-            if row is not None:
-                live[rid].computed = int(self._row_computed[row])
+        seq_of, left, admitted = self._seq_of, self._left, self._admitted
+        pt = self.page_tokens
+        unshared = self._unshared
+        for rid in plan.finished_request_ids.tolist():  # stopped since the last plan
+            seq = seq_of.pop(rid, None)
+            if seq is not None:
+                unshared -= -(-seq // pt)
+            left.pop(rid, None)
+            admitted.pop(rid, None)
+        for rid in plan.preempted_request_ids.tolist():  # what it computed: its last plan's
+            seq = seq_of.pop(rid, None)
+            if seq is not None:
+                unshared -= -(-seq // pt)
+                left[rid] = seq
         new = plan.new_request_ids.tolist()
         if new:
             n, k = len(plan.request_ids), len(new)
@@ -587,21 +805,31 @@ class Engine:
                 index = {rid: i for i, rid in enumerate(ids)}
                 at = [index[rid] for rid in new]
             hits = plan.positions[qsl[at]].tolist()
-            rows = plan.block_table_rows[at].tolist()
-            for rid, hit, row in zip(new, hits, rows):
-                lv = live[rid]
-                self._row_of[rid] = row
-                if lv.first_step < 0:
+            for rid, hit in zip(new, hits):
+                lv = live.get(rid)  # None: a group's child (queued at its fork, or parked)
+                if lv is not None and lv.first_step < 0:
                     self._awaiting_first[rid] = lv
                 c.admissions += 1
                 if hit:
                     c.prefix_hits += 1
                     c.cached_tokens += hit
-                lv.admissions += 1
-                if lv.admissions > 1:  # resumed after a preemption: what it computed before,
-                    c.resumed += 1     # less what the cache kept, is computed again
-                    c.tokens_recomputed += max(0, lv.computed - hit)
-        self._row_computed[plan.block_table_rows] = plan.seq_lens
+                times = admitted[rid] = admitted.get(rid, 0) + 1
+                if times > 1:  # resumed after a preemption: what it computed before, less
+                    c.resumed += 1  # what the cache kept, is computed again
+                    c.tokens_recomputed += max(0, left.pop(rid, 0) - hit)
+        for rid, seq in zip(plan.request_ids.tolist(), plan.seq_lens.tolist()):
+            old = seq_of.get(rid)
+            if old is not None:
+                unshared -= -(-old // pt)
+            else:
+                left.pop(rid, None)
+            seq_of[rid] = seq
+            unshared += -(-seq // pt)
+        self._unshared = unshared
+        c.peak_held_pages = max(c.peak_held_pages, held)
+        if unshared > c.peak_unshared_pages:
+            c.peak_unshared_pages = unshared
+            c.pages_saved_at_peak = unshared - held
         firsts = []
         awaiting = self._awaiting_first
         if awaiting:
@@ -632,20 +860,30 @@ class Engine:
     def _complete(self, fin) -> None:
         rid = int(fin.request_id)
         lv = self._live.pop(rid)
-        self._row_of.pop(rid, None)
-        lv.outputs = np.asarray(fin.output_tokens).tolist()
+        c = self.counters
+        if hasattr(fin, "outputs"):  # a FinishedGroup: n members, or beam hypotheses
+            outs = [np.asarray(o).tolist() for o in fin.outputs]
+            reasons = [str(x) for x in fin.finish_reasons]
+            self.groups[rid] = GroupOutput(
+                "n" if self.beam_width is None else "beam", outs, reasons,
+                [int(m) for m in fin.member_ids],
+                None if fin.scores is None else [float(x) for x in fin.scores])
+        else:
+            outs = [np.asarray(fin.output_tokens).tolist()]
+            reasons = [str(fin.finish_reason)]
+        lv.outputs = outs[0]
+        lv.longest = max(len(o) for o in outs)
         lv.end_step, lv.end_t = self.step_no - 1, self.now
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
-        self.finish_reasons[rid] = str(fin.finish_reason)
+        self.finish_reasons[rid] = reasons[0]
         self.timeline.finish(lv)
-        c = self.counters
         c.completed += 1
-        c.tokens_generated += len(lv.outputs)
-        if fin.finish_reason == "stop":
-            c.finished_stop += 1
-        else:
-            c.finished_length += 1
+        c.sequences_completed += len(outs)
+        c.tokens_generated += sum(len(o) for o in outs)
+        stopped = reasons.count("stop")
+        c.finished_stop += stopped
+        c.finished_length += len(reasons) - stopped
         if self.on_complete is not None:
             self.on_complete(rid, lv.outputs)
         if self._next_turn is not None:
@@ -693,17 +931,27 @@ class Engine:
                          self.pending + len(self._backlog))
 
     def check(self, on_checked: Optional[Callable[[int], None]] = None) -> CheckResult:
-        """Compare every completed request's tokens with the dense model (model backend) or
-        the pure-Python hash rule (decode-rule backend); see :mod:`qualia.check`.  Charged to
+        """Compare every completed request's tokens with the dense model (model backend, with
+        the engine's sampler) or the pure-Python hash rule (decode-rule backend); a group's
+        every member with its own reference run, a beam group with the dense beam search of
+        the same width; see :mod:`qualia.check`.  Charged to
         the check row; the result is also kept in ``last_check``.  ``on_checked(request_id)``
         is called after each request."""
         if self.is_model and self.weights is None:
             raise ValueError("check needs the model backend's weights")
         token = self.clock.enter(CHECK)
         try:
-            self.last_check = check_outputs(
-                self._requests, self.outputs, weights=self.weights if self.is_model else None,
-                end_token=self.end_token, vocab=self.vocab or 32000, on_checked=on_checked)
+            weights = self.weights if self.is_model else None
+            sampling = None if self.sampling.greedy else self.sampling
+            if self.forking:
+                self.last_check = check_groups(
+                    self._requests, self.groups, weights=weights, end_token=self.end_token,
+                    vocab=self.vocab or 32000, on_checked=on_checked, sampling=sampling,
+                    beam_width=self.beam_width, n=self.n)
+            else:
+                self.last_check = check_outputs(
+                    self._requests, self.outputs, weights=weights, end_token=self.end_token,
+                    vocab=self.vocab or 32000, on_checked=on_checked, sampling=sampling)
         finally:
             self.clock.leave(token)
         return self.last_check

@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Tuple
 from .check import CheckResult
 from .timing import ROWS, percentile
 
-__all__ = ["Counters", "Timeline", "EngineResult", "backend_label", "collect_stats",
+__all__ = ["Counters", "Timeline", "EngineResult", "GroupOutput", "backend_label",
+           "collect_stats",
            "format_summary", "jsonable", "WIDTH", "PERCENTILES"]
 
 #: The summary table fits a terminal this wide.
@@ -43,7 +44,8 @@ class Counters:
     idle_steps: int = 0
     idle_s: float = 0.0
     completed: int = 0
-    finished_length: int = 0
+    sequences_completed: int = 0  # a group's members (n) or hypotheses (beam) each count
+    finished_length: int = 0  # per sequence
     finished_stop: int = 0
     tokens_generated: int = 0
     sampled_tokens: int = 0
@@ -68,6 +70,16 @@ class Counters:
     kv_events_stored: int = 0
     kv_events_removed: int = 0
     kv_events_cleared: int = 0
+    # forks (n > 1, beam search): the scheduler's counters after the last step
+    forks: int = 0  # children forked copy-on-write from a running sequence
+    fork_fallbacks: int = 0  # children queued instead (no free slot or plan row)
+    beams_parked: int = 0  # beams stepped out of the running set while a sibling waited
+    # pages right after each schedule: the most held by requests; the most a non-sharing
+    # engine would hold (each running sequence ceil(seq_len / page_tokens) pages of its own);
+    # and at the first step with that most, the difference (pages saved by sharing)
+    peak_held_pages: int = 0
+    peak_unshared_pages: int = 0
+    pages_saved_at_peak: int = 0
 
     def __setattr__(self, name: str, value) -> None:
         if name not in self.__dataclass_fields__:
@@ -110,10 +122,13 @@ class Timeline:
         first token and last token, in steps and in seconds).  Time to first token counts the
         steps from its arrival to the step that sampled it, both included; time per output
         token, the steps (seconds) from the first token to the last over the tokens after the
-        first."""
+        first.  A group (``n > 1`` or beam search) is one request: its first token is the
+        first one sampled for it (every member samples the prompt's last row in one step), its
+        last token the last of its longest sequence, over that sequence's tokens after the
+        first (its sequences decode side by side, one token each per step)."""
         self.ttft_steps.append(float(live.first_step - live.arrival_step + 1))
         self.ttft_s.append(live.first_t - live.arrival_t)
-        n = len(live.outputs)
+        n = max(len(live.outputs), getattr(live, "longest", 0))  # a group: its longest
         if n > 1:
             self.tpot_steps.append((live.end_step - live.first_step) / (n - 1))
             self.tpot_s.append((live.end_t - live.first_t) / (n - 1))
@@ -127,14 +142,30 @@ class Timeline:
 
 
 @dataclass
+class GroupOutput:
+    """Every sequence of one finished group: ``kind`` ``"n"`` (``outputs`` in member order,
+    ``member_ids`` the ids the sampler keyed each on, ``scores`` None) or ``"beam"``
+    (``outputs`` the hypotheses best first, ``scores`` their cumulative log-probabilities,
+    ``member_ids`` empty); ``finish_reasons`` one per output."""
+
+    kind: str
+    outputs: List[List[int]]
+    finish_reasons: List[str]
+    member_ids: List[int]
+    scores: Optional[List[float]] = None
+
+
+@dataclass
 class EngineResult:
     """What :meth:`qualia.engine.Engine.run` reports.  ``outputs`` maps request id -> generated
-    tokens; ``timeline`` is the run over time."""
+    tokens (a group's first member or best hypothesis); ``groups`` maps the request id of each
+    group (``n > 1``, beam search) to all its sequences; ``timeline`` is the run over time."""
 
     stats: Dict[str, object]
     outputs: Dict[int, List[int]] = field(repr=False)
     check: Optional[CheckResult] = None
     timeline: Optional[Timeline] = field(default=None, repr=False)
+    groups: Dict[int, GroupOutput] = field(default_factory=dict, repr=False)
 
     def to_dict(self, with_outputs: bool = False) -> dict:
         d = {"stats": dict(self.stats)}
@@ -143,6 +174,8 @@ class EngineResult:
             d["check"]["message"] = self.check.describe()
         if with_outputs:
             d["outputs"] = {str(k): v for k, v in sorted(self.outputs.items())}
+            if self.groups:
+                d["groups"] = {str(k): asdict(g) for k, g in sorted(self.groups.items())}
         return d
 
 
@@ -184,6 +217,16 @@ def collect_stats(engine) -> Dict[str, object]:
         "prefix_caching": engine.caching,
         "requests_submitted": len(engine._requests),
         "requests_completed": c.completed,
+        "sequences_completed": c.sequences_completed,
+        "n": engine.n,
+        "beam_width": engine.beam_width,
+        "temperature": engine.sampling.temperature,
+        "forks": c.forks,
+        "fork_fallbacks": c.fork_fallbacks,
+        "beams_parked": c.beams_parked,
+        "peak_held_pages": c.peak_held_pages,
+        "peak_unshared_pages": c.peak_unshared_pages,
+        "pages_saved_at_peak": c.pages_saved_at_peak,
         "finished_length": c.finished_length,
         "finished_stop": c.finished_stop,
         "tokens_generated": c.tokens_generated,
@@ -342,11 +385,21 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
     s = stats
     lines = ["qualia simulate summary", "-" * WIDTH]
     chunk = s.get("max_prefill_chunk")
+    n, beam = s.get("n", 1), s.get("beam_width")
+    forking = beam is not None or (n or 1) > 1
+    seqs = f"{s['sequences_completed']} sequences: " if forking else ""
     kv = [
         ("backend", f"{s['backend']} on the {s.get('scheduler', 'core')} scheduler"),
+    ]
+    if forking:
+        temp = float(s.get("temperature") or 0.0)
+        kv.append(("groups", f"beam search, width {beam}" if beam is not None else
+                   f"n = {n} samples per request, "
+                   + (f"temperature {temp:g}" if temp else "greedy (temperature 0)")))
+    kv += [
         ("requests completed", f"{s['requests_completed']} / {s['requests_submitted']}  "
-                               f"({s['finished_stop']} stopped, {s['finished_length']} at "
-                               f"max_new_tokens)"),
+                               f"({seqs}{s['finished_stop']} stopped, {s['finished_length']} "
+                               f"at max_new_tokens)"),
         ("tokens generated", f"{s['tokens_generated']}  (prefilled {s['tokens_prefilled']}, "
                              f"recomputed {s['tokens_recomputed']})"),
         ("steps", f"{s['steps']}  ({s['mixed_steps']} mixed, mean "
@@ -380,6 +433,18 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
                                     f"logical_pages)"))
     kv += [
         ("pages copied", f"{s['pages_copied']}  (copy-on-write)"),
+    ]
+    if forking:
+        kv.append(("forks", f"{s['forks']} children forked, {s['fork_fallbacks']} queued for "
+                            f"want of a slot or row"
+                            + (f", {s['beams_parked']} beams parked" if beam is not None
+                               else "")))
+    if forking:
+        kv.append(("pages saved by sharing",
+                   f"{s['pages_saved_at_peak']} at the peak of {s['peak_unshared_pages']} "
+                   f"pages that unshared sequences would hold (each ceil(tokens / page) of "
+                   f"its own); most held: {s['peak_held_pages']}"))
+    kv += [
         ("preemptions", f"{s['preemptions']}  ({s['recomputes']} resumed by recompute)"),
         ("peak pool use", f"{s['peak_pages_used']} / {s['num_blocks']} pages "
                           f"({100 * s['peak_pool_use']:.1f}%) of {s['page_tokens']} tokens"),
