@@ -1,13 +1,14 @@
-"""Parallel sampling (``add_request(..., n=k)``) in the compiled engine step, against its
-pure-Python statement ``qualia.twin_fork.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the
-step level").
+"""Parallel sampling (``add_request(..., n=k)``) and beam search (``beam_width=w``) in the
+compiled engine step, against their pure-Python statement ``qualia.twin_fork.ForkStepScheduler``
+(docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
 ``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
-with ``n`` groups among the requests: every plan array (repeated logits rows, the members' ids,
-the copies of the shared partial page, rows of forked children), every result (one
-``FinishedGroup`` per group), the queues, the pool's reference counts and every request's
-tokens must agree after every call.  The dense check runs ``qualia.model``'s seeded per-member
-sampler through the core and compares each member with its dense run.
+with ``n`` groups and beam groups among the requests: every plan array (repeated logits rows,
+the members' ids, the copies of the shared partial page, rows of forked children, ``num_topk``),
+every result (one ``FinishedGroup`` per group, with the beams' scores), the queues, the pool's
+reference counts, the parked beams and every request's tokens must agree after every call.  The
+dense checks run ``qualia.model``'s seeded per-member sampler and its beam search through the
+core and compare each result with its dense run.
 """
 
 from __future__ import annotations
@@ -48,6 +49,41 @@ class ForksVsTwin(StepVsTwin):
                                           priority=priority, eos_token_id=eos,
                                           stop_token_ids=stop))
 
+    @rule(prefix=st.sampled_from(PREFIXES),
+          tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          width=st.integers(1, 6) | st.sampled_from([0, True, 2.0]),
+          n=st.sampled_from([1, 1, 1, 1, 2]), max_new=st.sampled_from([1, 2, 3, 5, 8]),
+          priority=PRIORITIES, eos=st.sampled_from([None, 3, 17]),
+          stop=st.sampled_from([(), (5,), (9, 2)]), reuse=st.integers(0, 9))
+    def beam(self, prefix, tail, width, n, max_new, priority, eos, stop, reuse):
+        rid = self.next_id if reuse else max(self.next_id - 1, 0)   # sometimes a duplicate
+        self.next_id += 1
+        self.both(lambda s: s.add_request(rid, prefix + tail, max_new_tokens=max_new, n=n,
+                                          beam_width=width, priority=priority,
+                                          eos_token_id=eos, stop_token_ids=stop))
+
+    def update_call(self, ids, rng, bad):
+        # a plan with beam rows takes [m, num_topk] candidates: log-probabilities on a coarse
+        # grid (ties between beams and ids happen), sometimes missing or malformed
+        k = self.plan.num_topk
+        if not k:
+            return super().update_call(ids, rng, bad)
+        m = len(self.plan.logits_indices)
+        tids = rng.integers(0, VOCAB, size=(m, k))
+        tlps = -0.25 * rng.integers(0, 8, size=(m, k))
+        how = rng.integers(0, 14) if bad != "steps" else 99
+        if how == 0:
+            return lambda s: s.update(ids)
+        if how == 1:
+            tids = tids[:, :-1]
+        elif how == 2:
+            tids = tids.astype(np.float64)
+        elif how == 3 and m:
+            tids[-1, -1] = VOCAB
+        elif how == 4:
+            tids, tlps = tids.tolist(), tlps.tolist()
+        return lambda s: s.update(ids, tids, tlps)
+
     @rule(pick=st.integers(0, 40), child=st.integers(0, 3))
     def abort_member(self, pick, child):
         # a child's id (refused: abort the group) or the group by its parent's id
@@ -75,6 +111,7 @@ class ForksVsTwin(StepVsTwin):
         for rid in c.step_requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
         assert c.forks == t.forks and c.fork_fallbacks == t.fork_fallbacks
+        assert c.parked == t.parked
 
 
 TestForksVsTwin = ForksVsTwin.TestCase

@@ -1442,7 +1442,7 @@ cdef class Scheduler:
         if e < 0 or st.req[e].group != e or st.req[e].state == SR_FINISHED:
             raise StepError.UnknownRequest(None, f"no group {rid}")
         out = []
-        c = e
+        c = st.req[e].next_member if st.req[e].beam else e
         while c >= 0:
             out.append(st.req[c].rid)
             c = st.req[c].next_member
