@@ -38,6 +38,7 @@ STEP_ABI_VERSION: int
 STEP_PLAN_STRUCT_SIZE: int
 STEP_BACKEND_STRUCT_SIZE: int
 STEP_WRITES_LOGPROBS: int
+STEP_WRITES_TOPK: int
 MAX_STOP_TOKENS: int
 
 _Tokens = Union[Sequence[int], npt.NDArray[np.integer]]
