@@ -462,7 +462,7 @@ class StepModelBackend:
         logits = self.paged.step_logits(plan)
         li = np.asarray(plan.logits_indices, dtype=np.int64)
         ids = self.paged.sample(logits, plan.sampled_request_ids, plan.positions[li] + 1)
-        topk = getattr(plan, "num_topk", 0)     # the core's plans have no beam rows (yet)
+        topk = getattr(plan, "num_topk", 0)     # a plain twin_step plan has no beam rows
         if not topk:
             return ids
         lp = log_softmax(logits)

@@ -446,7 +446,7 @@ def test_beams_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
 
     class Py:
         def execute_step(self, plan):
-            return hb.execute_step(plan)
+            return hb.execute_step_topk(plan) if plan.num_topk else hb.execute_step(plan)
     rb, rt = b.run(Py()), t.run(Py())
     assert np.array_equal(result.stats, rb.stats) and np.array_equal(result.stats, rt.stats)
     assert finished_key(result.finished) == finished_key(rb.finished) == \
@@ -460,7 +460,8 @@ def test_hash_backend_candidates_follow_its_rule():
     c = qualia.Scheduler(8, 64, 4, 16)
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=4)
     plan = c.schedule()
-    ids, tids, tlps = hb.execute_step(plan)
+    ids, tids, tlps = hb.execute_step_topk(plan)
+    assert np.array_equal(ids, hb.execute_step(plan))
     assert tids.shape == tlps.shape == (1, 4) and tids.dtype == np.uint32
     assert tids[0].tolist() == [(int(ids[0]) + j) % 50 for j in range(4)]
     t = int(plan.logits_indices[0])

@@ -579,29 +579,39 @@ cdef class HashBackend:
         token of flat row ``logits_indices[r]``), by the same C function the scheduler calls
         through ``__qualia_step_backend__``.  Returns ``sampled_out`` (a new uint32 array of m
         ids when None); ``logprobs_out`` (float32, optional) receives ``hash_logprob`` of each
-        row.  The plan's copies are not performed here (call ``copy_pages``).  A plan with beam
-        rows (``num_topk = k > 0``) returns ``(sampled_out, topk_ids, topk_logprobs)``: each
-        row's k candidates ([m, k] uint32 / float32, best first; see docs/DESIGN.md, "Hash
-        backend"), what ``Scheduler.update`` takes."""
+        row.  The plan's copies are not performed here (call ``copy_pages``).  Candidates for
+        beam rows are not written (see ``execute_step_topk``)."""
         cdef _LoweredPlan lp = _lower_step_plan(plan)
+        lp.plan.num_topk = 0
         out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, sampled_out, logprobs_out, False)
         cdef float *lptr = NULL if bl is None else <float *>(<_Buffer>bl).ptr
-        cdef uint32_t[:, ::1] tv
-        cdef float[:, ::1] lv
-        tids = tlps = None
-        if lp.plan.num_topk:
-            tids = np.zeros((lp.plan.num_sampled, lp.plan.num_topk), np.uint32)
-            tlps = np.zeros((lp.plan.num_sampled, lp.plan.num_topk), np.float32)
-            if lp.plan.num_sampled:
-                tv = tids
-                lv = tlps
-                lp.plan.topk_ids_out = &tv[0, 0]
-                lp.plan.topk_logprobs_out = &lv[0, 0]
         cdef int32_t rc = qualia_hash_execute_step(self.st, &lp.plan,
                                                    <uint32_t *>(<_Buffer>bs).ptr, lptr)
         if rc:
             raise RaggedBackendError.Failed(rc)
-        return out if tids is None else (out, tids, tlps)
+        return out
+
+    def execute_step_topk(self, plan):
+        """``execute_step`` that also writes each row's ``plan.num_topk = k`` candidates (the
+        rule of docs/DESIGN.md, "Hash backend"): returns ``(sampled, topk_ids, topk_logprobs)``
+        with ``[m, k]`` uint32 / float32 candidate arrays, best first -- what
+        ``Scheduler.update`` takes for a plan with beam rows (``k`` may be 0)."""
+        cdef _LoweredPlan lp = _lower_step_plan(plan)
+        out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, None, None, False)
+        cdef uint32_t[:, ::1] tv
+        cdef float[:, ::1] lv
+        tids = np.zeros((lp.plan.num_sampled, lp.plan.num_topk), np.uint32)
+        tlps = np.zeros((lp.plan.num_sampled, lp.plan.num_topk), np.float32)
+        if lp.plan.num_sampled and lp.plan.num_topk:
+            tv = tids
+            lv = tlps
+            lp.plan.topk_ids_out = &tv[0, 0]
+            lp.plan.topk_logprobs_out = &lv[0, 0]
+        cdef int32_t rc = qualia_hash_execute_step(self.st, &lp.plan,
+                                                   <uint32_t *>(<_Buffer>bs).ptr, NULL)
+        if rc:
+            raise RaggedBackendError.Failed(rc)
+        return out, tids, tlps
 
     def execute_ragged(self, items, block_table, outputs):
         cdef _Buffer bi = _acquire(items, "items", "item", sizeof(qualia_batch_item),
