@@ -22,8 +22,9 @@ cdef enum:
     SR_RUNNING = 2
     SR_FINISHED = 3     # finished inside run(), waiting to be collected
     SR_RESERVED = 4     # a child of an n group not forked yet (its id is taken)
-    SR_MEMBER_DONE = 5  # a member of an n group that stopped; its output waits for the group
-                        # (beam group: a hypothesis's tokens, score and reason)
+    # SR_MEMBER_DONE: a member of an n group that stopped, its output waiting for the group; in
+    # a beam group, a hypothesis (its tokens, score and reason)
+    SR_MEMBER_DONE = 5
     SR_GROUP = 6        # a beam group's record (no tokens: an entry past max_queued)
 
 cdef enum:
@@ -221,7 +222,7 @@ cdef struct StepState:
     int32_t beam_tail
     uint32_t num_topk       # the pending plan's candidates per row (0: no beam row)
     uint32_t *cand_ids      # max_seqs x max_seqs, by row: a computed beam's candidates
-    double *cand_lps        #   (allocated with the first beam group)
+    double *cand_lps        # the same rows' log-probabilities (both with the first beam group)
     SelCand *sel            # max_seqs: the kept candidates of one selection
     int32_t *sel_groups     # max_seqs: groups with a beam row in the plan being applied
     uint32_t n_sel_groups
@@ -1598,7 +1599,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
     st.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.beam_head = st.beam_tail = -1
-    if (st.rec_free == NULL or st.sel == NULL or st.sel_groups == NULL or st.req == NULL or st.arena == NULL or st.free_ids == NULL or st.index == NULL
+    if (st.rec_free == NULL or st.sel == NULL or st.sel_groups == NULL or st.req == NULL
+            or st.arena == NULL or st.free_ids == NULL or st.index == NULL
             or st.heap == NULL or st.running == NULL or st.row_owner == NULL
             or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
             or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
