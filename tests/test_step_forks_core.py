@@ -352,6 +352,7 @@ def test_beams_under_preemption_park_and_match_the_twin():
             [t.facade.pool.refcount(p) for p in range(12)]
     assert finished_key(fc) == finished_key(ft)
     assert (c.forks, c.fork_fallbacks, c.parked) == (t.forks, t.fork_fallbacks, t.parked)
+    assert c.parked > 0 and c.fork_fallbacks > 0       # the case this test is about
     got = {f.request_id: f for f in fc}
     assert beams_of(got[1]) == dense_beams(PROMPT[:7], 3, 5)
     assert beams_of(got[3]) == dense_beams(PROMPT[3:], 2, 4)
