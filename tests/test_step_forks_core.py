@@ -471,12 +471,15 @@ def test_hash_backend_candidates_follow_its_rule():
 
 
 def test_run_refuses_a_beam_plan_for_a_c_backend_without_candidates(example_backend):
-    """A C step backend that does not declare QUALIA_STEP_WRITES_TOPK gets no beam plan: run()
-    raises with that step discarded, and the steps before it stand."""
+    """A C step backend that does not declare QUALIA_STEP_WRITES_TOPK gets no beam plan: while a
+    beam group is queued or running, run() refuses it before any step and changes nothing."""
     c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(2, PROMPT[:3], max_new_tokens=2)
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
+    before = (c.num_waiting, c.num_running, c.free_pages, c.request_tokens(1).tolist())
     with pytest.raises(TypeError, match="QUALIA_STEP_WRITES_TOPK"):
         c.run(example_backend.new_step(64))
-    assert c.request_tokens(1).tolist() == PROMPT and c.num_running == 1
+    assert (c.num_waiting, c.num_running, c.free_pages, c.request_tokens(1).tolist()) == before
+    assert before[:2] == (2, 0)
     r = c.run(qualia.HashBackend(vocab=64))
-    assert len(r.finished) == 1 and c.free_pages == c.num_blocks
+    assert len(r.finished) == 2 and c.free_pages == c.num_blocks

@@ -1537,6 +1537,11 @@ cdef class Scheduler:
                 return RunResult(out, finished)
             total = 0
             if self.step.beam_head >= 0:
+                if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
+                    # refused before any step: nothing is scheduled, admitted or discarded
+                    raise TypeError("a beam group is queued or running and the C step backend "
+                                    "does not declare QUALIA_STEP_WRITES_TOPK (its plans need "
+                                    "candidates); nothing was run")
                 self._topk_buffers()
             while self.step.count and (limit is None or total < limit):
                 want = 4096 if limit is None else min(4096, limit - total)
