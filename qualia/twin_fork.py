@@ -233,13 +233,28 @@ class ForkStepScheduler(StepScheduler):
                 raise ValueError(f"this plan has beam rows: pass topk_ids and topk_logprobs "
                                  f"of shape ({m}, {k})")
             tids = np.asarray(topk_ids)
-            tlps = np.asarray(topk_logprobs, dtype=np.float64)
-            if tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu":
+            tlps = np.asarray(topk_logprobs)
+            if (tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu"
+                    or tlps.dtype.kind not in "fiu"):
                 raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
                                  f"arrays")
             limit = U32_MAX if self.vocab_size is None else self.vocab_size - 1
             if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
                 raise ValueError(f"a topk token id is outside [0, {limit}]")
+            tlps = tlps.astype(np.float64)
+            # NaN or +inf would leave the scores unordered; a beam's w continuations are w
+            # distinct tokens (rows of requests aborted in the plan are not read)
+            bad = np.isnan(tlps) | (tlps == np.inf)
+            if bad.any():
+                raise ValueError(f"topk_logprobs row {int(np.argmax(bad.any(axis=1)))} holds "
+                                 f"NaN or +inf")
+            for r, rid in enumerate(plan.sampled_request_ids.tolist()):
+                g = self._group_of.get(rid)
+                if g is None or g.kind != "beam" or rid in self._aborted_in_plan:
+                    continue
+                if len(set(tids[r, :g.width].tolist())) != g.width:
+                    raise ValueError(f"topk_ids row {r} repeats a token among its beam's "
+                                     f"candidates")
         f = self.facade
         finished: List[Any] = []
         beams: List[_Group] = []

@@ -64,15 +64,16 @@ class ForksVsTwin(StepVsTwin):
                                           eos_token_id=eos, stop_token_ids=stop))
 
     def update_call(self, ids, rng, bad):
-        # a plan with beam rows takes [m, num_topk] candidates: log-probabilities on a coarse
-        # grid (ties between beams and ids happen), sometimes missing or malformed
+        # a plan with beam rows takes [m, num_topk] candidates: distinct ids per row,
+        # log-probabilities on a coarse grid (ties between beams and ids happen), sometimes
+        # missing or malformed (a repeated id, NaN)
         k = self.plan.num_topk
         if not k:
             return super().update_call(ids, rng, bad)
         m = len(self.plan.logits_indices)
-        tids = rng.integers(0, VOCAB, size=(m, k))
+        tids = np.array([rng.permutation(VOCAB)[:k] for _ in range(m)]).reshape(m, k)
         tlps = -0.25 * rng.integers(0, 8, size=(m, k))
-        how = rng.integers(0, 14) if bad != "steps" else 99
+        how = rng.integers(0, 16) if bad != "steps" else 99
         if how == 0:
             return lambda s: s.update(ids)
         if how == 1:
@@ -83,6 +84,10 @@ class ForksVsTwin(StepVsTwin):
             tids[-1, -1] = VOCAB
         elif how == 4:
             tids, tlps = tids.tolist(), tlps.tolist()
+        elif how == 5 and m and k > 1:
+            tids[-1, 1] = tids[-1, 0]       # refused when the row is a beam's of width > 1
+        elif how == 6 and m:
+            tlps[0, -1] = np.nan
         return lambda s: s.update(ids, tids, tlps)
 
     @rule(pick=st.integers(0, 40), child=st.integers(0, 3))

@@ -58,7 +58,7 @@ cdef tuple _resolve_topk(object topk_ids, object topk_logprobs):
     if topk_ids is None or topk_logprobs is None:
         return (None, None, None)
     try:
-        return (np.array(topk_ids), np.array(topk_logprobs, dtype=np.float64), None)
+        return (np.array(topk_ids), np.array(topk_logprobs), None)
     except Exception as exc:
         return (None, None, exc)
 
@@ -1178,10 +1178,14 @@ cdef class Scheduler:
                 raise StepError.NeverFits()
             if bw and max_new:
                 # the w beams are computed side by side: the prompt's full pages once (shared)
-                # and each beam's own tail must fit the pool together
+                # and each beam's own tail must fit the pool together.  Without a prefix cache
+                # (mode "off") a parked or queued beam recomputes its prompt into pages of its
+                # own, so each beam's whole sequence must fit beside the others
                 pt = self.page_tokens
                 tail = -(-(t.n + max_new - 1) // pt) - t.n // pt
                 need = t.n // pt + bw * tail
+                if self.mode == MODE_OFF:
+                    need = bw * (t.n // pt + tail)
                 if need > self.pool.pool.num_blocks:
                     raise StepError.NeverFits(None, f"{bw} beams need {need} pages side by "
                                                     f"side, the pool has "
@@ -1333,11 +1337,13 @@ cdef class Scheduler:
 
     cdef object _load_topk(self, tuple topk):
         # under ownership, after _load_sampled: a plan with beam rows takes [m, num_topk]
-        # candidates (ids in the vocabulary, float log-probabilities); returns them as private
-        # contiguous uint32 / float64 arrays, or None for a plan without beam rows
+        # candidates (ids in the vocabulary, real log-probabilities, neither NaN nor +inf, a
+        # beam row's first w ids distinct); returns them as private contiguous uint32 / float64
+        # arrays, or None for a plan without beam rows
         cdef StepState *st = &self.step
-        cdef uint32_t k = st.num_topk, m = st.m
+        cdef uint32_t k = st.num_topk, m = st.m, row = 0
         cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+        cdef int why
         if k == 0:
             return None
         tids, tlps, err = topk
@@ -1346,13 +1352,22 @@ cdef class Scheduler:
                              f"({m}, {k})")
         if err is not None:
             raise err
-        if tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu":
+        if (tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu"
+                or tlps.dtype.kind not in "fiu"):
             raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
                              f"arrays")
         if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
             raise ValueError(f"a topk token id is outside [0, {limit}]")
-        return (np.ascontiguousarray(tids, dtype=np.uint32),
+        cand = (np.ascontiguousarray(tids, dtype=np.uint32),
                 np.ascontiguousarray(tlps, dtype=np.float64))
+        why = step_check_topk(st, <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0]),
+                              <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1]), NULL,
+                              &row)
+        if why == TOPK_BAD_LOGPROB:
+            raise ValueError(f"topk_logprobs row {row} holds NaN or +inf")
+        if why:
+            raise ValueError(f"topk_ids row {row} repeats a token among its beam's candidates")
+        return cand
 
     cdef list _update_owned(self, object values, tuple topk):
         # update() with the scheduler owned by the caller
@@ -1561,6 +1576,12 @@ cdef class Scheduler:
                 if rc == RUN_BAD_TOPK:
                     raise ValueError(f"the step backend wrote a candidate token id outside "
                                      f"[0, {self.step.vocab - 1}] (row {status})")
+                if rc == RUN_BAD_TOPK_LOGPROB:
+                    raise ValueError(f"the step backend wrote a candidate log-probability that "
+                                     f"is NaN or +inf (row {status})")
+                if rc == RUN_REPEATED_TOPK:
+                    raise ValueError(f"the step backend repeated a token among a beam's "
+                                     f"candidates (row {status})")
                 if rc == RUN_NO_TOPK:
                     raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
                                     "backend does not declare QUALIA_STEP_WRITES_TOPK; the "

@@ -1270,6 +1270,43 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     return first
 
 
+cdef enum:
+    TOPK_OK = 0
+    TOPK_BAD_LOGPROB = 1    # a log-probability that is NaN or +inf
+    TOPK_REPEATED = 2       # a beam row names a token twice among its first w candidates
+
+
+cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
+                         const float *lps_f, uint32_t *row) noexcept nogil:
+    # The pending plan's candidates ([m, num_topk], ids already in the vocabulary), before
+    # anything is applied: every log-probability a number below +inf (-inf is a token of
+    # probability 0; NaN or +inf would make the scores unordered), and each live beam row's
+    # first w ids distinct (w continuations of one beam).  *row: the first bad row.
+    cdef uint32_t k = st.num_topk, j, a, b, w
+    cdef size_t i, n = <size_t>st.m * k, base
+    cdef double v
+    cdef int32_t g
+    for i in range(n):
+        v = lps[i] if lps != NULL else lps_f[i]
+        if v != v or v > 1.7976931348623157e308:
+            row[0] = <uint32_t>(i // k)
+            return TOPK_BAD_LOGPROB
+    for j in range(st.n):
+        if not st.plan_alive[j] or st.plan_sample[j] < 0:
+            continue
+        g = st.req[st.plan_entry[j]].group
+        if g < 0 or not st.req[g].beam:
+            continue
+        w = st.req[g].n_members
+        base = <size_t>st.plan_sample[j] * k
+        for a in range(1, w):
+            for b in range(a):
+                if ids[base + a] == ids[base + b]:
+                    row[0] = <uint32_t>st.plan_sample[j]
+                    return TOPK_REPEATED
+    return TOPK_OK
+
+
 cdef void step_discard(StepState *st) noexcept nogil:
     # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
     # changed rows and finished ids are reported again by the next plan (a backend whose
@@ -1792,6 +1829,8 @@ cdef enum:
     RUN_BAD_TOKEN = -2          # a sampled id past vocab_size (in *status: its row)
     RUN_NO_TOPK = -3            # a plan with beam rows, a backend that writes no candidates
     RUN_BAD_TOPK = -4           # a candidate id past vocab_size (in *status: its row)
+    RUN_BAD_TOPK_LOGPROB = -5   # a candidate log-probability NaN or +inf (in *status: its row)
+    RUN_REPEATED_TOPK = -6      # a beam row repeats a candidate id (in *status: its row)
 
 
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
@@ -1841,7 +1880,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
     # schedule -> execute -> update until no request is left or max_rows steps ran.  A failing
     # step is discarded (nothing of it applied) and ends the loop.
     cdef qualia_step_plan plan
-    cdef uint32_t k = 0, done, i
+    cdef uint32_t k = 0, done, i, row = 0
     cdef int rc = Q_OK
     cdef int32_t s
     cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
@@ -1881,6 +1920,12 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
                     rc = RUN_BAD_TOPK
                     break
             if rc:
+                break
+            i = <uint32_t>step_check_topk(st, st.topk_ids_buf, NULL, st.topk_lps_buf, &row)
+            if i:
+                step_discard(st)
+                status[0] = <int32_t>row
+                rc = RUN_BAD_TOPK_LOGPROB if i == TOPK_BAD_LOGPROB else RUN_REPEATED_TOPK
                 break
         done = st.n_done
         rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
