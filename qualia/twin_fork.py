@@ -217,10 +217,11 @@ class ForkStepScheduler(StepScheduler):
         if self._plan is None:
             raise StepError.NoPlan(None, "schedule() first")
         values = self._resolve_sampled(sampled_token_ids)    # user code runs here only
+        topk = _resolve_topk(topk_ids, topk_logprobs)        # (and here)
         self._enter()
-        return self._update_fork(values, topk_ids, topk_logprobs)
+        return self._update_fork(values, *topk)
 
-    def _update_fork(self, values, topk_ids, topk_logprobs) -> List[Any]:
+    def _update_fork(self, values, topk_ids, topk_logprobs, err=None) -> List[Any]:
         # checked against the plan pending now, then applied (StepScheduler._update's rule)
         values = self._check_sampled(values)
         plan = self._plan
@@ -229,6 +230,8 @@ class ForkStepScheduler(StepScheduler):
         k = plan.num_topk if isinstance(plan, ForkStepPlan) else 0
         tids = tlps = np.zeros((0, 0))
         if k:
+            if err is not None:
+                raise err
             if topk_ids is None or topk_logprobs is None:
                 raise ValueError(f"this plan has beam rows: pass topk_ids and topk_logprobs "
                                  f"of shape ({m}, {k})")
@@ -297,7 +300,7 @@ class ForkStepScheduler(StepScheduler):
         try:
             out = execute(plan)
             ids, tk, tl = out if isinstance(out, tuple) else (out, None, None)
-            return self._update_fork(self._resolve_sampled(ids), tk, tl)
+            return self._update_fork(self._resolve_sampled(ids), *_resolve_topk(tk, tl))
         except BaseException:
             if self._plan is plan:      # refused before anything changed
                 self._discard()
@@ -450,6 +453,18 @@ class ForkStepScheduler(StepScheduler):
             self._note(r, tok)
             g.cum[r.request_id] = score
             g.members.append(r.request_id)
+
+
+def _resolve_topk(topk_ids, topk_logprobs) -> Tuple[Any, Any, Optional[Exception]]:
+    # update()'s candidates as private arrays, before any state is read (user code --
+    # __array__, sequences -- runs here only); a conversion error is raised later, and only
+    # when the plan has beam rows (a plan without them ignores the arguments)
+    if topk_ids is None or topk_logprobs is None:
+        return None, None, None
+    try:
+        return np.array(topk_ids), np.array(topk_logprobs), None
+    except Exception as exc:
+        return None, None, exc
 
 
 def _ro(a: np.ndarray) -> np.ndarray:

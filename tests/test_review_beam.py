@@ -1,0 +1,591 @@
+"""Hostile review of beam groups in the compiled engine step (docs/DESIGN.md, "Beam search at the
+step level"): malformed candidates from ``update`` and from Python and C backends, aborts at every
+phase of a group, discards, tiny pools, ids of internal children, re-entrant user code, and the
+memory rules.  Every refused call changes nothing; where the twin (``ForkStepScheduler``) models
+the case, the core and the twin agree call for call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+from ctypes_abi import EXECUTE_STEP, CStepBackend
+from step_checks import assert_same_plan
+from test_leaks import SLACK, measure
+from test_step_stateful import finished_key
+
+import qualia
+from qualia import twin_fork as TF
+from qualia.errors import BusyError, StepError
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+V = 64
+HB = qualia.HashBackend(vocab=V)
+
+
+def both(*args, **kw):
+    kw.setdefault("vocab_size", V)
+    return qualia.Scheduler(*args, **kw), TF.ForkStepScheduler(*args, **kw)
+
+
+def state(s, groups=()):
+    """Everything a refused call must leave as it was (core or twin)."""
+    core = isinstance(s, qualia.Scheduler)
+    f = s if core else s.facade
+    reqs = sorted(s.step_requests() if core else s.requests())
+    members = {}
+    for g in groups:
+        try:
+            members[g] = s.group_members(g)
+        except StepError.UnknownRequest:
+            members[g] = None
+    return (reqs, {r: s.request_tokens(r).tolist() for r in reqs}, s.num_waiting,
+            s.num_running, f.free_pages, [f.pool.refcount(p) for p in range(f.num_blocks)],
+            members, s.parked, s.forks, s.fork_fallbacks, s.has_unfinished())
+
+
+def execute(plan):
+    return HB.execute_step_topk(plan) if plan.num_topk else (HB.execute_step(plan),)
+
+
+def step(s):
+    plan = s.schedule()
+    return plan, s.update(*execute(plan))
+
+
+def drain(s, limit=500):
+    done = []
+    while s.has_unfinished() and limit:
+        done += step(s)[1]
+        limit -= 1
+    assert not s.has_unfinished()
+    return done
+
+
+def lockstep(c, t, limit=500):
+    """Drive core and twin to the end with the hash backend's candidates; plans, states and
+    results agree at every step."""
+    fc, ft = [], []
+    while (c.has_unfinished() or t.has_unfinished()) and limit:
+        pc, pt = c.schedule(), t.schedule()
+        assert_same_plan(pc, pt)
+        assert pc.num_topk == pt.num_topk
+        fc += c.update(*execute(pc))
+        ft += t.update(*execute(pt))
+        assert state(c) == state(t)
+        limit -= 1
+    assert finished_key(fc) == finished_key(ft)
+    return fc
+
+
+def all_pages_back(c):
+    c.clear_cache()
+    assert c.free_pages == c.num_blocks
+
+
+# -- 1. candidates: values that would make the selection silently wrong -------------------------
+
+class Sub(np.ndarray):
+    """A numpy subclass (np.array(x) of it is a plain copy)."""
+
+
+def beam_plan():
+    c, t = both(8, 64, 4, 16)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=4)
+    pc, pt = c.schedule(), t.schedule()
+    assert pc.num_topk == pt.num_topk == 3 and len(pc.logits_indices) == 2
+    return c, t, pc
+
+
+@pytest.mark.parametrize("bad", ["nan", "+inf", "nan_in_plain_row", "bool", "strings", "complex",
+                                 "objects", "repeat", "repeat_last"])
+def test_candidates_that_would_leave_scores_unordered_or_beams_equal_are_refused(bad):
+    """NaN or +inf log-probabilities (in any row), non-real log-probability arrays and a token
+    named twice among a beam row's candidates raise ValueError with nothing applied, in the
+    core and the twin; the same update with good candidates then agrees."""
+    c, t, plan = beam_plan()
+    ids, tids, tlps = HB.execute_step_topk(plan)
+    tids, tlps = tids.astype(np.int64), tlps.astype(np.float64)
+    row = 0 if plan.sampled_request_ids[0] == 1 else 1      # the beam row
+    bt, bl = tids.copy(), tlps.copy()
+    if bad == "nan":
+        bl[row, 1] = np.nan
+    elif bad == "+inf":
+        bl[row, 0] = np.inf
+    elif bad == "nan_in_plain_row":
+        bl[1 - row, 2] = np.nan
+    elif bad == "bool":
+        bl = bl < -1
+    elif bad == "strings":
+        bl = bl.astype(str)
+    elif bad == "complex":
+        bl = bl + 0j
+    elif bad == "objects":
+        bl = bl.astype(object)
+    elif bad == "repeat":
+        bt[row, 2] = bt[row, 0]
+    else:
+        bt[row, 2] = bt[row, 1]
+    before = state(c, [1]), state(t, [1])
+    for s in (c, t):
+        with pytest.raises(ValueError):
+            s.update(ids, bt, bl)
+    assert (state(c, [1]), state(t, [1])) == before
+    assert finished_key(c.update(ids, tids, tlps)) == finished_key(t.update(ids, tids, tlps))
+    assert state(c, [1]) == state(t, [1])
+    lockstep(c, t)
+
+
+def test_minus_inf_and_a_repeat_past_a_narrower_beams_width_are_accepted():
+    """-inf is a token of probability 0 (its beam sorts last); a plan's num_topk is its widest
+    group's, and a narrower group reads only its first w candidates, so a repeat past them is
+    not an error."""
+    c, t = both(8, 64, 4, 16)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
+        s.add_request(2, PROMPT[2:], max_new_tokens=3, beam_width=4)
+    pc = c.schedule()
+    assert_same_plan(pc, t.schedule())
+    assert pc.num_topk == 4
+    ids, tids, tlps = HB.execute_step_topk(pc)
+    tlps = tlps.astype(np.float64)
+    narrow = pc.sampled_request_ids.tolist().index(1)
+    tids[narrow, 3] = tids[narrow, 0]
+    tlps[narrow, 1] = -np.inf
+    assert finished_key(c.update(ids, tids, tlps)) == finished_key(t.update(ids, tids, tlps))
+    assert c.group_members(1) == t.group_members(1) and len(c.group_members(1)) == 2
+    fc = lockstep(c, t)
+    assert {f.request_id for f in fc} == {1, 2}
+
+
+@pytest.mark.parametrize("shape", ["transposed", "fortran", "non_contiguous", "float32",
+                                   "float16", "int_logprobs", "subclass", "uint64_ids"])
+def test_candidate_arrays_of_any_layout_and_real_dtype_equal_the_plain_ones(shape):
+    """Layout and numeric dtype do not change the result: the same values give the same
+    selection as plain C-ordered int64 / float64 arrays."""
+    runs = []
+    for variant in ("plain", shape):
+        c, _, plan = beam_plan()
+        ids, tids, tlps = HB.execute_step_topk(plan)
+        tlps = np.floor(tlps.astype(np.float64) * 8)       # exact in every dtype below
+        tids = tids.astype(np.int64)
+        if variant == "transposed":
+            tids, tlps = np.ascontiguousarray(tids.T).T, np.ascontiguousarray(tlps.T).T
+        elif variant == "fortran":
+            tids, tlps = np.asfortranarray(tids), np.asfortranarray(tlps)
+        elif variant == "non_contiguous":
+            tids = np.repeat(tids, 2, axis=1)[:, ::2]
+            tlps = np.repeat(tlps, 2, axis=1)[:, ::2]
+        elif variant in ("float32", "float16"):
+            tlps = tlps.astype(variant)
+        elif variant == "int_logprobs":
+            tlps = tlps.astype(np.int64)
+        elif variant == "subclass":
+            tids, tlps = tids.view(Sub), tlps.view(Sub)
+        elif variant == "uint64_ids":
+            tids = tids.astype(np.uint64)
+        assert variant == "plain" or not (tids.flags.c_contiguous and tids.dtype == np.int64
+                                          and tlps.flags.c_contiguous
+                                          and tlps.dtype == np.float64
+                                          and type(tids) is np.ndarray)
+        c.update(ids, tids, tlps)
+        runs.append((state(c, [1]), finished_key(drain(c))))
+    assert runs[0] == runs[1]
+
+
+# -- 2. run() with backends that return garbage ---------------------------------------------------
+
+_KEEP = []
+
+
+def c_backend(fill, flags=2):
+    """A C step backend over a ctypes callback: samples token 5 and writes candidates
+    fill(row, j) -> (id, log-probability)."""
+    def ex(ctx, plan, sampled, logprobs):
+        p = plan.contents
+        out = ctypes.cast(sampled, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 5
+        if p.num_topk:
+            ti = ctypes.cast(p.topk_ids_out, ctypes.POINTER(ctypes.c_uint32))
+            tl = ctypes.cast(p.topk_logprobs_out, ctypes.POINTER(ctypes.c_float))
+            for r in range(p.num_sampled):
+                for j in range(p.num_topk):
+                    ti[r * p.num_topk + j], tl[r * p.num_topk + j] = fill(r, j)
+        return 0
+    execute_step = EXECUTE_STEP(ex)
+    iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), flags, 0, None,
+                         ctypes.cast(execute_step, ctypes.c_void_p), None)
+    name = qualia.STEP_CAPSULE_NAME.encode()
+    _KEEP.append((iface, execute_step, name))
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(iface), name, None)
+
+
+def GOOD(r, j):
+    return (7 * r + j) % V, -0.5 * j
+
+
+@pytest.mark.parametrize("fill,match", [
+    (lambda r, j: (GOOD(r, j)[0], float("nan")), "NaN or \\+inf"),
+    (lambda r, j: (GOOD(r, j)[0], float("inf") if j == 1 else -1.0), "NaN or \\+inf"),
+    (lambda r, j: (4, -1.0 * j), "repeated a token"),
+    (lambda r, j: (V + j, -1.0 * j), "outside"),
+    (lambda r, j: (2**32 - 1, -1.0), "outside"),
+])
+def test_a_c_backend_writing_garbage_candidates_fails_its_step_applying_nothing(fill, match):
+    """The step is discarded: the scheduler is as schedule() + discard_plan() leave it (the
+    admissions stay, no token, fork or selection applied), and a good backend then finishes
+    the group as from a fresh start."""
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    ref = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    for s in (c, ref):
+        s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
+        s.add_request(2, PROMPT[:3], max_new_tokens=2)
+    ref.schedule()
+    ref.discard_plan()
+    with pytest.raises(ValueError, match=match) as info:
+        c.run(c_backend(fill))
+    assert info.value.finished == []
+    assert state(c, [1]) == state(ref, [1])
+    assert finished_key(c.run(c_backend(GOOD)).finished) == \
+        finished_key(ref.run(c_backend(GOOD)).finished)
+    all_pages_back(c)
+
+
+def test_a_c_backend_without_the_flag_is_refused_even_with_a_beam_group_added_later():
+    # a beam group queued after a run() that had none: the next run() refuses before any step
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c.add_request(2, PROMPT[:3], max_new_tokens=2)
+    assert len(c.run(c_backend(GOOD, flags=0)).finished) == 1
+    c.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
+    before = state(c, [1])
+    with pytest.raises(TypeError, match="QUALIA_STEP_WRITES_TOPK"):
+        c.run(c_backend(GOOD, flags=0))
+    assert state(c, [1]) == before
+    assert len(c.run(c_backend(GOOD)).finished) == 1
+    all_pages_back(c)
+
+
+class TupleThatRaises(tuple):
+    def __iter__(self):
+        raise RuntimeError("unpacking runs user code")
+
+
+@pytest.mark.parametrize("shape,exc", [
+    (lambda p: (HB.execute_step(p),), ValueError),
+    (lambda p: HB.execute_step_topk(p)[:2], ValueError),
+    (lambda p: HB.execute_step_topk(p) + (None,), ValueError),
+    (lambda p: None, TypeError),
+    (lambda p: list(HB.execute_step_topk(p)), TypeError),
+    (lambda p: TupleThatRaises(HB.execute_step_topk(p)), RuntimeError),
+    (lambda p: (lambda a: (a[0], a[2], a[1]))(HB.execute_step_topk(p)), ValueError),
+    (lambda p: HB.execute_step(p), ValueError),
+    (lambda p: (lambda a: (a[0], a[1], np.full(a[2].shape, np.nan)))(HB.execute_step_topk(p)),
+     ValueError),
+])
+def test_a_python_backend_returning_malformed_tuples_fails_its_step_applying_nothing(shape, exc):
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    ref = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    for s in (c, ref):
+        s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
+    ref.schedule()
+    ref.discard_plan()
+
+    class Backend:
+        def execute_step(self, plan):
+            return shape(plan)
+    with pytest.raises(exc):
+        c.run(Backend())
+    assert state(c, [1]) == state(ref, [1])
+
+    class Good:
+        def execute_step(self, plan):
+            return execute(plan)
+    assert finished_key(c.run(Good()).finished) == finished_key(ref.run(Good()).finished)
+
+
+# -- 3. without a prefix cache, parked beams recompute their prompts -------------------------------
+
+def test_beams_without_a_prefix_cache_need_their_whole_sequences_side_by_side():
+    """prefix_caching='off': a parked or queued beam recomputes its prompt into pages of its
+    own, so a group whose beams fit only by sharing the prompt would park forever (run() never
+    returned).  Such a group is NeverFits; one that fits whole runs to its end."""
+    def go(num_blocks):
+        c = qualia.Scheduler(4, num_blocks, 4, 16, max_num_seqs=2, prefix_caching="off",
+                             vocab_size=V)
+        c.add_request(2, [7, 7], max_new_tokens=3)         # holds a row: the child is queued
+        c.add_request(1, list(range(8)), max_new_tokens=4, beam_width=2)
+        return c
+    for nb in (4, 5):       # 2 shared + 2 x 1 tail pages, but 2 x 3 pages once parked
+        with pytest.raises(StepError.NeverFits, match="2 beams need 6 pages"):
+            go(nb)
+    c = go(6)
+    r = c.run(HB, max_steps=200)
+    assert not c.has_unfinished() and len(r.finished) == 2 and c.fork_fallbacks > 0
+    assert c.free_pages == c.num_blocks
+    # with the cache, sharing the prompt is enough
+    a = qualia.Scheduler(4, 4, 4, 16, max_num_seqs=2, vocab_size=V)
+    a.add_request(1, list(range(8)), max_new_tokens=4, beam_width=2)
+    assert len(a.run(HB, max_steps=200).finished) == 1
+
+
+# -- 4. aborts at every phase, discards, edges -------------------------------------------------
+
+def phases():
+    """(name, steps to run before aborting, whether a plan is pending at the abort)."""
+    return [("queued", 0, False), ("in_prefill_plan", 0, True), ("mid_prefill", 1, False),
+            ("beam_waits_for_sibling", 3, False), ("parked", 5, False),
+            ("hypotheses_stored", 6, False), ("in_decode_plan", 6, True)]
+
+
+@pytest.mark.parametrize("name,steps,pending", phases())
+def test_aborting_a_beam_group_at_each_phase_equals_the_twin_and_frees_everything(name, steps,
+                                                                                    pending):
+    kw = dict(max_num_batched_tokens=6, max_num_seqs=3, max_prefill_chunk=4)
+    c, t = both(6, 12, 2, 12, **kw)
+    for s in (c, t):
+        s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3, eos_token_id=17)
+        s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
+        s.add_request(3, PROMPT[3:], max_new_tokens=4, beam_width=2)
+    for _ in range(steps):
+        pc, pt = c.schedule(), t.schedule()
+        assert_same_plan(pc, pt)
+        assert finished_key(c.update(*execute(pc))) == finished_key(t.update(*execute(pt)))
+    if pending:
+        pc, pt = c.schedule(), t.schedule()
+        assert_same_plan(pc, pt)
+    assert state(c, [1, 3]) == state(t, [1, 3])
+    for s in (c, t):
+        s.abort(1)
+        with pytest.raises(StepError.UnknownRequest):
+            s.abort(1)
+        with pytest.raises(StepError.UnknownRequest):
+            s.group_members(1)
+    assert state(c, [1, 3]) == state(t, [1, 3])
+    if pending and name == "in_prefill_plan":
+        # the pending plan is applied without the group (its rows are skipped)
+        assert finished_key(c.update(*execute(pc))) == finished_key(t.update(*execute(pt)))
+    elif pending:
+        for s in (c, t):
+            s.discard_plan()
+    assert state(c, [1, 3]) == state(t, [1, 3])
+    lockstep(c, t)
+    all_pages_back(c)
+    # the group's entries are back: the queue takes max_queued plain requests again
+    for k in range(c.max_queued):
+        c.add_request(100 + k, [1], max_new_tokens=1)
+
+
+def test_an_aborted_groups_rows_in_the_pending_plan_are_skipped_and_its_id_reusable():
+    """Abort a beam group whose beams are in the pending plan, add a new beam group under the
+    same id, then apply the plan (candidates for the dead rows are not read)."""
+    c, t = both(8, 64, 4, 16, max_num_seqs=6)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=3)
+    for _ in range(2):
+        pc, pt = c.schedule(), t.schedule()
+        c.update(*execute(pc))
+        t.update(*execute(pt))
+    pc, pt = c.schedule(), t.schedule()
+    assert pc.num_topk == 3 and len(pc.logits_indices) == 3
+    ids, tids, tlps = execute(pc)
+    tids[:, 1] = tids[:, 0]                 # repeats in dead rows are not read
+    for s in (c, t):
+        s.abort(1)
+        s.add_request(1, PROMPT[:5], max_new_tokens=3, beam_width=4)
+    assert finished_key(c.update(ids, tids, tlps)) == finished_key(t.update(ids, tids, tlps))
+    assert state(c, [1]) == state(t, [1])
+    lockstep(c, t)
+    all_pages_back(c)
+
+
+def test_discarding_beam_plans_repeats_them_and_equals_the_twin():
+    c, t = both(8, 24, 2, 16, max_num_batched_tokens=8, max_num_seqs=4)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=5, beam_width=4, stop_token_ids=[9])
+        s.add_request(2, PROMPT[:5], max_new_tokens=3, beam_width=2)
+    k = 0
+    while c.has_unfinished():
+        pc, pt = c.schedule(), t.schedule()
+        assert_same_plan(pc, pt)
+        k += 1
+        if k % 3 == 0:
+            for s in (c, t):
+                s.discard_plan()
+            again = c.schedule()
+            assert_same_plan(again, t.schedule())
+            assert again.sampled_request_ids.tolist() == pc.sampled_request_ids.tolist()
+            pc = again
+            pt = t._plan
+        assert finished_key(c.update(*execute(pc))) == finished_key(t.update(*execute(pt)))
+        assert state(c, [1, 2]) == state(t, [1, 2])
+    assert not t.has_unfinished()
+    all_pages_back(c)
+
+
+@pytest.mark.parametrize("width,max_new,stops", [(4, 1, ()), (4, 3, "all"), (1, 4, ()),
+                                                  (4, 4, ())])
+def test_edges_width_equal_to_max_num_seqs_one_token_and_all_stop_candidates(width, max_new,
+                                                                            stops):
+    """beam_width == max_num_seqs with a queue of exactly w entries; max_new_tokens=1 (every
+    candidate a hypothesis at the prompt's row); every candidate a stop token; width 1."""
+    c, t = both(4, 64, 4, 16, max_num_seqs=width, max_queued=width)
+    stop_ids = list(range(V))[:16] if stops == "all" else []
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=max_new, beam_width=width,
+                      stop_token_ids=stop_ids)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(2, [1], max_new_tokens=1)
+    fc = lockstep(c, t)
+    g = fc[0]
+    assert len(g.outputs) == width and g.scores == sorted(g.scores, reverse=True)
+    if max_new == 1:
+        assert all(len(o) == 1 for o in g.outputs) and set(g.finish_reasons) == {"length"}
+    all_pages_back(c)
+    for k in range(width):
+        c.add_request(10 + k, [1], max_new_tokens=1)
+
+
+def test_children_skip_user_ids_at_the_child_base():
+    c, t = both(8, 64, 4, 16, max_queued=12)
+    base = TF.CHILD_BASE
+    for s in (c, t):
+        s.add_request(base, [1, 2], max_new_tokens=9)
+        s.add_request(base + 2, [1, 2], max_new_tokens=9)
+        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=4)
+    pc, pt = c.schedule(), t.schedule()
+    c.update(*execute(pc))
+    t.update(*execute(pt))
+    members = c.group_members(1)
+    assert members == t.group_members(1)
+    assert base not in members and base + 2 not in members and len(set(members)) == 4
+    for m in members[1:]:
+        with pytest.raises(StepError.DuplicateRequest):
+            c.add_request(m, [1], max_new_tokens=1)
+        with pytest.raises(StepError.UnknownRequest):
+            c.abort(m)                      # a beam alone
+    lockstep(c, t)
+    all_pages_back(c)
+
+
+# -- 5. user code around update ---------------------------------------------------------------
+
+class ArrayLike:
+    """An object whose __array__ runs `hook` (user code, resolved before the scheduler is
+    owned)."""
+
+    def __init__(self, a, hook):
+        self.a, self.hook = a, hook
+
+    def __array__(self, dtype=None, copy=None):
+        self.hook()
+        return self.a if dtype is None else self.a.astype(dtype)
+
+
+@pytest.mark.parametrize("what", ["abort", "add", "update", "discard", "raise"])
+def test_array_hooks_that_touch_the_scheduler_run_before_it_is_owned(what):
+    c, t = both(8, 64, 4, 16, max_num_seqs=6)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
+        s.add_request(2, PROMPT[:3], max_new_tokens=3)
+    pc = c.schedule()
+    assert_same_plan(pc, t.schedule())
+    ids, tids, tlps = execute(pc)
+
+    def hook_for(s):
+        def hook():
+            if what == "abort":
+                s.abort(1)
+            elif what == "add":
+                s.add_request(3, PROMPT, max_new_tokens=2, beam_width=2)
+            elif what == "update":
+                s.update(ids, tids, tlps)
+            elif what == "discard":
+                s.discard_plan()
+            else:
+                raise RuntimeError("hook")
+        return hook
+    out = []
+    for s in (c, t):
+        try:
+            out.append(finished_key(s.update(ids, ArrayLike(tids, hook_for(s)), tlps)))
+        except (StepError.NoPlan, RuntimeError) as exc:
+            out.append(type(exc))
+    assert out[0] == out[1]
+    assert state(c, [1, 3]) == state(t, [1, 3])
+    if c.has_unfinished():
+        for s in (c, t):
+            s.discard_plan()
+        lockstep(c, t)
+    all_pages_back(c)
+
+
+def test_gc_callbacks_during_beam_updates_and_runs_get_busy_error():
+    """A GC callback that aborts, adds or discards while update() or run() owns the scheduler
+    gets BusyError; whatever ran outside the owned sections leaves a consistent scheduler."""
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V, max_num_seqs=6)
+    c.add_request(1, PROMPT, max_new_tokens=6, beam_width=3)
+    c.add_request(2, PROMPT[:3], max_new_tokens=6, beam_width=2)
+    seen = []
+
+    def callback(phase, info):
+        if phase != "start":
+            return
+        for call in (lambda: c.abort(1), c.discard_plan,
+                     lambda: c.add_request(9, [1], max_new_tokens=1, beam_width=2)):
+            try:
+                call()
+                seen.append("ran")
+            except BusyError:
+                seen.append("busy")
+            except StepError:
+                seen.append("refused")
+    old = gc.get_threshold()
+    gc.callbacks.append(callback)
+    gc.set_threshold(1, 1, 1)
+    try:
+        for _ in range(4):
+            try:
+                plan = c.schedule()
+                c.update(*execute(plan))
+            except StepError:
+                pass
+        c.run(HB, max_steps=3)
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*old)
+    assert "busy" in seen
+    c.discard_plan()
+    drain(c)
+    all_pages_back(c)
+
+
+# -- 6. memory ---------------------------------------------------------------------------------
+
+def test_beam_groups_leak_nothing_across_full_runs_and_aborts():
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V, max_num_seqs=4)
+
+    def cycle(i):
+        c.add_request(1, PROMPT, max_new_tokens=4, beam_width=3, namespace=b"ns%d" % (i % 3))
+        c.add_request(2, PROMPT[:5], max_new_tokens=3, beam_width=2, namespace=b"xy")
+        for _ in range(i % 5):
+            step(c)
+        if i % 2:
+            c.schedule()
+        for g in (1, 2):
+            try:
+                c.abort(g)
+            except StepError.UnknownRequest:
+                pass
+        c.discard_plan()
+        drain(c)
+    traced, _ = measure(cycle, cycles=2000, warmup=100)
+    assert traced <= SLACK, f"{traced} B traced growth over 2000 cycles"
