@@ -176,7 +176,9 @@ typedef struct qualia_step_plan {
      * topk_ids_out[r * num_topk + j] and topk_logprobs_out[r * num_topk + j] for j < num_topk:
      * the row's num_topk most likely next tokens, best first (ties: the lower id first), with
      * their natural-log probabilities.  Both are NULL when num_topk is 0.  The scheduler refuses
-     * a plan with num_topk > 0 for a backend without that flag (the step is discarded). */
+     * a plan with num_topk > 0 for a backend without that flag (the step is discarded), and
+     * fails the step when a candidate id is past vocab_size, a log-probability is NaN or +inf,
+     * or a beam row repeats an id among its first beam_width candidates. */
     uint32_t num_topk;
     uint32_t _reserved2;                 /* always 0 */
     uint32_t *topk_ids_out;              /* [num_sampled * num_topk], written by the backend */

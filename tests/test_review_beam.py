@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import ctypes
 import gc
+from itertools import repeat
 
 import numpy as np
 import pytest
 from ctypes_abi import EXECUTE_STEP, CStepBackend
 from step_checks import assert_same_plan
 from test_leaks import SLACK, measure
+from test_no_alloc import ROUNDS, probe
+from test_step_no_alloc import assert_no_growth_per_step
 from test_step_stateful import finished_key
 
 import qualia
@@ -589,3 +592,42 @@ def test_beam_groups_leak_nothing_across_full_runs_and_aborts():
         drain(c)
     traced, _ = measure(cycle, cycles=2000, warmup=100)
     assert traced <= SLACK, f"{traced} B traced growth over 2000 cycles"
+
+
+def beams_decoding(groups=8, width=4):
+    """groups beam groups decoding with room for many more steps (each step selects, forks
+    children and stops beams: the steady state of beam search)."""
+    steps = 8 * ROUNDS
+    lp = (64 + steps) // 16 + 2
+    n = groups * width
+    s = qualia.Scheduler(n, n * lp, 16, lp, max_num_batched_tokens=groups * 128,
+                         max_queued=n, max_num_seqs=n, cache_key=b"a" * 16, vocab_size=1000)
+    for i in range(groups):
+        s.add_request(i, np.arange(64, dtype=np.uint32) + i, max_new_tokens=steps,
+                      beam_width=width)
+    s.run(qualia.HashBackend(vocab=1000), max_steps=3)
+    assert s.num_running == n
+    return s
+
+
+def test_the_steady_beam_step_allocates_nothing_in_run_and_by_hand():
+    """run(HashBackend) with beam groups (selection, forks, candidates checked) keeps no
+    allocation per step, and neither does schedule + update with candidate arrays."""
+    hb = qualia.HashBackend(vocab=1000)
+    s = beams_decoding()
+    forks = s.forks
+
+    def go(k, run=s.run, hb=hb):
+        for _ in repeat(None, k):
+            run(hb, max_steps=1)
+    assert_no_growth_per_step(probe(go), "Scheduler.run with beam groups")
+    assert s.forks > forks and s.num_running == 32
+    h = beams_decoding()
+    ids, tids, tlps = hb.execute_step_topk(h.schedule())
+    h.discard_plan()
+
+    def by_hand(k, sched=h.schedule, upd=h.update, ids=ids, tids=tids, tlps=tlps):
+        for _ in repeat(None, k):
+            sched()
+            upd(ids, tids, tlps)
+    assert_no_growth_per_step(probe(by_hand), "schedule + update with beam groups")
