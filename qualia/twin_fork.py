@@ -110,6 +110,10 @@ class ForkStepScheduler(StepScheduler):
                                  f"{self.max_num_seqs}], got {beam_width}")
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
+            if self.vocab_size is not None and beam_width > self.vocab_size:
+                # a beam row's w candidates are distinct tokens of the vocabulary
+                raise ValueError(f"beam_width must be at most vocab_size={self.vocab_size}, "
+                                 f"got {beam_width}")
         if beam_width is not None:
             # the w beams are computed side by side: the prompt's full pages once (shared) and
             # each beam's own tail must fit the pool together, or the group never selects

@@ -50,8 +50,8 @@ def state(s, groups=()):
             members, s.parked, s.forks, s.fork_fallbacks, s.has_unfinished())
 
 
-def execute(plan):
-    return HB.execute_step_topk(plan) if plan.num_topk else (HB.execute_step(plan),)
+def execute(plan, hb=HB):
+    return hb.execute_step_topk(plan) if plan.num_topk else (hb.execute_step(plan),)
 
 
 def step(s):
@@ -68,7 +68,7 @@ def drain(s, limit=500):
     return done
 
 
-def lockstep(c, t, limit=500):
+def lockstep(c, t, limit=500, hb=HB):
     """Drive core and twin to the end with the hash backend's candidates; plans, states and
     results agree at every step."""
     fc, ft = [], []
@@ -76,8 +76,8 @@ def lockstep(c, t, limit=500):
         pc, pt = c.schedule(), t.schedule()
         assert_same_plan(pc, pt)
         assert pc.num_topk == pt.num_topk
-        fc += c.update(*execute(pc))
-        ft += t.update(*execute(pt))
+        fc += c.update(*execute(pc, hb))
+        ft += t.update(*execute(pt, hb))
         assert state(c) == state(t)
         limit -= 1
     assert finished_key(fc) == finished_key(ft)
@@ -631,3 +631,24 @@ def test_the_steady_beam_step_allocates_nothing_in_run_and_by_hand():
             sched()
             upd(ids, tids, tlps)
     assert_no_growth_per_step(probe(by_hand), "schedule + update with beam groups")
+
+
+def test_a_beam_wider_than_the_vocabulary_is_refused():
+    """w continuations of a beam are w distinct tokens: beam_width past vocab_size could never
+    get valid candidates (every update would fail), so add_request refuses it."""
+    c, t = both(4, 64, 4, 16, vocab_size=3)
+    for s in (c, t):
+        with pytest.raises(ValueError, match="vocab_size=3"):
+            s.add_request(1, [1, 2], max_new_tokens=2, beam_width=4)
+        assert not s.has_unfinished()
+        s.add_request(1, [1, 2], max_new_tokens=2, beam_width=3)
+    assert len(lockstep(c, t, hb=qualia.HashBackend(vocab=3))[0].outputs) == 3
+    # the hash backend refuses to write more candidates than it has tokens
+    u = qualia.Scheduler(4, 64, 4, 16)
+    u.add_request(1, [1, 2], max_new_tokens=2, beam_width=4)
+    with pytest.raises(ValueError, match="exceeds the backend's vocabulary"):
+        qualia.HashBackend(vocab=3).execute_step_topk(u.schedule())
+    u.discard_plan()
+    with pytest.raises(ValueError, match="repeated a token"):
+        u.run(qualia.HashBackend(vocab=3))
+    assert u.run(qualia.HashBackend(vocab=4)).finished[0].request_id == 1

@@ -597,6 +597,9 @@ cdef class HashBackend:
         with ``[m, k]`` uint32 / float32 candidate arrays, best first -- what
         ``Scheduler.update`` takes for a plan with beam rows (``k`` may be 0)."""
         cdef _LoweredPlan lp = _lower_step_plan(plan)
+        if lp.plan.num_topk > self.st.vocab:
+            raise ValueError(f"plan.num_topk={lp.plan.num_topk} exceeds the backend's vocabulary "
+                             f"({self.st.vocab}): its candidates would repeat")
         out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, None, None, False)
         cdef uint32_t[:, ::1] tv
         cdef float[:, ::1] lv

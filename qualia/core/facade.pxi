@@ -1134,6 +1134,10 @@ cdef class Scheduler:
                                  f"{self.step.max_seqs}], got {beam_width}")
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
+            if self.step.vocab and beam_width > self.step.vocab:
+                # a beam row's w candidates are distinct tokens of the vocabulary
+                raise ValueError(f"beam_width must be at most vocab_size={self.step.vocab}, "
+                                 f"got {beam_width}")
             bw = <uint32_t>beam_width
         cdef uint32_t n_members = <uint32_t>n
         cdef uint32_t max_new = _u32(max_new_tokens, "max_new_tokens")
