@@ -346,7 +346,8 @@ def phases():
     """(name, steps to run before aborting, whether a plan is pending at the abort)."""
     return [("queued", 0, False), ("in_prefill_plan", 0, True), ("mid_prefill", 1, False),
             ("beam_waits_for_sibling", 3, False), ("parked", 5, False),
-            ("hypotheses_stored", 6, False), ("in_decode_plan", 6, True)]
+            ("fewer_live_beams", 6, False), ("in_decode_plan", 6, True),
+            ("after_result", 9, False)]
 
 
 @pytest.mark.parametrize("name,steps,pending", phases())
@@ -366,8 +367,17 @@ def test_aborting_a_beam_group_at_each_phase_equals_the_twin_and_frees_everythin
         pc, pt = c.schedule(), t.schedule()
         assert_same_plan(pc, pt)
     assert state(c, [1, 3]) == state(t, [1, 3])
+    live = state(c, [1])[6][1]
+    assert (live is None) == (name == "after_result")
+    if name == "beam_waits_for_sibling":
+        assert c.fork_fallbacks > 0 and c.num_waiting > 1
+    if name == "parked":
+        assert c.parked > 0 and c.num_running == 0
+    if name == "fewer_live_beams":
+        assert len(live) < 3                # a beam ended (a hypothesis or dropped)
     for s in (c, t):
-        s.abort(1)
+        if name != "after_result":
+            s.abort(1)
         with pytest.raises(StepError.UnknownRequest):
             s.abort(1)
         with pytest.raises(StepError.UnknownRequest):
@@ -434,24 +444,27 @@ def test_discarding_beam_plans_repeats_them_and_equals_the_twin():
     all_pages_back(c)
 
 
-@pytest.mark.parametrize("width,max_new,stops", [(4, 1, ()), (4, 3, "all"), (1, 4, ()),
-                                                  (4, 4, ())])
+@pytest.mark.parametrize("width,max_new,stops", [(4, 1, False), (4, 3, True), (1, 4, False),
+                                                  (4, 4, False)])
 def test_edges_width_equal_to_max_num_seqs_one_token_and_all_stop_candidates(width, max_new,
                                                                             stops):
     """beam_width == max_num_seqs with a queue of exactly w entries; max_new_tokens=1 (every
-    candidate a hypothesis at the prompt's row); every candidate a stop token; width 1."""
-    c, t = both(4, 64, 4, 16, max_num_seqs=width, max_queued=width)
-    stop_ids = list(range(V))[:16] if stops == "all" else []
+    candidate a hypothesis at the prompt's row); every token a stop token (the same); width 1
+    (greedy)."""
+    vocab = 16
+    hb = qualia.HashBackend(vocab=vocab)
+    c, t = both(4, 64, 4, 16, max_num_seqs=width, max_queued=width, vocab_size=vocab)
     for s in (c, t):
-        s.add_request(1, PROMPT, max_new_tokens=max_new, beam_width=width,
-                      stop_token_ids=stop_ids)
+        s.add_request(1, [p % vocab for p in PROMPT], max_new_tokens=max_new, beam_width=width,
+                      stop_token_ids=list(range(vocab)) if stops else [])
         with pytest.raises(StepError.QueueFull):
             s.add_request(2, [1], max_new_tokens=1)
-    fc = lockstep(c, t)
+    fc = lockstep(c, t, hb=hb)
     g = fc[0]
     assert len(g.outputs) == width and g.scores == sorted(g.scores, reverse=True)
-    if max_new == 1:
-        assert all(len(o) == 1 for o in g.outputs) and set(g.finish_reasons) == {"length"}
+    if max_new == 1 or stops:
+        assert all(len(o) == 1 for o in g.outputs) and c.forks == 0
+        assert set(g.finish_reasons) == {"stop" if stops else "length"}
     all_pages_back(c)
     for k in range(width):
         c.add_request(10 + k, [1], max_new_tokens=1)
