@@ -665,3 +665,41 @@ def test_a_beam_wider_than_the_vocabulary_is_refused():
     with pytest.raises(ValueError, match="repeated a token"):
         u.run(qualia.HashBackend(vocab=3))
     assert u.run(qualia.HashBackend(vocab=4)).finished[0].request_id == 1
+
+
+def test_a_c_backend_that_declares_candidates_but_leaves_them_unwritten_fails_its_step():
+    """The candidate log-probabilities start NaN before each call: a backend that writes only
+    the ids (or nothing) fails the step instead of reusing the previous step's candidates."""
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
+    calls = []
+
+    def fill(r, j):
+        calls.append(1)
+        return GOOD(r, j)
+    c.run(c_backend(fill), max_steps=1)     # a good first step: the buffers hold candidates
+    members = c.group_members(1)
+    assert len(members) == 3 and calls
+    c.schedule()
+    c.discard_plan()                        # what a failed step leaves (pages reserved)
+    before = state(c, [1])
+
+    def ex(ctx, plan, sampled, logprobs):
+        p = plan.contents
+        out = ctypes.cast(sampled, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 5
+        return 0                            # candidates left as they were
+    execute_step = EXECUTE_STEP(ex)
+    iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), 2, 0, None,
+                         ctypes.cast(execute_step, ctypes.c_void_p), None)
+    name = qualia.STEP_CAPSULE_NAME.encode()
+    _KEEP.append((iface, execute_step, name))
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    with pytest.raises(ValueError, match="left it unwritten"):
+        c.run(new(ctypes.addressof(iface), name, None))
+    assert state(c, [1]) == before
+    assert len(c.run(c_backend(GOOD)).finished) == 1
+    all_pages_back(c)

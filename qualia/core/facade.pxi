@@ -1582,7 +1582,7 @@ cdef class Scheduler:
                                      f"[0, {self.step.vocab - 1}] (row {status})")
                 if rc == RUN_BAD_TOPK_LOGPROB:
                     raise ValueError(f"the step backend wrote a candidate log-probability that "
-                                     f"is NaN or +inf (row {status})")
+                                     f"is NaN or +inf, or left it unwritten (row {status})")
                 if rc == RUN_REPEATED_TOPK:
                     raise ValueError(f"the step backend repeated a token among a beam's "
                                      f"candidates (row {status})")

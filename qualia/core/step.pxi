@@ -15,6 +15,7 @@
 
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from libc.stdlib cimport malloc, free
+from libc.math cimport NAN
 
 cdef enum:
     SR_FREE = 0
@@ -1881,6 +1882,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
     # step is discarded (nothing of it applied) and ends the loop.
     cdef qualia_step_plan plan
     cdef uint32_t k = 0, done, i, row = 0
+    cdef size_t j
     cdef int rc = Q_OK
     cdef int32_t s
     cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
@@ -1894,6 +1896,12 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
             rc = RUN_NO_TOPK
             break
         step_abi_plan(st, &plan)
+        if st.num_topk:
+            # a backend that declares the flag but leaves candidates unwritten fails the step
+            # (the check below) instead of handing the previous step's to the selection
+            for j in range(<size_t>st.m * st.num_topk):
+                st.topk_ids_buf[j] = 0
+                st.topk_lps_buf[j] = <float>NAN
         s = 0
         if cb.copy_pages != NULL and st.n_copies:
             s = cb.copy_pages(cb.ctx, st.copies, st.n_copies)
@@ -1913,10 +1921,10 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
         if rc:
             break
         if st.num_topk:
-            for i in range(st.m * st.num_topk):
-                if st.topk_ids_buf[i] > limit:
+            for j in range(<size_t>st.m * st.num_topk):
+                if st.topk_ids_buf[j] > limit:
                     step_discard(st)
-                    status[0] = <int32_t>(i // st.num_topk)
+                    status[0] = <int32_t>(j // st.num_topk)
                     rc = RUN_BAD_TOPK
                     break
             if rc:
