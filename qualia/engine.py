@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import operator
 import time
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
@@ -169,22 +170,30 @@ def _group_options(n, beam_width, max_seqs: int, max_queued: Optional[int]
     """``n`` and ``beam_width`` checked: ints, at least 1, at most ``max_seqs`` (a group's
     sequences run side by side), ``n`` at most ``max_queued`` (a group takes ``n`` queue
     entries), and not both."""
+    sizes: Dict[str, Optional[int]] = {}
     for name, value in (("n", n), ("beam_width", beam_width)):
         if value is None and name == "beam_width":
+            sizes[name] = None
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if not 1 <= int(value) <= max_seqs:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be an int, not bool")
+        try:  # anything with __index__ is an integer; an int subclass's comparisons never run
+            v = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+        if not 1 <= v <= max_seqs:
             raise ValueError(f"{name} must be in [1, max_seqs={max_seqs}] (a group's sequences "
-                             f"run side by side), got {value}")
-    n = int(n)
+                             f"run side by side), got {v}")
+        sizes[name] = v
+    n, beam_width = sizes["n"], sizes["beam_width"]
+    assert n is not None
     if beam_width is not None and n != 1:
         raise ValueError("n > 1 and beam_width exclude each other: beam search returns "
                          "beam_width hypotheses")
     if max_queued is not None and n > int(max_queued):
         raise ValueError(f"n={n} is more than max_queued={max_queued}: a group takes n queue "
                          f"entries")
-    return n, None if beam_width is None else int(beam_width)
+    return n, beam_width
 
 
 # --------------------------------------------------------------------------------------------
