@@ -130,11 +130,18 @@ class ForkStepScheduler(StepScheduler):
             if n_prompt and new and need > self.facade.num_blocks:
                 raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
                                                 f"side, the pool has {self.facade.num_blocks}")
+        # the queue entries this call takes, read by the capacity check once the arguments are
+        # resolved: restored, not deleted, afterwards, so that an add_request made by user code
+        # while they resolve (a prompt iterator, an __index__) leaves this call's count in place
+        outer = self.__dict__.get("_entries_adding")
         self._entries_adding = n
         try:
             super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
         finally:
-            del self._entries_adding
+            if outer is None:
+                self.__dict__.pop("_entries_adding", None)
+            else:
+                self._entries_adding = outer
         r = self._reqs[rid]
         if n > 1 or beam_width is not None:
             g = _Group("n" if beam_width is None else "beam", rid,

@@ -486,6 +486,8 @@ def test_engine_counters_add_up_to_its_plans(n, lengths, max_new, num_blocks, se
     assert st_["forks"] + st_["fork_fallbacks"] == (n - 1) * len(lengths)
     assert st_["forks"] == engine.scheduler.forks
     assert st_["sequences_completed"] == n * len(lengths)
+    # every preempted sequence (a forked child too) is resumed once: all of them completed
+    assert st_["recomputes"] == st_["preemptions"]
     assert 0 <= st_["pages_saved_at_peak"] <= st_["peak_unshared_pages"]
 
 
@@ -548,3 +550,56 @@ def test_engine_takes_n_by_index(value):
 def test_engine_refuses_bad_n(value, exc):
     with pytest.raises(exc, match="n must be"):
         Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=value)
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_an_add_request_made_by_the_prompt_iterator_leaves_the_group_whole(kind):
+    # the twin passed the group's entry count through an attribute that the nested call
+    # deleted: the outer call then raised AttributeError with its request queued, groupless
+    s = both_kinds(max_queued=8)[kind == "twin"]
+
+    def prompt():
+        s.add_request(2, [1, 2], max_new_tokens=1)
+        yield from PROMPT
+
+    s.add_request(1, prompt(), max_new_tokens=2, n=3)
+    assert s.group_members(1) == [1, CHILD, CHILD + 1] and s.num_waiting == 2
+    # the capacity check counts the outer group's n entries, not the nested call's one
+    s.add_request(3, PROMPT, max_new_tokens=1)          # 3 + 1 + 1 = 5 of 8
+
+    def prompt2():
+        s.add_request(4, [1, 2], max_new_tokens=1)     # 6 of 8
+        yield from PROMPT
+
+    before = None
+    with pytest.raises(StepError.QueueFull):
+        before = snapshot(s)
+        s.add_request(5, prompt2(), max_new_tokens=2, n=3)
+    assert before is not None and 4 in queued(s) and 5 not in queued(s)
+    with pytest.raises(StepError.UnknownRequest):
+        s.group_members(5)
+    r = s.run(PyHash())
+    assert sorted(f.request_id for f in r.finished) == [1, 2, 3, 4]
+
+
+def test_pages_saved_is_never_negative_when_a_forked_child_waits_for_the_budget():
+    # n=4 of a one-token prompt, budget 3: after the fork three members decode and copy the
+    # shared partial page away; the fourth, in no plan yet, is its last holder.  It used to be
+    # left out of the non-sharing count: saved = 3 - 4 = -1
+    for caching in ("auto", "off"):
+        engine = Engine(RecordingHash(), num_blocks=10, max_requests=4, page_tokens=3,
+                        logical_pages=8, max_batched_tokens=3, prefix_caching=caching, n=4)
+        st_ = engine.run(_reqs([1], 2), check=True).stats
+        assert st_["peak_held_pages"] == 4 and st_["peak_unshared_pages"] == 4
+        assert st_["pages_saved_at_peak"] == 0
+
+
+def test_a_forked_child_preempted_before_its_first_plan_is_counted_as_resumed():
+    # the child (forked at step 4) is preempted before any plan names it, then admitted again:
+    # a resume by recompute like any other (it was counted as a first admission)
+    rec = RecordingHash()
+    engine = Engine(rec, num_blocks=8, max_requests=5, page_tokens=3, logical_pages=8,
+                    max_batched_tokens=3, n=2)
+    st_ = engine.run(_reqs([13, 8], 5), check=True).stats
+    assert st_["preemptions"] == 3 and st_["recomputes"] == 3
+    assert st_["tokens_recomputed"] > 0
