@@ -183,6 +183,7 @@ class ForkStepScheduler(StepScheduler):
     def abort(self, request_id) -> None:
         """Abort a request; a group's id aborts every member."""
         rid = _u64(request_id, "request_id")
+        self._enter()       # the core owns the scheduler before it looks the id up
         g = self._groups.get(rid)
         if g is None:
             if rid in self._group_of:

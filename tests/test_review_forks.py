@@ -603,3 +603,25 @@ def test_a_forked_child_preempted_before_its_first_plan_is_counted_as_resumed():
     st_ = engine.run(_reqs([13, 8], 5), check=True).stats
     assert st_["preemptions"] == 3 and st_["recomputes"] == 3
     assert st_["tokens_recomputed"] > 0
+
+
+def test_abort_of_a_member_from_the_backend_is_busy_in_both():
+    # the twin looked a member's id up before its ownership check: UnknownRequest, where the
+    # core (which owns first) says BusyError
+    for s in both_kinds():
+        s.add_request(1, PROMPT, max_new_tokens=3, n=3)
+        members = s.group_members(1)
+        got = []
+
+        def during(plan):
+            for rid in (members[1], 1, 12345):
+                try:
+                    s.abort(rid)
+                    got.append("ran")
+                except BusyError:
+                    got.append("busy")
+                except StepError.UnknownRequest:
+                    got.append("unknown")
+
+        s.run(PyHash(during=during))
+        assert set(got) == {"busy"}, (type(s).__name__, got)
