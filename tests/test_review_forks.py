@@ -625,3 +625,47 @@ def test_abort_of_a_member_from_the_backend_is_busy_in_both():
 
         s.run(PyHash(during=during))
         assert set(got) == {"busy"}, (type(s).__name__, got)
+
+
+@settings(max_examples=60, deadline=None)
+@given(mode=st.sampled_from(["off", "auto"]), num_blocks=st.integers(4, 20),
+       page_tokens=st.sampled_from([1, 2, 4]), seqs=st.integers(1, 6),
+       budget=st.integers(1, 20), chunk=st.sampled_from([None, 1, 3]),
+       reqs=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 9), st.integers(1, 7),
+                               st.booleans()), min_size=1, max_size=6),
+       c_loop=st.booleans())
+def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
+        mode, num_blocks, page_tokens, seqs, budget, chunk, reqs, c_loop):
+    """Tiny pools and budgets (preemption of members holding shared pages, fork fallbacks),
+    prefix caching off or automatic, user ids among the child ids, the C loop or a Python
+    backend: every member is its own hash-rule run and every page comes back (the twin models
+    'auto' only, so 'off' is checked against the rule alone)."""
+    s = qualia.Scheduler(6, num_blocks, page_tokens, 16, prefix_caching=mode,
+                         max_num_seqs=seqs, max_num_batched_tokens=budget,
+                         max_prefill_chunk=chunk, vocab_size=VOCAB)
+    want = {}
+    for i, (n, length, max_new, high) in enumerate(reqs):
+        rid = CHILD + i if high else i
+        prompt = [(7 * i + j) % 50 for j in range(length)]
+        try:
+            s.add_request(rid, prompt, max_new_tokens=max_new, n=min(n, seqs))
+        except StepError.NeverFits:
+            continue
+        except StepError.DuplicateRequest:  # a user id a group's child took
+            assert high
+            continue
+        want[rid] = (prompt, max_new, s.group_members(rid) if min(n, seqs) > 1 else None)
+    r = s.run(HB if c_loop else PyHash(), max_steps=5000)
+    assert not s.has_unfinished()
+    got = {f.request_id: f for f in r.finished}
+    assert set(got) == set(want)
+    for rid, (prompt, max_new, members) in want.items():
+        f = got[rid]
+        if members is None:
+            assert f.output_tokens.tolist() == ref(rid, prompt, max_new)
+        else:
+            assert f.member_ids == members and len(set(members)) == len(members)
+            assert [o.tolist() for o in f.outputs] == [ref(m, prompt, max_new)
+                                                      for m in members]
+    assert s.free_pages == s.num_blocks
+    assert all(s.pool.refcount(p) in (0, 1) for p in range(num_blocks))
