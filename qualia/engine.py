@@ -457,6 +457,14 @@ class Engine:
         factory = (scheduler_factory if scheduler_factory is not None
                    else make_scheduler_factory(implementation, n=self.n,
                                                beam_width=self.beam_width))
+        if (scheduler_factory is None and implementation == "auto" and self.forking
+                and prefix_caching == "off" and factory is not qualia.Scheduler):
+            # "auto" fell back to the twin, which models automatic caching only: say why
+            what = "beam search" if self.beam_width is not None else "parallel sampling (n)"
+            raise ValueError(f"{what} with prefix_caching='off' needs the compiled core's "
+                             f"{what}, which this build lacks; its pure-Python twin "
+                             f"(qualia.twin_fork.ForkStepScheduler) models "
+                             f"prefix_caching='auto' only")
         self.scheduler = factory(
             max_requests, num_blocks, page_tokens, logical_pages,
             prefix_caching=prefix_caching, max_num_batched_tokens=max_batched_tokens,

@@ -669,3 +669,17 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
                                                       for m in members]
     assert s.free_pages == s.num_blocks
     assert all(s.pool.refcount(p) in (0, 1) for p in range(num_blocks))
+
+
+def test_a_fork_run_the_core_cannot_take_without_caching_names_why(monkeypatch):
+    # "auto" falling back to the twin (a core without the feature) with caching off used to
+    # stop with the twin's own "the twin models prefix_caching='auto' only"
+    from qualia import engine as engine_mod
+
+    monkeypatch.setitem(engine_mod._CORE_FORKS, "n", False)
+    with pytest.raises(ValueError, match=r"parallel sampling \(n\) with prefix_caching='off' "
+                                         r"needs the compiled core's"):
+        Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=2,
+               prefix_caching="off")
+    engine = Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=2)
+    assert engine.implementation == "twin" and engine.run(_reqs([5], 2), check=True).check.ok
