@@ -1,6 +1,8 @@
 /* The built-in deterministic reference backend: a stand-in model whose "next token" is a hash of
  * (request_id, position, token_id), cheap enough that a benchmark through it measures the
  * scheduler, and with fault injection so tests can exercise every DecodeRoundError. */
+#include <stddef.h>
+
 #include "hash_backend.h"
 
 static inline uint64_t qualia_hash_mix(uint64_t request_id, uint32_t position, uint32_t token_id)
@@ -88,6 +90,27 @@ int32_t qualia_hash_execute_step(void *ctx, const qualia_step_plan *plan, uint32
         sampled_out[r] = qualia_hash_next_token(request_id, position, token_id, self->vocab);
         if (logprobs_out != NULL) {
             logprobs_out[r] = qualia_hash_logprob(request_id, position, token_id);
+        }
+    }
+    /* beam rows (fields appended to the plan: read only when struct_size covers them) */
+    if (plan->struct_size >= offsetof(qualia_step_plan, topk_logprobs_out) + sizeof(float *)
+        && plan->num_topk > 0 && plan->topk_ids_out != NULL && plan->topk_logprobs_out != NULL) {
+        uint32_t k = plan->num_topk;
+        for (uint32_t r = 0; r < m; r++) {
+            int32_t t = plan->logits_indices[r];
+            uint64_t request_id = plan->sampled_request_ids[r];
+            uint32_t position = (uint32_t)plan->positions[t];
+            uint32_t token_id = plan->input_ids[t];
+            uint32_t base = qualia_hash_next_token(request_id, position, token_id, self->vocab);
+            float lp = qualia_hash_logprob(request_id, position, token_id);
+            for (uint32_t j = 0; j < k; j++) {
+                if (j > 0) {
+                    uint64_t x = qualia_hash_mix(request_id, position, token_id + j);
+                    lp -= (float)(1u + (uint32_t)(x & 0x3FFFu)) / 4096.0f;
+                }
+                plan->topk_ids_out[(size_t)r * k + j] = (uint32_t)((base + (uint64_t)j) % self->vocab);
+                plan->topk_logprobs_out[(size_t)r * k + j] = lp;
+            }
         }
     }
     self->sampled += m;

@@ -44,7 +44,12 @@ int32_t qualia_hash_execute_ragged(void *ctx, const qualia_batch_item *items, ui
                                    qualia_batch_output *outputs, qualia_batch_receipt *receipt);
 /* One engine step (the step ABI of qualia.h): for each sampled row r, with t = logits_indices[r],
  * sampled_out[r] = qualia_hash_next_token(sampled_request_ids[r], positions[t], input_ids[t]),
- * and, when logprobs_out is not NULL, logprobs_out[r] = qualia_hash_logprob(the same triple). */
+ * and, when logprobs_out is not NULL, logprobs_out[r] = qualia_hash_logprob(the same triple).
+ * When plan->num_topk = k > 0 (QUALIA_STEP_WRITES_TOPK), row r's candidates are the k ids
+ * (next + j) % vocab for j < k, next = sampled_out[r], with pseudo log-probabilities:
+ * candidate 0 has qualia_hash_logprob(triple), candidate j > 0 that of candidate j - 1 less
+ * (1 + (low 14 bits of the mixed word of (request, position, token_id + j))) / 4096 -- strictly
+ * decreasing, exact in float32, a deterministic stand-in for a model's distribution. */
 int32_t qualia_hash_execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sampled_out,
                                  float *logprobs_out);
 /* A deterministic stand-in log-probability: -(low 16 bits of the hash's mixed word) / 4096,

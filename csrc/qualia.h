@@ -170,6 +170,17 @@ typedef struct qualia_step_plan {
     const uint64_t *new_request_ids;       /* [num_new] */
     const uint64_t *preempted_request_ids; /* [num_preempted] */
     const uint64_t *finished_request_ids;  /* [num_finished] */
+    /* Appended in the same ABI version (read them only when struct_size covers them): beam rows.
+     * num_topk > 0 when the plan has rows of beam groups; a backend that declares
+     * QUALIA_STEP_WRITES_TOPK then writes, for every sampled row r (beam row or not),
+     * topk_ids_out[r * num_topk + j] and topk_logprobs_out[r * num_topk + j] for j < num_topk:
+     * the row's num_topk most likely next tokens, best first (ties: the lower id first), with
+     * their natural-log probabilities.  Both are NULL when num_topk is 0.  The scheduler refuses
+     * a plan with num_topk > 0 for a backend without that flag (the step is discarded). */
+    uint32_t num_topk;
+    uint32_t _reserved2;                 /* always 0 */
+    uint32_t *topk_ids_out;              /* [num_sampled * num_topk], written by the backend */
+    float *topk_logprobs_out;            /* [num_sampled * num_topk], written by the backend */
 } qualia_step_plan;
 
 /*
@@ -192,7 +203,9 @@ typedef struct qualia_step_plan {
  * itself before its forward pass.  Return 0 on success.
  */
 enum {
-    QUALIA_STEP_WRITES_LOGPROBS = 1u  /* flags: execute_step fills logprobs_out when given */
+    QUALIA_STEP_WRITES_LOGPROBS = 1u, /* flags: execute_step fills logprobs_out when given */
+    QUALIA_STEP_WRITES_TOPK = 2u      /* flags: execute_step fills topk_ids_out / topk_logprobs_out
+                                         when plan->num_topk > 0 */
 };
 
 typedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *plan,
@@ -201,7 +214,7 @@ typedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *pla
 typedef struct qualia_step_backend {
     uint32_t abi_version;   /* QUALIA_STEP_ABI_VERSION */
     uint32_t struct_size;   /* sizeof(qualia_step_backend) */
-    uint32_t flags;         /* QUALIA_STEP_WRITES_LOGPROBS or 0 */
+    uint32_t flags;         /* QUALIA_STEP_WRITES_LOGPROBS | QUALIA_STEP_WRITES_TOPK, or 0 */
     uint32_t _reserved;     /* always 0 */
     void *ctx;              /* handed back to every call */
     qualia_execute_step_fn execute_step;

@@ -60,6 +60,7 @@ cdef extern from "qualia.h" nogil:
 
     enum:
         QUALIA_STEP_WRITES_LOGPROBS
+        QUALIA_STEP_WRITES_TOPK
 
     ctypedef struct qualia_step_plan:
         uint32_t struct_size
@@ -96,6 +97,10 @@ cdef extern from "qualia.h" nogil:
         const uint64_t *new_request_ids
         const uint64_t *preempted_request_ids
         const uint64_t *finished_request_ids
+        uint32_t num_topk
+        uint32_t _reserved2
+        uint32_t *topk_ids_out
+        float *topk_logprobs_out
 
     ctypedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *plan,
                                                uint32_t *sampled_out, float *logprobs_out)

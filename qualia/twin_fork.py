@@ -44,7 +44,7 @@ import numpy as np
 
 from qualia._types import FinishedGroup, FinishedRequest, RequestState
 from qualia.errors import StepError
-from qualia.twin import _u32, _u64
+from qualia.twin import U32_MAX, _u32, _u64
 from qualia.twin_step import StepPlan, StepScheduler, _Req
 
 __all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend",
@@ -134,7 +134,7 @@ class ForkStepScheduler(StepScheduler):
         # resolved: restored, not deleted, afterwards, so that an add_request made by user code
         # while they resolve (a prompt iterator, an __index__) leaves this call's count in place
         outer = self.__dict__.get("_entries_adding")
-        self._entries_adding = n
+        self._entries_adding = n if beam_width is None else beam_width
         try:
             super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
         finally:
@@ -169,10 +169,12 @@ class ForkStepScheduler(StepScheduler):
                 or rid in self._groups)
 
     def _entries_used(self) -> int:
-        # an n group holds n queue entries from add_request until its result is returned: its
-        # reserved children and its stopped members too (the core keeps their outputs there)
-        return (len(self._reqs) + len(self._reserved)
-                + sum(len(g.results) for g in self._groups.values() if g.kind == "n"))
+        # a group (n or beam) holds its width of queue entries from add_request until its result
+        # is returned: an n group's reserved children and stopped members (the core keeps their
+        # outputs there), a beam group's live beams and hypotheses (the core keeps each
+        # hypothesis's tokens in one of them)
+        return (sum(1 for rid in self._reqs if rid not in self._group_of)
+                + sum(g.width for g in self._groups.values()))
 
     def _new_child_id(self) -> int:
         while True:
@@ -251,6 +253,9 @@ class ForkStepScheduler(StepScheduler):
             if tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu":
                 raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
                                  f"arrays")
+            limit = U32_MAX if self.vocab_size is None else self.vocab_size - 1
+            if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
+                raise ValueError(f"a topk token id is outside [0, {limit}]")
         f = self.facade
         finished: List[Any] = []
         beams: List[_Group] = []
@@ -473,7 +478,7 @@ class StepModelBackend:
         logits = self.paged.step_logits(plan)
         li = np.asarray(plan.logits_indices, dtype=np.int64)
         ids = self.paged.sample(logits, plan.sampled_request_ids, plan.positions[li] + 1)
-        topk = getattr(plan, "num_topk", 0)     # the core's plans have no beam rows (yet)
+        topk = getattr(plan, "num_topk", 0)     # a plain twin_step plan has no beam rows
         if not topk:
             return ids
         lp = log_softmax(logits)

@@ -41,8 +41,14 @@ STEP_PLAN_POINTERS = ["request_ids", "query_start_loc", "seq_lens", "input_ids",
                       "finished_request_ids"]
 
 
+# appended in the same ABI version (a backend reads them when struct_size covers them): beam rows
+STEP_PLAN_TAIL = [("num_topk", _u32), ("_reserved2", _u32), ("topk_ids_out", _p),
+                  ("topk_logprobs_out", _p)]
+
+
 class CStepPlan(ctypes.Structure):
-    _fields_ = [(n, _u32) for n in STEP_PLAN_COUNTS] + [(n, _p) for n in STEP_PLAN_POINTERS]
+    _fields_ = ([(n, _u32) for n in STEP_PLAN_COUNTS] + [(n, _p) for n in STEP_PLAN_POINTERS]
+                + STEP_PLAN_TAIL)
 
 
 class CStepBackend(ctypes.Structure):

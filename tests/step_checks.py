@@ -19,3 +19,5 @@ def assert_same_plan(a, b):
         assert np.array_equal(x, y), (name, x, y)
     for name in PLAN_COUNTS:
         assert getattr(a, name) == getattr(b, name), name
+    # beam rows (a plan type without them has none)
+    assert getattr(a, "num_topk", 0) == getattr(b, "num_topk", 0), "num_topk"

@@ -149,22 +149,26 @@ class LyingInt(int):
 
 
 CORE_N_CONVERSION = pytest.mark.xfail(
-    strict=True, reason="core add_request takes n only as an exact int (isinstance(n, int)): a "
-    "numpy integer or an __index__ object is a TypeError, against docs/DESIGN.md 'Bad input' "
-    "(anything with __index__ is an integer); an int subclass's own comparisons decide the "
-    "range check, so LyingInt(0) is queued as a plain request. Fix: n = operator.index(n) "
-    "(bool refused first) in facade.pxi add_request before the range check")
+    strict=True, reason="core add_request takes n (and beam_width) only as an exact int "
+    "(isinstance(n, int)): a numpy integer or an __index__ object is a TypeError, against "
+    "docs/DESIGN.md 'Bad input' (anything with __index__ is an integer); an int subclass's own "
+    "comparisons decide the range check, so LyingInt(0) is queued as a plain request. Fix: "
+    "n = operator.index(n) (bool and numpy bool refused first) in facade.pxi add_request "
+    "before the range check, likewise beam_width (the twin's _group_size)")
 
 
 @pytest.mark.parametrize("kind", ["core", "twin"])
 @pytest.mark.parametrize("make", [lambda: np.int64(3), lambda: np.uint8(3), lambda: Index(3)],
                          ids=["int64", "uint8", "__index__"])
-def test_n_takes_any_integer(kind, make, request):
+@pytest.mark.parametrize("name", ["n", "beam_width"])
+def test_n_takes_any_integer(kind, make, name, request):
     if kind == "core":
         request.applymarker(CORE_N_CONVERSION)
     s = both_kinds()[kind == "twin"]
-    s.add_request(1, PROMPT, max_new_tokens=2, n=make())
-    assert len(s.group_members(1)) == 3
+    s.add_request(1, PROMPT, max_new_tokens=2, **{name: make()})
+    assert len(s.group_members(1)) == (3 if name == "n" else 1)
+    with pytest.raises(StepError.DuplicateRequest):     # the group holds its 3 entries
+        s.add_request(1, PROMPT, max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kind", ["core", "twin"])

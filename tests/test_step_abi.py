@@ -28,8 +28,11 @@ from qualia import _core
 # Offsets of the step ABI on LP64 (the table of docs/DESIGN.md, "The step backend ABI").
 PLAN_COUNTS = STEP_PLAN_COUNTS
 PLAN_POINTERS = STEP_PLAN_POINTERS
+PLAN_TAIL = ["num_topk", "_reserved2", "topk_ids_out", "topk_logprobs_out"]
 STEP_PLAN_OFFSETS = {**{name: 4 * i for i, name in enumerate(PLAN_COUNTS)},
-                     **{name: 64 + 8 * i for i, name in enumerate(PLAN_POINTERS)}}
+                     **{name: 64 + 8 * i for i, name in enumerate(PLAN_POINTERS)},
+                     "num_topk": 208, "_reserved2": 212, "topk_ids_out": 216,
+                     "topk_logprobs_out": 224}
 STEP_BACKEND_OFFSETS = {"abi_version": 0, "struct_size": 4, "flags": 8, "_reserved": 12,
                         "ctx": 16, "execute_step": 24, "copy_pages": 32}
 
@@ -125,9 +128,10 @@ def example_rule(plan, vocab):
 
 def test_step_plan_struct_matches_spec():
     size, align, fields = _core._layout()["step_plan"]
-    assert size == _core.STEP_PLAN_STRUCT_SIZE == 64 + 8 * len(PLAN_POINTERS) == 208
+    # 208 bytes, then the beam-row fields appended in the same ABI version
+    assert size == _core.STEP_PLAN_STRUCT_SIZE == 64 + 8 * len(PLAN_POINTERS) + 24 == 232
     assert align == 8
-    assert [f[0] for f in fields] == PLAN_COUNTS + PLAN_POINTERS
+    assert [f[0] for f in fields] == PLAN_COUNTS + PLAN_POINTERS + PLAN_TAIL
     assert {name: off for name, _fmt, off in fields} == STEP_PLAN_OFFSETS
 
 
@@ -142,11 +146,12 @@ def test_step_constants():
     assert qualia.STEP_CAPSULE_NAME == _core.STEP_CAPSULE_NAME == "qualia.step_backend.v1"
     assert qualia.STEP_ABI_VERSION == _core.STEP_ABI_VERSION == 1
     assert _core.STEP_WRITES_LOGPROBS == 1
+    assert _core.STEP_WRITES_TOPK == 2
 
 
 def test_ctypes_mirror_matches_the_compiled_structs():
     assert ctypes.sizeof(CStepPlan) == _core.STEP_PLAN_STRUCT_SIZE
-    assert {n: getattr(CStepPlan, n).offset for n in PLAN_COUNTS + PLAN_POINTERS} == \
+    assert {n: getattr(CStepPlan, n).offset for n in PLAN_COUNTS + PLAN_POINTERS + PLAN_TAIL} == \
         STEP_PLAN_OFFSETS
     assert ctypes.sizeof(CStepBackend) == _core.STEP_BACKEND_STRUCT_SIZE
 
@@ -156,7 +161,8 @@ def test_hash_step_reads_a_hand_filled_struct():
     field (ctypes, no lowering by the core), the hash backend samples by the rule."""
     plan = mixed_plan()
     hb, iface = _hash_iface()
-    assert (iface.abi_version, iface.flags) == (1, _core.STEP_WRITES_LOGPROBS)
+    assert (iface.abi_version, iface.flags) == \
+        (1, _core.STEP_WRITES_LOGPROBS | _core.STEP_WRITES_TOPK)
     c = CStepPlan()
     c.struct_size = ctypes.sizeof(CStepPlan)
     c.page_tokens = plan.page_tokens

@@ -1,13 +1,14 @@
-"""Parallel sampling (``add_request(..., n=k)``) in the compiled engine step, against its
-pure-Python statement ``qualia.twin_fork.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the
-step level").
+"""Parallel sampling (``add_request(..., n=k)``) and beam search (``beam_width=w``) in the
+compiled engine step, against their pure-Python statement ``qualia.twin_fork.ForkStepScheduler``
+(docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
 ``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
-with ``n`` groups among the requests: every plan array (repeated logits rows, the members' ids,
-the copies of the shared partial page, rows of forked children), every result (one
-``FinishedGroup`` per group), the queues, the pool's reference counts and every request's
-tokens must agree after every call.  The dense check runs ``qualia.model``'s seeded per-member
-sampler through the core and compares each member with its dense run.
+with ``n`` groups and beam groups among the requests: every plan array (repeated logits rows,
+the members' ids, the copies of the shared partial page, rows of forked children, ``num_topk``),
+every result (one ``FinishedGroup`` per group, with the beams' scores), the queues, the pool's
+reference counts, the parked beams and every request's tokens must agree after every call.  The
+dense checks run ``qualia.model``'s seeded per-member sampler and its beam search through the
+core and compare each result with its dense run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
+from step_checks import assert_same_plan
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 import qualia
@@ -48,6 +50,41 @@ class ForksVsTwin(StepVsTwin):
                                           priority=priority, eos_token_id=eos,
                                           stop_token_ids=stop))
 
+    @rule(prefix=st.sampled_from(PREFIXES),
+          tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          width=st.integers(1, 6) | st.sampled_from([0, True, 2.0]),
+          n=st.sampled_from([1, 1, 1, 1, 2]), max_new=st.sampled_from([1, 2, 3, 5, 8]),
+          priority=PRIORITIES, eos=st.sampled_from([None, 3, 17]),
+          stop=st.sampled_from([(), (5,), (9, 2)]), reuse=st.integers(0, 9))
+    def beam(self, prefix, tail, width, n, max_new, priority, eos, stop, reuse):
+        rid = self.next_id if reuse else max(self.next_id - 1, 0)   # sometimes a duplicate
+        self.next_id += 1
+        self.both(lambda s: s.add_request(rid, prefix + tail, max_new_tokens=max_new, n=n,
+                                          beam_width=width, priority=priority,
+                                          eos_token_id=eos, stop_token_ids=stop))
+
+    def update_call(self, ids, rng, bad):
+        # a plan with beam rows takes [m, num_topk] candidates: log-probabilities on a coarse
+        # grid (ties between beams and ids happen), sometimes missing or malformed
+        k = self.plan.num_topk
+        if not k:
+            return super().update_call(ids, rng, bad)
+        m = len(self.plan.logits_indices)
+        tids = rng.integers(0, VOCAB, size=(m, k))
+        tlps = -0.25 * rng.integers(0, 8, size=(m, k))
+        how = rng.integers(0, 14) if bad != "steps" else 99
+        if how == 0:
+            return lambda s: s.update(ids)
+        if how == 1:
+            tids = tids[:, :-1]
+        elif how == 2:
+            tids = tids.astype(np.float64)
+        elif how == 3 and m:
+            tids[-1, -1] = VOCAB
+        elif how == 4:
+            tids, tlps = tids.tolist(), tlps.tolist()
+        return lambda s: s.update(ids, tids, tlps)
+
     @rule(pick=st.integers(0, 40), child=st.integers(0, 3))
     def abort_member(self, pick, child):
         # a child's id (refused: abort the group) or the group by its parent's id
@@ -75,6 +112,7 @@ class ForksVsTwin(StepVsTwin):
         for rid in c.step_requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
         assert c.forks == t.forks and c.fork_fallbacks == t.fork_fallbacks
+        assert c.parked == t.parked
 
 
 TestForksVsTwin = ForksVsTwin.TestCase
@@ -216,3 +254,229 @@ def test_groups_without_prefix_caching_equal_their_dense_runs(seqs):
         [DENSE.generate(PROMPT, 6, sampling=HOT, request_id=m) for m in members]
     assert c.forks + c.fork_fallbacks == 3 and (c.fork_fallbacks > 0) == (seqs == 4)
     assert c.free_pages == c.num_blocks
+
+
+# -- beam groups ---------------------------------------------------------------------------------
+
+class CoreBeamBackend:
+    """execute_step for qualia.Scheduler over the paged numpy model, with candidates for beam
+    rows (``(ids, topk_ids, topk_logprobs)`` when ``plan.num_topk > 0``)."""
+
+    def __init__(self, num_blocks, page_tokens, sampling=HOT):
+        self.b = TF.StepModelBackend(W, num_blocks, page_tokens, sampling=sampling)
+
+    def execute_step(self, plan):
+        return self.b.execute_step(plan)
+
+
+def dense_beams(prompt, width, new, **kw):
+    return [(h.tokens, h.logprob) for h in DENSE.beam_search(prompt, width, new, **kw)]
+
+
+def beams_of(g):
+    return [(o.tolist(), sc) for o, sc in zip(g.outputs, g.scores)]
+
+
+def drive(s, backend):
+    """schedule -> execute -> update by hand; returns the finished records and the plans'
+    num_topk."""
+    finished, topk = [], []
+    while s.has_unfinished():
+        plan = s.schedule()
+        topk.append(plan.num_topk)
+        out = backend.execute_step(plan)
+        finished += s.update(*out) if isinstance(out, tuple) else s.update(out)
+    return finished, topk
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+@pytest.mark.parametrize("eos", [None, 17])
+@pytest.mark.parametrize("budget,seqs", [(2048, 8), (5, 4)])
+def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budget, seqs):
+    """The core's beam group, driven by hand beside an n group and a plain request, returns the
+    dense beam search's hypotheses and scores, best first; the twin gives the same plans and
+    results."""
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs)
+    c = qualia.Scheduler(8, 64, 4, 16, **kw)
+    t = TF.ForkStepScheduler(8, 64, 4, 16, **kw)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
+        s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2)
+        s.add_request(3, PROMPT[2:], max_new_tokens=3)
+    fc, kc = drive(c, CoreBeamBackend(64, 4))
+    ft, kt = drive(t, CoreBeamBackend(64, 4))
+    assert kc == kt and max(kc) == width
+    assert finished_key(fc) == finished_key(ft)
+    g = [f for f in fc if f.request_id == 1][0]
+    assert isinstance(g, qualia.FinishedGroup) and g.member_ids == []
+    assert beams_of(g) == dense_beams(PROMPT, width, 6, end_token=eos)
+    assert g.scores == sorted(g.scores, reverse=True)
+    assert c.forks == t.forks and c.parked == t.parked
+    assert c.free_pages == c.num_blocks
+
+
+def test_beam_search_with_stop_ids_and_run_with_a_python_backend():
+    """run() takes (ids, topk_ids, topk_logprobs) from a Python backend; stop ids finish
+    hypotheses early, as in the dense search."""
+    first = [tk for tk, _ in dense_beams(PROMPT, 4, 1)]
+    stop = [first[0][0], first[2][0]]
+    c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(1, PROMPT, max_new_tokens=6, beam_width=4, stop_token_ids=stop)
+    r = c.run(CoreBeamBackend(64, 4))
+    g = r.finished[0]
+    assert beams_of(g) == dense_beams(PROMPT, 4, 6, stop_token_ids=stop)
+    assert "stop" in g.finish_reasons
+    assert c.free_pages == c.num_blocks
+
+
+def test_beams_under_preemption_park_and_match_the_twin():
+    """Two beam groups and an n group on a small pool: preemption, parking (a computed beam
+    waits for a queued sibling) and fork fallbacks; plans, results and counters agree with the
+    twin step for step, and each group equals its dense search."""
+    kw = dict(max_num_batched_tokens=6, max_num_seqs=3)
+    c = qualia.Scheduler(6, 12, 2, 12, **kw)
+    t = TF.ForkStepScheduler(6, 12, 2, 12, **kw)
+    for s in (c, t):
+        s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
+        s.add_request(3, PROMPT[3:], max_new_tokens=4, beam_width=2)
+    bc, bt = CoreBeamBackend(12, 2), CoreBeamBackend(12, 2)
+    fc, ft = [], []
+    while c.has_unfinished() or t.has_unfinished():
+        pc, pt = c.schedule(), t.schedule()
+        assert_same_plan(pc, pt)
+        oc, ot = bc.execute_step(pc), bt.execute_step(pt)
+        fc += c.update(*oc) if isinstance(oc, tuple) else c.update(oc)
+        ft += t.update(*ot) if isinstance(ot, tuple) else t.update(ot)
+        assert [c.pool.refcount(p) for p in range(12)] == \
+            [t.facade.pool.refcount(p) for p in range(12)]
+    assert finished_key(fc) == finished_key(ft)
+    assert (c.forks, c.fork_fallbacks, c.parked) == (t.forks, t.fork_fallbacks, t.parked)
+    assert c.parked > 0 and c.fork_fallbacks > 0       # the case this test is about
+    got = {f.request_id: f for f in fc}
+    assert beams_of(got[1]) == dense_beams(PROMPT[:7], 3, 5)
+    assert beams_of(got[3]) == dense_beams(PROMPT[3:], 2, 4)
+
+
+def test_a_beam_group_holds_its_width_of_queue_entries():
+    c = qualia.Scheduler(4, 64, 4, 16, max_queued=5)
+    t = TF.ForkStepScheduler(4, 64, 4, 16, max_queued=5)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(2, PROMPT, max_new_tokens=3, beam_width=3)
+        s.add_request(3, PROMPT, max_new_tokens=3, n=2)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(4, PROMPT, max_new_tokens=3)
+        s.abort(1)
+        s.add_request(5, PROMPT, max_new_tokens=3, beam_width=3)
+
+
+@pytest.mark.parametrize("kw,exc", [(dict(beam_width=0), ValueError),
+                                    (dict(beam_width=9), ValueError),
+                                    (dict(beam_width=True), TypeError),
+                                    (dict(beam_width=2.0), TypeError),
+                                    (dict(beam_width="2"), TypeError),
+                                    (dict(beam_width=2, n=2), ValueError)])
+def test_bad_beam_width_changes_nothing(kw, exc):
+    c = qualia.Scheduler(8, 64, 4, 16)
+    t = TF.ForkStepScheduler(8, 64, 4, 16)
+    for s in (c, t):
+        with pytest.raises(exc):
+            s.add_request(1, PROMPT, max_new_tokens=3, **kw)
+        assert not s.has_unfinished()
+        s.add_request(1, PROMPT, max_new_tokens=3)
+
+
+def test_beams_that_cannot_fit_side_by_side_never_fit():
+    # 4 beams of a 10-token prompt and 6 new tokens on 4-token pages: 2 shared + 4 x 2 pages
+    for s in (qualia.Scheduler(8, 9, 4, 16), TF.ForkStepScheduler(8, 9, 4, 16)):
+        with pytest.raises(StepError.NeverFits):
+            s.add_request(1, PROMPT, max_new_tokens=6, beam_width=4)
+        s.add_request(1, PROMPT, max_new_tokens=6, beam_width=3)
+
+
+@pytest.mark.parametrize("bad", ["missing", "one", "narrow", "float_ids", "vocab", "negative",
+                                 "strings", "rows"])
+def test_bad_candidates_change_nothing(bad):
+    """A beam plan's update without valid [m, num_topk] candidates raises and leaves the plan
+    pending with nothing applied; the same update with good candidates then matches the
+    twin."""
+    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=64)
+    t = TF.ForkStepScheduler(8, 64, 4, 16, vocab_size=64)
+    b = CoreBeamBackend(64, 4)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
+    pc = c.schedule()
+    assert_same_plan(pc, t.schedule())
+    ids, tids, tlps = b.execute_step(pc)
+    args = {"missing": (ids,), "one": (ids, tids), "narrow": (ids, tids[:, :1], tlps[:, :1]),
+            "float_ids": (ids, tids.astype(np.float64), tlps),
+            "vocab": (ids, np.full_like(tids, 64), tlps),
+            "negative": (ids, -tids - 1, tlps), "strings": (ids, tids, [["a", "b"]]),
+            "rows": (ids, np.vstack([tids, tids]), np.vstack([tlps, tlps]))}[bad]
+    for s in (c, t):
+        with pytest.raises((ValueError, TypeError)):
+            s.update(*args)
+    assert c.request_tokens(1).tolist() == PROMPT and c.forks == 0
+    assert finished_key(c.update(ids, tids, tlps)) == finished_key(t.update(ids, tids, tlps))
+    assert c.forks == t.forks == 1
+    assert c.group_members(1) == t.group_members(1)
+
+
+def test_a_plan_without_beam_rows_ignores_candidates():
+    c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(1, PROMPT, max_new_tokens=3)
+    plan = c.schedule()
+    assert plan.num_topk == 0
+    assert c.update([5], object(), "not an array") == []
+
+
+def test_beams_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
+    """run(HashBackend()) runs beam groups without the GIL (the backend writes candidates);
+    the same HashBackend through a Python loop, and the twin, plan and finish the same."""
+    hb = qualia.HashBackend(vocab=64)
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
+    a, b = qualia.Scheduler(8, 40, 4, 16, **kw), qualia.Scheduler(8, 40, 4, 16, **kw)
+    t = TF.ForkStepScheduler(8, 40, 4, 16, **kw)
+    for s in (a, b, t):
+        s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=6, n=2)
+        s.add_request(3, PROMPT[2:], max_new_tokens=4, beam_width=2, eos_token_id=7)
+    result = a.run(hb)
+
+    class Py:
+        def execute_step(self, plan):
+            return hb.execute_step_topk(plan) if plan.num_topk else hb.execute_step(plan)
+    rb, rt = b.run(Py()), t.run(Py())
+    assert np.array_equal(result.stats, rb.stats) and np.array_equal(result.stats, rt.stats)
+    assert finished_key(result.finished) == finished_key(rb.finished) == \
+        finished_key(rt.finished)
+    assert sorted(f.request_id for f in result.finished if f.scores is not None) == [1, 3]
+    assert a.forks == t.forks > 0 and a.free_pages == a.num_blocks
+
+
+def test_hash_backend_candidates_follow_its_rule():
+    hb = qualia.HashBackend(vocab=50)
+    c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(1, PROMPT, max_new_tokens=3, beam_width=4)
+    plan = c.schedule()
+    ids, tids, tlps = hb.execute_step_topk(plan)
+    assert np.array_equal(ids, hb.execute_step(plan))
+    assert tids.shape == tlps.shape == (1, 4) and tids.dtype == np.uint32
+    assert tids[0].tolist() == [(int(ids[0]) + j) % 50 for j in range(4)]
+    t = int(plan.logits_indices[0])
+    assert tlps[0, 0] == qualia.hash_logprob(1, int(plan.positions[t]), int(plan.input_ids[t]))
+    assert all(np.diff(tlps[0]) < 0)
+
+
+def test_run_refuses_a_beam_plan_for_a_c_backend_without_candidates(example_backend):
+    """A C step backend that does not declare QUALIA_STEP_WRITES_TOPK gets no beam plan: run()
+    raises with that step discarded, and the steps before it stand."""
+    c = qualia.Scheduler(8, 64, 4, 16)
+    c.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
+    with pytest.raises(TypeError, match="QUALIA_STEP_WRITES_TOPK"):
+        c.run(example_backend.new_step(64))
+    assert c.request_tokens(1).tolist() == PROMPT and c.num_running == 1
+    r = c.run(qualia.HashBackend(vocab=64))
+    assert len(r.finished) == 1 and c.free_pages == c.num_blocks

@@ -133,7 +133,8 @@ class StepVsTwin(RuleBasedStateMachine):
             ids[0] = VOCAB
         elif bad == "list":
             ids = ids.tolist()
-        out = self.both(lambda s: finished_key(s.update(ids)))
+        call = self.update_call(ids, rng, bad)
+        out = self.both(lambda s: finished_key(call(s)))
         if out[0][0] == "ok":
             assert out[0][1] == out[1][1]
             self.plan = None
@@ -152,9 +153,14 @@ class StepVsTwin(RuleBasedStateMachine):
                 rid = int(self.plan.request_ids[abort])
                 self.both(lambda s: s.abort(rid))
             ids = rng.integers(0, VOCAB, size=len(self.plan.logits_indices)).astype(np.uint32)
-            out = self.both(lambda s: finished_key(s.update(ids)))
+            call = self.update_call(ids, rng, "steps")
+            out = self.both(lambda s: finished_key(call(s)))
             assert out[0][1] == out[1][1]
             self.plan = None
+
+    def update_call(self, ids, rng, bad):
+        """update(ids) for both schedulers (a subclass adds what its plans need)."""
+        return lambda s: s.update(ids)
 
     @precondition(lambda self: self.plan is not None)
     @rule()

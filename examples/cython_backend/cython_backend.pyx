@@ -247,4 +247,8 @@ def step_plan_offsets():
         "new_request_ids": <char *>&_p.new_request_ids - b,
         "preempted_request_ids": <char *>&_p.preempted_request_ids - b,
         "finished_request_ids": <char *>&_p.finished_request_ids - b,
+        "num_topk": <char *>&_p.num_topk - b,
+        "_reserved2": <char *>&_p._reserved2 - b,
+        "topk_ids_out": <char *>&_p.topk_ids_out - b,
+        "topk_logprobs_out": <char *>&_p.topk_logprobs_out - b,
     }

@@ -79,9 +79,15 @@ def _layout():
         <char *>&_splan.kv_indices - b, <char *>&_splan.kv_last_page_len - b,
         <char *>&_splan.copies - b, <char *>&_splan.new_request_ids - b,
         <char *>&_splan.preempted_request_ids - b, <char *>&_splan.finished_request_ids - b]
+    # appended in the same ABI version: beam rows
+    tail = [("num_topk", "<u4", <char *>&_splan.num_topk - b),
+            ("_reserved2", "<u4", <char *>&_splan._reserved2 - b),
+            ("topk_ids_out", "<u8", <char *>&_splan.topk_ids_out - b),
+            ("topk_logprobs_out", "<u8", <char *>&_splan.topk_logprobs_out - b)]
     layout["step_plan"] = (sizeof(qualia_step_plan), QUALIA_ALIGN_STEP_PLAN,
                            [(name, "<u4", off) for name, off in zip(_STEP_PLAN_COUNTS, counts)]
-                           + [(f[0], "<u8", off) for f, off in zip(_STEP_PLAN_ARRAYS, ptrs)])
+                           + [(f[0], "<u8", off) for f, off in zip(_STEP_PLAN_ARRAYS, ptrs)]
+                           + tail)
     b = <char *>&_sbk
     layout["step_backend"] = (sizeof(qualia_step_backend), QUALIA_ALIGN_STEP_BACKEND, [
         ("abi_version", "<u4", <char *>&_sbk.abi_version - b),
@@ -114,6 +120,7 @@ STEP_ABI_VERSION = QUALIA_STEP_ABI_VERSION
 STEP_PLAN_STRUCT_SIZE = sizeof(qualia_step_plan)
 STEP_BACKEND_STRUCT_SIZE = sizeof(qualia_step_backend)
 STEP_WRITES_LOGPROBS = QUALIA_STEP_WRITES_LOGPROBS
+STEP_WRITES_TOPK = QUALIA_STEP_WRITES_TOPK
 
 
 def _normalize_format(fmt):

@@ -274,6 +274,8 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     p.new_request_ids = <const uint64_t *>(<_Buffer>bufs["new_request_ids"]).ptr
     p.preempted_request_ids = <const uint64_t *>(<_Buffer>bufs["preempted_request_ids"]).ptr
     p.finished_request_ids = <const uint64_t *>(<_Buffer>bufs["finished_request_ids"]).ptr
+    # beam rows: the caller points topk_ids_out / topk_logprobs_out at [m, num_topk] buffers
+    p.num_topk = _u32(getattr(plan, "num_topk", 0), "plan.num_topk")
     return lp
 
 
@@ -309,6 +311,7 @@ def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logpr
         raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule), "
                         f"not {type(backend).__name__}")
     cdef _LoweredPlan lp = _lower_step_plan(plan)
+    lp.plan.num_topk = 0    # no candidates asked for here
     out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, sampled_out, logprobs_out,
                                      bool(logprobs))
     cdef float *lptr = NULL
@@ -497,7 +500,7 @@ cdef class HashBackend:
         self.step_iface = &blk.step_iface
         self.step_iface.abi_version = QUALIA_STEP_ABI_VERSION
         self.step_iface.struct_size = sizeof(qualia_step_backend)
-        self.step_iface.flags = QUALIA_STEP_WRITES_LOGPROBS
+        self.step_iface.flags = QUALIA_STEP_WRITES_LOGPROBS | QUALIA_STEP_WRITES_TOPK
         self.step_iface.ctx = self.st
         self.step_iface.execute_step = qualia_hash_execute_step
         self.step_iface.copy_pages = qualia_hash_copy_pages
@@ -576,8 +579,10 @@ cdef class HashBackend:
         token of flat row ``logits_indices[r]``), by the same C function the scheduler calls
         through ``__qualia_step_backend__``.  Returns ``sampled_out`` (a new uint32 array of m
         ids when None); ``logprobs_out`` (float32, optional) receives ``hash_logprob`` of each
-        row.  The plan's copies are not performed here (call ``copy_pages``)."""
+        row.  The plan's copies are not performed here (call ``copy_pages``).  Candidates for
+        beam rows are not written (see ``execute_step_topk``)."""
         cdef _LoweredPlan lp = _lower_step_plan(plan)
+        lp.plan.num_topk = 0
         out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, sampled_out, logprobs_out, False)
         cdef float *lptr = NULL if bl is None else <float *>(<_Buffer>bl).ptr
         cdef int32_t rc = qualia_hash_execute_step(self.st, &lp.plan,
@@ -585,6 +590,28 @@ cdef class HashBackend:
         if rc:
             raise RaggedBackendError.Failed(rc)
         return out
+
+    def execute_step_topk(self, plan):
+        """``execute_step`` that also writes each row's ``plan.num_topk = k`` candidates (the
+        rule of docs/DESIGN.md, "Hash backend"): returns ``(sampled, topk_ids, topk_logprobs)``
+        with ``[m, k]`` uint32 / float32 candidate arrays, best first -- what
+        ``Scheduler.update`` takes for a plan with beam rows (``k`` may be 0)."""
+        cdef _LoweredPlan lp = _lower_step_plan(plan)
+        out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, None, None, False)
+        cdef uint32_t[:, ::1] tv
+        cdef float[:, ::1] lv
+        tids = np.zeros((lp.plan.num_sampled, lp.plan.num_topk), np.uint32)
+        tlps = np.zeros((lp.plan.num_sampled, lp.plan.num_topk), np.float32)
+        if lp.plan.num_sampled and lp.plan.num_topk:
+            tv = tids
+            lv = tlps
+            lp.plan.topk_ids_out = &tv[0, 0]
+            lp.plan.topk_logprobs_out = &lv[0, 0]
+        cdef int32_t rc = qualia_hash_execute_step(self.st, &lp.plan,
+                                                   <uint32_t *>(<_Buffer>bs).ptr, NULL)
+        if rc:
+            raise RaggedBackendError.Failed(rc)
+        return out, tids, tlps
 
     def execute_ragged(self, items, block_table, outputs):
         cdef _Buffer bi = _acquire(items, "items", "item", sizeof(qualia_batch_item),

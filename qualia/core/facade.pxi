@@ -51,6 +51,18 @@ cdef int _attach_finished(object err, list finished) except -1:
     return 0
 
 
+cdef tuple _resolve_topk(object topk_ids, object topk_logprobs):
+    # RESOLVE update()'s candidates, reading no scheduler state: private copies (user code runs
+    # here only), or the conversion's error, raised by _load_topk only when the plan has beam
+    # rows (a plan without them ignores the arguments)
+    if topk_ids is None or topk_logprobs is None:
+        return (None, None, None)
+    try:
+        return (np.array(topk_ids), np.array(topk_logprobs, dtype=np.float64), None)
+    except Exception as exc:
+        return (None, None, exc)
+
+
 cdef class Scheduler:
     """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
 
@@ -1098,17 +1110,31 @@ cdef class Scheduler:
         return self.step.count != 0
 
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
-                    priority=0, eos_token_id=None, stop_token_ids=(), ignore_eos=False, n=1):
+                    priority=0, eos_token_id=None, stop_token_ids=(), ignore_eos=False, n=1,
+                    beam_width=None):
         """Queue a request: its prompt is copied into the token arena (docs/DESIGN.md, "The
         engine step", "Requests").  ``n > 1`` samples ``n`` continuations of the prompt on
         copy-on-write forks (docs/DESIGN.md, "Forks at the step level"): one prefill, ``n``
         members, one ``FinishedGroup`` under ``request_id``; the group takes ``n`` entries of
-        the queue."""
+        the queue.  ``beam_width=w`` runs beam search of width ``w`` on forks (docs/DESIGN.md,
+        "Beam search at the step level"): plans with beam rows have ``num_topk > 0`` and
+        ``update`` takes each row's best ids and log-probabilities; one ``FinishedGroup`` with
+        the ``w`` hypotheses best first and their scores; the group takes ``w`` entries."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be an int, not {type(n).__name__}")
         if not 1 <= n <= self.step.max_seqs:
             raise ValueError(f"n must be in [1, max_num_seqs={self.step.max_seqs}], got {n}")
+        cdef uint32_t bw = 0
+        if beam_width is not None:
+            if isinstance(beam_width, bool) or not isinstance(beam_width, int):
+                raise TypeError(f"beam_width must be an int, not {type(beam_width).__name__}")
+            if not 1 <= beam_width <= self.step.max_seqs:
+                raise ValueError(f"beam_width must be in [1, max_num_seqs="
+                                 f"{self.step.max_seqs}], got {beam_width}")
+            if n != 1:
+                raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
+            bw = <uint32_t>beam_width
         cdef uint32_t n_members = <uint32_t>n
         cdef uint32_t max_new = _u32(max_new_tokens, "max_new_tokens")
         cdef uint32_t stop[STOP_MAX]
@@ -1150,6 +1176,16 @@ cdef class Scheduler:
                 raise ValueError("the prompt must have at least one token")
             if t.n > U32_MAX:
                 raise StepError.NeverFits()
+            if bw and max_new:
+                # the w beams are computed side by side: the prompt's full pages once (shared)
+                # and each beam's own tail must fit the pool together
+                pt = self.page_tokens
+                tail = -(-(t.n + max_new - 1) // pt) - t.n // pt
+                need = t.n // pt + bw * tail
+                if need > self.pool.pool.num_blocks:
+                    raise StepError.NeverFits(None, f"{bw} beams need {need} pages side by "
+                                                    f"side, the pool has "
+                                                    f"{self.pool.pool.num_blocks}")
             if self.mode == MODE_AUTO:
                 nsh = self.cache.ns.hashes[0] if nsl == 0 else \
                     pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
@@ -1162,9 +1198,11 @@ cdef class Scheduler:
             try:
                 tok = self._own()
                 try:
+                    if bw:
+                        self._beam_buffers()
                     rc = step_add(&self.step, rid, t.ptr, <uint32_t>t.n, max_new, prio, has_eos,
                                   eos, stop, n_stop, ignore, nsb, <uint32_t>nsl, nsh,
-                                  self.pool.pool.num_blocks, n_members)
+                                  self.pool.pool.num_blocks, n_members, bw)
                 finally:
                     self._unown(tok)
             finally:
@@ -1174,6 +1212,41 @@ cdef class Scheduler:
             _tokens_free(&t)
         if rc:
             raise _error(E_STEP, rc)
+
+    cdef int _beam_buffers(self) except -1:
+        # under ownership: the candidate buffers, allocated with the first beam group (max_num_seqs
+        # rows of max_num_seqs candidates)
+        cdef StepState *st = &self.step
+        cdef size_t n = <size_t>st.max_seqs * st.max_seqs
+        if st.cand_ids != NULL:
+            return 0
+        st.cand_ids = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
+        st.cand_lps = <double *>PyMem_Malloc(n * sizeof(double))
+        if st.cand_ids == NULL or st.cand_lps == NULL:
+            PyMem_Free(st.cand_ids)
+            PyMem_Free(st.cand_lps)
+            st.cand_ids = NULL
+            st.cand_lps = NULL
+            raise MemoryError()
+        return 0
+
+    cdef int _topk_buffers(self) except -1:
+        # under ownership, before run() hands beam plans to a C backend: room for every row's
+        # candidates (rows_cap rows of max_num_seqs)
+        cdef StepState *st = &self.step
+        cdef size_t n = <size_t>st.rows_cap * st.max_seqs
+        if st.topk_ids_buf != NULL:
+            return 0
+        st.topk_ids_buf = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
+        st.topk_lps_buf = <float *>PyMem_Malloc(n * sizeof(float))
+        if st.topk_ids_buf == NULL or st.topk_lps_buf == NULL:
+            PyMem_Free(st.topk_ids_buf)
+            PyMem_Free(st.topk_lps_buf)
+            st.topk_ids_buf = NULL
+            st.topk_lps_buf = NULL
+            raise MemoryError()
+        st.topk_cap = n
+        return 0
 
     def abort(self, request_id):
         """Drop a waiting or running request (a running one hands its pages back now; if it is
@@ -1258,26 +1331,59 @@ cdef class Scheduler:
                 raise ValueError(f"sampled token id {st.sampled[i]} is outside [0, {limit}]")
         return 0
 
-    cdef list _update_owned(self, object values):
+    cdef object _load_topk(self, tuple topk):
+        # under ownership, after _load_sampled: a plan with beam rows takes [m, num_topk]
+        # candidates (ids in the vocabulary, float log-probabilities); returns them as private
+        # contiguous uint32 / float64 arrays, or None for a plan without beam rows
+        cdef StepState *st = &self.step
+        cdef uint32_t k = st.num_topk, m = st.m
+        cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+        if k == 0:
+            return None
+        tids, tlps, err = topk
+        if tids is None and err is None:
+            raise ValueError(f"this plan has beam rows: pass topk_ids and topk_logprobs of shape "
+                             f"({m}, {k})")
+        if err is not None:
+            raise err
+        if tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu":
+            raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
+                             f"arrays")
+        if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
+            raise ValueError(f"a topk token id is outside [0, {limit}]")
+        return (np.ascontiguousarray(tids, dtype=np.uint32),
+                np.ascontiguousarray(tlps, dtype=np.float64))
+
+    cdef list _update_owned(self, object values, tuple topk):
         # update() with the scheduler owned by the caller
         cdef int rc
+        cdef const uint32_t *tk_ids = NULL
+        cdef const double *tk_lps = NULL
         self._load_sampled(values)
-        self._accum_room(<uint64_t>self.step.n_accum + self.step.m)   # every sampled member
-        rc = step_update(&self.step, self.step.sampled)
+        cand = self._load_topk(topk)
+        if cand is not None:
+            tk_ids = <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0])
+            tk_lps = <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1])
+        # every sampled member, and every running beam a selection may finish
+        self._accum_room(<uint64_t>self.step.n_accum + self.step.m + self.step.n_running)
+        rc = step_update(&self.step, self.step.sampled, tk_ids, tk_lps, NULL)
         finished = step_collect(&self.step)
         if rc:
             raise _error(E_STEP, rc)
         return finished
 
-    def update(self, sampled_token_ids):
-        """Apply one plan's sampled tokens; returns the finished requests, in plan order."""
+    def update(self, sampled_token_ids, topk_ids=None, topk_logprobs=None):
+        """Apply one plan's sampled tokens; returns the finished requests, in plan order.  A plan
+        with beam rows (``num_topk > 0``) also takes each row's ``num_topk`` best token ids and
+        their log-probabilities (``[m, num_topk]`` arrays, best first)."""
         cdef uint64_t tok
         if not self.step.pending:     # fails early (a read); checked again once owned
             raise StepError.NoPlan(None, "schedule() first")
         values = self._resolve_sampled(sampled_token_ids)
+        topk = _resolve_topk(topk_ids, topk_logprobs)
         tok = self._own()
         try:
-            return self._update_owned(values)
+            return self._update_owned(values, topk)
         finally:
             self._unown(tok)
 
@@ -1319,6 +1425,8 @@ cdef class Scheduler:
         """Prompt plus generated tokens of a queued or running request."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef int32_t e = step_find(&self.step, rid)
+        if e >= 0 and self.step.req[e].state == SR_GROUP:
+            e = self.step.req[e].parent_beam    # a beam group: its beam with the group's id
         if e < 0 or (self.step.req[e].state != SR_WAITING
                      and self.step.req[e].state != SR_RUNNING):
             raise StepError.UnknownRequest(None, f"request {rid}")
@@ -1327,14 +1435,14 @@ cdef class Scheduler:
 
     def group_members(self, request_id):
         """The member ids of a queued or running ``n`` group, in member order: the parent's
-        id, then its children's (what the sampler keys on)."""
+        id, then its children's (what the sampler keys on); for a beam group, its live beams."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef StepState *st = &self.step
         cdef int32_t e = step_find(st, rid), c
         if e < 0 or st.req[e].group != e or st.req[e].state == SR_FINISHED:
             raise StepError.UnknownRequest(None, f"no group {rid}")
         out = []
-        c = e
+        c = st.req[e].next_member if st.req[e].beam else e
         while c >= 0:
             out.append(st.req[c].rid)
             c = st.req[c].next_member
@@ -1344,6 +1452,12 @@ cdef class Scheduler:
     def forks(self):
         """Children of ``n`` groups forked so far (each shares its parent's pages)."""
         return self.step.forks
+
+    @property
+    def parked(self):
+        """Beams parked so far: computed beams of a group whose other beam waits, queued again
+        after a step that scheduled nothing (docs/DESIGN.md, "Beam search at the step level")."""
+        return self.step.parked
 
     @property
     def fork_fallbacks(self):
@@ -1397,12 +1511,22 @@ cdef class Scheduler:
                     try:
                         # the backend and the conversion of its ids run while the scheduler
                         # is owned: a call back into it gets BusyError
-                        values = self._resolve_sampled(handle(plan))
+                        out = handle(plan)
+                        if isinstance(out, tuple):
+                            if len(<tuple>out) != 3:
+                                raise ValueError("execute_step returns the sampled ids, or "
+                                                 "(sampled, topk_ids, topk_logprobs)")
+                            ids, tk, tl = out
+                        else:
+                            ids, tk, tl = out, None, None
+                        values = self._resolve_sampled(ids)
+                        topk = _resolve_topk(tk, tl)
                         self._load_sampled(values)
+                        self._load_topk(topk)
                     except BaseException:
                         step_discard(&self.step)
                         raise
-                    done = self._update_owned(values)
+                    done = self._update_owned(values, topk)
                     finished.extend(done)
                     step_stat(&self.step, &row, <uint32_t>len(done))
                     stats.append(row)
@@ -1412,6 +1536,8 @@ cdef class Scheduler:
                     rows[i] = r
                 return RunResult(out, finished)
             total = 0
+            if self.step.beam_head >= 0:
+                self._topk_buffers()
             while self.step.count and (limit is None or total < limit):
                 want = 4096 if limit is None else min(4096, limit - total)
                 chunk = np.empty(want, dtype=STEP_STATS)
@@ -1427,6 +1553,13 @@ cdef class Scheduler:
                     raise ValueError(f"the step backend sampled token id "
                                      f"{self.step.sampled[status]} (row {status}), outside "
                                      f"[0, {self.step.vocab - 1}]")
+                if rc == RUN_BAD_TOPK:
+                    raise ValueError(f"the step backend wrote a candidate token id outside "
+                                     f"[0, {self.step.vocab - 1}] (row {status})")
+                if rc == RUN_NO_TOPK:
+                    raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
+                                    "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
+                                    "step was discarded")
                 if rc:
                     raise _error(E_STEP, rc)
             if len(stats) == 1:

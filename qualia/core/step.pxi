@@ -22,7 +22,10 @@ cdef enum:
     SR_RUNNING = 2
     SR_FINISHED = 3     # finished inside run(), waiting to be collected
     SR_RESERVED = 4     # a child of an n group not forked yet (its id is taken)
-    SR_MEMBER_DONE = 5  # a member of an n group that stopped; its output waits for the group
+    # SR_MEMBER_DONE: a member of an n group that stopped, its output waiting for the group; in
+    # a beam group, a hypothesis (its tokens, score and reason)
+    SR_MEMBER_DONE = 5
+    SR_GROUP = 6        # a beam group's record (no tokens: an entry past max_queued)
 
 cdef enum:
     ROW_DEFERRED = -2   # row_owner of a row whose request was aborted in the pending plan
@@ -75,6 +78,30 @@ cdef struct StepReq:
     uint8_t row_fresh       # forked child: its row is written whole when next lowered
     uint8_t nsb_borrowed    # nsb is the leader's (freed with it)
     uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
+    # beam groups (docs/DESIGN.md, "Beam search at the step level"): the group's record is an
+    # entry past max_queued (state SR_GROUP, its id the group's, group == itself, beam = 1,
+    # n_members = width, n_members_done = hypotheses so far); each live beam and each stored
+    # hypothesis holds one of the w entries the group reserved (group == the record)
+    uint8_t beam            # record: a beam group
+    uint8_t has_cand        # live beam: its candidates are in the row's candidate buffer
+    uint8_t unindexed       # not in the id index (the parent beam, a hypothesis)
+    uint8_t in_sel          # record: queued for selection in this update
+    double score            # live beam: cumulative log-probability; hypothesis: its score
+    uint32_t hyp_seq        # hypothesis: its order of finishing (ties: earlier first)
+    uint32_t n_spare        # record: reserved entries not holding a beam or hypothesis
+    int32_t next_hyp        # record: first hypothesis; hypothesis: the next one
+    int32_t parent_beam     # record: the entry of the beam with the group's id, -1 once gone
+    int32_t next_group      # record: the next beam group in add order
+    int32_t prev_group
+
+
+cdef struct SelCand:
+    double score
+    uint32_t rank
+    uint32_t tok
+    int32_t beam            # its beam's entry
+    int32_t dest            # update: the entry that takes it (continuing beam or hypothesis)
+    uint8_t reason          # FIN_NONE: continues
 
 
 # One row of STEP_STATS (qualia._types): twelve uint32 fields, no padding.
@@ -187,6 +214,22 @@ cdef struct StepState:
     uint64_t enqueues       # heap_push counter
     uint64_t forks          # children forked
     uint64_t fork_fallbacks  # children queued for lack of a slot or row
+    # beam groups
+    uint32_t reserved       # entries promised to beam groups (spares), not in use
+    int32_t *rec_free       # stack of free record entries (max_queued .. 2 * max_queued)
+    uint32_t n_rec_free
+    int32_t beam_head       # beam group records in add order
+    int32_t beam_tail
+    uint32_t num_topk       # the pending plan's candidates per row (0: no beam row)
+    uint32_t *cand_ids      # max_seqs x max_seqs, by row: a computed beam's candidates
+    double *cand_lps        # the same rows' log-probabilities (both with the first beam group)
+    SelCand *sel            # max_seqs: the kept candidates of one selection
+    int32_t *sel_groups     # max_seqs: groups with a beam row in the plan being applied
+    uint32_t n_sel_groups
+    uint64_t parked         # beams parked (docs/DESIGN.md)
+    uint32_t *topk_ids_buf  # run() with a C backend: the backend's candidates
+    float *topk_lps_buf
+    size_t topk_cap
 
 
 cdef inline uint64_t _now_ns() noexcept nogil:
@@ -416,11 +459,17 @@ cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
 cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
     # forget the entry: id index, namespace reference, stop ids
     cdef StepReq *r = &st.req[e]
-    oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
+    if not r.unindexed:
+        oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
+    r.unindexed = 0
     if r.nsb != NULL and not r.nsb_borrowed:
         free(r.nsb)
     r.nsb = NULL
     r.state = SR_FREE
+    if <uint32_t>e >= st.max_queued:
+        st.rec_free[st.n_rec_free] = e
+        st.n_rec_free += 1
+        return
     st.free_ids[st.n_free] = e
     st.n_free += 1
 
@@ -491,6 +540,7 @@ cdef int preempt(StepState *st, int32_t e) noexcept nogil:
     running_remove(st, e)
     st.req[e].num_computed = 0
     st.req[e].row_fresh = 0
+    st.req[e].has_cand = 0
     heap_push(st, e)
     st.preempted_ids[st.n_preempted] = st.req[e].rid
     st.n_preempted += 1
@@ -598,6 +648,7 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         return Q_PLAN_PENDING
     st.step_no += 1
     st.n = st.T = st.m = st.n_kv = st.n_copies = st.n_new = st.n_preempted = 0
+    st.num_topk = 0
     st.num_prefill_tokens = st.num_decode_tokens = st.num_cached_tokens = 0
     # 1. running requests: decodes, then prefills, each in admission order
     for i in range(st.n_running):
@@ -608,7 +659,7 @@ cdef int step_schedule(StepState *st) noexcept nogil:
     j = nd
     for i in range(st.n_running):
         e = st.running[i]
-        if st.req[e].num_tokens - st.req[e].num_computed != 1:
+        if st.req[e].num_tokens - st.req[e].num_computed > 1:
             st.order[j] = e
             j += 1
     for i in range(j):
@@ -711,6 +762,9 @@ cdef int step_schedule(StepState *st) noexcept nogil:
                 st.logits_indices[st.m] = <int32_t>(st.T - 1)
                 st.sampled_request_ids[st.m] = r.rid
                 st.m += 1
+                if r.group >= 0 and st.req[r.group].beam and \
+                        st.req[r.group].n_members > st.num_topk:
+                    st.num_topk = st.req[r.group].n_members
         else:
             st.plan_sample[j] = -1
         pages = (q + n + st.page_tokens - 1) // st.page_tokens
@@ -851,11 +905,309 @@ cdef int step_fork_n(StepState *st, int32_t e, const uint32_t *toks) noexcept no
     return first
 
 
-cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
-    # sampled[0..m) was validated by the caller.  Finished entries go to st.done (state
-    # SR_FINISHED) for the caller to report and free.
-    cdef uint32_t j, n
+# -- beam groups (docs/DESIGN.md, "Beam search at the step level") -------------------------------
+
+cdef inline int32_t beam_take_entry(StepState *st, int32_t g) noexcept nogil:
+    # one of group g's reserved spare entries (the counting guarantees one is there)
     cdef int32_t e
+    st.n_free -= 1
+    e = st.free_ids[st.n_free]
+    st.req[g].n_spare -= 1
+    st.reserved -= 1
+    return e
+
+
+cdef inline void beam_give_entry(StepState *st, int32_t g, int32_t e) noexcept nogil:
+    # a beam entry of group g is free again: back to the group's spares
+    entry_free(st, e)
+    st.req[g].n_spare += 1
+    st.reserved += 1
+
+
+cdef inline void beam_unindex(StepState *st, int32_t e) noexcept nogil:
+    if not st.req[e].unindexed:
+        oa_remove(st.index, st.index_mask, _step_home(st, st.req[e].rid), e, _step_home_of, st)
+        st.req[e].unindexed = 1
+
+
+cdef int beam_stop(StepState *st, int32_t g, int32_t b) noexcept nogil:
+    # a live beam without continuation leaves the queues (the twin's _finish_member)
+    cdef int rc = Q_OK
+    if st.req[b].state == SR_RUNNING:
+        rc = slot_release(st, b)
+        row_release(st, b)
+        running_remove(st, b)
+    else:
+        heap_remove(st, b)
+    st.req[b].has_cand = 0
+    st.count -= 1
+    accum_finished(st, st.req[b].rid)
+    if st.req[g].parent_beam == b:
+        st.req[g].parent_beam = -1
+    return rc
+
+
+cdef inline bint beam_stops(StepReq *r, uint32_t tok) noexcept nogil:
+    cdef uint32_t k
+    if r.has_eos and not r.ignore_eos and tok == r.eos:
+        return True
+    for k in range(r.n_stop):
+        if r.stop[k] == tok:
+            return True
+    return False
+
+
+cdef inline bint _sel_before(double s, uint32_t rank, uint32_t tok, SelCand *x) noexcept nogil:
+    # candidate order: higher score, then the earlier beam, then the lower id
+    if s != x.score:
+        return s > x.score
+    if rank != x.rank:
+        return rank < x.rank
+    return tok < x.tok
+
+
+cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
+    # The twin's _select: when every live beam of group g is running, computed and has its
+    # candidates, the best w - hypotheses candidates are kept; each either finishes a hypothesis
+    # (stored in an entry of the group) or continues a beam (the first continuation of a beam
+    # takes the beam itself, each further one forks a child).  No live continuation: the group
+    # is done (st.done).  Allocates nothing.
+    cdef StepReq *R = &st.req[g]
+    cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0, cap = st.max_seqs
+    cdef int32_t b, d, prev, src
+    cdef size_t base
+    cdef double sc
+    cdef uint32_t tok
+    cdef int rc = Q_OK, r2
+    cdef StepReq *x
+    b = R.next_member
+    while b >= 0:
+        x = &st.req[b]
+        if x.state != SR_RUNNING or x.num_computed != x.num_tokens or not x.has_cand:
+            return Q_OK
+        b = x.next_member
+    K = w - R.n_members_done
+    b = R.next_member
+    while b >= 0:
+        x = &st.req[b]
+        base = <size_t>x.row * cap
+        for c in range(w):
+            sc = x.score + st.cand_lps[base + c]
+            tok = st.cand_ids[base + c]
+            p = nk
+            while p > 0 and _sel_before(sc, rank, tok, &st.sel[p - 1]):
+                p -= 1
+            if p >= K:
+                continue
+            if nk < K:
+                nk += 1
+            i = nk - 1
+            while i > p:
+                st.sel[i] = st.sel[i - 1]
+                i -= 1
+            st.sel[p].score = sc
+            st.sel[p].rank = rank
+            st.sel[p].tok = tok
+            st.sel[p].beam = b
+        x.has_cand = 0
+        rank += 1
+        b = x.next_member
+    # classify; in_sel on a beam: 1 continues, 2 finishes a hypothesis, 4 its entry holds one
+    for i in range(nk):
+        x = &st.req[st.sel[i].beam]
+        if beam_stops(x, st.sel[i].tok):
+            st.sel[i].reason = FIN_STOP
+        elif x.num_tokens - x.num_prompt + 1 >= x.max_new:
+            st.sel[i].reason = FIN_LENGTH
+        else:
+            st.sel[i].reason = FIN_NONE
+        if st.sel[i].reason == FIN_NONE:
+            x.in_sel |= 1
+            n_cont += 1
+        else:
+            x.in_sel |= 2
+    # beams with no live continuation leave first (member order: the twin's finish order);
+    # those sourcing no hypothesis give their entry back now
+    prev = -1
+    b = R.next_member
+    while b >= 0:
+        d = st.req[b].next_member
+        if not (st.req[b].in_sel & 1):
+            r2 = beam_stop(st, g, b)
+            if r2 and rc == Q_OK:
+                rc = r2
+            if not (st.req[b].in_sel & 2):
+                st.req[b].in_sel = 0
+                beam_give_entry(st, g, b)
+        b = d
+    # hypotheses whose beam continues, or second ones of a beam: copied into a spare entry
+    # (read before any beam's own entry takes its hypothesis in place)
+    for i in range(nk):
+        if st.sel[i].reason == FIN_NONE:
+            continue
+        src = st.sel[i].beam
+        x = &st.req[src]
+        if not (x.in_sel & 1) and not (x.in_sel & 4):
+            x.in_sel |= 4           # this one goes in place, below
+            st.sel[i].dest = src
+            continue
+        d = beam_take_entry(st, g)
+        memset(&st.req[d], 0, sizeof(StepReq))
+        memcpy(&st.arena[<size_t>d * st.entry_cap], &st.arena[<size_t>src * st.entry_cap],
+               <size_t>x.num_tokens * sizeof(uint32_t))
+        st.req[d].rid = x.rid
+        st.req[d].num_prompt = x.num_prompt
+        st.req[d].num_tokens = x.num_tokens
+        st.req[d].unindexed = 1
+        st.sel[i].dest = d
+    for i in range(nk):
+        if st.sel[i].reason == FIN_NONE:
+            continue
+        d = st.sel[i].dest
+        x = &st.req[d]
+        if d == st.sel[i].beam:
+            beam_unindex(st, d)
+            x.in_sel = 0
+        st.arena[<size_t>d * st.entry_cap + x.num_tokens] = st.sel[i].tok
+        x.num_tokens += 1
+        x.state = SR_MEMBER_DONE
+        x.group = g
+        x.slot = -1
+        x.row = -1
+        x.heap_pos = -1
+        x.plan_pos = -1
+        x.next_member = -1
+        x.score = st.sel[i].score
+        x.reason = st.sel[i].reason
+        x.hyp_seq = R.n_members_done
+        R.n_members_done += 1
+        x.next_hyp = R.next_hyp
+        R.next_hyp = d
+    if n_cont == 0:
+        R.next_member = -1
+        R.state = SR_FINISHED
+        st.done[st.n_done] = g
+        st.n_done += 1
+        return rc
+    # continuations in kept order: a beam's first takes the beam, each further one forks
+    for i in range(nk):
+        if st.sel[i].reason != FIN_NONE:
+            continue
+        b = st.sel[i].beam
+        if not (st.req[b].in_sel & 8):
+            st.req[b].in_sel |= 8
+            st.sel[i].dest = b
+            continue
+        d = beam_take_entry(st, g)
+        st.req[d] = st.req[b]
+        x = &st.req[d]
+        x.rid = st.next_child
+        st.next_child += 1
+        while step_find(st, x.rid) >= 0:
+            x.rid = st.next_child
+            st.next_child += 1
+        x.nsb_borrowed = 1
+        x.unindexed = 0
+        x.heap_pos = -1
+        x.plan_pos = -1
+        x.slot = -1
+        x.row = -1
+        x.num_computed = 0
+        x.has_cand = 0
+        x.in_sel = 0
+        x.decode = 0
+        x.row_fresh = 0
+        x.next_member = -1
+        x.state = SR_RESERVED
+        oa_insert(st.index, st.index_mask, _step_home(st, x.rid), d)
+        r2 = step_spawn(st, b, d)
+        if r2 and rc == Q_OK:
+            rc = r2
+        st.sel[i].dest = d
+    prev = -1
+    for i in range(nk):
+        if st.sel[i].reason != FIN_NONE:
+            continue
+        d = st.sel[i].dest
+        x = &st.req[d]
+        x.in_sel = 0
+        st.arena[<size_t>d * st.entry_cap + x.num_tokens] = st.sel[i].tok
+        if st.mode == MODE_AUTO and x.state == SR_RUNNING:
+            auto_note_token(st.s, st.ss, <uint32_t>x.slot, x.num_tokens, st.sel[i].tok)
+        x.num_tokens += 1
+        x.score = st.sel[i].score
+        x.next_member = -1
+        if prev < 0:
+            R.next_member = d
+        else:
+            st.req[prev].next_member = d
+        prev = d
+    return rc
+
+
+cdef void beam_park_blocked(StepState *st) noexcept nogil:
+    # The twin's _park_blocked_beams, after a step that scheduled nothing: a group with a beam
+    # not running parks its computed running beams (preempted without a report, queued again).
+    cdef int32_t g = st.beam_head, b
+    cdef bint blocked
+    cdef StepReq *x
+    while g >= 0:
+        if st.req[g].state == SR_GROUP:
+            blocked = False
+            b = st.req[g].next_member
+            while b >= 0:
+                if st.req[b].state != SR_RUNNING:
+                    blocked = True
+                b = st.req[b].next_member
+            if blocked:
+                b = st.req[g].next_member
+                while b >= 0:
+                    x = &st.req[b]
+                    if x.state == SR_RUNNING and x.num_computed == x.num_tokens:
+                        slot_release(st, b)
+                        row_release(st, b)
+                        running_remove(st, b)
+                        x.num_computed = 0
+                        x.row_fresh = 0
+                        x.has_cand = 0
+                        heap_push(st, b)
+                        st.parked += 1
+                    b = x.next_member
+        g = st.req[g].next_group
+
+
+cdef void beam_group_free(StepState *st, int32_t g) noexcept nogil:
+    # the group's result is returned (or it was aborted): every entry it holds is free again
+    cdef int32_t b = st.req[g].next_hyp, nxt
+    while b >= 0:
+        nxt = st.req[b].next_hyp
+        entry_free(st, b)
+        b = nxt
+    b = st.req[g].next_member
+    while b >= 0:
+        nxt = st.req[b].next_member
+        entry_free(st, b)
+        b = nxt
+    st.reserved -= st.req[g].n_spare
+    if st.req[g].prev_group >= 0:
+        st.req[st.req[g].prev_group].next_group = st.req[g].next_group
+    else:
+        st.beam_head = st.req[g].next_group
+    if st.req[g].next_group >= 0:
+        st.req[st.req[g].next_group].prev_group = st.req[g].prev_group
+    else:
+        st.beam_tail = st.req[g].prev_group
+    entry_free(st, g)
+
+
+cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_ids,
+                     const double *tk_lps, const float *tk_lps_f) noexcept nogil:
+    # sampled[0..m) was validated by the caller, and so were the candidates of a plan with beam
+    # rows (tk_ids and tk_lps or tk_lps_f: [m, num_topk], row-major).  Finished entries go to
+    # st.done (state SR_FINISHED) for the caller to report and free.
+    cdef uint32_t j, n, c, w, k = st.num_topk
+    cdef size_t src, dst
+    cdef int32_t e, g
     cdef StepReq *r
     cdef Slot *sl
     cdef int rc, first = Q_OK
@@ -878,12 +1230,37 @@ cdef int step_update(StepState *st, const uint32_t *sampled) noexcept nogil:
             auto_fill(st.s, st.p, st.c, st.ss, <uint32_t>r.slot)
         if st.plan_sample[j] < 0:
             continue
+        if r.group >= 0 and st.req[r.group].beam:
+            # a beam row: its candidates wait for the group's selection
+            g = r.group
+            w = st.req[g].n_members
+            src = <size_t>st.plan_sample[j] * k
+            dst = <size_t>r.row * st.max_seqs
+            for c in range(w):
+                st.cand_ids[dst + c] = tk_ids[src + c]
+                st.cand_lps[dst + c] = tk_lps[src + c] if tk_lps != NULL else tk_lps_f[src + c]
+            r.has_cand = 1
+            if not st.req[g].in_sel:
+                st.req[g].in_sel = 1
+                st.sel_groups[st.n_sel_groups] = g
+                st.n_sel_groups += 1
+            continue
         if r.group == e and not r.forked:
             rc = step_fork_n(st, e, &sampled[st.plan_sample[j]])
         else:
             rc = step_take(st, e, sampled[st.plan_sample[j]])
         if rc and first == Q_OK:
             first = rc
+    # beam groups select in the order their first row appears in the plan
+    for j in range(st.n_sel_groups):
+        g = st.sel_groups[j]
+        st.req[g].in_sel = 0
+        rc = beam_select(st, g)
+        if rc and first == Q_OK:
+            first = rc
+    st.n_sel_groups = 0
+    if st.T == 0 and st.beam_head >= 0:
+        beam_park_blocked(st)
     # the rows of requests aborted in the plan are free again once it is applied (after the
     # forks above: a child never takes a row the executing plan may still read)
     for j in range(st.n):
@@ -920,7 +1297,7 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
                   uint32_t max_new, int64_t priority, bint has_eos, uint32_t eos,
                   const uint32_t *stop, uint32_t n_stop, bint ignore_eos, uint8_t *nsb,
                   uint32_t nsl, uint64_t nsh, uint32_t num_blocks,
-                  uint32_t n_members) noexcept nogil:
+                  uint32_t n_members, uint32_t beam_width) noexcept nogil:
     # Queue a request (the twin's checks, in its order).  On success the entry owns nsb.  With
     # n_members > 1 the request leads an n group: n_members - 1 more entries are taken for its
     # children now (state SR_RESERVED, ids from 2**63 up, skipping ids in use).
@@ -939,7 +1316,7 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     pages = (total - 1 + st.page_tokens - 1) // st.page_tokens
     if pages > num_blocks:
         return Q_NEVER_FITS
-    if st.n_free < n_members:
+    if st.n_free - st.reserved < (beam_width if beam_width else n_members):
         return Q_QUEUE_FULL
     st.n_free -= 1
     e = st.free_ids[st.n_free]
@@ -968,7 +1345,35 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     r.group = -1
     r.next_member = -1
     memcpy(&st.arena[<size_t>e * st.entry_cap], tok, <size_t>n * sizeof(uint32_t))
-    oa_insert(st.index, st.index_mask, _step_home(st, rid), e)
+    if beam_width:
+        # the group's record holds the id (and the namespace); the parent beam is one of the w
+        # entries, the other w - 1 are reserved
+        st.n_rec_free -= 1
+        c = st.rec_free[st.n_rec_free]
+        st.req[c] = r[0]
+        ch = &st.req[c]
+        ch.state = SR_GROUP
+        ch.group = c
+        ch.beam = 1
+        ch.n_members = beam_width
+        ch.n_spare = beam_width - 1
+        ch.next_member = e
+        ch.next_hyp = -1
+        ch.parent_beam = e
+        ch.next_group = -1
+        ch.prev_group = st.beam_tail
+        if st.beam_tail >= 0:
+            st.req[st.beam_tail].next_group = c
+        else:
+            st.beam_head = c
+        st.beam_tail = c
+        st.reserved += beam_width - 1
+        r.group = c
+        r.nsb_borrowed = r.nsb != NULL
+        r.unindexed = 1
+        oa_insert(st.index, st.index_mask, _step_home(st, rid), c)
+    else:
+        oa_insert(st.index, st.index_mask, _step_home(st, rid), e)
     st.count += 1
     heap_push(st, e)
     if n_members > 1:
@@ -1032,6 +1437,16 @@ cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
         rc = step_abort_one(st, e)
         entry_free(st, e)
         return rc
+    if st.req[e].beam:
+        # a beam group: its live beams in member order, then every entry it holds
+        c = st.req[e].next_member
+        while c >= 0:
+            r2 = step_abort_one(st, c)
+            if r2 and rc == Q_OK:
+                rc = r2
+            c = st.req[c].next_member
+        beam_group_free(st, e)
+        return rc
     c = e
     while c >= 0:
         if st.req[c].state == SR_RUNNING or st.req[c].state == SR_WAITING:
@@ -1074,6 +1489,7 @@ cdef class StepPlan:
     cdef readonly uint32_t num_decode_tokens
     cdef readonly uint32_t num_cached_tokens
     cdef readonly uint32_t page_tokens
+    cdef readonly uint32_t num_topk
 
     @property
     def num_seqs(self):
@@ -1155,10 +1571,11 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.cow = cow
     st.pages_copied = copied
     st.pages_allocated = allocated
-    while cap < 2 * <size_t>max_queued:
+    # entries and beam-group records (at most max_queued each) at load <= 1/2
+    while cap < 4 * <size_t>max_queued:
         cap <<= 1
     st.index_mask = <uint32_t>(cap - 1)
-    st.req = <StepReq *>PyMem_Calloc(max_queued, sizeof(StepReq))
+    st.req = <StepReq *>PyMem_Calloc(2 * <size_t>max_queued, sizeof(StepReq))
     st.arena = <uint32_t *>PyMem_Malloc(max(<size_t>max_queued * entry_cap, 1) * sizeof(uint32_t))
     st.free_ids = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.index = <int32_t *>PyMem_Malloc(cap * sizeof(int32_t))
@@ -1178,7 +1595,12 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
     st.accum_cap = max_queued + max_seqs
     st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
-    if (st.req == NULL or st.arena == NULL or st.free_ids == NULL or st.index == NULL
+    st.rec_free = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
+    st.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.beam_head = st.beam_tail = -1
+    if (st.rec_free == NULL or st.sel == NULL or st.sel_groups == NULL or st.req == NULL
+            or st.arena == NULL or st.free_ids == NULL or st.index == NULL
             or st.heap == NULL or st.running == NULL or st.row_owner == NULL
             or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
             or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
@@ -1189,6 +1611,9 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     for i in range(max_queued):
         st.free_ids[i] = <int32_t>(max_queued - 1 - i)   # entry 0 is taken first
     st.n_free = max_queued
+    for i in range(max_queued):
+        st.rec_free[i] = <int32_t>(2 * max_queued - 1 - i)
+    st.n_rec_free = max_queued
     for i in range(cap):
         st.index[i] = -1
     for i in range(max_seqs):
@@ -1223,7 +1648,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
 cdef void step_free(StepState *st) noexcept:
     cdef uint32_t e
     if st.req != NULL:
-        for e in range(st.max_queued):
+        for e in range(2 * st.max_queued):
             if st.req[e].nsb != NULL and not st.req[e].nsb_borrowed:
                 free(st.req[e].nsb)
     PyMem_Free(st.req)
@@ -1243,6 +1668,13 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.done)
     PyMem_Free(st.sampled)
     PyMem_Free(st.fin_accum)
+    PyMem_Free(st.rec_free)
+    PyMem_Free(st.sel)
+    PyMem_Free(st.sel_groups)
+    PyMem_Free(st.cand_ids)
+    PyMem_Free(st.cand_lps)
+    PyMem_Free(st.topk_ids_buf)
+    PyMem_Free(st.topk_lps_buf)
     memset(st, 0, sizeof(StepState))
 
 
@@ -1272,6 +1704,7 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     plan.num_decode_tokens = st.num_decode_tokens
     plan.num_cached_tokens = st.num_cached_tokens
     plan.page_tokens = st.page_tokens
+    plan.num_topk = st.num_topk
     return plan
 
 
@@ -1286,7 +1719,19 @@ cdef list step_collect(StepState *st):
     for k in range(st.n_done):
         e = st.done[k]
         r = &st.req[e]
-        if r.group == e:
+        if r.beam:
+            # a beam group: the hypotheses best first (ties: finished first first)
+            hyps = []
+            c = r.next_hyp
+            while c >= 0:
+                hyps.append((-st.req[c].score, st.req[c].hyp_seq, c))
+                c = st.req[c].next_hyp
+            hyps.sort()
+            out.append(FinishedGroup(
+                r.rid, [_step_output(st, h[2]) for h in hyps],
+                [_FINISH_REASONS[st.req[h[2]].reason] for h in hyps],
+                [st.req[h[2]].score for h in hyps], []))
+        elif r.group == e:
             # an n group: the members' outputs in member order
             outs, reasons, ids = [], [], []
             c = e
@@ -1300,7 +1745,9 @@ cdef list step_collect(StepState *st):
             out.append(FinishedRequest(r.rid, _step_output(st, e), _FINISH_REASONS[r.reason]))
     for k in range(st.n_done):
         e = st.done[k]
-        if st.req[e].group == e:
+        if st.req[e].beam:
+            beam_group_free(st, e)
+        elif st.req[e].group == e:
             c = e
             while c >= 0:
                 nxt = st.req[c].next_member
@@ -1343,6 +1790,8 @@ cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept no
 cdef enum:
     RUN_BACKEND_FAILED = -1     # step_run's status: the backend returned nonzero (in *status)
     RUN_BAD_TOKEN = -2          # a sampled id past vocab_size (in *status: its row)
+    RUN_NO_TOPK = -3            # a plan with beam rows, a backend that writes no candidates
+    RUN_BAD_TOPK = -4           # a candidate id past vocab_size (in *status: its row)
 
 
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
@@ -1381,6 +1830,10 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.new_request_ids = st.new_ids
     p.preempted_request_ids = st.preempted_ids
     p.finished_request_ids = st.finished_ids
+    p.num_topk = st.num_topk
+    p._reserved2 = 0
+    p.topk_ids_out = st.topk_ids_buf if st.num_topk else NULL
+    p.topk_logprobs_out = st.topk_lps_buf if st.num_topk else NULL
 
 
 cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32_t max_rows,
@@ -1395,6 +1848,11 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
     while st.count and k < max_rows:
         rc = step_schedule(st)
         if rc:
+            break
+        if st.num_topk and (not (cb.flags & QUALIA_STEP_WRITES_TOPK)
+                            or <size_t>st.m * st.num_topk > st.topk_cap):
+            step_discard(st)
+            rc = RUN_NO_TOPK
             break
         step_abi_plan(st, &plan)
         s = 0
@@ -1415,8 +1873,17 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
                 break
         if rc:
             break
+        if st.num_topk:
+            for i in range(st.m * st.num_topk):
+                if st.topk_ids_buf[i] > limit:
+                    step_discard(st)
+                    status[0] = <int32_t>(i // st.num_topk)
+                    rc = RUN_BAD_TOPK
+                    break
+            if rc:
+                break
         done = st.n_done
-        rc = step_update(st, st.sampled)
+        rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
         step_stat(st, &rows[k], st.n_done - done)
         k += 1
         if rc:
