@@ -148,22 +148,11 @@ class LyingInt(int):
         return True
 
 
-CORE_N_CONVERSION = pytest.mark.xfail(
-    strict=True, reason="core add_request takes n (and beam_width) only as an exact int "
-    "(isinstance(n, int)): a numpy integer or an __index__ object is a TypeError, against "
-    "docs/DESIGN.md 'Bad input' (anything with __index__ is an integer); an int subclass's own "
-    "comparisons decide the range check, so LyingInt(0) is queued as a plain request. Fix: "
-    "n = operator.index(n) (bool and numpy bool refused first) in facade.pxi add_request "
-    "before the range check, likewise beam_width (the twin's _group_size)")
-
-
 @pytest.mark.parametrize("kind", ["core", "twin"])
 @pytest.mark.parametrize("make", [lambda: np.int64(3), lambda: np.uint8(3), lambda: Index(3)],
                          ids=["int64", "uint8", "__index__"])
 @pytest.mark.parametrize("name", ["n", "beam_width"])
 def test_n_takes_any_integer(kind, make, name, request):
-    if kind == "core":
-        request.applymarker(CORE_N_CONVERSION)
     s = both_kinds()[kind == "twin"]
     s.add_request(1, PROMPT, max_new_tokens=2, **{name: make()})
     assert len(s.group_members(1)) == (3 if name == "n" else 1)
@@ -175,8 +164,6 @@ def test_n_takes_any_integer(kind, make, name, request):
 @pytest.mark.parametrize("n", [LyingInt(0), LyingInt(-5), LyingInt(2**40)],
                          ids=["0", "-5", "2**40"])
 def test_n_range_is_checked_on_its_value(kind, n, request):
-    if kind == "core":
-        request.applymarker(CORE_N_CONVERSION)
     s = both_kinds()[kind == "twin"]
     before = snapshot(s)
     with pytest.raises(ValueError, match="n must be in"):
@@ -186,8 +173,6 @@ def test_n_range_is_checked_on_its_value(kind, n, request):
 
 @pytest.mark.parametrize("kind", ["core", "twin"])
 def test_n_whose_index_raises_or_adds_the_same_id_changes_nothing_else(kind, request):
-    if kind == "core":
-        request.applymarker(CORE_N_CONVERSION)
     s = both_kinds()[kind == "twin"]
 
     def boom():
