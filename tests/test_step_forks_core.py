@@ -505,15 +505,17 @@ class PyExampleBeams:
 
 
 @pytest.mark.parametrize("kind", ["c", "cython"])
-@pytest.mark.parametrize("budget,seqs,blocks", [(2048, 8, 64), (16, 4, 40), (7, 3, 24)])
+@pytest.mark.parametrize("budget,seqs,blocks,page_tokens,preempts", [
+    (2048, 8, 64, 4, False), (7, 3, 24, 4, False), (16, 6, 12, 2, True)])
 def test_example_step_backends_run_beam_groups(example_backend, cython_backend, kind, budget,
-                                               seqs, blocks):
+                                               seqs, blocks, page_tokens, preempts):
     """run(example step backend) writes candidates without the GIL: every beam group finishes
-    with `width` hypotheses, best first, and the run equals driving schedule/update by hand with
-    the same rule in Python, and the twin fed that rule."""
+    with `width` hypotheses, best first, and the run (preemptions included, on a small pool)
+    equals driving schedule/update by hand with the same rule in Python, and the twin fed that
+    rule."""
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=6)
-    a, b = qualia.Scheduler(8, blocks, 4, 16, **kw), qualia.Scheduler(8, blocks, 4, 16, **kw)
-    t = TF.ForkStepScheduler(8, blocks, 4, 16, **kw)
+    a, b, t = (cls(8, blocks, page_tokens, 16, **kw)
+               for cls in (qualia.Scheduler, qualia.Scheduler, TF.ForkStepScheduler))
     widths = {1: 3, 3: 2, 4: 1}
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
@@ -528,6 +530,7 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
     rt = t.run(py)
     assert finished_key(result.finished) == finished_key(by_hand) == finished_key(rt.finished)
     assert np.array_equal(result.stats, rt.stats) and max(topk) == 3
+    assert (int(result.stats["num_preempted"].sum()) > 0) == preempts
     groups = {f.request_id: f for f in result.finished
               if isinstance(f, qualia.FinishedGroup) and f.scores is not None}
     assert sorted(groups) == sorted(widths)
