@@ -268,6 +268,7 @@ class ForkStepScheduler(StepScheduler):
                 row += 1
             if r.request_id in self._aborted_in_plan:
                 continue
+            r.unseen = False
             f.advance(r.request_id, n)
             r.num_computed += n
             if row == first:
@@ -363,6 +364,7 @@ class ForkStepScheduler(StepScheduler):
             child.admitted = next(self._admissions)
             child.row = self._rows_free.pop(0)
             self._running.append(child)
+            self._forked_since.append((cid, parent.request_id))
             self.forks += 1
         else:
             self._enqueue(child)

@@ -28,11 +28,12 @@ from qualia import _core
 # Offsets of the step ABI on LP64 (the table of docs/DESIGN.md, "The step backend ABI").
 PLAN_COUNTS = STEP_PLAN_COUNTS
 PLAN_POINTERS = STEP_PLAN_POINTERS
-PLAN_TAIL = ["num_topk", "_reserved2", "topk_ids_out", "topk_logprobs_out"]
+PLAN_TAIL = ["num_topk", "num_forks", "topk_ids_out", "topk_logprobs_out", "fork_child_ids",
+             "fork_parent_ids"]
 STEP_PLAN_OFFSETS = {**{name: 4 * i for i, name in enumerate(PLAN_COUNTS)},
                      **{name: 64 + 8 * i for i, name in enumerate(PLAN_POINTERS)},
-                     "num_topk": 208, "_reserved2": 212, "topk_ids_out": 216,
-                     "topk_logprobs_out": 224}
+                     "num_topk": 208, "num_forks": 212, "topk_ids_out": 216,
+                     "topk_logprobs_out": 224, "fork_child_ids": 232, "fork_parent_ids": 240}
 STEP_BACKEND_OFFSETS = {"abi_version": 0, "struct_size": 4, "flags": 8, "_reserved": 12,
                         "ctx": 16, "execute_step": 24, "copy_pages": 32}
 
@@ -138,8 +139,8 @@ def example_topk_rule(plan, vocab, k):
 
 def test_step_plan_struct_matches_spec():
     size, align, fields = _core._layout()["step_plan"]
-    # 208 bytes, then the beam-row fields appended in the same ABI version
-    assert size == _core.STEP_PLAN_STRUCT_SIZE == 64 + 8 * len(PLAN_POINTERS) + 24 == 232
+    # 208 bytes, then the beam-row and fork fields appended in the same ABI version
+    assert size == _core.STEP_PLAN_STRUCT_SIZE == 64 + 8 * len(PLAN_POINTERS) + 40 == 248
     assert align == 8
     assert [f[0] for f in fields] == PLAN_COUNTS + PLAN_POINTERS + PLAN_TAIL
     assert {name: off for name, _fmt, off in fields} == STEP_PLAN_OFFSETS

@@ -538,3 +538,62 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
         assert len(g.outputs) == len(g.scores) == widths[rid]
         assert g.scores == sorted(g.scores, reverse=True)
     assert a.forks == t.forks and a.free_pages == a.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_plans_name_forks_and_a_discarded_plans_admissions(kind):
+    """A plan names the forks made since the previous plan (child, parent), and a discarded
+    plan's forks and new ids are named again by the next plan; a forked child is not new."""
+    kw = dict(max_num_batched_tokens=64)
+    s = (qualia.Scheduler(8, 64, 4, 16, **kw) if kind == "core"
+         else TF.ForkStepScheduler(8, 64, 4, 16, **kw))
+    s.add_request(7, PROMPT, max_new_tokens=4, n=3)
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [7] and plan.fork_child_ids.tolist() == []
+    s.discard_plan()
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [7]          # the discarded plan's, named again
+    s.update(np.arange(len(plan.sampled_request_ids), dtype=np.uint32) + 11)
+    children = [m for m in s.group_members(7) if m != 7]
+    assert len(children) == 2
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == []
+    assert plan.fork_child_ids.tolist() == children
+    assert plan.fork_parent_ids.tolist() == [7, 7]
+    assert plan.fork_child_ids.dtype == plan.fork_parent_ids.dtype == np.uint64
+    s.discard_plan()
+    plan = s.schedule()
+    assert plan.fork_child_ids.tolist() == children      # named again after the discard
+    s.update(np.full(len(plan.sampled_request_ids), 12, dtype=np.uint32))
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [] and plan.fork_child_ids.tolist() == []
+
+
+def test_the_c_abi_plan_carries_the_forks():
+    """run() hands the forks to a C step backend in the plan struct (num_forks, fork_child_ids,
+    fork_parent_ids), as the Python plan names them."""
+    import ctypes
+
+    from ctypes_abi import EXECUTE_STEP
+    from test_step_harden import c_backend
+
+    seen = []
+
+    def execute(ctx, plan, sampled_out, logprobs_out):
+        p = plan.contents
+        kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
+        pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
+        seen.append([(kids[i], pars[i]) for i in range(p.num_forks)])
+        out = ctypes.cast(sampled_out, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 20 + r
+        return 0
+
+    cb = EXECUTE_STEP(execute)
+    s = qualia.Scheduler(8, 64, 4, 16, max_num_batched_tokens=64)
+    s.add_request(7, PROMPT, max_new_tokens=2, n=3)
+    s.run(c_backend(cb))
+    kids = sorted(c for step in seen for c, _ in step)
+    assert seen[0] == [] and len(seen[1]) == 2 and all(p == 7 for _, p in seen[1])
+    assert len(kids) == 2 and all(k >= TF.CHILD_BASE for k in kids)
+    assert all(step == [] for step in seen[2:])

@@ -318,8 +318,9 @@ static PyObject *example_layout(PyObject *mod, PyObject *unused)
     FIELD(d, qualia_step_plan, copies); FIELD(d, qualia_step_plan, new_request_ids);
     FIELD(d, qualia_step_plan, preempted_request_ids);
     FIELD(d, qualia_step_plan, finished_request_ids);
-    FIELD(d, qualia_step_plan, num_topk); FIELD(d, qualia_step_plan, _reserved2);
+    FIELD(d, qualia_step_plan, num_topk); FIELD(d, qualia_step_plan, num_forks);
     FIELD(d, qualia_step_plan, topk_ids_out); FIELD(d, qualia_step_plan, topk_logprobs_out);
+    FIELD(d, qualia_step_plan, fork_child_ids); FIELD(d, qualia_step_plan, fork_parent_ids);
     STRUCT(out, "step_plan", qualia_step_plan, d);
     d = PyDict_New();
     FIELD(d, qualia_step_backend, abi_version); FIELD(d, qualia_step_backend, struct_size);

@@ -276,7 +276,9 @@ def step_plan_offsets():
         "preempted_request_ids": <char *>&_p.preempted_request_ids - b,
         "finished_request_ids": <char *>&_p.finished_request_ids - b,
         "num_topk": <char *>&_p.num_topk - b,
-        "_reserved2": <char *>&_p._reserved2 - b,
+        "num_forks": <char *>&_p.num_forks - b,
         "topk_ids_out": <char *>&_p.topk_ids_out - b,
         "topk_logprobs_out": <char *>&_p.topk_logprobs_out - b,
+        "fork_child_ids": <char *>&_p.fork_child_ids - b,
+        "fork_parent_ids": <char *>&_p.fork_parent_ids - b,
     }
