@@ -248,10 +248,62 @@ def f5(quick, out):
                   f"{row['extra_schedule_ns_per_copy']:.0f})")
 
 
+def beam_run_ns(groups, width, new_tokens, loop, reps):
+    """Whole runs of `groups` beam groups of `width` (512-token prompts, `new_tokens` each) to
+    their end with qualia.HashBackend: loop="c" is run() (the GIL-free C loop), loop="python"
+    drives schedule / execute_step_topk / update from Python; also n groups of the same width
+    through run().  Returns (median ns per run, steps, sequences finished)."""
+    times, steps, seqs = [], 0, 0
+    rng = np.random.default_rng(groups * width)
+    prompts = [rng.integers(0, 30000, size=512, dtype=np.uint32) for _ in range(groups)]
+    for _ in range(reps):
+        s = qualia.Scheduler(groups * width, groups * (32 + width * 8) + 8, PT, 64,
+                             max_num_batched_tokens=8192, max_num_seqs=groups * width,
+                             max_queued=groups * width)
+        kw = {"n": width} if loop == "n" else {"beam_width": width}
+        for i, p in enumerate(prompts):
+            s.add_request(i, p, max_new_tokens=new_tokens, ignore_eos=True, **kw)
+        hb = qualia.HashBackend(vocab=32000)
+        gc.disable()
+        t0 = pc()
+        if loop == "python":
+            steps = 0
+            fin = []
+            while s.has_unfinished():
+                plan = s.schedule()
+                if plan.num_topk:
+                    fin += s.update(*hb.execute_step_topk(plan))
+                else:
+                    fin += s.update(hb.execute_step(plan))
+                steps += 1
+        else:
+            r = s.run(hb)
+            fin, steps = r.finished, len(r.stats)
+        times.append(pc() - t0)
+        gc.enable()
+        seqs = sum(len(g.outputs) for g in fin)
+    return median(times), steps, seqs
+
+
+def f6(quick, out):
+    groups, width, new = 16, 4, 64
+    reps = 3 if quick else 9
+    print(f"\nf6: {groups} beam groups of width {width} (512-token prompts, {new} new tokens "
+          f"each) run to their end with HashBackend; n={width} groups beside them (median of "
+          f"{reps} runs)")
+    print(f"{'how':>22} {'us/run':>9} {'steps':>6} {'us/step':>8} {'ns/seq-step':>12}")
+    for how, loop in (("beams, run() in C", "c"), ("beams, Python loop", "python"),
+                      (f"n={width}, run() in C", "n")):
+        ns, steps, seqs = beam_run_ns(groups, width, new, loop, reps)
+        out.setdefault("f6", {})[loop] = {"ns": ns, "steps": steps, "sequences": seqs}
+        print(f"{how:>22} {ns / 1e3:>9.0f} {steps:>6} {ns / 1e3 / steps:>8.1f} "
+              f"{ns / steps / (groups * width):>12.1f}")
+
+
 def main(argv):
     quick = "--quick" in argv
     only = argv[argv.index("--only") + 1].split(",") if "--only" in argv else \
-        ["f1", "f2", "f3", "f4", "f5"]
+        ["f1", "f2", "f3", "f4", "f5", "f6"]
     samples = 200 if quick else 2000
     out = {"f1": {}, "f2": {}}
     if "f1" in only:
@@ -264,6 +316,8 @@ def main(argv):
         f4(quick, out)
     if "f5" in only:
         f5(quick, out)
+    if "f6" in only:
+        f6(quick, out)
     if "--json" in argv:
         print(json.dumps(out, indent=1))
     return out

@@ -129,8 +129,9 @@ typedef struct qualia_backend {
  *     1..page_tokens) are the paged-KV CSR form of the pages covering seq_lens;
  *   - copies are copy-on-write page copies that must happen before the forward pass;
  *   - new / preempted / finished request ids tell the backend which per-request state to create or
- *     drop: admitted (or resumed) in this step, preempted in this step, finished or aborted since
- *     the previous step.
+ *     drop: not seen in an applied plan (admitted or resumed in this step, or named by a discarded
+ *     plan: set-up must be idempotent), preempted in this step, finished or aborted since the
+ *     previous step; forked children are named by fork_child_ids (below), not as new.
  */
 #define QUALIA_STEP_ABI_VERSION 1u
 #define QUALIA_STEP_CAPSULE_NAME "qualia.step_backend.v1"
@@ -180,9 +181,16 @@ typedef struct qualia_step_plan {
      * fails the step when a candidate id is past vocab_size, a log-probability is NaN or +inf,
      * or a beam row repeats an id among its first beam_width candidates. */
     uint32_t num_topk;
-    uint32_t _reserved2;                 /* always 0 */
+    /* Copy-on-write forks (n > 1 and beam search) made since the previous plan: child
+     * fork_child_ids[i] continues from fork_parent_ids[i] and shares its pages; a backend
+     * keeping per-request state copies the parent's for the child before it uses the child's
+     * rows (then applies finished_request_ids: a child forked and aborted since the previous
+     * plan is in both).  A discarded plan's forks are named again by the next plan. */
+    uint32_t num_forks;
     uint32_t *topk_ids_out;              /* [num_sampled * num_topk], written by the backend */
     float *topk_logprobs_out;            /* [num_sampled * num_topk], written by the backend */
+    const uint64_t *fork_child_ids;      /* [num_forks] */
+    const uint64_t *fork_parent_ids;     /* [num_forks] */
 } qualia_step_plan;
 
 /*

@@ -98,9 +98,11 @@ cdef extern from "qualia.h" nogil:
         const uint64_t *preempted_request_ids
         const uint64_t *finished_request_ids
         uint32_t num_topk
-        uint32_t _reserved2
+        uint32_t num_forks
         uint32_t *topk_ids_out
         float *topk_logprobs_out
+        const uint64_t *fork_child_ids
+        const uint64_t *fork_parent_ids
 
     ctypedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *plan,
                                                uint32_t *sampled_out, float *logprobs_out)

@@ -118,7 +118,7 @@ class FinishedRequest(NamedTuple):
 class FinishedGroup(NamedTuple):
     """A finished request group: the parent's id; ``n``: one uint32 output per member in member
     order, why each stopped, ``scores=None`` and the members' ids (what the sampler keys on);
-    beam search (the twin): the hypotheses best first, why each ended, their cumulative
+    beam search: the hypotheses best first, why each ended, their cumulative
     log-probabilities, and ``member_ids=[]``."""
 
     request_id: int
@@ -136,7 +136,7 @@ STEP_STATS = np.dtype([
     ("num_prefill_tokens", "<u4"),
     ("num_decode_tokens", "<u4"),
     ("num_sampled", "<u4"),         # rows sampled
-    ("num_new", "<u4"),             # admitted from the waiting queue
+    ("num_new", "<u4"),             # named new: admitted (or a discarded plan's again)
     ("num_preempted", "<u4"),
     ("num_cached_tokens", "<u4"),   # prompt tokens the prefix cache skipped at admissions
     ("num_finished", "<u4"),        # finished by this step's update

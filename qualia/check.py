@@ -148,7 +148,8 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
     """Compare each finished group (``groups[request_id]``, a
     :class:`qualia.report.GroupOutput`) with its references.
 
-    * ``n`` groups: the group has ``n`` outputs and member ids, and member ``j``'s tokens equal
+    * ``n`` groups: the group has ``n`` outputs and ``n`` distinct member ids, the first the
+      request's own (members keyed alike would draw alike), and member ``j``'s tokens equal
       the dense model's ``generate`` of the request's prompt with ``sampling`` keyed by
       ``member_ids[j]`` (with ``weights``), or the hash rule run under ``member_ids[j]``.
     * beam groups (``beam_width``; dense model only): the hypotheses, best first, equal
@@ -178,7 +179,9 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
                               request_id=member)
 
     def compare(rid: int, g) -> Optional[str]:
-        req: Any = requests[rid]
+        req: Any = requests.get(rid)
+        if req is None:
+            return f"request {rid}: a group result for a request never submitted"
         if beam_width is not None:
             ref = dense.beam_search(req.prompt, beam_width, req.max_new_tokens, end_token)
             if len(g.outputs) != len(ref):
@@ -196,6 +199,11 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
         if len(g.outputs) != n or len(g.member_ids) != n:
             return (f"request {rid}: {len(g.outputs)} outputs and {len(g.member_ids)} member "
                     f"ids, want n={n}")
+        ids = [int(m) for m in g.member_ids]
+        if ids[0] != rid or len(set(ids)) != n:
+            # members keyed alike draw alike: equal ids would let n copies of one sequence pass
+            return (f"request {rid}: member ids {ids} are not {n} distinct ids starting with "
+                    f"the request's own")
         for j, (member, got) in enumerate(zip(g.member_ids, g.outputs)):
             want = member_ref(member, req)
             if list(got) != want:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import operator
 import time
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
@@ -169,22 +170,30 @@ def _group_options(n, beam_width, max_seqs: int, max_queued: Optional[int]
     """``n`` and ``beam_width`` checked: ints, at least 1, at most ``max_seqs`` (a group's
     sequences run side by side), ``n`` at most ``max_queued`` (a group takes ``n`` queue
     entries), and not both."""
+    sizes: Dict[str, Optional[int]] = {}
     for name, value in (("n", n), ("beam_width", beam_width)):
         if value is None and name == "beam_width":
+            sizes[name] = None
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if not 1 <= int(value) <= max_seqs:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be an int, not bool")
+        try:  # anything with __index__ is an integer; an int subclass's comparisons never run
+            v = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+        if not 1 <= v <= max_seqs:
             raise ValueError(f"{name} must be in [1, max_seqs={max_seqs}] (a group's sequences "
-                             f"run side by side), got {value}")
-    n = int(n)
+                             f"run side by side), got {v}")
+        sizes[name] = v
+    n, beam_width = sizes["n"], sizes["beam_width"]
+    assert n is not None
     if beam_width is not None and n != 1:
         raise ValueError("n > 1 and beam_width exclude each other: beam search returns "
                          "beam_width hypotheses")
     if max_queued is not None and n > int(max_queued):
         raise ValueError(f"n={n} is more than max_queued={max_queued}: a group takes n queue "
                          f"entries")
-    return n, None if beam_width is None else int(beam_width)
+    return n, beam_width
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,6 +457,14 @@ class Engine:
         factory = (scheduler_factory if scheduler_factory is not None
                    else make_scheduler_factory(implementation, n=self.n,
                                                beam_width=self.beam_width))
+        if (scheduler_factory is None and implementation == "auto" and self.forking
+                and prefix_caching == "off" and factory is not qualia.Scheduler):
+            # "auto" fell back to the twin, which models automatic caching only: say why
+            what = "beam search" if self.beam_width is not None else "parallel sampling (n)"
+            raise ValueError(f"{what} with prefix_caching='off' needs the compiled core's "
+                             f"{what}, which this build lacks; its pure-Python twin "
+                             f"(qualia.twin_fork.ForkStepScheduler) models "
+                             f"prefix_caching='auto' only")
         self.scheduler = factory(
             max_requests, num_blocks, page_tokens, logical_pages,
             prefix_caching=prefix_caching, max_num_batched_tokens=max_batched_tokens,
@@ -480,6 +497,12 @@ class Engine:
         self._unshared = 0  # sum of ceil(seq_len / page_tokens) over self._seq_of
         self._left: Dict[int, int] = {}
         self._admitted: Dict[int, int] = {}
+        # children of n groups sampled at their fork (a plan row under a member id that is not
+        # one of the plan's requests) and in no plan since: the tokens with K/V they share
+        # from their parent.  update() forks them or queues them (no slot or row free); the
+        # forked ones hold pages before their first plan (the last holder of a shared page
+        # its siblings copied away from), so they count in the non-sharing figure too
+        self._unseen: Dict[int, int] = {}
         self._parked_seen = 0
         self._awaiting_first: Dict[int, _Live] = {}  # admitted, no token sampled yet
         self._requests: Dict[int, Request] = {}
@@ -706,6 +729,7 @@ class Engine:
         s0, b0 = secs[SCHEDULER], secs[BACKEND]
         plan = self._call(s.schedule)
         held = self.num_blocks - int(self.facade.free_pages)  # the step's pages are reserved
+        running = int(s.num_running)
         try:
             sampled = self.backend.execute_step(plan)
         except BaseException:
@@ -717,7 +741,7 @@ class Engine:
             finished = self._call(s.update, *sampled)
         else:
             finished = self._call(s.update, sampled)
-        firsts = self._record(plan, held)
+        firsts = self._record(plan, held, running)
         if self.forking:
             self._count_forks()
         self._check_progress(plan)
@@ -765,10 +789,10 @@ class Engine:
             self._unshared = 0
         c.beams_parked = parked
 
-    def _record(self, plan, held: int) -> List[_Live]:
-        """The books of one step (``held``: pages requests held right after the schedule):
-        tokens, admissions, hits, preemptions, pages with and without sharing; returns the
-        requests that got their first token."""
+    def _record(self, plan, held: int, running: int) -> List[_Live]:
+        """The books of one step (``held``: pages requests held right after the schedule,
+        ``running``: sequences running then): tokens, admissions, hits, preemptions, pages
+        with and without sharing; returns the requests that got their first token."""
         c, live = self.counters, self._live
         n_tokens = len(plan.input_ids)
         c.scheduled_tokens += n_tokens
@@ -780,16 +804,21 @@ class Engine:
         c.max_plan_seqs = max(c.max_plan_seqs, len(plan.request_ids))
         if plan.num_prefill_tokens and plan.num_decode_tokens:
             c.mixed_steps += 1
-        seq_of, left, admitted = self._seq_of, self._left, self._admitted
+        seq_of, left, admitted, unseen = self._seq_of, self._left, self._admitted, self._unseen
         pt = self.page_tokens
         unshared = self._unshared
         for rid in plan.finished_request_ids.tolist():  # stopped since the last plan
+            unseen.pop(rid, None)
             seq = seq_of.pop(rid, None)
             if seq is not None:
                 unshared -= -(-seq // pt)
             left.pop(rid, None)
             admitted.pop(rid, None)
         for rid in plan.preempted_request_ids.tolist():  # what it computed: its last plan's
+            if rid in unseen:  # a forked child preempted before its first plan
+                seq_of[rid] = unseen.pop(rid)
+                unshared += -(-seq_of[rid] // pt)
+                admitted.setdefault(rid, 1)
             seq = seq_of.pop(rid, None)
             if seq is not None:
                 unshared -= -(-seq // pt)
@@ -806,6 +835,7 @@ class Engine:
                 at = [index[rid] for rid in new]
             hits = plan.positions[qsl[at]].tolist()
             for rid, hit in zip(new, hits):
+                unseen.pop(rid, None)  # a child queued at its fork, admitted now
                 lv = live.get(rid)  # None: a group's child (queued at its fork, or parked)
                 if lv is not None and lv.first_step < 0:
                     self._awaiting_first[rid] = lv
@@ -817,19 +847,37 @@ class Engine:
                 if times > 1:  # resumed after a preemption: what it computed before, less
                     c.resumed += 1  # what the cache kept, is computed again
                     c.tokens_recomputed += max(0, left.pop(rid, 0) - hit)
-        for rid, seq in zip(plan.request_ids.tolist(), plan.seq_lens.tolist()):
+        ids, seqs = plan.request_ids.tolist(), plan.seq_lens.tolist()
+        for rid, seq in zip(ids, seqs):
             old = seq_of.get(rid)
             if old is not None:
                 unshared -= -(-old // pt)
             else:
                 left.pop(rid, None)
+                if unseen.pop(rid, None) is not None:  # a forked child's first plan: it was
+                    admitted.setdefault(rid, 1)  # admitted by its fork (a later one resumes)
             seq_of[rid] = seq
             unshared += -(-seq // pt)
         self._unshared = unshared
+        # the forked children in no plan yet: running minus the sequences seen in plans; which
+        # of the unseen children those are (the others wait, queued) is not known, so the
+        # smallest count, never more than they hold
+        extra = max(0, running - len(seq_of))
+        if extra and unseen:
+            unshared += sum(sorted(-(-seq // pt) for seq in unseen.values())[:extra])
         c.peak_held_pages = max(c.peak_held_pages, held)
         if unshared > c.peak_unshared_pages:
             c.peak_unshared_pages = unshared
             c.pages_saved_at_peak = unshared - held
+        if self.n > 1:  # rows under a member id not planned: the forks this update makes
+            in_plan = set(ids)
+            forks = [(row, rid) for row, rid in zip(plan.logits_indices.tolist(),
+                                                    plan.sampled_request_ids.tolist())
+                     if rid not in in_plan]
+            if forks:
+                seq_at = dict(zip(plan.query_start_loc[1:].tolist(), seqs))  # end row -> seq
+                for row, rid in forks:
+                    unseen[rid] = seq_at[row + 1]
         firsts = []
         awaiting = self._awaiting_first
         if awaiting:

@@ -36,6 +36,7 @@ full pages through the prefix cache): slower, never wrong.
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -76,6 +77,20 @@ class ForkStepPlan(StepPlan):
     num_topk: int = 0
 
 
+def _group_size(value, name: str, max_num_seqs: int) -> int:
+    """``n`` or ``beam_width``: an integer (``__index__``, numpy integers too; not a bool)
+    in [1, max_num_seqs], as an exact int (an int subclass's own comparisons never run)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+    if not 1 <= v <= max_num_seqs:
+        raise ValueError(f"{name} must be in [1, max_num_seqs={max_num_seqs}], got {v}")
+    return v
+
+
 def _stops(r: _Req, tok: int) -> bool:
     return (r.eos is not None and tok == r.eos and not r.ignore_eos) or tok in r.stop
 
@@ -98,16 +113,9 @@ class ForkStepScheduler(StepScheduler):
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, n=1, beam_width=None,
                     **kw) -> None:
         rid = _u64(request_id, "request_id")
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n must be an int, not {type(n).__name__}")
-        if not 1 <= n <= self.max_num_seqs:
-            raise ValueError(f"n must be in [1, max_num_seqs={self.max_num_seqs}], got {n}")
+        n = _group_size(n, "n", self.max_num_seqs)
         if beam_width is not None:
-            if isinstance(beam_width, bool) or not isinstance(beam_width, int):
-                raise TypeError(f"beam_width must be an int, not {type(beam_width).__name__}")
-            if not 1 <= beam_width <= self.max_num_seqs:
-                raise ValueError(f"beam_width must be in [1, max_num_seqs="
-                                 f"{self.max_num_seqs}], got {beam_width}")
+            beam_width = _group_size(beam_width, "beam_width", self.max_num_seqs)
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
             if self.vocab_size is not None and beam_width > self.vocab_size:
@@ -126,11 +134,18 @@ class ForkStepScheduler(StepScheduler):
             if n_prompt and new and need > self.facade.num_blocks:
                 raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
                                                 f"side, the pool has {self.facade.num_blocks}")
+        # the queue entries this call takes, read by the capacity check once the arguments are
+        # resolved: restored, not deleted, afterwards, so that an add_request made by user code
+        # while they resolve (a prompt iterator, an __index__) leaves this call's count in place
+        outer = self.__dict__.get("_entries_adding")
         self._entries_adding = n if beam_width is None else beam_width
         try:
             super().add_request(rid, prompt_tokens, max_new_tokens=max_new_tokens, **kw)
         finally:
-            del self._entries_adding
+            if outer is None:
+                self.__dict__.pop("_entries_adding", None)
+            else:
+                self._entries_adding = outer
         r = self._reqs[rid]
         if n > 1 or beam_width is not None:
             g = _Group("n" if beam_width is None else "beam", rid,
@@ -174,6 +189,7 @@ class ForkStepScheduler(StepScheduler):
     def abort(self, request_id) -> None:
         """Abort a request; a group's id aborts every member."""
         rid = _u64(request_id, "request_id")
+        self._enter()       # the core owns the scheduler before it looks the id up
         g = self._groups.get(rid)
         if g is None:
             if rid in self._group_of:
@@ -274,6 +290,7 @@ class ForkStepScheduler(StepScheduler):
                 row += 1
             if r.request_id in self._aborted_in_plan:
                 continue
+            r.unseen = False
             f.advance(r.request_id, n)
             r.num_computed += n
             if row == first:
@@ -369,6 +386,7 @@ class ForkStepScheduler(StepScheduler):
             child.admitted = next(self._admissions)
             child.row = self._rows_free.pop(0)
             self._running.append(child)
+            self._forked_since.append((cid, parent.request_id))
             self.forks += 1
         else:
             self._enqueue(child)

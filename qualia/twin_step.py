@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -68,6 +68,7 @@ class _Req:
     num_computed: int = 0
     admitted: int = 0           # admission counter value (most recent = largest)
     row: int = -1
+    unseen: bool = False        # admitted or resumed; in no applied plan since
 
     @property
     def num_outputs(self) -> int:
@@ -101,6 +102,9 @@ class StepPlan:
     num_decode_tokens: int
     num_cached_tokens: int
     page_tokens: int
+    #: copy-on-write forks made since the previous plan: child ids and their parents' ids
+    fork_child_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    fork_parent_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     _chunks: List[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -188,6 +192,7 @@ class StepScheduler:
         self._row_len = [0] * self.max_num_seqs
         self._dirty: Set[int] = set()
         self._finished_since: List[int] = []
+        self._forked_since: List[Tuple[int, int]] = []   # (child, parent) since the last plan
         self._plan: Optional[StepPlan] = None
         self._aborted_in_plan: Set[int] = set()
         self._deferred_rows: List[int] = []   # rows of requests aborted in the pending plan
@@ -367,6 +372,9 @@ class StepScheduler:
                 continue
             scheduled.add(r.request_id)
             chunks.append((r, r.num_computed, n, remaining == 1, copies))
+            if r.unseen:
+                # admitted by a discarded plan: named until a plan with it is applied
+                new.append(r.request_id)
             left -= n
         if not preempted:
             while self._waiting and left > 0 and len(self._running) < self.max_num_seqs:
@@ -395,6 +403,7 @@ class StepScheduler:
                 r.admitted = next(self._admissions)
                 r.row = self._rows_free.pop(0)
                 self._running.append(r)
+                r.unseen = True
                 new.append(r.request_id)
                 cached += hit.tokens
                 chunks.append((r, r.num_computed, n, False, copies))
@@ -463,6 +472,8 @@ class StepScheduler:
             num_decode_tokens=n_decode,
             num_cached_tokens=cached,
             page_tokens=pt,
+            fork_child_ids=np.array([c for c, _ in self._forked_since], dtype=np.uint64),
+            fork_parent_ids=np.array([p for _, p in self._forked_since], dtype=np.uint64),
             _chunks=[(r, n) for r, _, n, _, _ in chunks],
         )
         for value in vars(plan).values():
@@ -470,6 +481,7 @@ class StepScheduler:
                 value.flags.writeable = False
         self._dirty = set()
         self._finished_since = []
+        self._forked_since = []
         self._aborted_in_plan = set()
         self._plan = plan
         return plan
@@ -525,6 +537,7 @@ class StepScheduler:
             row += int(sampled)
             if r.request_id in self._aborted_in_plan:
                 continue
+            r.unseen = False
             f.advance(r.request_id, n)
             r.num_computed += n
             if tok is None:
@@ -605,6 +618,9 @@ class StepScheduler:
             # reported again by the next plan: the failed execution may not have applied them
             self._dirty |= set(plan.changed_rows.tolist())
             self._finished_since = plan.finished_request_ids.tolist() + self._finished_since
+            self._forked_since = (list(zip(plan.fork_child_ids.tolist(),
+                                           plan.fork_parent_ids.tolist()))
+                                  + self._forked_since)
         self._plan = None
         self._aborted_in_plan = set()
         self._clear_deferred_rows()

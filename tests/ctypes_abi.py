@@ -42,8 +42,8 @@ STEP_PLAN_POINTERS = ["request_ids", "query_start_loc", "seq_lens", "input_ids",
 
 
 # appended in the same ABI version (a backend reads them when struct_size covers them): beam rows
-STEP_PLAN_TAIL = [("num_topk", _u32), ("_reserved2", _u32), ("topk_ids_out", _p),
-                  ("topk_logprobs_out", _p)]
+STEP_PLAN_TAIL = [("num_topk", _u32), ("num_forks", _u32), ("topk_ids_out", _p),
+                  ("topk_logprobs_out", _p), ("fork_child_ids", _p), ("fork_parent_ids", _p)]
 
 
 class CStepPlan(ctypes.Structure):

@@ -6,7 +6,8 @@ import numpy as np
 PLAN_ARRAYS = ("request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
                "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
                "block_table_rows", "changed_rows", "kv_indptr", "kv_indices", "kv_last_page_len",
-               "copies", "new_request_ids", "preempted_request_ids", "finished_request_ids")
+               "copies", "new_request_ids", "preempted_request_ids", "finished_request_ids",
+               "fork_child_ids", "fork_parent_ids")
 PLAN_COUNTS = ("num_prefill_tokens", "num_decode_tokens", "num_cached_tokens", "page_tokens",
                "num_seqs", "num_tokens")
 

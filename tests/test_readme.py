@@ -33,4 +33,11 @@ def test_readme_snippets_run(capsys):
     # the engine step snippet: 8 requests finished at max_new_tokens, then run()'s 8 more
     assert [line.split()[1] for line in lines[:8]] == ["length"] * 8
     assert lines[8].startswith("8 ")
-    assert lines[9].startswith("1 ")  # the facade snippet's print(batch_size, ...)
+    # the forks snippet: the n group's 4 outputs, the beam group's 3 hypotheses best first
+    assert lines[9].startswith("1 4 ['length', 'length', 'length', 'length'] None")
+    assert lines[10].startswith("2 3 ['length', 'length', 'length'] [-")
+    scores = [float(x) for x in lines[10].split("[")[2].rstrip("]").split(",")]
+    assert scores == sorted(scores, reverse=True)
+    forks, copies = int(lines[11].split()[0]), int(lines[11].split()[2])
+    assert forks >= 3 + 2 and copies >= 3
+    assert lines[12].startswith("1 ")  # the facade snippet's print(batch_size, ...)

@@ -28,11 +28,12 @@ from qualia import _core
 # Offsets of the step ABI on LP64 (the table of docs/DESIGN.md, "The step backend ABI").
 PLAN_COUNTS = STEP_PLAN_COUNTS
 PLAN_POINTERS = STEP_PLAN_POINTERS
-PLAN_TAIL = ["num_topk", "_reserved2", "topk_ids_out", "topk_logprobs_out"]
+PLAN_TAIL = ["num_topk", "num_forks", "topk_ids_out", "topk_logprobs_out", "fork_child_ids",
+             "fork_parent_ids"]
 STEP_PLAN_OFFSETS = {**{name: 4 * i for i, name in enumerate(PLAN_COUNTS)},
                      **{name: 64 + 8 * i for i, name in enumerate(PLAN_POINTERS)},
-                     "num_topk": 208, "_reserved2": 212, "topk_ids_out": 216,
-                     "topk_logprobs_out": 224}
+                     "num_topk": 208, "num_forks": 212, "topk_ids_out": 216,
+                     "topk_logprobs_out": 224, "fork_child_ids": 232, "fork_parent_ids": 240}
 STEP_BACKEND_OFFSETS = {"abi_version": 0, "struct_size": 4, "flags": 8, "_reserved": 12,
                         "ctx": 16, "execute_step": 24, "copy_pages": 32}
 
@@ -123,13 +124,23 @@ def example_rule(plan, vocab):
     return np.array(out, np.uint32)
 
 
+def example_topk_rule(plan, vocab, k):
+    """examples/c_backend's beam candidates, in Python: (sampled, topk_ids, topk_logprobs) with
+    row r's candidate j = (next + j) % vocab at log-probability (-next / vocab) - j in float32."""
+    ids = example_rule(plan, vocab)
+    j = np.arange(k, dtype=np.uint64)
+    tids = ((ids.astype(np.uint64)[:, None] + j[None, :]) % vocab).astype(np.uint32)
+    lp = -ids.astype(np.float32) / np.float32(vocab)
+    return ids, tids, lp[:, None] - j.astype(np.float32)[None, :]
+
+
 # -- layout ------------------------------------------------------------------------------------
 
 
 def test_step_plan_struct_matches_spec():
     size, align, fields = _core._layout()["step_plan"]
-    # 208 bytes, then the beam-row fields appended in the same ABI version
-    assert size == _core.STEP_PLAN_STRUCT_SIZE == 64 + 8 * len(PLAN_POINTERS) + 24 == 232
+    # 208 bytes, then the beam-row and fork fields appended in the same ABI version
+    assert size == _core.STEP_PLAN_STRUCT_SIZE == 64 + 8 * len(PLAN_POINTERS) + 40 == 248
     assert align == 8
     assert [f[0] for f in fields] == PLAN_COUNTS + PLAN_POINTERS + PLAN_TAIL
     assert {name: off for name, _fmt, off in fields} == STEP_PLAN_OFFSETS
@@ -507,6 +518,80 @@ def test_example_step_backend_logprobs(example_backend):
     without = example_backend.new_step(1000)  # no QUALIA_STEP_WRITES_LOGPROBS: NaN
     sampled2, lps2 = _core._call_step_backend(without, plan, logprobs=True)
     assert np.array_equal(sampled, sampled2) and np.isnan(lps2).all()
+
+
+def _iface_of(cap):
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    return CStepBackend.from_address(get(cap, qualia.STEP_CAPSULE_NAME.encode()))
+
+
+def _hand_filled(plan):
+    c = CStepPlan()
+    c.struct_size = ctypes.sizeof(CStepPlan)
+    for name in STEP_PLAN_COUNTS[1:]:
+        if hasattr(plan, name):
+            setattr(c, name, int(getattr(plan, name)))
+    c.num_requests = len(plan.request_ids)
+    c.num_tokens = len(plan.input_ids)
+    c.num_sampled = len(plan.logits_indices)
+    c.num_kv_indices = len(plan.kv_indices)
+    c.block_table_num_rows, c.block_table_num_cols = plan.block_table.shape
+    c.block_table_row_stride = plan.block_table.shape[1]
+    for name in PLAN_POINTERS:
+        setattr(c, name, getattr(plan, name).ctypes.data)
+    return c
+
+
+def _example_step_capsules(example_backend, cython_backend, vocab, topk=True):
+    cy = cython_backend.StepBackend(vocab, topk=topk)
+    return {"c": (example_backend.new_step(vocab, topk=topk), None),
+            "cython": (cy.__qualia_step_backend__, cy)}
+
+
+@pytest.mark.parametrize("kind", ["c", "cython"])
+def test_example_step_backends_write_candidates_only_inside_struct_size(
+        example_backend, cython_backend, kind):
+    """The examples declare QUALIA_STEP_WRITES_TOPK and, called with a hand-filled plan, write
+    num_topk candidates per sampled row by their rule; a plan whose struct_size ends before the
+    beam-row fields (an older scheduler's) has no candidates, whatever lies past it, and
+    topk=False leaves the flag out and writes none."""
+    plan = mixed_plan()
+    cap, _keep = _example_step_capsules(example_backend, cython_backend, 50)[kind]
+    iface = _iface_of(cap)
+    assert iface.flags & _core.STEP_WRITES_TOPK
+    fn = EXECUTE_STEP(iface.execute_step)
+    c = _hand_filled(plan)
+    sampled = np.zeros(3, np.uint32)
+    tids, tlps = np.zeros((3, 4), np.uint32), np.zeros((3, 4), np.float32)
+    c.num_topk, c.topk_ids_out, c.topk_logprobs_out = 4, tids.ctypes.data, tlps.ctypes.data
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == 0
+    want = example_topk_rule(plan, 50, 4)
+    assert np.array_equal(sampled, want[0]) and np.array_equal(tids, want[1])
+    assert tlps.tolist() == want[2].tolist() and all((np.diff(tlps, axis=1) < 0).ravel())
+    # an older scheduler: struct_size ends at finished_request_ids; num_topk past it is garbage
+    tids[:], tlps[:] = 7, 7.0
+    c.struct_size = CStepPlan.num_topk.offset
+    c.num_topk, c.topk_ids_out, c.topk_logprobs_out = 0xFFFFFFFF, None, None
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == 0
+    assert np.array_equal(sampled, want[0])
+    # more candidates than ids: the backend's own status 23; missing buffers: 22
+    c.struct_size = ctypes.sizeof(CStepPlan)
+    c.num_topk = 51
+    c.topk_ids_out, c.topk_logprobs_out = tids.ctypes.data, tlps.ctypes.data
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == 23
+    c.num_topk, c.topk_ids_out = 2, None
+    assert fn(iface.ctx, ctypes.byref(c), sampled.ctypes.data, None) == 22
+    assert (tids == 7).all() and (tlps == 7.0).all()
+    # without the flag: nothing written even when asked
+    cap2, _keep2 = _example_step_capsules(example_backend, cython_backend, 50, topk=False)[kind]
+    iface2 = _iface_of(cap2)
+    assert not iface2.flags & _core.STEP_WRITES_TOPK
+    c.num_topk, c.topk_ids_out = 2, tids.ctypes.data
+    assert EXECUTE_STEP(iface2.execute_step)(iface2.ctx, ctypes.byref(c), sampled.ctypes.data,
+                                             None) == 0
+    assert (tids == 7).all() and np.array_equal(sampled, want[0])
 
 
 def test_example_step_backend_returns_its_own_status(example_backend):

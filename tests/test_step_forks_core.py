@@ -18,6 +18,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 from step_checks import assert_same_plan
+from test_step_abi import example_rule, example_topk_rule
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 import qualia
@@ -475,16 +476,129 @@ def test_hash_backend_candidates_follow_its_rule():
     assert all(np.diff(tlps[0]) < 0)
 
 
-def test_run_refuses_a_beam_plan_for_a_c_backend_without_candidates(example_backend):
-    """A C step backend that does not declare QUALIA_STEP_WRITES_TOPK gets no beam plan: while a
-    beam group is queued or running, run() refuses it before any step and changes nothing."""
+@pytest.mark.parametrize("kind", ["c", "cython"])
+def test_run_refuses_a_beam_plan_for_a_c_backend_without_candidates(example_backend,
+                                                                    cython_backend, kind):
+    """A C step backend that does not declare QUALIA_STEP_WRITES_TOPK (the examples built with
+    topk=False) gets no beam plan: while a beam group is queued or running, run() refuses it
+    before any step and changes nothing."""
     c = qualia.Scheduler(8, 64, 4, 16)
     c.add_request(2, PROMPT[:3], max_new_tokens=2)
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
     before = (c.num_waiting, c.num_running, c.free_pages, c.request_tokens(1).tolist())
+    without = (example_backend.new_step(64, topk=False) if kind == "c"
+               else cython_backend.StepBackend(64, topk=False))
     with pytest.raises(TypeError, match="QUALIA_STEP_WRITES_TOPK"):
-        c.run(example_backend.new_step(64))
+        c.run(without)
     assert (c.num_waiting, c.num_running, c.free_pages, c.request_tokens(1).tolist()) == before
     assert before[:2] == (2, 0)
     r = c.run(qualia.HashBackend(vocab=64))
     assert len(r.finished) == 2 and c.free_pages == c.num_blocks
+
+
+class PyExampleBeams:
+    """The step examples' rule (examples/c_backend: sampled tokens and beam candidates), as a
+    Python step backend."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def execute_step(self, plan):
+        if plan.num_topk:
+            return example_topk_rule(plan, self.vocab, plan.num_topk)
+        return example_rule(plan, self.vocab)
+
+
+@pytest.mark.parametrize("kind", ["c", "cython"])
+@pytest.mark.parametrize("budget,seqs,blocks,page_tokens,preempts", [
+    (2048, 8, 64, 4, False), (7, 3, 24, 4, False), (16, 6, 12, 2, True)])
+def test_example_step_backends_run_beam_groups(example_backend, cython_backend, kind, budget,
+                                               seqs, blocks, page_tokens, preempts):
+    """run(example step backend) writes candidates without the GIL: every beam group finishes
+    with `width` hypotheses, best first, and the run (preemptions included, on a small pool)
+    equals driving schedule/update by hand with the same rule in Python, and the twin fed that
+    rule."""
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=6)
+    a, b, t = (cls(8, blocks, page_tokens, 16, **kw)
+               for cls in (qualia.Scheduler, qualia.Scheduler, TF.ForkStepScheduler))
+    widths = {1: 3, 3: 2, 4: 1}
+    for s in (a, b, t):
+        s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=6, n=2)
+        s.add_request(3, PROMPT[2:], max_new_tokens=4, beam_width=2, eos_token_id=7)
+        s.add_request(4, PROMPT[1:6], max_new_tokens=3, beam_width=1)
+        s.add_request(5, PROMPT[3:], max_new_tokens=4)
+    backend = (example_backend.new_step(64) if kind == "c" else cython_backend.StepBackend(64))
+    result = a.run(backend)
+    py = PyExampleBeams(64)
+    by_hand, topk = drive(b, py)
+    rt = t.run(py)
+    assert finished_key(result.finished) == finished_key(by_hand) == finished_key(rt.finished)
+    assert np.array_equal(result.stats, rt.stats) and max(topk) == 3
+    assert (int(result.stats["num_preempted"].sum()) > 0) == preempts
+    groups = {f.request_id: f for f in result.finished
+              if isinstance(f, qualia.FinishedGroup) and f.scores is not None}
+    assert sorted(groups) == sorted(widths)
+    for rid, g in groups.items():
+        assert len(g.outputs) == len(g.scores) == widths[rid]
+        assert g.scores == sorted(g.scores, reverse=True)
+    assert a.forks == t.forks and a.free_pages == a.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_plans_name_forks_and_a_discarded_plans_admissions(kind):
+    """A plan names the forks made since the previous plan (child, parent), and a discarded
+    plan's forks and new ids are named again by the next plan; a forked child is not new."""
+    kw = dict(max_num_batched_tokens=64)
+    s = (qualia.Scheduler(8, 64, 4, 16, **kw) if kind == "core"
+         else TF.ForkStepScheduler(8, 64, 4, 16, **kw))
+    s.add_request(7, PROMPT, max_new_tokens=4, n=3)
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [7] and plan.fork_child_ids.tolist() == []
+    s.discard_plan()
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [7]          # the discarded plan's, named again
+    s.update(np.arange(len(plan.sampled_request_ids), dtype=np.uint32) + 11)
+    children = [m for m in s.group_members(7) if m != 7]
+    assert len(children) == 2
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == []
+    assert plan.fork_child_ids.tolist() == children
+    assert plan.fork_parent_ids.tolist() == [7, 7]
+    assert plan.fork_child_ids.dtype == plan.fork_parent_ids.dtype == np.uint64
+    s.discard_plan()
+    plan = s.schedule()
+    assert plan.fork_child_ids.tolist() == children      # named again after the discard
+    s.update(np.full(len(plan.sampled_request_ids), 12, dtype=np.uint32))
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [] and plan.fork_child_ids.tolist() == []
+
+
+def test_the_c_abi_plan_carries_the_forks():
+    """run() hands the forks to a C step backend in the plan struct (num_forks, fork_child_ids,
+    fork_parent_ids), as the Python plan names them."""
+    import ctypes
+
+    from ctypes_abi import EXECUTE_STEP
+    from test_step_harden import c_backend
+
+    seen = []
+
+    def execute(ctx, plan, sampled_out, logprobs_out):
+        p = plan.contents
+        kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
+        pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
+        seen.append([(kids[i], pars[i]) for i in range(p.num_forks)])
+        out = ctypes.cast(sampled_out, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 20 + r
+        return 0
+
+    cb = EXECUTE_STEP(execute)
+    s = qualia.Scheduler(8, 64, 4, 16, max_num_batched_tokens=64)
+    s.add_request(7, PROMPT, max_new_tokens=2, n=3)
+    s.run(c_backend(cb))
+    kids = sorted(c for step in seen for c, _ in step)
+    assert seen[0] == [] and len(seen[1]) == 2 and all(p == 7 for _, p in seen[1])
+    assert len(kids) == 2 and all(k >= TF.CHILD_BASE for k in kids)
+    assert all(step == [] for step in seen[2:])

@@ -13,7 +13,7 @@
  *
  * It is also a step backend (the step ABI of qualia.h): one whole engine step per call.
  *
- *   example_backend.new_step(vocab, logprobs=False) -> "qualia.step_backend.v1" capsule
+ *   example_backend.new_step(vocab, logprobs=False, topk=True) -> "qualia.step_backend.v1" capsule
  *   example_backend.step_stats(capsule) -> (steps, sampled, pages_copied)
  *
  * Its step "model": for sampled row r, with t = logits_indices[r] and i the request whose tokens
@@ -21,7 +21,22 @@
  * kv_indices) mod vocab.  Before sampling it checks that the plan is self-consistent (each
  * request's block-table row starts with its kv_indices, and every token's slot_mapping names the
  * page of its position), returning status 18 / 19 otherwise.  With logprobs it declares
- * QUALIA_STEP_WRITES_LOGPROBS and writes -(next token) / vocab.
+ * QUALIA_STEP_WRITES_LOGPROBS and writes -(next token) / vocab (float32).
+ *
+ * Beam candidates: with topk (the default) it declares QUALIA_STEP_WRITES_TOPK, and for a plan
+ * with k = num_topk > 0 it writes, for every sampled row r and j < k, candidate j = (next + j) mod
+ * vocab with log-probability (-(next) / vocab) - j, both steps in float32: candidate 0 is the
+ * sampled token with its logprob, and the log-probabilities strictly decrease, so the candidates
+ * are best first without ties.  A plan asking for more candidates than the vocabulary has ids
+ * (k > vocab) gets status 23.  topk=False leaves the flag out: the scheduler then never hands it
+ * a plan with beam rows.
+ *
+ * Reading a plan (the pattern for every ABI consumer): plan->struct_size is the size of
+ * qualia_step_plan as the scheduler was compiled, and a field exists for this call only when it
+ * lies inside it (PLAN_HAS below).  A backend built against an older header never reads past the
+ * fields it knows, which a newer scheduler's plan always has; a backend built against this header
+ * must check struct_size before reading num_topk and the candidate buffers, since an older
+ * scheduler's plan ends before them (then there are no beam rows: k is 0).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -104,12 +119,24 @@ static int32_t example_step_check(const qualia_step_plan *p)
     return 0;
 }
 
+/* Whether the plan, as the scheduler that built it was compiled, has `field` (read it only then). */
+#define PLAN_HAS(plan, field) \
+    ((plan)->struct_size >= offsetof(qualia_step_plan, field) + sizeof((plan)->field))
+
 static int32_t example_execute_step(void *ctx, const qualia_step_plan *plan,
                                     uint32_t *sampled_out, float *logprobs_out)
 {
     example_step_backend *self = (example_step_backend *)ctx;
     self->steps++;
-    if (plan->struct_size < sizeof(qualia_step_plan) || plan->page_tokens == 0) return 20;
+    /* the fields of the first step ABI must all be there */
+    if (!PLAN_HAS(plan, finished_request_ids) || plan->page_tokens == 0) return 20;
+    /* the beam-row fields were appended later: an older scheduler's plan has none */
+    uint32_t topk = 0;
+    if ((self->iface.flags & QUALIA_STEP_WRITES_TOPK) && PLAN_HAS(plan, topk_logprobs_out)) {
+        topk = plan->num_topk;
+        if (topk > 0 && (plan->topk_ids_out == NULL || plan->topk_logprobs_out == NULL)) return 22;
+        if (topk > self->vocab) return 23; /* fewer distinct ids than candidates asked for */
+    }
     int32_t status = example_step_check(plan);
     if (status != 0) return status;
     uint32_t i = 0;
@@ -124,8 +151,13 @@ static int32_t example_execute_step(void *ctx, const qualia_step_plan *plan,
         }
         uint32_t next = (uint32_t)((31ull * plan->input_ids[t] + (uint32_t)plan->positions[t]
                                     + (uint32_t)plan->seq_lens[i] + sum) % self->vocab);
+        float lp = -(float)next / (float)self->vocab;
         sampled_out[r] = next;
-        if (logprobs_out != NULL) logprobs_out[r] = -(float)next / (float)self->vocab;
+        if (logprobs_out != NULL) logprobs_out[r] = lp;
+        for (uint32_t j = 0; j < topk; j++) { /* row r's candidates, best first */
+            plan->topk_ids_out[(size_t)r * topk + j] = (uint32_t)(((uint64_t)next + j) % self->vocab);
+            plan->topk_logprobs_out[(size_t)r * topk + j] = lp - (float)j;
+        }
     }
     self->sampled += plan->num_sampled;
     return 0;
@@ -144,12 +176,15 @@ static void example_step_free(PyObject *capsule)
     PyMem_Free(PyCapsule_GetPointer(capsule, QUALIA_STEP_CAPSULE_NAME));
 }
 
-static PyObject *example_new_step(PyObject *mod, PyObject *args)
+static PyObject *example_new_step(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
+    static char *kwlist[] = {"vocab", "logprobs", "topk", NULL};
     unsigned int vocab;
-    int logprobs = 0;
+    int logprobs = 0, topk = 1;
     (void)mod;
-    if (!PyArg_ParseTuple(args, "I|p", &vocab, &logprobs)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|pp", kwlist, &vocab, &logprobs, &topk)) {
+        return NULL;
+    }
     if (vocab == 0) {
         PyErr_SetString(PyExc_ValueError, "vocab must be at least 1");
         return NULL;
@@ -158,7 +193,8 @@ static PyObject *example_new_step(PyObject *mod, PyObject *args)
     if (!b) return PyErr_NoMemory();
     b->iface.abi_version = QUALIA_STEP_ABI_VERSION;
     b->iface.struct_size = sizeof(qualia_step_backend);
-    b->iface.flags = logprobs ? QUALIA_STEP_WRITES_LOGPROBS : 0;
+    b->iface.flags = (logprobs ? QUALIA_STEP_WRITES_LOGPROBS : 0u)
+                     | (topk ? QUALIA_STEP_WRITES_TOPK : 0u);
     b->iface.ctx = b;
     b->iface.execute_step = example_execute_step;
     b->iface.copy_pages = example_step_copy_pages;
@@ -282,8 +318,9 @@ static PyObject *example_layout(PyObject *mod, PyObject *unused)
     FIELD(d, qualia_step_plan, copies); FIELD(d, qualia_step_plan, new_request_ids);
     FIELD(d, qualia_step_plan, preempted_request_ids);
     FIELD(d, qualia_step_plan, finished_request_ids);
-    FIELD(d, qualia_step_plan, num_topk); FIELD(d, qualia_step_plan, _reserved2);
+    FIELD(d, qualia_step_plan, num_topk); FIELD(d, qualia_step_plan, num_forks);
     FIELD(d, qualia_step_plan, topk_ids_out); FIELD(d, qualia_step_plan, topk_logprobs_out);
+    FIELD(d, qualia_step_plan, fork_child_ids); FIELD(d, qualia_step_plan, fork_parent_ids);
     STRUCT(out, "step_plan", qualia_step_plan, d);
     d = PyDict_New();
     FIELD(d, qualia_step_backend, abi_version); FIELD(d, qualia_step_backend, struct_size);
@@ -298,8 +335,8 @@ static PyMethodDef example_methods[] = {
     {"new", example_new, METH_VARARGS, "new(vocab, delay_us=0) -> backend capsule"},
     {"stats", example_stats, METH_O, "stats(capsule) -> (calls, items, pages_copied)"},
     {"layout", example_layout, METH_NOARGS, "ABI layout as this compiler sees qualia.h"},
-    {"new_step", example_new_step, METH_VARARGS,
-     "new_step(vocab, logprobs=False) -> step backend capsule"},
+    {"new_step", (PyCFunction)(void (*)(void))example_new_step, METH_VARARGS | METH_KEYWORDS,
+     "new_step(vocab, logprobs=False, topk=True) -> step backend capsule"},
     {"step_stats", example_step_stats, METH_O, "step_stats(capsule) -> (steps, sampled, pages_copied)"},
     {NULL, NULL, 0, NULL}};
 

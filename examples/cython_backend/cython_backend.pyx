@@ -17,13 +17,19 @@ of the block table.
 
 It is also a step backend (the step ABI), with the step model of examples/c_backend: sampled row r,
 with t = logits_indices[r] in request i, gets (31 * input_ids[t] + positions[t] + seq_lens[i] +
-sum of request i's kv_indices) mod vocab.
+sum of request i's kv_indices) mod vocab.  With topk (the default) it declares
+QUALIA_STEP_WRITES_TOPK and writes beam candidates by examples/c_backend's rule: for a plan with
+k = num_topk > 0, row r's candidate j is (next + j) mod vocab with log-probability
+(-(next) / vocab) - j in float32 (best first, no ties; k > vocab gets status 23).  It reads
+num_topk only when plan.struct_size covers the appended beam-row fields (an older scheduler's plan
+ends before them), as every backend built against this header must.
 
-    step = cython_backend.StepBackend(vocab)   # qualia finds step.__qualia_step_backend__
+    step = cython_backend.StepBackend(vocab, topk=True)  # qualia finds __qualia_step_backend__
     step.stats() -> (steps, sampled)
     cython_backend.step_plan_offsets() -> {field: offset} of qualia_step_plan as declared
 """
 
+cimport cython
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from cpython.pycapsule cimport (
     PyCapsule_GetName,
@@ -37,6 +43,7 @@ from qualia._abi cimport (
     QUALIA_BACKEND_CAPSULE_NAME,
     QUALIA_STEP_ABI_VERSION,
     QUALIA_STEP_CAPSULE_NAME,
+    QUALIA_STEP_WRITES_TOPK,
     qualia_backend,
     qualia_batch_item,
     qualia_batch_output,
@@ -160,13 +167,27 @@ ctypedef struct step_state:
     uint64_t sampled
 
 
+cdef bint _has_topk_fields(const qualia_step_plan *plan) noexcept nogil:
+    """Whether the scheduler's plan (struct_size bytes) reaches its appended beam-row fields."""
+    cdef size_t end = <size_t>(<const char *>&plan.topk_logprobs_out - <const char *>plan)
+    return plan.struct_size >= end + sizeof(plan.topk_logprobs_out)
+
+
+@cython.cdivision(True)  # vocab >= 1: no division-by-zero checks without the GIL
 cdef int32_t _execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sampled_out,
                            float *logprobs_out) noexcept nogil:
     cdef step_state *self = <step_state *>ctx
-    cdef uint32_t r, i = 0
+    cdef uint32_t r, j, next_id, i = 0, topk = 0
     cdef int32_t t, k
     cdef uint64_t pages
+    cdef float lp
     self.steps += 1
+    if (self.iface.flags & QUALIA_STEP_WRITES_TOPK) and _has_topk_fields(plan):
+        topk = plan.num_topk
+        if topk > 0 and (plan.topk_ids_out == NULL or plan.topk_logprobs_out == NULL):
+            return 22
+        if topk > self.vocab:
+            return 23  # fewer distinct ids than candidates asked for
     for r in range(plan.num_sampled):
         t = plan.logits_indices[r]
         if t < 0 or <uint32_t>t >= plan.num_tokens:
@@ -176,9 +197,15 @@ cdef int32_t _execute_step(void *ctx, const qualia_step_plan *plan, uint32_t *sa
         pages = 0
         for k in range(plan.kv_indptr[i], plan.kv_indptr[i + 1]):
             pages += <uint32_t>plan.kv_indices[k]
-        sampled_out[r] = <uint32_t>((31 * <uint64_t>plan.input_ids[t]
-                                     + <uint32_t>plan.positions[t]
-                                     + <uint32_t>plan.seq_lens[i] + pages) % self.vocab)
+        next_id = <uint32_t>((31 * <uint64_t>plan.input_ids[t]
+                              + <uint32_t>plan.positions[t]
+                              + <uint32_t>plan.seq_lens[i] + pages) % self.vocab)
+        sampled_out[r] = next_id
+        lp = -<float>next_id / <float>self.vocab
+        for j in range(topk):  # row r's candidates, best first
+            plan.topk_ids_out[<size_t>r * topk + j] = <uint32_t>(
+                (<uint64_t>next_id + j) % self.vocab)
+            plan.topk_logprobs_out[<size_t>r * topk + j] = lp - <float>j
     self.sampled += plan.num_sampled
     return 0
 
@@ -189,11 +216,12 @@ cdef class StepBackend:
     cdef readonly object __qualia_step_backend__
     cdef step_state *_state
 
-    def __cinit__(self, unsigned int vocab):
+    def __cinit__(self, unsigned int vocab, bint topk=True):
         cdef step_state *s = <step_state *>_new_state(vocab, sizeof(step_state))
         s.iface.abi_version = QUALIA_STEP_ABI_VERSION
         s.iface.struct_size = sizeof(qualia_step_backend)
-        s.iface.flags = 0  # no log-probabilities
+        # no log-probabilities; beam candidates unless topk=False
+        s.iface.flags = QUALIA_STEP_WRITES_TOPK if topk else 0
         s.iface.ctx = s
         s.iface.execute_step = _execute_step
         s.iface.copy_pages = NULL  # it would perform plan.copies itself
@@ -248,7 +276,9 @@ def step_plan_offsets():
         "preempted_request_ids": <char *>&_p.preempted_request_ids - b,
         "finished_request_ids": <char *>&_p.finished_request_ids - b,
         "num_topk": <char *>&_p.num_topk - b,
-        "_reserved2": <char *>&_p._reserved2 - b,
+        "num_forks": <char *>&_p.num_forks - b,
         "topk_ids_out": <char *>&_p.topk_ids_out - b,
         "topk_logprobs_out": <char *>&_p.topk_logprobs_out - b,
+        "fork_child_ids": <char *>&_p.fork_child_ids - b,
+        "fork_parent_ids": <char *>&_p.fork_parent_ids - b,
     }

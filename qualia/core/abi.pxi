@@ -81,9 +81,11 @@ def _layout():
         <char *>&_splan.preempted_request_ids - b, <char *>&_splan.finished_request_ids - b]
     # appended in the same ABI version: beam rows
     tail = [("num_topk", "<u4", <char *>&_splan.num_topk - b),
-            ("_reserved2", "<u4", <char *>&_splan._reserved2 - b),
+            ("num_forks", "<u4", <char *>&_splan.num_forks - b),
             ("topk_ids_out", "<u8", <char *>&_splan.topk_ids_out - b),
-            ("topk_logprobs_out", "<u8", <char *>&_splan.topk_logprobs_out - b)]
+            ("topk_logprobs_out", "<u8", <char *>&_splan.topk_logprobs_out - b),
+            ("fork_child_ids", "<u8", <char *>&_splan.fork_child_ids - b),
+            ("fork_parent_ids", "<u8", <char *>&_splan.fork_parent_ids - b)]
     layout["step_plan"] = (sizeof(qualia_step_plan), QUALIA_ALIGN_STEP_PLAN,
                            [(name, "<u4", off) for name, off in zip(_STEP_PLAN_COUNTS, counts)]
                            + [(f[0], "<u8", off) for f, off in zip(_STEP_PLAN_ARRAYS, ptrs)]

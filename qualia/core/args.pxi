@@ -28,6 +28,21 @@ cdef inline uint64_t _int(object v, str what, uint64_t maxval) except? 0xFFFFFFF
     return _int_slow(v, what, maxval)
 
 
+cdef object _group_size(object v, str what, uint32_t max_num_seqs):
+    # n or beam_width: an integer (__index__, numpy integers too; not a bool) in
+    # [1, max_num_seqs], returned as an exact int (an int subclass's own comparisons never run)
+    if isinstance(v, bool) or isinstance(v, np.bool_):
+        raise TypeError(f"{what} must be an int, not bool")
+    try:
+        iv = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(v).__name__}") from None
+    iv = int.__index__(iv)   # exact int: never a subclass's own __int__ or comparisons
+    if not 1 <= iv <= max_num_seqs:
+        raise ValueError(f"{what} must be in [1, max_num_seqs={max_num_seqs}], got {iv}")
+    return iv
+
+
 cdef inline uint32_t _u32(object v, str what) except? 0xFFFFFFFF:
     return <uint32_t>_int(v, what, U32_MAX)
 

@@ -140,9 +140,11 @@ cdef tuple _PLAN_KINDS = (("request_ids", "u64"), ("query_start_loc", "i32"),
                           ("changed_rows", "i32"), ("kv_indptr", "i32"), ("kv_indices", "i32"),
                           ("kv_last_page_len", "i32"), ("copies", "copy_op"),
                           ("new_request_ids", "u64"), ("preempted_request_ids", "u64"),
-                          ("finished_request_ids", "u64"))
+                          ("finished_request_ids", "u64"), ("fork_child_ids", "u64"),
+                          ("fork_parent_ids", "u64"))
 cdef frozenset _PLAN_OPTIONAL = frozenset({"copies", "new_request_ids", "preempted_request_ids",
-                                           "finished_request_ids"})
+                                           "finished_request_ids", "fork_child_ids",
+                                           "fork_parent_ids"})
 cdef dict _KIND_SIZE = {"u64": 8, "i64": 8, "i32": 4, "u32": 4, "copy_op": sizeof(qualia_copy_op)}
 
 
@@ -274,6 +276,11 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     p.new_request_ids = <const uint64_t *>(<_Buffer>bufs["new_request_ids"]).ptr
     p.preempted_request_ids = <const uint64_t *>(<_Buffer>bufs["preempted_request_ids"]).ptr
     p.finished_request_ids = <const uint64_t *>(<_Buffer>bufs["finished_request_ids"]).ptr
+    if (<_Buffer>bufs["fork_child_ids"]).length != (<_Buffer>bufs["fork_parent_ids"]).length:
+        raise ValueError("plan.fork_child_ids and plan.fork_parent_ids differ in length")
+    p.num_forks = <uint32_t>(<_Buffer>bufs["fork_child_ids"]).length
+    p.fork_child_ids = <const uint64_t *>(<_Buffer>bufs["fork_child_ids"]).ptr
+    p.fork_parent_ids = <const uint64_t *>(<_Buffer>bufs["fork_parent_ids"]).ptr
     # beam rows: the caller points topk_ids_out / topk_logprobs_out at [m, num_topk] buffers
     p.num_topk = _u32(getattr(plan, "num_topk", 0), "plan.num_topk")
     return lp

@@ -1121,17 +1121,10 @@ cdef class Scheduler:
         ``update`` takes each row's best ids and log-probabilities; one ``FinishedGroup`` with
         the ``w`` hypotheses best first and their scores; the group takes ``w`` entries."""
         cdef uint64_t rid = _u64(request_id, "request_id")
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n must be an int, not {type(n).__name__}")
-        if not 1 <= n <= self.step.max_seqs:
-            raise ValueError(f"n must be in [1, max_num_seqs={self.step.max_seqs}], got {n}")
+        n = _group_size(n, "n", self.step.max_seqs)
         cdef uint32_t bw = 0
         if beam_width is not None:
-            if isinstance(beam_width, bool) or not isinstance(beam_width, int):
-                raise TypeError(f"beam_width must be an int, not {type(beam_width).__name__}")
-            if not 1 <= beam_width <= self.step.max_seqs:
-                raise ValueError(f"beam_width must be in [1, max_num_seqs="
-                                 f"{self.step.max_seqs}], got {beam_width}")
+            beam_width = _group_size(beam_width, "beam_width", self.step.max_seqs)
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
             if self.step.vocab and beam_width > self.step.vocab:

@@ -78,6 +78,7 @@ cdef struct StepReq:
     uint8_t forked          # leader: the children are forked (or queued)
     uint8_t row_fresh       # forked child: its row is written whole when next lowered
     uint8_t nsb_borrowed    # nsb is the leader's (freed with it)
+    uint8_t unseen          # admitted or resumed; in no applied plan since
     uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
     # beam groups (docs/DESIGN.md, "Beam search at the step level"): the group's record is an
     # entry past max_queued (state SR_GROUP, its id the group's, group == itself, beam = 1,
@@ -201,6 +202,11 @@ cdef struct StepState:
     qualia_copy_op *copies
     uint64_t *new_ids
     uint64_t *preempted_ids
+    uint64_t *fork_child_ids  # the plan's forks since the previous plan: children...
+    uint64_t *fork_parent_ids  # ...and their parents
+    uint32_t n_forks
+    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, max_seqs
+    uint32_t n_fork_acc
     uint64_t *finished_ids  # the plan's copy
     uint32_t finished_cap
     uint64_t *fin_accum     # finished or aborted since the previous plan
@@ -688,6 +694,10 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             continue
         plan_add(st, e, n)
         st.req[e].decode = rem == 1
+        if st.req[e].unseen:
+            # admitted by a discarded plan: named until a plan with it is applied
+            st.new_ids[st.n_new] = st.req[e].rid
+            st.n_new += 1
         left -= n
     # 2. waiting requests by (priority, arrival), unless this step preempted
     if not preempted:
@@ -700,6 +710,7 @@ cdef int step_schedule(StepState *st) noexcept nogil:
                 break           # running requests will free namespace ids
             if rc:
                 return rc       # nothing changed: nothing ran before an admission failed
+            st.req[e].unseen = 1
             st.new_ids[st.n_new] = st.req[e].rid
             st.n_new += 1
             st.num_cached_tokens += hit
@@ -781,10 +792,15 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             st.row_dirty[i] = 0
             st.changed_rows[st.n_changed] = <int32_t>i
             st.n_changed += 1
-    # the plan reports what finished or was aborted since the previous plan
+    # the plan reports what finished or was aborted, and the forks made, since the previous plan
     memcpy(st.finished_ids, st.fin_accum, st.n_accum * sizeof(uint64_t))
     st.n_finished = st.n_accum
     st.n_accum = 0
+    for i in range(st.n_fork_acc):
+        st.fork_child_ids[i] = st.fork_acc[2 * i]
+        st.fork_parent_ids[i] = st.fork_acc[2 * i + 1]
+    st.n_forks = st.n_fork_acc
+    st.n_fork_acc = 0
     st.pending = True
     return Q_OK
 
@@ -873,6 +889,10 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
         st.running[st.n_running] = ce
         st.n_running += 1
         st.forks += 1
+        if st.n_fork_acc < st.max_seqs:     # always: each child forked since holds a row
+            st.fork_acc[2 * st.n_fork_acc] = ch.rid
+            st.fork_acc[2 * st.n_fork_acc + 1] = par.rid
+            st.n_fork_acc += 1
     else:
         heap_push(st, ce)
         st.fork_fallbacks += 1
@@ -1221,6 +1241,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
             continue
         r = &st.req[e]
         r.plan_pos = -1
+        r.unseen = 0
         n = st.plan_chunk[j]
         # advance: the chunk's K/V is written; pages that filled go to the cache
         sl = &st.s.slots[r.slot]
@@ -1326,6 +1347,14 @@ cdef void step_discard(StepState *st) noexcept nogil:
         memmove(&st.fin_accum[st.n_finished], st.fin_accum, st.n_accum * sizeof(uint64_t))
         memcpy(st.fin_accum, st.finished_ids, st.n_finished * sizeof(uint64_t))
         st.n_accum += st.n_finished
+    if st.n_forks and st.n_fork_acc + st.n_forks <= st.max_seqs:
+        # no update ran since the plan: nothing forked since, in practice
+        memmove(&st.fork_acc[2 * st.n_forks], st.fork_acc, 2 * st.n_fork_acc * sizeof(uint64_t))
+        for j in range(st.n_forks):
+            st.fork_acc[2 * j] = st.fork_child_ids[j]
+            st.fork_acc[2 * j + 1] = st.fork_parent_ids[j]
+        st.n_fork_acc += st.n_forks
+    st.n_forks = 0
     st.pending = False
 
 
@@ -1523,6 +1552,8 @@ cdef class StepPlan:
     cdef readonly object new_request_ids
     cdef readonly object preempted_request_ids
     cdef readonly object finished_request_ids
+    cdef readonly object fork_child_ids
+    cdef readonly object fork_parent_ids
     cdef readonly uint32_t num_prefill_tokens
     cdef readonly uint32_t num_decode_tokens
     cdef readonly uint32_t num_cached_tokens
@@ -1633,6 +1664,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
     st.accum_cap = max_queued + max_seqs
     st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
+    st.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>max_seqs * sizeof(uint64_t))
     st.rec_free = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
     st.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
@@ -1643,7 +1675,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
             or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
             or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
             or st.plan_alive == NULL or st.done == NULL or st.sampled == NULL
-            or st.fin_accum == NULL):
+            or st.fin_accum == NULL or st.fork_acc == NULL):
         raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
                           f"of {entry_cap} tokens")
     for i in range(max_queued):
@@ -1676,6 +1708,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_PLAN_U64, max_seqs)
     st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_PLAN_U64, max_seqs)
     st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, st.accum_cap)
+    st.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, max_seqs)
+    st.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, max_seqs)
     st.finished_cap = st.accum_cap
     for i in range(<uint32_t>(max_seqs * lp)):
         st.block_table[i] = -1
@@ -1706,6 +1740,7 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.done)
     PyMem_Free(st.sampled)
     PyMem_Free(st.fin_accum)
+    PyMem_Free(st.fork_acc)
     PyMem_Free(st.rec_free)
     PyMem_Free(st.sel)
     PyMem_Free(st.sel_groups)
@@ -1738,6 +1773,8 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     plan.new_request_ids = bufs.view("new_request_ids", st.n_new)
     plan.preempted_request_ids = bufs.view("preempted_request_ids", st.n_preempted)
     plan.finished_request_ids = bufs.view("finished_request_ids", st.n_finished)
+    plan.fork_child_ids = bufs.view("fork_child_ids", st.n_forks)
+    plan.fork_parent_ids = bufs.view("fork_parent_ids", st.n_forks)
     plan.num_prefill_tokens = st.num_prefill_tokens
     plan.num_decode_tokens = st.num_decode_tokens
     plan.num_cached_tokens = st.num_cached_tokens
@@ -1871,7 +1908,9 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.preempted_request_ids = st.preempted_ids
     p.finished_request_ids = st.finished_ids
     p.num_topk = st.num_topk
-    p._reserved2 = 0
+    p.num_forks = st.n_forks
+    p.fork_child_ids = st.fork_child_ids
+    p.fork_parent_ids = st.fork_parent_ids
     p.topk_ids_out = st.topk_ids_buf if st.num_topk else NULL
     p.topk_logprobs_out = st.topk_lps_buf if st.num_topk else NULL
 

@@ -31,6 +31,31 @@ for rid in range(8, 16):
 result = s.run(backend)  # the whole loop in C without the GIL (a C backend)
 print(len(result.finished), result.stats["num_tokens"].sum(), s.cache_stats().hit_tokens)
 
+# -- README "The engine step": parallel sampling and beam search -----------------
+import numpy as np
+import qualia
+
+s = qualia.Scheduler(max_requests=8, num_blocks=256, page_tokens=16, logical_pages=16)
+question = np.arange(1, 41, dtype=np.uint32)  # 40 tokens: 2 full pages and a partial one
+s.add_request(1, question, max_new_tokens=8, n=4)  # 4 samples of one prefill
+s.add_request(2, question, max_new_tokens=8, beam_width=3)  # beam search of width 3
+backend = qualia.HashBackend()
+copied = 0
+while s.has_unfinished():
+    plan = s.schedule()
+    # plan.fork_child_ids / fork_parent_ids: the forks since the last plan (a backend copies
+    # its per-request state to each child); plan.copies: pages a child's first write copies
+    copied += len(plan.copies)
+    if plan.num_topk:  # beam rows: each row's num_topk best next tokens, with log-probs
+        ids, topk_ids, topk_logprobs = backend.execute_step_topk(plan)
+        finished = s.update(ids, topk_ids, topk_logprobs)
+    else:
+        finished = s.update(backend.execute_step(plan))
+    for group in finished:
+        assert isinstance(group, qualia.FinishedGroup)
+        print(group.request_id, len(group.outputs), group.finish_reasons, group.scores)
+print(s.forks, "forks,", copied, "pages copied")
+
 # -- README "The facade: admit / decode / finish" ------------------------------------------------
 
 import qualia
