@@ -179,7 +179,8 @@ typedef struct qualia_step_plan {
      * their natural-log probabilities.  Both are NULL when num_topk is 0.  The scheduler refuses
      * a plan with num_topk > 0 for a backend without that flag (the step is discarded), and
      * fails the step when a candidate id is past vocab_size, a log-probability is NaN or +inf,
-     * or a beam row repeats an id among its first beam_width candidates. */
+     * a beam row repeats an id among its first beam_width candidates, or a beam row's
+     * log-probabilities are not best first (non-increasing). */
     uint32_t num_topk;
     /* Copy-on-write forks (n > 1 and beam search) made since the previous plan: child
      * fork_child_ids[i] continues from fork_parent_ids[i] and shares its pages; a backend

@@ -278,6 +278,10 @@ class ForkStepScheduler(StepScheduler):
                 if len(set(tids[r, :g.width].tolist())) != g.width:
                     raise ValueError(f"topk_ids row {r} repeats a token among its beam's "
                                      f"candidates")
+                if k > 1 and bool((tlps[r, 1:] > tlps[r, :-1]).any()):
+                    # best first: a group narrower than num_topk reads the first w as its best
+                    raise ValueError(f"topk_logprobs row {r} is not best first "
+                                     f"(non-increasing)")
         f = self.facade
         finished: List[Any] = []
         beams: List[_Group] = []

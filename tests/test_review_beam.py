@@ -159,7 +159,7 @@ def test_minus_inf_and_a_repeat_past_a_narrower_beams_width_are_accepted():
     tlps = tlps.astype(np.float64)
     narrow = pc.sampled_request_ids.tolist().index(1)
     tids[narrow, 3] = tids[narrow, 0]
-    tlps[narrow, 1] = -np.inf
+    tlps[narrow, 1:] = -np.inf   # best first still: -inf sorts last
     assert finished_key(c.update(ids, tids, tlps)) == finished_key(t.update(ids, tids, tlps))
     assert c.group_members(1) == t.group_members(1) and len(c.group_members(1)) == 2
     fc = lockstep(c, t)
@@ -240,6 +240,7 @@ def GOOD(r, j):
     (lambda r, j: (GOOD(r, j)[0], float("nan")), "NaN or \\+inf"),
     (lambda r, j: (GOOD(r, j)[0], float("inf") if j == 1 else -1.0), "NaN or \\+inf"),
     (lambda r, j: (4, -1.0 * j), "repeated a token"),
+    (lambda r, j: (GOOD(r, j)[0], 0.5 * j - 3.0), "not best first"),
     (lambda r, j: (V + j, -1.0 * j), "outside"),
     (lambda r, j: (2**32 - 1, -1.0), "outside"),
 ])

@@ -73,7 +73,7 @@ class ForksVsTwin(StepVsTwin):
             return super().update_call(ids, rng, bad)
         m = len(self.plan.logits_indices)
         tids = np.array([rng.permutation(VOCAB)[:k] for _ in range(m)]).reshape(m, k)
-        tlps = -0.25 * rng.integers(0, 8, size=(m, k))
+        tlps = -0.25 * np.sort(rng.integers(0, 8, size=(m, k)), axis=1)   # best first
         how = rng.integers(0, 16) if bad != "steps" else 99
         if how == 0:
             return lambda s: s.update(ids)
@@ -89,6 +89,8 @@ class ForksVsTwin(StepVsTwin):
             tids[-1, 1] = tids[-1, 0]       # refused when the row is a beam's of width > 1
         elif how == 6 and m:
             tlps[0, -1] = np.nan
+        elif how == 7 and m and k > 1:
+            tlps[-1, 1] = tlps[-1, 0] + 0.5  # not best first: refused on a live beam's row
         return lambda s: s.update(ids, tids, tlps)
 
     @rule(pick=st.integers(0, 40), child=st.integers(0, 3))
@@ -403,7 +405,7 @@ def test_beams_that_cannot_fit_side_by_side_never_fit():
 
 
 @pytest.mark.parametrize("bad", ["missing", "one", "narrow", "float_ids", "vocab", "negative",
-                                 "strings", "rows"])
+                                 "strings", "rows", "unsorted"])
 def test_bad_candidates_change_nothing(bad):
     """A beam plan's update without valid [m, num_topk] candidates raises and leaves the plan
     pending with nothing applied; the same update with good candidates then matches the
@@ -420,7 +422,8 @@ def test_bad_candidates_change_nothing(bad):
             "float_ids": (ids, tids.astype(np.float64), tlps),
             "vocab": (ids, np.full_like(tids, 64), tlps),
             "negative": (ids, -tids - 1, tlps), "strings": (ids, tids, [["a", "b"]]),
-            "rows": (ids, np.vstack([tids, tids]), np.vstack([tlps, tlps]))}[bad]
+            "rows": (ids, np.vstack([tids, tids]), np.vstack([tlps, tlps])),
+            "unsorted": (ids, tids[:, ::-1], tlps[:, ::-1])}[bad]   # not best first
     for s in (c, t):
         with pytest.raises((ValueError, TypeError)):
             s.update(*args)

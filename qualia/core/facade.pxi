@@ -1362,6 +1362,8 @@ cdef class Scheduler:
                               &row)
         if why == TOPK_BAD_LOGPROB:
             raise ValueError(f"topk_logprobs row {row} holds NaN or +inf")
+        if why == TOPK_UNSORTED:
+            raise ValueError(f"topk_logprobs row {row} is not best first (non-increasing)")
         if why:
             raise ValueError(f"topk_ids row {row} repeats a token among its beam's candidates")
         return cand
@@ -1579,6 +1581,9 @@ cdef class Scheduler:
                 if rc == RUN_REPEATED_TOPK:
                     raise ValueError(f"the step backend repeated a token among a beam's "
                                      f"candidates (row {status})")
+                if rc == RUN_UNSORTED_TOPK:
+                    raise ValueError(f"the step backend wrote a beam row's candidates out of "
+                                     f"order: not best first (row {status})")
                 if rc == RUN_NO_TOPK:
                     raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
                                     "backend does not declare QUALIA_STEP_WRITES_TOPK; the "

@@ -1296,6 +1296,7 @@ cdef enum:
     TOPK_OK = 0
     TOPK_BAD_LOGPROB = 1    # a log-probability that is NaN or +inf
     TOPK_REPEATED = 2       # a beam row names a token twice among its first w candidates
+    TOPK_UNSORTED = 3       # a beam row's log-probabilities are not best first
 
 
 cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
@@ -1303,7 +1304,9 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
     # The pending plan's candidates ([m, num_topk], ids already in the vocabulary), before
     # anything is applied: every log-probability a number below +inf (-inf is a token of
     # probability 0; NaN or +inf would make the scores unordered), and each live beam row's
-    # first w ids distinct (w continuations of one beam).  *row: the first bad row.
+    # first w ids distinct (w continuations of one beam) and its k log-probabilities best
+    # first (a group narrower than num_topk reads the first w as its best).  *row: the first
+    # bad row.
     cdef uint32_t k = st.num_topk, j, a, b, w
     cdef size_t i, n = <size_t>st.m * k, base
     cdef double v
@@ -1326,6 +1329,11 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
                 if ids[base + a] == ids[base + b]:
                     row[0] = <uint32_t>st.plan_sample[j]
                     return TOPK_REPEATED
+        for a in range(1, k):
+            if ((lps[base + a] > lps[base + a - 1]) if lps != NULL
+                    else (lps_f[base + a] > lps_f[base + a - 1])):
+                row[0] = <uint32_t>st.plan_sample[j]
+                return TOPK_UNSORTED
     return TOPK_OK
 
 
@@ -1869,6 +1877,7 @@ cdef enum:
     RUN_BAD_TOPK = -4           # a candidate id past vocab_size (in *status: its row)
     RUN_BAD_TOPK_LOGPROB = -5   # a candidate log-probability NaN or +inf (in *status: its row)
     RUN_REPEATED_TOPK = -6      # a beam row repeats a candidate id (in *status: its row)
+    RUN_UNSORTED_TOPK = -7      # a beam row's candidates are not best first (in *status: its row)
 
 
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
@@ -1972,7 +1981,8 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
             if i:
                 step_discard(st)
                 status[0] = <int32_t>row
-                rc = RUN_BAD_TOPK_LOGPROB if i == TOPK_BAD_LOGPROB else RUN_REPEATED_TOPK
+                rc = (RUN_BAD_TOPK_LOGPROB if i == TOPK_BAD_LOGPROB else
+                      RUN_REPEATED_TOPK if i == TOPK_REPEATED else RUN_UNSORTED_TOPK)
                 break
         done = st.n_done
         rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
