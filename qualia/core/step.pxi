@@ -205,7 +205,7 @@ cdef struct StepState:
     uint64_t *fork_child_ids  # the plan's forks since the previous plan: children...
     uint64_t *fork_parent_ids  # ...and their parents
     uint32_t n_forks
-    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, max_seqs
+    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, accum_cap
     uint32_t n_fork_acc
     uint64_t *finished_ids  # the plan's copy
     uint32_t finished_cap
@@ -889,7 +889,9 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
         st.running[st.n_running] = ce
         st.n_running += 1
         st.forks += 1
-        if st.n_fork_acc < st.max_seqs:     # always: each child forked since holds a row
+        # always: an update forks each n child once (<= max_queued) and beam children that
+        # live past it (<= max_seqs); children that finish at once free their rows for more
+        if st.n_fork_acc < st.accum_cap:
             st.fork_acc[2 * st.n_fork_acc] = ch.rid
             st.fork_acc[2 * st.n_fork_acc + 1] = par.rid
             st.n_fork_acc += 1
@@ -1355,7 +1357,7 @@ cdef void step_discard(StepState *st) noexcept nogil:
         memmove(&st.fin_accum[st.n_finished], st.fin_accum, st.n_accum * sizeof(uint64_t))
         memcpy(st.fin_accum, st.finished_ids, st.n_finished * sizeof(uint64_t))
         st.n_accum += st.n_finished
-    if st.n_forks and st.n_fork_acc + st.n_forks <= st.max_seqs:
+    if st.n_forks and st.n_fork_acc + st.n_forks <= st.accum_cap:
         # no update ran since the plan: nothing forked since, in practice
         memmove(&st.fork_acc[2 * st.n_forks], st.fork_acc, 2 * st.n_fork_acc * sizeof(uint64_t))
         for j in range(st.n_forks):
@@ -1672,7 +1674,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
     st.accum_cap = max_queued + max_seqs
     st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
-    st.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>max_seqs * sizeof(uint64_t))
+    st.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.accum_cap * sizeof(uint64_t))
     st.rec_free = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
     st.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
@@ -1716,8 +1718,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_PLAN_U64, max_seqs)
     st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_PLAN_U64, max_seqs)
     st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, st.accum_cap)
-    st.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, max_seqs)
-    st.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, max_seqs)
+    st.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, st.accum_cap)
+    st.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, st.accum_cap)
     st.finished_cap = st.accum_cap
     for i in range(<uint32_t>(max_seqs * lp)):
         st.block_table[i] = -1

@@ -1,0 +1,230 @@
+"""Review of the plans' fork lists (``fork_child_ids`` / ``fork_parent_ids``), of new ids named
+again after a discarded plan, and of best-first beam rows (docs/DESIGN.md, "fork_child_ids",
+"discarded plan", "best first"): the compiled core against the pure-Python twin."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from step_checks import assert_same_plan
+from test_step_harden import c_backend, snapshot
+
+import qualia
+from qualia import twin_fork as TF
+
+KW = dict(max_num_batched_tokens=64, max_num_seqs=4, vocab_size=64, cache_key=b"f" * 16)
+
+
+def both(**kw):
+    kw = {**KW, **kw}
+    return [qualia.Scheduler(8, 64, 4, 16, **kw), TF.ForkStepScheduler(8, 64, 4, 16, **kw)]
+
+
+def short_lived_groups(s):
+    """Three n groups in four rows: the first two groups' members finish as they take their
+    token, so their rows take the third group's children in the same update (five forks)."""
+    s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=1, n=2)
+    s.add_request(2, [1, 2, 3, 4, 6], max_new_tokens=1, n=2)
+    s.add_request(3, [1, 2, 3, 4, 7], max_new_tokens=2, n=4)
+    p = s.schedule()
+    s.update(np.full(len(p.logits_indices), 9, np.uint32))
+
+
+def test_more_forks_than_rows_between_two_plans_are_all_named():
+    """One update can fork more children than max_num_seqs (children that finish at once free
+    their rows for the next group's): the next plan names every fork, as the twin's does."""
+    plans = []
+    for s in both():
+        short_lived_groups(s)
+        plans.append(s.schedule())
+    assert_same_plan(*plans)
+    assert len(plans[0].fork_child_ids) == 5
+    assert plans[0].fork_parent_ids.tolist() == [1, 2, 3, 3, 3]
+
+
+def test_more_forks_than_rows_survive_a_discard():
+    plans = []
+    for s in both():
+        short_lived_groups(s)
+        s.schedule()
+        s.discard_plan()
+        plans.append(s.schedule())
+    assert_same_plan(*plans)
+    assert len(plans[0].fork_child_ids) == 5
+
+
+def test_the_c_abi_plan_carries_more_forks_than_rows():
+    """run() with a C backend: num_forks and the two arrays name all five forks."""
+    from ctypes_abi import EXECUTE_STEP
+
+    seen = []
+
+    def execute(ctx, plan, sampled_out, logprobs_out):
+        p = plan.contents
+        kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
+        pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
+        seen.append([(kids[i], pars[i]) for i in range(p.num_forks)])
+        out = ctypes.cast(sampled_out, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 9
+        return 0
+
+    cb = EXECUTE_STEP(execute)
+    s = qualia.Scheduler(8, 64, 4, 16, **KW)
+    s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=1, n=2)
+    s.add_request(2, [1, 2, 3, 4, 6], max_new_tokens=1, n=2)
+    s.add_request(3, [1, 2, 3, 4, 7], max_new_tokens=2, n=4)
+    s.run(c_backend(cb))
+    assert [p for _, p in seen[1]] == [1, 2, 3, 3, 3]
+    assert len({c for c, _ in seen[1]}) == 5
+
+
+def test_children_aborted_before_the_next_plan_is_forked_and_finished_after_a_discard():
+    plans = []
+    for s in both():
+        s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=4, n=3)
+        p = s.schedule()
+        s.update(np.full(len(p.logits_indices), 9, np.uint32))
+        p = s.schedule()
+        kids = p.fork_child_ids.tolist()
+        s.discard_plan()
+        s.add_request(2, [1, 2, 3, 4, 6], max_new_tokens=4)
+        s.abort(1)                  # the group: its forked children too
+        plans.append(s.schedule())
+        assert plans[-1].fork_child_ids.tolist() == kids
+    assert_same_plan(*plans)
+    assert len(plans[0].fork_child_ids) == 2
+    assert set(plans[0].fork_child_ids.tolist()) <= set(plans[0].finished_request_ids.tolist())
+
+
+def test_fork_fallbacks_are_new_not_forks():
+    """Children queued for lack of a row are no forks: the plan that admits one names it as
+    new; neither plan lists it among the forks (plans compared in lockstep: the core's arrays
+    are views the next schedule overwrites)."""
+    ss = both(max_num_seqs=3)
+    for s in ss:
+        s.add_request(9, [7, 7, 7, 7, 7], max_new_tokens=2)
+        s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3, n=3)
+        p = s.schedule()
+        s.update(np.full(len(p.logits_indices), 9, np.uint32))
+    p1 = [s.schedule() for s in ss]     # one child forked, one queued
+    assert_same_plan(*p1)
+    assert len(p1[0].fork_child_ids) == 1 and [s.fork_fallbacks for s in ss] == [1, 1]
+    forked = p1[0].fork_child_ids.tolist()
+    for s, p in zip(ss, p1):
+        s.update(np.full(len(p.logits_indices), 9, np.uint32))     # 9 finishes
+    p2 = [s.schedule() for s in ss]
+    assert_same_plan(*p2)
+    assert len(p2[0].fork_child_ids) == 0 and len(p2[0].new_request_ids) == 1
+    assert int(p2[0].new_request_ids[0]) not in forked
+
+
+def test_an_unseen_request_preempted_then_resumed_is_new_again_alike():
+    plans = []
+    for s in both(max_num_seqs=4):
+        s2 = s
+        s2.add_request(1, list(range(1, 9)), max_new_tokens=6)
+        p = s2.schedule()
+        s2.update(np.full(len(p.logits_indices), 9, np.uint32))
+        s2.add_request(2, list(range(20, 28)), max_new_tokens=6, priority=5)
+        s2.schedule()
+        s2.discard_plan()           # 2 stays unseen
+        p = s2.schedule()
+        assert 2 in p.new_request_ids.tolist()
+        plans.append(p)
+    assert_same_plan(*plans)
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [-1.0, -np.inf, -np.inf],
+                                 [-np.inf, -np.inf, -np.inf], [-0.0, 0.0, -0.0]])
+def test_ties_are_best_first_alike(row):
+    plans = []
+    for s in both():
+        s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3, beam_width=2)
+        p = s.schedule()
+        m = len(p.logits_indices)
+        k = p.num_topk
+        tids = np.tile(np.arange(k, dtype=np.uint32), (m, 1))
+        tlps = np.tile(np.array((row * k)[:k], dtype=np.float64), (m, 1))
+        s.update(np.zeros(m, np.uint32), tids, tlps)
+        plans.append(s.schedule())
+    assert_same_plan(*plans)
+
+
+def test_an_unsorted_row_changes_nothing_alike():
+    for s in both():
+        s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3, beam_width=2)
+        p = s.schedule()
+        m, k = len(p.logits_indices), p.num_topk
+        tids = np.tile(np.arange(k, dtype=np.uint32), (m, 1))
+        tlps = np.tile(-np.arange(k, dtype=np.float64), (m, 1))
+        tlps[0, k - 1] = np.nextafter(tlps[0, k - 2], 1.0)
+        before = snapshot(s) if isinstance(s, qualia.Scheduler) else None
+        with pytest.raises(ValueError, match="best first"):
+            s.update(np.zeros(m, np.uint32), tids, tlps)
+        if before is not None:
+            assert snapshot(s) == before
+
+
+class PlanWith:
+    """A Python plan: a core plan's arrays, its fork arrays replaced (None: absent)."""
+
+    def __init__(self, plan, kids, pars):
+        for name in dir(plan):
+            if not name.startswith("_"):
+                setattr(self, name, getattr(plan, name))
+        for name, v in (("fork_child_ids", kids), ("fork_parent_ids", pars)):
+            if v is None:
+                delattr(self, name)
+            else:
+                setattr(self, name, v)
+
+
+def fork_seeing_backend(seen):
+    from ctypes_abi import EXECUTE_STEP
+
+    def execute(ctx, plan, sampled_out, logprobs_out):
+        p = plan.contents
+        kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
+        pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
+        seen.append([(kids[i], pars[i]) for i in range(p.num_forks)])
+        return 0
+
+    cb = EXECUTE_STEP(execute)
+    return c_backend(cb)
+
+
+def a_plan():
+    s = qualia.Scheduler(8, 64, 4, 16, **KW)
+    s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3)
+    return s.schedule()
+
+
+U = np.uint64
+
+
+@pytest.mark.parametrize("kids, pars", [(np.array([1, 2], U), np.array([1], U)),
+                                        (np.array([1], U), None), (None, np.array([3], U))])
+def test_mismatched_fork_arrays_are_refused_by_the_lowering(kids, pars):
+    seen = []
+    with pytest.raises(ValueError, match="fork"):
+        qualia._core._call_step_backend(fork_seeing_backend(seen),
+                                        PlanWith(a_plan(), kids, pars))
+    assert seen == []
+
+
+@pytest.mark.parametrize("kids, pars", [(np.array([5, 6], U), np.array([1, 1], U)),
+                                        (np.arange(8, dtype=U)[::2], np.arange(4, dtype=U)),
+                                        (None, None), (np.zeros(0, U), np.zeros(0, U))])
+def test_python_fork_arrays_reach_the_c_backend_as_given(kids, pars):
+    seen = []
+    try:
+        qualia._core._call_step_backend(fork_seeing_backend(seen),
+                                        PlanWith(a_plan(), kids, pars))
+    except (ValueError, TypeError):
+        assert kids is not None and not kids.flags.c_contiguous    # refused, never misread
+        return
+    want = [] if kids is None else list(zip(kids.tolist(), pars.tolist()))
+    assert seen == [want]
