@@ -121,17 +121,16 @@ def test_fork_fallbacks_are_new_not_forks():
     assert int(p2[0].new_request_ids[0]) not in forked
 
 
-def test_an_unseen_request_preempted_then_resumed_is_new_again_alike():
+def test_a_discarded_plans_new_id_is_new_again_alike():
     plans = []
     for s in both(max_num_seqs=4):
-        s2 = s
-        s2.add_request(1, list(range(1, 9)), max_new_tokens=6)
-        p = s2.schedule()
-        s2.update(np.full(len(p.logits_indices), 9, np.uint32))
-        s2.add_request(2, list(range(20, 28)), max_new_tokens=6, priority=5)
-        s2.schedule()
-        s2.discard_plan()           # 2 stays unseen
-        p = s2.schedule()
+        s.add_request(1, list(range(1, 9)), max_new_tokens=6)
+        p = s.schedule()
+        s.update(np.full(len(p.logits_indices), 9, np.uint32))
+        s.add_request(2, list(range(20, 28)), max_new_tokens=6, priority=5)
+        s.schedule()
+        s.discard_plan()           # 2 stays unseen
+        p = s.schedule()
         assert 2 in p.new_request_ids.tolist()
         plans.append(p)
     assert_same_plan(*plans)
@@ -228,3 +227,134 @@ def test_python_fork_arrays_reach_the_c_backend_as_given(kids, pars):
         return
     want = [] if kids is None else list(zip(kids.tolist(), pars.tolist()))
     assert seen == [want]
+
+
+def recording_c_backend(seen, fail_at=None):
+    """A C backend sampling token 9 everywhere that records each plan's (forks, new ids) and
+    fails (status 7) on call number ``fail_at``."""
+    from ctypes_abi import EXECUTE_STEP
+
+    def execute(ctx, plan, sampled_out, logprobs_out):
+        p = plan.contents
+        kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
+        pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
+        new = ctypes.cast(p.new_request_ids, ctypes.POINTER(ctypes.c_uint64))
+        seen.append(([(kids[i], pars[i]) for i in range(p.num_forks)],
+                     [new[i] for i in range(p.num_new)]))
+        if len(seen) == fail_at:
+            return 7
+        out = ctypes.cast(sampled_out, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 9
+        return 0
+
+    return c_backend(EXECUTE_STEP(execute))
+
+
+def groups(s):
+    s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=1, n=2)
+    s.add_request(2, [1, 2, 3, 4, 6], max_new_tokens=1, n=2)
+    s.add_request(3, [1, 2, 3, 4, 7], max_new_tokens=3, n=4)
+    s.add_request(4, [5, 5, 5, 5, 5, 5, 5, 5, 5], max_new_tokens=2, n=3)
+
+
+def twin_steps(t):
+    steps = []
+    while t.has_unfinished():
+        p = t.schedule()
+        steps.append((list(zip(p.fork_child_ids.tolist(), p.fork_parent_ids.tolist())),
+                      p.new_request_ids.tolist()))
+        t.update(np.full(len(p.logits_indices), 9, np.uint32))
+    return steps
+
+
+def test_run_with_a_c_backend_hands_over_the_twins_forks_and_new_ids():
+    seen = []
+    s, t = both()
+    groups(s)
+    groups(t)
+    s.run(recording_c_backend(seen))
+    assert seen == twin_steps(t)
+
+
+def test_a_failed_c_step_names_its_forks_and_new_ids_again():
+    """run()'s step fails on its second call (the first with forks): the plan is discarded,
+    and the next run's first plan names the same forks and new ids, as the twin's plan after
+    discard_plan does."""
+    seen = []
+    s, t = both()
+    groups(s)
+    groups(t)
+    with pytest.raises(qualia.errors.RaggedBackendError.Failed):
+        s.run(recording_c_backend(seen, fail_at=2))
+    s.run(recording_c_backend(seen))
+    p = t.schedule()
+    t.update(np.full(len(p.logits_indices), 9, np.uint32))
+    t.schedule()
+    t.discard_plan()
+    want = twin_steps(t)
+    assert seen[1][0] and seen[2] == seen[1]
+    assert seen[2:] == want
+
+
+def lockstep(seed, stats):
+    """Random adds (n groups, beams), aborts, schedules, discards and updates on the core and
+    the twin side by side; every plan must agree (small pools: preemptions too)."""
+    rng = np.random.default_rng(seed)
+    seqs = int(rng.integers(2, 6))
+    kw = dict(max_num_batched_tokens=int(rng.integers(4, 40)), max_num_seqs=seqs,
+              vocab_size=64, cache_key=b"z" * 16, max_queued=24)
+    nb = int(rng.integers(8, 40))
+    ss = [qualia.Scheduler(5, nb, 4, 16, **kw), TF.ForkStepScheduler(5, nb, 4, 16, **kw)]
+    nid = 0
+    for _ in range(80):
+        a = rng.integers(0, 10)
+        if a < 4:
+            width = int(rng.integers(1, 3)) if a == 0 else 0
+            n = int(rng.integers(1, seqs + 1))
+            toks = [1, 2, 3] + rng.integers(0, 64, size=int(rng.integers(1, 6))).tolist()
+            mx = int(rng.choice([1, 1, 2, 3, 5]))
+            extra = dict(beam_width=width) if width else dict(n=n)
+            errs = []
+            for s in ss:
+                try:
+                    s.add_request(nid, toks, max_new_tokens=mx, eos_token_id=3, **extra)
+                    errs.append(None)
+                except Exception as e:      # noqa: BLE001 -- the same refusal in both
+                    errs.append(type(e))
+            assert errs[0] == errs[1]
+            nid += 1
+        elif a < 5 and nid:
+            rid = int(rng.integers(0, nid))
+            ok = []
+            for s in ss:
+                try:
+                    s.abort(rid)
+                    ok.append(True)
+                except Exception:           # noqa: BLE001
+                    ok.append(False)
+            assert ok[0] == ok[1]
+        else:
+            ps = [s.schedule() for s in ss]
+            assert_same_plan(*ps)
+            stats.append((len(ps[0].fork_child_ids), seqs))
+            if rng.random() < 0.2:
+                for s in ss:
+                    s.discard_plan()
+                continue
+            m, k = len(ps[0].logits_indices), ps[0].num_topk
+            ids = rng.integers(0, 64, size=m).astype(np.uint32)
+            args = [ids]
+            if k:
+                tids = np.array([rng.permutation(64)[:k] for _ in range(m)], np.uint32)
+                tlps = -np.sort(rng.choice([0.0, 0.5, 1.0, np.inf], size=(m, k)), axis=1)
+                args += [tids.reshape(m, k), tlps]      # best first, with ties and -inf
+            for s in ss:
+                s.update(*args)
+
+
+def test_random_lockstep_fork_lists_agree():
+    stats = []
+    for seed in range(150):
+        lockstep(seed, stats)
+    assert any(f > seqs for f, seqs in stats)       # more forks than rows were exercised
