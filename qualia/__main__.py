@@ -115,17 +115,8 @@ def _ratio(text: str) -> float:
     return v
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= v < float("inf"):  # also nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
-
-
-def _temperature(text: str) -> float:
+def _finite_non_negative(text: str) -> float:
+    """--step-ms and --temperature: a finite number >= 0."""
     try:
         v = float(text)
     except ValueError:
@@ -199,7 +190,7 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     s.add_argument("--chunk", type=_int_in(1, U32_MAX), default=None, metavar="N",
                    help="longest prefill chunk: longer prompts are prefilled over several steps "
                         "(default: only the token budget limits a chunk)")
-    s.add_argument("--step-ms", type=_seconds, default=None, metavar="MS",
+    s.add_argument("--step-ms", type=_finite_non_negative, default=None, metavar="MS",
                    help="the serving clock's cost of one step in milliseconds, for arrivals "
                         "and latencies in seconds (default: each step's measured time)")
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
@@ -213,7 +204,7 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     f.add_argument("--beam-width", type=_int_in(1, 65536), default=None, metavar="W",
                    help="beam search of width W for every request, over forks (model backend "
                         "only; not with --n > 1); W <= --max-seqs (default: none)")
-    f.add_argument("--temperature", type=_temperature, default=None, metavar="T",
+    f.add_argument("--temperature", type=_finite_non_negative, default=None, metavar="T",
                    help="sample each token from softmax(logits / T), keyed by --seed, the "
                         "sequence's id and its position; 0 = greedy (model backend only; "
                         "default: 1 with --n > 1, else 0; the c backend's hash rule keys "
