@@ -149,9 +149,18 @@ def test_beam_groups_equal_the_dense_beam_search(implementation):
     assert result.stats["forks"] > 0
 
 
-def test_core_without_beam_search_is_a_clear_error():
-    if core_supports("beam"):
-        pytest.skip("this build's core has beam search")
+def test_this_build_s_core_has_both_kinds_of_group():
+    assert core_supports("n") and core_supports("beam")
+    assert Engine("model", beam_width=2).implementation == "core"
+    assert Engine("model", n=2).implementation == "core"
+
+
+def test_core_without_beam_search_is_a_clear_error(monkeypatch):
+    """An older build's core (the probe's answer replaced) is refused for beams with
+    implementation="core", and "auto" falls back to the twin."""
+    import qualia.engine as E
+
+    monkeypatch.setitem(E._CORE_FORKS, "beam", False)
     with pytest.raises(ValueError, match="no beam search"):
         Engine("model", beam_width=2, implementation="core")
     assert Engine("model", beam_width=2).implementation == "twin"  # auto falls back
