@@ -178,7 +178,7 @@ def _group_options(n, beam_width, max_seqs: int, max_queued: Optional[int]
         if isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be an int, not bool")
         try:  # anything with __index__ is an integer; an int subclass's comparisons never run
-            v = operator.index(value)
+            v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
         except TypeError:
             raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
         if not 1 <= v <= max_seqs:

@@ -80,7 +80,7 @@ def _int(value, name: str, maximum: int, minimum: int = 0) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, not bool")
     try:
-        v = operator.index(value)
+        v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
     except TypeError:
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
     if v < 0:

@@ -83,7 +83,7 @@ def _group_size(value, name: str, max_num_seqs: int) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int, not bool")
     try:
-        v = operator.index(value)
+        v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
     except TypeError:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
     if not 1 <= v <= max_num_seqs:

@@ -123,7 +123,7 @@ def _i32(value: Any, name: str) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, not bool")
     try:
-        v = operator.index(value)
+        v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
     except TypeError:
         raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
     if not I32_MIN <= v <= I32_MAX:

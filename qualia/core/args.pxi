@@ -9,7 +9,9 @@ cdef uint64_t _int_slow(object v, str what, uint64_t maxval) except? 0xFFFFFFFFF
     if isinstance(v, bool) or isinstance(v, np.bool_):
         raise TypeError(f"{what} must be an integer, not bool")
     try:
-        iv = operator.index(v)
+        # an exact int: an int subclass's own comparisons never run (Python 3.9's index()
+        # returns the subclass itself)
+        iv = int.__index__(operator.index(v))
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {type(v).__name__}") from None
     if iv < 0 or iv > maxval:
@@ -34,10 +36,9 @@ cdef object _group_size(object v, str what, uint32_t max_num_seqs):
     if isinstance(v, bool) or isinstance(v, np.bool_):
         raise TypeError(f"{what} must be an int, not bool")
     try:
-        iv = operator.index(v)
+        iv = int.__index__(operator.index(v))   # exact int: never a subclass's own methods
     except TypeError:
         raise TypeError(f"{what} must be an int, not {type(v).__name__}") from None
-    iv = int.__index__(iv)   # exact int: never a subclass's own __int__ or comparisons
     if not 1 <= iv <= max_num_seqs:
         raise ValueError(f"{what} must be in [1, max_num_seqs={max_num_seqs}], got {iv}")
     return iv

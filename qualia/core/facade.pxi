@@ -1146,7 +1146,7 @@ cdef class Scheduler:
             raise ValueError("max_new_tokens must be at least 1")
         if isinstance(priority, (bool, np.bool_)):
             raise TypeError("priority must be an integer, not bool")
-        prio = operator.index(priority)
+        prio = int.__index__(operator.index(priority))   # exact int (3.9: a subclass)
         if not -(1 << 31) <= prio < (1 << 31):
             raise OverflowError(f"priority must be in [-2**31, 2**31-1], got {prio}")
         if has_eos:
