@@ -63,6 +63,22 @@ cdef tuple _resolve_topk(object topk_ids, object topk_logprobs):
         return (None, None, exc)
 
 
+cdef int _alloc_candidates(void **ids, void **lps, size_t n, size_t lp_size) except -1:
+    # a pair of candidate buffers of n entries (uint32 ids; log-probabilities of lp_size bytes),
+    # allocated once: both, or neither and MemoryError
+    if ids[0] != NULL:
+        return 0
+    ids[0] = PyMem_Malloc(n * sizeof(uint32_t))
+    lps[0] = PyMem_Malloc(n * lp_size)
+    if ids[0] == NULL or lps[0] == NULL:
+        PyMem_Free(ids[0])
+        PyMem_Free(lps[0])
+        ids[0] = NULL
+        lps[0] = NULL
+        raise MemoryError()
+    return 0
+
+
 cdef class Scheduler:
     """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
 
@@ -1218,34 +1234,15 @@ cdef class Scheduler:
         # under ownership: the candidate buffers, allocated with the first beam group (max_num_seqs
         # rows of max_num_seqs candidates)
         cdef StepState *st = &self.step
-        cdef size_t n = <size_t>st.max_seqs * st.max_seqs
-        if st.cand_ids != NULL:
-            return 0
-        st.cand_ids = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
-        st.cand_lps = <double *>PyMem_Malloc(n * sizeof(double))
-        if st.cand_ids == NULL or st.cand_lps == NULL:
-            PyMem_Free(st.cand_ids)
-            PyMem_Free(st.cand_lps)
-            st.cand_ids = NULL
-            st.cand_lps = NULL
-            raise MemoryError()
-        return 0
+        return _alloc_candidates(<void **>&st.cand_ids, <void **>&st.cand_lps,
+                                 <size_t>st.max_seqs * st.max_seqs, sizeof(double))
 
     cdef int _topk_buffers(self) except -1:
         # under ownership, before run() hands beam plans to a C backend: room for every row's
         # candidates (rows_cap rows of max_num_seqs)
         cdef StepState *st = &self.step
         cdef size_t n = <size_t>st.rows_cap * st.max_seqs
-        if st.topk_ids_buf != NULL:
-            return 0
-        st.topk_ids_buf = <uint32_t *>PyMem_Malloc(n * sizeof(uint32_t))
-        st.topk_lps_buf = <float *>PyMem_Malloc(n * sizeof(float))
-        if st.topk_ids_buf == NULL or st.topk_lps_buf == NULL:
-            PyMem_Free(st.topk_ids_buf)
-            PyMem_Free(st.topk_lps_buf)
-            st.topk_ids_buf = NULL
-            st.topk_lps_buf = NULL
-            raise MemoryError()
+        _alloc_candidates(<void **>&st.topk_ids_buf, <void **>&st.topk_lps_buf, n, sizeof(float))
         st.topk_cap = n
         return 0
 
@@ -1370,11 +1367,15 @@ cdef class Scheduler:
 
     cdef list _update_owned(self, object values, tuple topk):
         # update() with the scheduler owned by the caller
+        self._load_sampled(values)
+        return self._update_loaded(self._load_topk(topk))
+
+    cdef list _update_loaded(self, object cand):
+        # the rest of update(), owned, once _load_sampled and _load_topk (its result: cand)
+        # have checked the plan's tokens back
         cdef int rc
         cdef const uint32_t *tk_ids = NULL
         cdef const double *tk_lps = NULL
-        self._load_sampled(values)
-        cand = self._load_topk(topk)
         if cand is not None:
             tk_ids = <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0])
             tk_lps = <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1])
@@ -1536,11 +1537,11 @@ cdef class Scheduler:
                         values = self._resolve_sampled(ids)
                         topk = _resolve_topk(tk, tl)
                         self._load_sampled(values)
-                        self._load_topk(topk)
+                        cand = self._load_topk(topk)
                     except BaseException:
                         step_discard(&self.step)
                         raise
-                    done = self._update_owned(values, topk)
+                    done = self._update_loaded(cand)
                     finished.extend(done)
                     step_stat(&self.step, &row, <uint32_t>len(done))
                     stats.append(row)
