@@ -807,13 +807,24 @@ cdef int step_schedule(StepState *st) noexcept nogil:
 
 # -- update ----------------------------------------------------------------------------------
 
+cdef inline bint is_stop_token(StepReq *r, uint32_t tok) noexcept nogil:
+    # eos (unless ignored) or one of the request's stop ids
+    cdef uint32_t k
+    if r.has_eos and not r.ignore_eos and tok == r.eos:
+        return True
+    for k in range(r.n_stop):
+        if r.stop[k] == tok:
+            return True
+    return False
+
+
 cdef int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil:
     # one sampled token for entry e (running, or a queued child of an n group): note it, apply
     # the stop conditions; a stopped plain request goes to st.done (SR_FINISHED), a stopped
     # member waits for its group (SR_MEMBER_DONE) and the last one puts the leader in st.done
     cdef StepReq *r = &st.req[e]
     cdef StepReq *g
-    cdef uint32_t pos = r.num_tokens, k
+    cdef uint32_t pos = r.num_tokens
     cdef uint8_t reason = FIN_NONE
     cdef int rc = Q_OK
     st.arena[<size_t>e * st.entry_cap + pos] = tok
@@ -822,13 +833,8 @@ cdef int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil:
     r.num_tokens += 1
     if r.num_tokens - r.num_prompt >= r.max_new:
         reason = FIN_LENGTH
-    elif r.has_eos and not r.ignore_eos and tok == r.eos:
+    elif is_stop_token(r, tok):
         reason = FIN_STOP
-    else:
-        for k in range(r.n_stop):
-            if r.stop[k] == tok:
-                reason = FIN_STOP
-                break
     if reason == FIN_NONE:
         return Q_OK
     r.reason = reason
@@ -970,16 +976,6 @@ cdef int beam_stop(StepState *st, int32_t g, int32_t b) noexcept nogil:
     return rc
 
 
-cdef inline bint beam_stops(StepReq *r, uint32_t tok) noexcept nogil:
-    cdef uint32_t k
-    if r.has_eos and not r.ignore_eos and tok == r.eos:
-        return True
-    for k in range(r.n_stop):
-        if r.stop[k] == tok:
-            return True
-    return False
-
-
 cdef inline bint _sel_before(double s, uint32_t rank, uint32_t tok, SelCand *x) noexcept nogil:
     # candidate order: higher score, then the earlier beam, then the lower id
     if s != x.score:
@@ -1038,7 +1034,7 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
     # classify; in_sel on a beam: 1 continues, 2 finishes a hypothesis, 4 its entry holds one
     for i in range(nk):
         x = &st.req[st.sel[i].beam]
-        if beam_stops(x, st.sel[i].tok):
+        if is_stop_token(x, st.sel[i].tok):
             st.sel[i].reason = FIN_STOP
         elif x.num_tokens - x.num_prompt + 1 >= x.max_new:
             st.sel[i].reason = FIN_LENGTH
