@@ -45,7 +45,7 @@ import numpy as np
 from qualia._types import FinishedGroup, FinishedRequest, RequestState
 from qualia.errors import StepError
 from qualia.twin import U32_MAX, _u32, _u64
-from qualia.twin_step import StepPlan, StepScheduler, _Req
+from qualia.twin_step import StepPlan, StepScheduler, _Req, _stops
 
 __all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend",
            "run_forks", "CHILD_BASE"]
@@ -89,10 +89,6 @@ def _group_size(value, name: str, max_num_seqs: int) -> int:
     if not 1 <= v <= max_num_seqs:
         raise ValueError(f"{name} must be in [1, max_num_seqs={max_num_seqs}], got {v}")
     return v
-
-
-def _stops(r: _Req, tok: int) -> bool:
-    return (r.eos is not None and tok == r.eos and not r.ignore_eos) or tok in r.stop
 
 
 class ForkStepScheduler(StepScheduler):
@@ -330,13 +326,6 @@ class ForkStepScheduler(StepScheduler):
             if self._plan is plan:      # refused before anything changed
                 self._discard()
             raise
-
-    def _stop_reason(self, r: _Req, tok: int) -> Optional[str]:
-        if r.num_outputs >= r.max_new_tokens:
-            return "length"
-        if _stops(r, tok):
-            return "stop"
-        return None
 
     def _note(self, r: _Req, tok: int) -> None:
         f = self.facade

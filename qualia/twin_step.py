@@ -75,6 +75,11 @@ class _Req:
         return len(self.tokens) - self.prompt_len
 
 
+def _stops(r: _Req, tok: int) -> bool:
+    """A stop token of ``r``: eos unless ignored, or one of its stop ids."""
+    return (r.eos is not None and tok == r.eos and not r.ignore_eos) or tok in r.stop
+
+
 @dataclass
 class StepPlan:
     """One step's plan: what to compute and where, in the array conventions attention kernels
@@ -488,6 +493,16 @@ class StepScheduler:
 
     # -- tokens back -------------------------------------------------------------------------------
     @staticmethod
+    def _stop_reason(r: _Req, tok: int) -> Optional[str]:
+        """Why ``r`` stops after taking ``tok`` (appended): max_new_tokens first, then a stop
+        token; None when it goes on."""
+        if r.num_outputs >= r.max_new_tokens:
+            return "length"
+        if _stops(r, tok):
+            return "stop"
+        return None
+
+    @staticmethod
     def _resolve_sampled(sampled_token_ids) -> List[int]:
         # conversion only (user code -- __index__, iterators -- runs here): no state is read
         if isinstance(sampled_token_ids, np.ndarray):
@@ -544,13 +559,7 @@ class StepScheduler:
                 continue
             f._note_token(f._find(r.request_id), len(r.tokens), tok)
             r.tokens.append(tok)
-            reason = None
-            if r.num_outputs >= r.max_new_tokens:
-                reason = "length"
-            elif r.eos is not None and tok == r.eos and not r.ignore_eos:
-                reason = "stop"
-            elif tok in r.stop:
-                reason = "stop"
+            reason = self._stop_reason(r, tok)
             if reason is not None:
                 self._stop_running(r)
                 del self._reqs[r.request_id]
