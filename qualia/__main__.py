@@ -12,7 +12,8 @@ Examples::
     qualia simulate --beam-width 4 --check
     qualia demo                           # a tiny run with --check
 
-Exit status: 0 on success, 1 when ``--check`` finds a mismatch, 2 for bad arguments (an option
+Exit status: 0 on success, 1 when ``--check`` finds a mismatch (or the replicas' run fails, or
+the output cannot be written: a full disk), 2 for bad arguments (an option
 out of its bounds or in a combination that does not run, an output path that cannot be written,
 an empty workload, a run that needs more memory than the machine has, a workload request that
 can never fit the pool; all checked before the run by :mod:`qualia.preflight`, for one engine
@@ -29,7 +30,7 @@ import sys
 from typing import Optional, Sequence, Tuple
 
 from . import preflight
-from .report import format_summary, jsonable
+from .report import OutputError, emit, format_summary, jsonable
 
 __all__ = ["main", "build_parser", "format_summary", "fork_option_problem", "sampling_of"]
 
@@ -127,8 +128,24 @@ def _path(text: str) -> str:
     return text
 
 
+#: The longest --step-ms: an hour a step (a serving clock past that says nothing about serving)
+MAX_STEP_MS = 3.6e6
+
+
+def _step_ms(text: str) -> float:
+    """--step-ms: a number of milliseconds > 0 (the clock must move) and <= MAX_STEP_MS."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < v <= MAX_STEP_MS:  # also nan
+        raise argparse.ArgumentTypeError(
+            f"must be > 0 and <= {MAX_STEP_MS:.0f} (an hour), got {text!r}")
+    return v
+
+
 def _finite_non_negative(text: str) -> float:
-    """--step-ms and --temperature: a finite number >= 0."""
+    """--temperature: a finite number >= 0."""
     try:
         v = float(text)
     except ValueError:
@@ -203,9 +220,10 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     s.add_argument("--chunk", type=_int_in(1, U32_MAX), default=None, metavar="N",
                    help="longest prefill chunk: longer prompts are prefilled over several steps "
                         "(default: only the token budget limits a chunk)")
-    s.add_argument("--step-ms", type=_finite_non_negative, default=None, metavar="MS",
-                   help="the serving clock's cost of one step in milliseconds, for arrivals "
-                        "and latencies in seconds (default: each step's measured time)")
+    s.add_argument("--step-ms", type=_step_ms, default=None, metavar="MS",
+                   help="the serving clock's cost of one step in milliseconds, > 0 and at "
+                        "most an hour, for arrivals and latencies in seconds (default: each "
+                        "step's measured time)")
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
                    help="'model': the numpy paged-attention model; 'c': the built-in C hash "
                         "backend, qualia.HashBackend (default %(default)s)")
@@ -448,7 +466,7 @@ def _simulate(args, out=None, err=None) -> int:
     if args.json:
         text = json.dumps(jsonable(summary), indent=2, sort_keys=True)
         if args.json == "-":
-            print(text, file=out)
+            emit(text, out)
         else:
             try:
                 with open(args.json, "w", encoding="utf-8") as f:
@@ -457,7 +475,7 @@ def _simulate(args, out=None, err=None) -> int:
                 print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
                 return 2
     if not args.quiet and args.json != "-":
-        print(format_summary(result.stats, message), file=out)
+        emit(format_summary(result.stats, message), out)
     if result.check is not None and not result.check.ok:
         if args.quiet or args.json == "-":
             print(f"check FAILED: {message}", file=err)
@@ -465,12 +483,13 @@ def _simulate(args, out=None, err=None) -> int:
     return 0
 
 
-def _quiet_output() -> None:
-    """After a reader closed our output pipe: point stdout and stderr at /dev/null, so that
-    nothing more (the interpreter's final flush included) writes into the closed pipe."""
+def _quiet_output(*streams) -> None:
+    """After the output could not be written (a reader closed the pipe, a full disk): point
+    ``streams`` at /dev/null, so that nothing more (the interpreter's final flush included)
+    writes there."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        for stream in (sys.stdout, sys.stderr):
+        for stream in streams:
             try:
                 os.dup2(devnull, stream.fileno())
             except (OSError, ValueError, AttributeError):  # not a real file: nothing to redirect
@@ -482,14 +501,24 @@ def _quiet_output() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; returns the exit status (see the module docstring).  Output into a
     pipe whose reader has gone (``qualia simulate | head -1``) ends the command quietly with
-    status 141, as SIGPIPE would end a C tool."""
+    status 141, as SIGPIPE would end a C tool; output that cannot be written otherwise (a full
+    disk) is one error line and status 1."""
     try:
         status = _main(argv)
-        sys.stdout.flush()     # a closed pipe shows here at the latest, not at interpreter exit
+        try:
+            sys.stdout.flush()   # a write error shows here at the latest, not at exit
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc.strerror or str(exc)) from None
         return status
     except BrokenPipeError:
-        _quiet_output()
+        _quiet_output(sys.stdout, sys.stderr)
         return EXIT_BROKEN_PIPE
+    except OutputError as exc:
+        _quiet_output(sys.stdout)
+        print(f"error: cannot write the output: {exc}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -907,6 +907,7 @@ def simulate_cli(args, out=None, err=None) -> int:
 
     from . import preflight
     from .check import check_outputs
+    from .report import emit
     from .workload import unservable_reason
 
     out = sys.stdout if out is None else out
@@ -1014,7 +1015,7 @@ def simulate_cli(args, out=None, err=None) -> int:
     if args.json:
         text = json.dumps([r.summary for r in results], indent=2, sort_keys=True, default=str)
         if args.json == "-":
-            print(text, file=out)
+            emit(text, out)
         else:
             try:
                 with open(args.json, "w", encoding="utf-8") as f:
@@ -1023,8 +1024,7 @@ def simulate_cli(args, out=None, err=None) -> int:
                 print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
                 return 2
     if not args.quiet and args.json != "-":
-        print(format_comparison(results), file=out)
-        print("\n".join(messages), file=out)
+        emit(format_comparison(results) + "\n" + "\n".join(messages), out)
     elif not ok:
         print("\n".join(messages), file=err)
     if args.kill_replica is not None:

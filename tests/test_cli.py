@@ -599,3 +599,21 @@ def test_plot_and_json_into_one_file_are_refused(tmp_path, monkeypatch, capsys):
     path = str(tmp_path / "run.png")
     rc, err = _refused(["--backend", "c", "--json", path, "--plot", path], capsys)
     assert rc == 2 and "argument --plot" in err and "--json" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e308", "3600000.1"])
+def test_step_ms_moves_the_clock_by_at_most_an_hour(value, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    rc, err = _refused(["--backend", "c", f"--step-ms={value}"], capsys)
+    assert rc == 2 and "argument --step-ms: must be > 0 and <= 3600000" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--json", "-"], ["--replicas", "2", "--local"]])
+def test_output_that_cannot_be_written_is_one_error_line(extra):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "qualia", "simulate", "--backend", "c",
+                            "--requests", "4", "--no-progress", *extra], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr == "error: cannot write the output: No space left on device\n"
