@@ -11,9 +11,10 @@
 # the cache holds it; least recently used first).  A reclaimable page is also on its namespace's
 # list of reclaimable pages (in the same order), and a namespace whose every reference is a
 # reclaimable page is "idle": on the list of idle namespaces, least recently used first, whose
-# head gives up its pages and its id when a new namespace needs one and none is free.  Lookups verify tokens, namespace and parent
-# link, so a hash collision can never hand out the wrong page.  Every function is O(1) or O(pages
-# of one call); nothing walks the pool.  All memory is allocated by pc_init.
+# head gives up its pages and its id when a new namespace needs one and none is free.  Lookups
+# verify tokens, namespace and parent link, so a hash collision can never hand out the wrong page.
+# Every function is O(1) or O(pages of one call); nothing walks the pool.  All memory is allocated
+# by pc_init.
 
 cdef enum:
     PC_NONE = 0          # record state: the page is not cached
@@ -62,7 +63,7 @@ cdef struct NsTable:
     uint32_t *rec_head    # its reclaimable pages, least recently used first (U32_MAX: none)
     uint32_t *rec_tail
     uint32_t *idle_prev   # the idle list: namespaces whose references are all reclaimable
-    uint32_t *idle_next   #   pages, least recently used first (U32_MAX: none)
+    uint32_t *idle_next   # pages, least recently used first (U32_MAX: none)
     uint8_t *idle         # on the idle list
     uint32_t idle_head
     uint32_t idle_tail
