@@ -112,10 +112,18 @@ class _Waiting:
         rid = getattr(request, "request_id", None)
         return rid is not None and self._reqs.get(rid) is request
 
+    def __getitem__(self, i: int) -> Request:
+        return list(self._reqs.values())[i]
+
     def add_request(self, request: Request) -> None:
         self._reqs[request.request_id] = request
 
-    prepend_request = add_request
+    def prepend_request(self, request: Request) -> None:
+        rest = self._reqs
+        self._reqs = {request.request_id: request}
+        for rid, r in rest.items():
+            if rid != request.request_id:
+                self._reqs[rid] = r
 
     def remove_request(self, request: Request) -> None:
         self._reqs.pop(request.request_id, None)
@@ -161,7 +169,8 @@ class Scheduler(_VllmScheduler):
             raise ValueError(f"qualia.vllm.Scheduler needs at least 2 KV blocks, got {num_blocks}")
         self._num_pages = num_blocks - 1  # block 0 is vLLM's null block
         logical_pages = -(-int(self.max_model_len) // block_size)
-        max_seqs = int(self.max_num_running_reqs)
+        # admission is capped by max_num_active_seqs (max_num_seqs unless set)
+        max_seqs = int(self.max_num_active_reqs)
         entry_bytes = 4 * logical_pages * block_size
         max_queued = max(2 * max_seqs, min(4 * max_seqs, (256 << 20) // entry_bytes))
         threshold = int(sc.long_prefill_token_threshold or 0)
@@ -287,6 +296,8 @@ class Scheduler(_VllmScheduler):
 
     def _forget(self, request: Request) -> None:
         rid = request.request_id
+        if self.aux_output_connector is not None:
+            self.aux_output_connector.request_finished(request)
         qid = self._qid.pop(rid, None)
         if qid is not None:
             self._by_qid.pop(qid, None)
@@ -357,7 +368,9 @@ class Scheduler(_VllmScheduler):
                 req.num_preemptions += 1
                 if self.log_stats:
                     req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
-                self.waiting.add_request(req)
+                if self.aux_output_connector is not None:
+                    self.aux_output_connector.request_finished(req)
+                self.waiting.prepend_request(req)
                 self.reset_preempted_req_ids.add(req.request_id)
                 gone.add(req)
             self.running = [r for r in self.running if r not in gone]
@@ -517,7 +530,7 @@ class Scheduler(_VllmScheduler):
             live: List[bool] = []
             for req in sampled_reqs:
                 rid = req.request_id
-                if requests.get(rid) is req and not req.is_finished():
+                if requests.get(rid) is req:
                     got = sampled[index[rid]] if sampled else ()
                     if len(got) != 1:
                         self._core.discard_plan()
@@ -533,48 +546,66 @@ class Scheduler(_VllmScheduler):
             if len(self._sampled_rows):
                 self._row_tokens[self._sampled_rows] += 1
             finished_qids = {f.request_id for f in done}
+            extra = self._extra_stops
+            check_stop = bool(finished_qids or extra)
+            qid_of = self._qid
             logprobs = model_runner_output.logprobs
-            prompt_lp = model_runner_output.prompt_logprobs_dict
+            prompt_lp = model_runner_output.prompt_logprobs_dict or None
             nans = model_runner_output.num_nans_in_logits
+            masks = model_runner_output.sampling_masks if self.return_sampling_mask else None
+            hits = self._hit_tokens
+            make = EngineCoreOutput
             stopped_running = set()
             for req, tok, ok in zip(sampled_reqs, toks, live):
                 if not ok:
                     continue
-                req.append_output_token_ids(tok)
+                # Request.append_output_token_ids without vLLM's block hashing (qualia's own
+                # cache decides hits)
+                req._output_token_ids.append(tok)
+                req._all_token_ids.append(tok)
                 rid = req.request_id
-                qid = self._qid[rid]
                 finish = None
-                if qid in finished_qids or (qid in self._extra_stops
-                                            and tok in self._extra_stops[qid]):
-                    sp = req.sampling_params
-                    if tok == sp.eos_token_id:
-                        req.status = RequestStatus.FINISHED_STOPPED
-                    elif tok in (sp.stop_token_ids or ()):
-                        req.status = RequestStatus.FINISHED_STOPPED
-                        req.stop_reason = tok
-                    else:
-                        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    if qid not in finished_qids:
-                        self._core.abort(qid)
-                    finish = req.get_finished_reason()
-                    stopped_running.add(req)
-                    finished_here.append(req)
+                if check_stop:
+                    qid = qid_of[rid]
+                    if qid in finished_qids or (qid in extra and tok in extra[qid]):
+                        sp = req.sampling_params
+                        if tok == sp.eos_token_id:
+                            req.status = RequestStatus.FINISHED_STOPPED
+                        elif tok in (sp.stop_token_ids or ()):
+                            req.status = RequestStatus.FINISHED_STOPPED
+                            req.stop_reason = tok
+                        else:
+                            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                        if qid not in finished_qids:
+                            self._core.abort(qid)
+                        finish = req.get_finished_reason()
+                        stopped_running.add(req)
+                        finished_here.append(req)
                 new_logprobs = None
                 if logprobs is not None and req.sampling_params.logprobs is not None:
                     new_logprobs = logprobs.slice_request(index[rid], 1)
-                prefill_stats = req.take_prefill_stats()
+                new_mask = None
+                if masks is not None:
+                    new_mask = masks.slice_request(index[rid], 1)
+                prefill_stats = req.prefill_stats
                 if prefill_stats is not None:
-                    prefill_stats.finalize(self._hit_tokens.get(rid, 0))
+                    req.prefill_stats = None
+                    prefill_stats.finalize(hits.get(rid, 0))
+                events = None
+                if req.events:
+                    events = req.events
+                    req.events = []
                 if nans is not None and rid in nans:
                     req.num_nans_in_logits = nans[rid]
-                out = EngineCoreOutput(
+                out = make(
                     request_id=rid,
                     new_token_ids=[tok],
                     finish_reason=finish,
                     new_logprobs=new_logprobs,
+                    new_sampling_mask=new_mask,
                     new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
                     stop_reason=req.stop_reason,
-                    events=req.take_events(),
+                    events=events,
                     prefill_stats=prefill_stats,
                     trace_headers=req.trace_headers,
                     num_nans_in_logits=req.num_nans_in_logits,
@@ -664,6 +695,8 @@ class Scheduler(_VllmScheduler):
         self._core.clear_cache()
         if self._prefix_stats is not None:
             self._prefix_stats.reset = True
+        if self.aux_output_connector is not None:
+            self.aux_output_connector.reset()
         return True
 
     def _requeue_running(self) -> None:
@@ -671,7 +704,7 @@ class Scheduler(_VllmScheduler):
         # and outputs) and the outputs it has left; the runner is told it was preempted and
         # resumes it from the block ids of its next admission.
         timestamp = time.monotonic() if self.log_stats else 0.0
-        for req in reversed(self.running):
+        for req in self.running:
             rid = req.request_id
             qid = self._qid.pop(rid)
             self._core.abort(qid)
