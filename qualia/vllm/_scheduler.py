@@ -235,7 +235,7 @@ class Scheduler(_VllmScheduler):
                           "caching is enabled; disable prefix caching for prompt logprobs")
 
     def _core_add(self, request: Request, tokens: List[int], max_new: int) -> int:
-        sp = request.sampling_params
+        sp: Any = request.sampling_params
         qid = self._next_qid
         stops = list(sp.stop_token_ids or ())
         core_stops = stops if len(stops) <= _CORE_MAX_STOPS else []
@@ -396,7 +396,7 @@ class Scheduler(_VllmScheduler):
         new_reqs: List[Request] = []
         new_blocks: List[Tuple[List[int], ...]] = []
         res_pos: List[int] = []
-        resumed_blocks: List[Tuple[List[int], ...]] = []
+        resumed_blocks: List[Optional[Tuple[List[int], ...]]] = []
         if k:
             qids = plan.request_ids[m:].tolist()
             arows = rows[m:].tolist()
@@ -531,7 +531,7 @@ class Scheduler(_VllmScheduler):
             for req in sampled_reqs:
                 rid = req.request_id
                 if requests.get(rid) is req:
-                    got = sampled[index[rid]] if sampled else ()
+                    got: Any = sampled[index[rid]] if sampled else ()
                     if len(got) != 1:
                         self._core.discard_plan()
                         raise RuntimeError(
@@ -568,7 +568,7 @@ class Scheduler(_VllmScheduler):
                 if check_stop:
                     qid = qid_of[rid]
                     if qid in finished_qids or (qid in extra and tok in extra[qid]):
-                        sp = req.sampling_params
+                        sp: Any = req.sampling_params
                         if tok == sp.eos_token_id:
                             req.status = RequestStatus.FINISHED_STOPPED
                         elif tok in (sp.stop_token_ids or ()):
@@ -582,7 +582,8 @@ class Scheduler(_VllmScheduler):
                         stopped_running.add(req)
                         finished_here.append(req)
                 new_logprobs = None
-                if logprobs is not None and req.sampling_params.logprobs is not None:
+                if logprobs is not None and getattr(req.sampling_params, "logprobs",
+                                                    None) is not None:
                     new_logprobs = logprobs.slice_request(index[rid], 1)
                 new_mask = None
                 if masks is not None:
@@ -686,10 +687,14 @@ class Scheduler(_VllmScheduler):
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
-        if self._pending:
-            return False
         if self.running and not reset_running_requests:
             return False
+        if self._pending:
+            # the step in flight is dropped (its outputs are not delivered): every request it
+            # scheduled is requeued below and computes its tokens again
+            self._core.discard_plan()
+            self._pending = False
+            self._sampled = []
         if reset_running_requests and self.running:
             self._requeue_running()
         self._core.clear_cache()

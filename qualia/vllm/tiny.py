@@ -10,7 +10,7 @@ in-process.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 ENGINE_ENV: Dict[str, str] = {
     "HF_HUB_OFFLINE": "1",
@@ -71,7 +71,8 @@ class HFGreedy:
         the stop ids are masked, as vLLM's min_tokens does)."""
         torch = self._torch
         ids = torch.tensor([list(prompt)])
-        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        kw: Dict[str, Any] = dict(max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=0)
         if stop_ids:
             kw["eos_token_id"] = list(stop_ids)
             if min_new_tokens:
