@@ -12,8 +12,8 @@ Examples::
     qualia simulate --beam-width 4 --check
     qualia demo                           # a tiny run with --check
 
-Exit status: 0 on success, 1 when ``--check`` finds a mismatch (or the replicas' run fails, or
-the output cannot be written: a full disk), 2 for bad arguments (an option
+Exit status: 0 on success, 1 when ``--check`` finds a mismatch (or the run fails, or the output
+cannot be written: a full disk), 2 for bad arguments (an option
 out of its bounds or in a combination that does not run, an output path that cannot be written,
 an empty workload, a run that needs more memory than the machine has, a workload request that
 can never fit the pool; all checked before the run by :mod:`qualia.preflight`, for one engine
@@ -381,6 +381,7 @@ def _simulate(args, out=None, err=None) -> int:
 
     clock = Stopwatch()  # from here on, every second of the run is in one row of the summary
     from .engine import Engine, UnservableRequest
+    from .errors import QualiaError
     from .workload import Trace
 
     out = sys.stdout if out is None else out
@@ -426,7 +427,12 @@ def _simulate(args, out=None, err=None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=err)
             return 2
-        result = engine.run(check=args.check, progress=progress)
+        try:
+            result = engine.run(check=args.check, progress=progress)
+        except (RuntimeError, QualiaError) as exc:   # the run failed (stuck, a scheduler error)
+            name = "" if type(exc) is RuntimeError else f"{type(exc).__name__}: "
+            print(f"error: the run failed: {name}{exc}", file=err)
+            return 1
     finally:
         if bar is not None:
             bar.close()

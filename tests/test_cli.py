@@ -617,3 +617,18 @@ def test_output_that_cannot_be_written_is_one_error_line(extra):
                            stderr=subprocess.PIPE, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr == "error: cannot write the output: No space left on device\n"
+
+
+def test_a_failed_run_is_one_error_line_and_exit_1(monkeypatch, capsys):
+    from qualia import engine as engine_mod
+    from qualia.errors import PrefixCacheError
+
+    for exc, says in ((RuntimeError("engine stuck: 65 steps"), "engine stuck: 65 steps"),
+                      (PrefixCacheError.NamespaceTableFull(None, "x"), "NamespaceTableFull")):
+        def fail(self, *args, _exc=exc, **kwargs):
+            raise _exc
+
+        monkeypatch.setattr(engine_mod.Engine, "run", fail)
+        rc, err = _refused(["--backend", "c"], capsys)
+        assert rc == 1 and err.startswith("error: the run failed: ") and says in err
+        assert err.count("\n") == 1
