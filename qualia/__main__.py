@@ -429,9 +429,8 @@ def _simulate(args, out=None, err=None) -> int:
             return 2
         try:
             result = engine.run(check=args.check, progress=progress)
-        except (RuntimeError, QualiaError) as exc:   # the run failed (stuck, a scheduler error)
-            name = "" if type(exc) is RuntimeError else f"{type(exc).__name__}: "
-            print(f"error: the run failed: {name}{exc}", file=err)
+        except (RuntimeError, QualiaError) as exc:   # the run failed (stuck, a scheduler error;
+            print(f"error: the run failed: {exc}", file=err)   # a QualiaError names its class)
             return 1
     finally:
         if bar is not None:
