@@ -137,7 +137,10 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
         stream_stop(ss, st)
         st.live = 0
         ns_unref(&c.ns, st.ns)
-    rc = ns_intern(&c.ns, nsh, nsb, nsl, &ns)
+    # A new namespace may take an idle namespace's id (reclaiming its pages) and then has no
+    # cached page: its match is empty, and attaching no page to the free slot's empty table
+    # cannot fail, so nothing after a reclaim can fail.
+    rc = pc_intern_ns(c, p, nsh, nsb, nsl, &ns)
     if rc:
         return rc
     ids = &ss.ident[_sp(ss, index)]
@@ -169,7 +172,7 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
         c.hit_tokens += <uint64_t>k * pt
     c.collisions += collided
     c.pages_hashed += hashed
-    c.ns.refs[ns] += 1
+    ns_ref(&c.ns, ns)
     out.slot = <uint16_t>index
     out.prefix_tokens = k * pt
     return Q_OK
