@@ -56,6 +56,22 @@ cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) ex
     return token
 
 
+# A GIL-free section that changes state (Scheduler.run() with a C step backend: the whole
+# schedule -> execute -> update loop runs without the GIL) sets `gil_free` on the facade and on
+# each raw object it holds, with the GIL, before it lets the GIL go, and clears it after it has
+# the GIL back.  While it is set every read of those objects raises BusyError (reads included:
+# the loop changes what they would read); the one exception is the KV event ring, a
+# single-producer, single-consumer ring that drain_events() consumes concurrently
+# (core/pagecache.pxi).  A read calls own_readable() after it has resolved its arguments (user
+# code may run there, and with it another thread) and before it reads any state, with no
+# Python code in between, so the check and the read happen under one holding of the GIL.
+cdef inline int own_readable(uint8_t gil_free) except -1:
+    if gil_free:
+        raise BusyError(None, "a GIL-free section (Scheduler.run() with a C step backend) is "
+                              "changing this object; nothing was read, retry after it")
+    return 0
+
+
 cdef inline void own_release(uint64_t token, uint64_t *a, uint64_t *b, uint64_t *c,
                              uint64_t *d) noexcept:
     """Give back what `token` holds; a field some other token holds is left alone."""
