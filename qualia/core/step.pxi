@@ -614,6 +614,10 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     row = row_lowest_free(st)
     if row < 0 or st.s.active >= st.s.max_requests:
         return Q_EXHAUSTED      # cannot happen: running < max_num_seqs <= max_requests
+    # what the admission counts, for the undo below
+    cdef uint64_t lookups = st.c.lookups, lookup_tokens = st.c.lookup_tokens
+    cdef uint64_t hit_tokens = st.c.hit_tokens, collisions = st.c.collisions
+    cdef uint64_t hashed = st.c.pages_hashed, admitted = r.admitted
     if st.mode == MODE_AUTO:
         rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
                         r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl, r.nsh, &adm)
@@ -632,13 +636,36 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     st.running[st.n_running] = e
     st.n_running += 1
     rc = step_reserve(st, e, n)
-    if rc == Q_OK:
-        # the row mirrors the whole table: the hit's pages and the chunk's
-        t = &st.s.slots[adm.slot].blocks
-        row_write(st, e, 0, t.len - 1 if t.len else 0)
+    if rc:
+        # The fit test above promised this reservation (its hit is the admission's: one cache
+        # state, read twice in one C stretch that nothing else runs in), so this is a broken
+        # invariant.  Never leave a request half-admitted (running, in no plan, never named
+        # new): undo the admission and report the error.  Its hit's cached pages go back to
+        # the cache (reclaimable ones at the recent end of the reclaim order).
+        slot_release(st, e)
+        running_remove(st, e)
+        st.row_owner[row] = -1
+        r.row = -1
+        r.num_computed = 0
+        st.admissions -= 1
+        r.admitted = admitted
+        r.state = SR_WAITING        # back in the heap under its own (priority, arrival, enq)
+        _heap_set(st, st.n_waiting, e)
+        st.n_waiting += 1
+        _heap_up(st, st.n_waiting - 1)
+        if st.mode == MODE_AUTO:
+            st.c.lookups = lookups
+            st.c.lookup_tokens = lookup_tokens
+            st.c.hit_tokens = hit_tokens
+            st.c.collisions = collisions
+            st.c.pages_hashed = hashed
+        return rc
+    # the row mirrors the whole table: the hit's pages and the chunk's
+    t = &st.s.slots[adm.slot].blocks
+    row_write(st, e, 0, t.len - 1 if t.len else 0)
     chunk[0] = n
     cached[0] = adm.prefix_tokens
-    return rc
+    return Q_OK
 
 
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
@@ -728,7 +755,9 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             if rc == Q_NAMESPACES_FULL and st.n_running:
                 break           # running requests will free namespace ids
             if rc:
-                return rc       # nothing changed: nothing ran before an admission failed
+                # the admission changed nothing (admit_waiting undoes its own); the requests
+                # this step scheduled before it keep their pages, as after discard_plan()
+                return rc
             st.req[e].unseen = 1
             st.new_ids[st.n_new] = st.req[e].rid
             st.n_new += 1
