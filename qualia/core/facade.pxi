@@ -87,6 +87,13 @@ cdef class Scheduler:
     call (docs/DESIGN.md, "Ownership"): a call made meanwhile -- from a backend, a GC callback or
     another thread, on the facade or on ``pool``/``prefixes``/``requests`` -- raises
     ``BusyError`` and changes nothing.
+
+    While ``run()`` with a C step backend runs its GIL-free loop, every other call on the
+    facade and on its raw objects raises ``BusyError`` and changes nothing, reads included
+    (``stats``, ``cached_prefix``, ``request_tokens``, ``num_waiting``, ...), except
+    ``drain_events()``, which drains the KV event ring concurrently; configuration properties
+    and ``page_identities`` read nothing the loop changes and work too (docs/DESIGN.md,
+    "Concurrency").  Reads work at every other time, from a Python backend mid-step too.
     """
     cdef readonly BlockPool pool
     cdef readonly PrefixKvStore prefixes
@@ -953,7 +960,8 @@ cdef class Scheduler:
     def cached_prefix(self, prompt_tokens, namespace=b""):
         """``CachedPrefix(tokens, pages, reclaimable)``: what an admission of ``prompt_tokens``
         in ``namespace`` would take from the cache right now, and how many of those pages are
-        reclaimable now (the admission takes them out of ``free_pages``).  Changes nothing."""
+        reclaimable now (the admission takes them out of ``free_pages``).  Changes nothing
+        and writes no scratch of the core (it has its own)."""
         return self._probe(prompt_tokens, namespace, "cached_prefix", True)
 
     cdef object _probe(self, object prompt_tokens, object namespace, str what, bint detail):
@@ -994,8 +1002,11 @@ cdef class Scheduler:
         """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
         them.  With ``out`` (a writable 1-D KV_EVENT array): write up to ``len(out)`` events
         into it and return how many (no allocation).  Events left in the ring stay pending.
-        Draining touches only the ring, which no GIL-free section touches: it takes no
-        ownership and may be called at any time, from a backend or a router thread too."""
+        The ring is a single-producer, single-consumer ring: the core writes it (without the
+        GIL inside run()), drain_events reads it (with the GIL, one caller at a time), so it
+        takes no ownership and may be called at any time, from any thread, even while run()'s
+        GIL-free loop runs: every event comes out once, in order.  A full ring drops new
+        events and counts them (``cache_stats().events_dropped``)."""
         cdef void *ptr
         cdef Py_ssize_t n
         cdef uint32_t count
@@ -1561,10 +1572,12 @@ cdef class Scheduler:
         requests in the order they finished.
 
         The scheduler is owned for the whole call: a backend (or a GC callback, or another
-        thread) calling a mutating method meanwhile gets BusyError.  A C step backend
-        (``__qualia_step_backend__``) runs whole stretches of steps in C without the GIL; the
-        stats rows are written into arrays of up to 4096 rows allocated between stretches, and
-        the finished requests are collected between stretches.  A Python backend's
+        thread) calling a mutating method meanwhile gets BusyError; reads work (the state
+        stands still while Python runs).  A C step backend (``__qualia_step_backend__``) runs
+        whole stretches of steps in C without the GIL; while a stretch runs, every other call
+        on the scheduler and its raw objects raises BusyError, reads included, except
+        drain_events().  The stats rows are written into arrays of up to 4096 rows allocated
+        between stretches, and the finished requests are collected between stretches.  A Python backend's
         ``execute_step(plan)`` is called with the GIL, between schedule and update.  If a
         backend fails, that step is discarded (nothing of it applied) and the error propagates
         with the requests the earlier steps of this call finished as its ``finished`` attribute

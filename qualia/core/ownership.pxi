@@ -17,7 +17,8 @@
 # weakref finalizer, another thread while a C backend runs without the GIL -- gets BusyError from
 # every mutating call on it and changes nothing.  Read-only calls take no ownership: they copy
 # the state they read into C memory before they build Python objects (an allocation can run a GC
-# callback that mutates), and the core never mutates state without the GIL.
+# callback that mutates).  The core changes state without the GIL in one place, the loop of
+# Scheduler.run() with a C step backend; reads are refused while it runs (own_readable below).
 
 cdef uint64_t _own_seq = 0
 
