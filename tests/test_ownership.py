@@ -748,7 +748,7 @@ def test_reads_from_a_python_backend_mid_step_see_the_state_and_change_nothing()
             seen.append((s.num_running, s.cached_prefix(shared + [1]).tokens,
                          {r: len(s.request_tokens(r)) for r in rids if r in (1, 2)},
                          s.stats()["active"], len(s.runnable())))
-            for name, call in step_reads(s, shared).items():
+            for call in step_reads(s, shared).values():
                 try:
                     call()
                 except (qualia.StepError.UnknownRequest, qualia.SchedulerError.UnknownRequest,

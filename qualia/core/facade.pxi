@@ -1577,11 +1577,11 @@ cdef class Scheduler:
         whole stretches of steps in C without the GIL; while a stretch runs, every other call
         on the scheduler and its raw objects raises BusyError, reads included, except
         drain_events().  The stats rows are written into arrays of up to 4096 rows allocated
-        between stretches, and the finished requests are collected between stretches.  A Python backend's
-        ``execute_step(plan)`` is called with the GIL, between schedule and update.  If a
-        backend fails, that step is discarded (nothing of it applied) and the error propagates
-        with the requests the earlier steps of this call finished as its ``finished`` attribute
-        (a list of FinishedRequest; they are no longer queued)."""
+        between stretches, and the finished requests are collected between stretches.  A
+        Python backend's ``execute_step(plan)`` is called with the GIL, between schedule and
+        update.  If a backend fails, that step is discarded (nothing of it applied) and the
+        error propagates with the requests the earlier steps of this call finished as its
+        ``finished`` attribute (a list of FinishedRequest; they are no longer queued)."""
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
         cdef qualia_step_backend *cb = NULL
         cdef StepStat row

@@ -1740,8 +1740,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
             or st.heap == NULL or st.running == NULL or st.row_owner == NULL
             or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
             or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
-            or st.plan_alive == NULL or st.deferred_slot == NULL or st.done == NULL or st.sampled == NULL
-            or st.fin_accum == NULL or st.fork_acc == NULL):
+            or st.plan_alive == NULL or st.deferred_slot == NULL or st.done == NULL
+            or st.sampled == NULL or st.fin_accum == NULL or st.fork_acc == NULL):
         raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
                           f"of {entry_cap} tokens")
     for i in range(max_queued):
