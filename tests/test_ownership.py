@@ -843,11 +843,16 @@ def test_a_router_thread_draining_events_during_run_gets_every_event_once_in_ord
     stop = threading.Event()
     drained = []
     buf = np.zeros(7, qualia.KV_EVENT)
+    prompt = list(range(30))
+    idents = s.page_identities(prompt).tolist()
+    wrong = []
 
     def router():
         k = 0
         while not stop.is_set():
             k += 1
+            if s.page_identities(prompt).tolist() != idents:    # reads only the cache key
+                wrong.append(k)
             if k % 2:
                 drained.append(s.drain_events().copy())
             else:
@@ -867,6 +872,6 @@ def test_a_router_thread_draining_events_during_run_gets_every_event_once_in_ord
     workload(replay)
     replay.run(qualia.HashBackend())
     want = replay.drain_events()
-    assert len(want) > 1000 and s.cache_stats().events_dropped == 0
+    assert len(want) > 1000 and s.cache_stats().events_dropped == 0 and not wrong
     assert (got["kind"] != 0).all()
     assert got.tolist() == want.tolist()    # by field: concatenate leaves the padding as is

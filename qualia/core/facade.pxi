@@ -1550,14 +1550,13 @@ cdef class Scheduler:
         cdef uint32_t e, k = 0, j
         own_readable(self.gil_free)
         # (arrival, id) pairs into C memory first: building the list runs Python code
-        cdef uint64_t *pairs = <uint64_t *>PyMem_Malloc(
-            2 * <size_t>(st.count if st.count else 1) * sizeof(uint64_t))
+        cdef size_t size = 2 * <size_t>st.max_queued * sizeof(uint64_t)
+        cdef uint64_t *pairs = <uint64_t *>PyMem_Malloc(size)
         if pairs == NULL:
             raise MemoryError()
         try:
             for e in range(st.max_queued):
-                if (st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING) \
-                        and k < st.count:
+                if st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING:
                     pairs[2 * k] = st.req[e].arrival
                     pairs[2 * k + 1] = st.req[e].rid
                     k += 1
