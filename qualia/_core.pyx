@@ -11,8 +11,10 @@
 # that can run user code), then takes ownership of every object it touches (core/ownership.pxi),
 # mutates, releases, and maps a failing code to an exception through the one table in
 # core/errors.pxi.  State memory is allocated in __cinit__; the steady-state operations allocate
-# nothing.  The GIL is released only around calls into C backends, while the core's state is owned
-# and the core does not touch it.
+# nothing.  The GIL is released around calls into C backends, while the core's state is owned and
+# the core does not touch it, and around the loop of Scheduler.run() with a C step backend, which
+# owns the state and changes it: every other call, reads included, is refused meanwhile, except
+# draining the KV event ring (a single-producer, single-consumer ring).
 #
 # Where each concept lives:
 #   core/structs.pxi     C structs, status codes, C declarations

@@ -201,6 +201,9 @@ class StepScheduler:
         self._plan: Optional[StepPlan] = None
         self._aborted_in_plan: Set[int] = set()
         self._deferred_rows: List[int] = []   # rows of requests aborted in the pending plan
+        # ...and their facade requests, in abort order: the pages stay held until the plan is
+        # retired (a kernel may be executing it)
+        self._deferred_finish: List[int] = []
         self._busy = False     # run() holds the scheduler: mutating calls get BusyError
 
     def _enter(self) -> None:
@@ -251,7 +254,7 @@ class StepScheduler:
         if not tokens:
             raise ValueError("the prompt must have at least one token")
         self._enter()
-        if self.facade.active_count > len(self._running):
+        if self.facade.active_count > len(self._running) + len(self._deferred_finish):
             raise StepError.ModeConflict(None, "requests admitted with admit() are active")
         if self._taken(rid):
             raise StepError.DuplicateRequest(None, f"request {rid}")
@@ -297,9 +300,14 @@ class StepScheduler:
         self._rows_free.sort()
 
     def _clear_deferred_rows(self) -> None:
+        # the plan is retired: the rows and the pages of the requests aborted while it was
+        # pending are free again (pages in abort order)
         for row in self._deferred_rows:
             self._clear_row(row)
         self._deferred_rows = []
+        for rid in self._deferred_finish:
+            self.facade.finish(rid)
+        self._deferred_finish = []
 
     def _stop_running(self, r: _Req) -> None:
         # give the pages back (full pages stay cached) and the row; leave the running list
@@ -317,12 +325,17 @@ class StepScheduler:
             raise StepError.UnknownRequest(None, f"request {rid}")
         if r.running:
             if self._plan is not None and any(c is r for c, _ in self._plan._chunks):
-                # the pending plan may be executing: its block-table row keeps the pages
-                # (nobody allocates before the plan is done); update() / discard_plan() clear it
+                # the pending plan may be executing: the request keeps its pages and its
+                # block-table row keeps them, until update() / discard_plan() retires the plan
                 self._aborted_in_plan.add(rid)
                 self._deferred_rows.append(r.row)
+                self._deferred_finish.append(rid)
                 r.row = -1
-            self._stop_running(r)
+                self._running.remove(r)
+                r.running = False
+                r.num_computed = 0
+            else:
+                self._stop_running(r)
         else:
             self._waiting.remove(r)
         del self._reqs[rid]

@@ -26,9 +26,12 @@ cdef struct Streams:
     uint64_t *ident     # max_requests x logical_pages: each page's chain value (pc_chain)
     uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
     uint64_t *canon_gen
-    uint64_t *probe_ident    # logical_pages: scratch of cached_prefix_tokens
+    uint64_t *probe_ident    # logical_pages: the engine step's probe of an admission's hit
     uint32_t *probe_canon
     uint64_t *probe_gen
+    uint64_t *read_ident     # logical_pages: cached_prefix's own (a read writes no core scratch)
+    uint32_t *read_canon
+    uint64_t *read_gen
     uint32_t logical_pages
     uint32_t page_tokens
     uint32_t cacheable  # streams that are live and not broken: 0 lets a decode round skip them
@@ -53,9 +56,13 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
     ss.probe_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
     ss.probe_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
     ss.probe_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
+    ss.read_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
+    ss.read_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
+    ss.read_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
     if ss.st == NULL or ss.tokens == NULL or ss.ident == NULL or ss.canon == NULL \
             or ss.canon_gen == NULL or ss.probe_ident == NULL or ss.probe_canon == NULL \
-            or ss.probe_gen == NULL:
+            or ss.probe_gen == NULL or ss.read_ident == NULL or ss.read_canon == NULL \
+            or ss.read_gen == NULL:
         raise MemoryError(f"cannot allocate token streams of {max_requests} x {logical_pages} "
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
@@ -72,6 +79,9 @@ cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.probe_ident)
     PyMem_Free(ss.probe_canon)
     PyMem_Free(ss.probe_gen)
+    PyMem_Free(ss.read_ident)
+    PyMem_Free(ss.read_canon)
+    PyMem_Free(ss.read_gen)
     memset(ss, 0, sizeof(Streams))
 
 

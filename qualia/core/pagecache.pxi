@@ -75,11 +75,14 @@ cdef struct NsTable:
     uint32_t count
 
 cdef struct EventRing:
+    # a single-producer, single-consumer ring (pc_emit, pc_drain): `tail` counts the events
+    # ever written and is written only by the producer, `head` counts the events ever drained
+    # and is written only by the consumer; record i lives at buf[i % capacity]
     KvEvent *buf
     uint32_t capacity
-    uint32_t head
-    uint32_t count
-    uint64_t dropped
+    uint64_t head
+    uint64_t tail
+    uint64_t dropped      # the producer's: events refused because the ring was full
 
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
@@ -120,6 +123,8 @@ cdef extern from "qualia_cache.h" nogil:
     uint64_t qualia_mix64(uint64_t z)
     uint64_t qualia_page_chain(const uint64_t *k, const uint64_t *K, uint32_t n, uint64_t parent,
                                int has_parent, uint64_t ns_hash, const uint32_t *t)
+    uint64_t qualia_load_acquire(const uint64_t *p)
+    void qualia_store_release(uint64_t *p, uint64_t v)
 
 
 # -- hashing ------------------------------------------------------------------------------------
@@ -295,13 +300,16 @@ cdef inline void ns_unref(NsTable *t, uint32_t e) noexcept nogil:
 
 cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, bint has_parent,
                   uint32_t ns, uint32_t tokens, uint32_t page) noexcept nogil:
-    # the ring never overwrites: a full ring drops the new event and counts it
+    # The producer side of the ring (the core, with or without the GIL).  A full ring drops the
+    # new event and counts it: the producer never waits for a consumer (the loop of run() must
+    # not block on a router thread) and never overwrites a record a consumer may be copying.
     cdef EventRing *r = &c.ev
+    cdef uint64_t t = r.tail                    # only the producer writes it
     cdef KvEvent *e
-    if r.count == r.capacity:
+    if t - qualia_load_acquire(&r.head) >= r.capacity:
         r.dropped += 1
         return
-    e = &r.buf[(r.head + r.count) % r.capacity]
+    e = &r.buf[t % r.capacity]
     e.identity = ident
     e.parent = parent
     e.namespace_id = ns
@@ -310,18 +318,27 @@ cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, b
     e.kind = kind
     e.has_parent = has_parent
     e._reserved = 0
-    r.count += 1
+    qualia_store_release(&r.tail, t + 1)        # the record is complete before it is seen
+
+
+cdef inline uint32_t pc_pending(PageCache *c) noexcept nogil:
+    # events written and not drained yet (at most capacity)
+    return <uint32_t>(qualia_load_acquire(&c.ev.tail) - c.ev.head)
 
 
 cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
+    # The consumer side (drain_events, with the GIL: one consumer at a time).  It may run while
+    # the producer runs without the GIL: it copies only records below the tail it loaded, which
+    # the producer does not touch until the head moves past them.
     cdef EventRing *r = &c.ev
-    cdef uint32_t n = r.count if r.count < cap else cap
+    cdef uint64_t h = r.head                    # only the consumer writes it
+    cdef uint64_t avail = qualia_load_acquire(&r.tail) - h
+    cdef uint32_t n = <uint32_t>(avail if avail < cap else cap)
     cdef uint32_t i
     for i in range(n):
-        out[i] = r.buf[(r.head + i) % r.capacity]
+        out[i] = r.buf[(h + i) % r.capacity]
     if n:
-        r.head = (r.head + n) % r.capacity
-        r.count -= n
+        qualia_store_release(&r.head, h + n)    # the records are copied before they are reused
     return n
 
 

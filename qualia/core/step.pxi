@@ -185,6 +185,10 @@ cdef struct StepState:
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
     uint8_t *plan_alive     # max_seqs: 0 once aborted after schedule
+    # slots of requests aborted while in the pending plan, in abort order: their pages stay
+    # held (a kernel may be executing the plan) until update() or discard_plan() retires it
+    int32_t *deferred_slot  # max_seqs
+    uint32_t n_deferred
     uint64_t *request_ids
     int32_t *query_start_loc
     int32_t *seq_lens
@@ -452,15 +456,30 @@ cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
         st.n_accum += 1
 
 
-cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
-    # facade finish: release the request's pages (auto mode: into the cache) and free its slot
-    cdef int rc
+cdef inline int slot_finish(StepState *st, int32_t slot) noexcept nogil:
+    # facade finish: release the slot's pages (auto mode: into the cache) and free the slot
     if st.mode == MODE_AUTO:
-        rc = auto_finish(st.s, st.p, st.c, st.ss, st.req[e].slot)
-    else:
-        rc = sched_finish(st.s, st.req[e].slot, st.p)
+        return auto_finish(st.s, st.p, st.c, st.ss, slot)
+    return sched_finish(st.s, slot, st.p)
+
+
+cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
+    cdef int rc = slot_finish(st, st.req[e].slot)
     st.req[e].slot = -1
     return rc
+
+
+cdef int release_deferred(StepState *st) noexcept nogil:
+    # the plan is retired (applied or discarded): the slots of the requests aborted while it
+    # was pending hand their pages back now, in abort order
+    cdef uint32_t k
+    cdef int rc, first = Q_OK
+    for k in range(st.n_deferred):
+        rc = slot_finish(st, st.deferred_slot[k])
+        if rc and first == Q_OK:
+            first = rc
+    st.n_deferred = 0
+    return first
 
 
 cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
@@ -595,6 +614,10 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     row = row_lowest_free(st)
     if row < 0 or st.s.active >= st.s.max_requests:
         return Q_EXHAUSTED      # cannot happen: running < max_num_seqs <= max_requests
+    # what the admission counts, for the undo below
+    cdef uint64_t lookups = st.c.lookups, lookup_tokens = st.c.lookup_tokens
+    cdef uint64_t hit_tokens = st.c.hit_tokens, collisions = st.c.collisions
+    cdef uint64_t hashed = st.c.pages_hashed, admitted = r.admitted
     if st.mode == MODE_AUTO:
         rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
                         r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl, r.nsh, &adm)
@@ -613,13 +636,36 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     st.running[st.n_running] = e
     st.n_running += 1
     rc = step_reserve(st, e, n)
-    if rc == Q_OK:
-        # the row mirrors the whole table: the hit's pages and the chunk's
-        t = &st.s.slots[adm.slot].blocks
-        row_write(st, e, 0, t.len - 1 if t.len else 0)
+    if rc:
+        # The fit test above promised this reservation (its hit is the admission's: one cache
+        # state, read twice in one C stretch that nothing else runs in), so this is a broken
+        # invariant.  Never leave a request half-admitted (running, in no plan, never named
+        # new): undo the admission and report the error.  Its hit's cached pages go back to
+        # the cache (reclaimable ones at the recent end of the reclaim order).
+        slot_release(st, e)
+        running_remove(st, e)
+        st.row_owner[row] = -1
+        r.row = -1
+        r.num_computed = 0
+        st.admissions -= 1
+        r.admitted = admitted
+        r.state = SR_WAITING        # back in the heap under its own (priority, arrival, enq)
+        _heap_set(st, st.n_waiting, e)
+        st.n_waiting += 1
+        _heap_up(st, st.n_waiting - 1)
+        if st.mode == MODE_AUTO:
+            st.c.lookups = lookups
+            st.c.lookup_tokens = lookup_tokens
+            st.c.hit_tokens = hit_tokens
+            st.c.collisions = collisions
+            st.c.pages_hashed = hashed
+        return rc
+    # the row mirrors the whole table: the hit's pages and the chunk's
+    t = &st.s.slots[adm.slot].blocks
+    row_write(st, e, 0, t.len - 1 if t.len else 0)
     chunk[0] = n
     cached[0] = adm.prefix_tokens
-    return rc
+    return Q_OK
 
 
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
@@ -709,7 +755,9 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             if rc == Q_NAMESPACES_FULL and st.n_running:
                 break           # running requests will free namespace ids
             if rc:
-                return rc       # nothing changed: nothing ran before an admission failed
+                # the admission changed nothing (admit_waiting undoes its own); the requests
+                # this step scheduled before it keep their pages, as after discard_plan()
+                return rc
             st.req[e].unseen = 1
             st.new_ids[st.n_new] = st.req[e].rid
             st.n_new += 1
@@ -1286,6 +1334,9 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     for j in range(st.n):
         if not st.plan_alive[j]:
             row_clear_deferred(st, st.block_table_rows[j])
+    rc = release_deferred(st)
+    if rc and first == Q_OK:
+        first = rc
     st.pending = False
     return first
 
@@ -1335,13 +1386,15 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
     return TOPK_OK
 
 
-cdef void step_discard(StepState *st) noexcept nogil:
+cdef int step_discard(StepState *st) noexcept nogil:
     # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
     # changed rows and finished ids are reported again by the next plan (a backend whose
-    # execution failed may not have applied them); the caller made room in fin_accum.
+    # execution failed may not have applied them); the caller made room in fin_accum.  The
+    # requests aborted while it was pending hand their pages back (a pool error: its code).
     cdef uint32_t j
+    cdef int rc
     if not st.pending:
-        return          # no plan: nothing to drop
+        return Q_OK     # no plan: nothing to drop
     for j in range(st.n):
         if st.plan_alive[j]:
             st.req[st.plan_entry[j]].plan_pos = -1
@@ -1361,7 +1414,9 @@ cdef void step_discard(StepState *st) noexcept nogil:
             st.fork_acc[2 * j + 1] = st.fork_parent_ids[j]
         st.n_fork_acc += st.n_forks
     st.n_forks = 0
+    rc = release_deferred(st)
     st.pending = False
+    return rc
 
 
 # -- requests in and out -------------------------------------------------------------------------
@@ -1380,8 +1435,8 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     cdef uint32_t k
     cdef StepReq *r
     cdef StepReq *ch
-    if st.s.active > st.n_running:
-        return Q_MODE_CONFLICT
+    if st.s.active > st.n_running + st.n_deferred:
+        return Q_MODE_CONFLICT      # requests of the manual verbs are active
     if step_find(st, rid) >= 0:
         return Q_STEP_DUPLICATE
     if total > st.entry_cap:
@@ -1479,14 +1534,18 @@ cdef int step_abort_one(StepState *st, int32_t e) noexcept nogil:
     # a waiting or running entry leaves the queues (its entry is freed by the caller)
     cdef int rc = Q_OK
     if st.req[e].state == SR_RUNNING:
-        rc = slot_release(st, e)
         if st.pending and st.req[e].plan_pos >= 0:
-            # the pending plan may be executing: its block-table row keeps the pages (nobody
-            # allocates before the plan is done) and is cleared by update() or discard_plan()
+            # the pending plan may be executing: its pages stay held by the slot and its
+            # block-table row keeps them, until update() or discard_plan() retires the plan
+            # (release_deferred, row_clear_deferred); nothing allocates them meanwhile
             st.plan_alive[st.req[e].plan_pos] = 0
             st.row_owner[st.req[e].row] = ROW_DEFERRED
             st.req[e].row = -1
+            st.deferred_slot[st.n_deferred] = st.req[e].slot
+            st.n_deferred += 1
+            st.req[e].slot = -1
         else:
+            rc = slot_release(st, e)
             row_release(st, e)
         running_remove(st, e)
     else:
@@ -1664,6 +1723,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
     st.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
+    st.deferred_slot = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.done = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.rows_cap = max_queued
     st.next_child = (<uint64_t>1) << 63
@@ -1680,8 +1740,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
             or st.heap == NULL or st.running == NULL or st.row_owner == NULL
             or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
             or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
-            or st.plan_alive == NULL or st.done == NULL or st.sampled == NULL
-            or st.fin_accum == NULL or st.fork_acc == NULL):
+            or st.plan_alive == NULL or st.deferred_slot == NULL or st.done == NULL
+            or st.sampled == NULL or st.fin_accum == NULL or st.fork_acc == NULL):
         raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
                           f"of {entry_cap} tokens")
     for i in range(max_queued):
@@ -1743,6 +1803,7 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.plan_chunk)
     PyMem_Free(st.plan_sample)
     PyMem_Free(st.plan_alive)
+    PyMem_Free(st.deferred_slot)
     PyMem_Free(st.done)
     PyMem_Free(st.sampled)
     PyMem_Free(st.fin_accum)
