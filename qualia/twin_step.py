@@ -309,6 +309,22 @@ class StepScheduler:
         r.running = False
         r.num_computed = 0
 
+    def _unqueue(self, r: _Req) -> None:
+        """A request that is not running leaves the scheduler's queues."""
+        self._waiting.remove(r)
+
+    @staticmethod
+    def _pick_victim(pool: List[_Req]) -> _Req:
+        """The request a reservation that cannot be met preempts: of the running requests not
+        yet scheduled in this step and the current one, the largest priority value, ties going
+        to the most recently admitted."""
+        return max(pool, key=lambda q: (q.priority, q.admitted))
+
+    def _preempt(self, r: _Req) -> None:
+        # its pages back (full pages stay cached), its computed tokens forgotten: it waits again
+        self._stop_running(r)
+        self._enqueue(r)
+
     def abort(self, request_id) -> None:
         rid = _u64(request_id, "request_id")
         self._enter()
@@ -324,7 +340,7 @@ class StepScheduler:
                 r.row = -1
             self._stop_running(r)
         else:
-            self._waiting.remove(r)
+            self._unqueue(r)
         del self._reqs[rid]
         self._finished_since.append(rid)
 
@@ -366,10 +382,9 @@ class StepScheduler:
                 copies = self._reserve(r, n)
                 if copies is not None:
                     break
-                pool = [q for q in self._running if q.request_id not in scheduled]
-                victim = max(pool, key=lambda q: (q.priority, q.admitted))
-                self._stop_running(victim)
-                self._enqueue(victim)
+                victim = self._pick_victim(
+                    [q for q in self._running if q.request_id not in scheduled])
+                self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is r:
                     break

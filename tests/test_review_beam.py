@@ -347,8 +347,8 @@ def phases():
     """(name, steps to run before aborting, whether a plan is pending at the abort)."""
     return [("queued", 0, False), ("in_prefill_plan", 0, True), ("mid_prefill", 1, False),
             ("beam_waits_for_sibling", 3, False), ("parked", 5, False),
-            ("fewer_live_beams", 6, False), ("in_decode_plan", 6, True),
-            ("after_result", 9, False)]
+            ("fewer_live_beams", 6, False), ("in_decode_plan", 8, True),
+            ("after_result", 10, False)]
 
 
 @pytest.mark.parametrize("name,steps,pending", phases())

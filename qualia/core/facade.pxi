@@ -1231,11 +1231,11 @@ cdef class Scheduler:
             raise _error(E_STEP, rc)
 
     cdef int _beam_buffers(self) except -1:
-        # under ownership: the candidate buffers, allocated with the first beam group (max_num_seqs
-        # rows of max_num_seqs candidates)
+        # under ownership: the candidate buffers, allocated with the first beam group (one row
+        # of max_num_seqs candidates per entry: a parked beam keeps its candidates)
         cdef StepState *st = &self.step
         return _alloc_candidates(<void **>&st.cand_ids, <void **>&st.cand_lps,
-                                 <size_t>st.max_seqs * st.max_seqs, sizeof(double))
+                                 <size_t>st.max_queued * st.max_seqs, sizeof(double))
 
     cdef int _topk_buffers(self) except -1:
         # under ownership, before run() hands beam plans to a C backend: room for every row's
@@ -1443,7 +1443,8 @@ cdef class Scheduler:
         if e >= 0 and self.step.req[e].state == SR_GROUP:
             e = self.step.req[e].parent_beam    # a beam group: its beam with the group's id
         if e < 0 or (self.step.req[e].state != SR_WAITING
-                     and self.step.req[e].state != SR_RUNNING):
+                     and self.step.req[e].state != SR_RUNNING
+                     and self.step.req[e].state != SR_PARKED):
             raise StepError.UnknownRequest(None, f"request {rid}")
         return _array_of(&self.step.arena[<size_t>e * self.step.entry_cap],
                          self.step.req[e].num_tokens)
@@ -1470,8 +1471,9 @@ cdef class Scheduler:
 
     @property
     def parked(self):
-        """Beams parked so far: computed beams of a group whose other beam waits, queued again
-        after a step that scheduled nothing (docs/DESIGN.md, "Beam search at the step level")."""
+        """Beams parked so far: computed beams that left the running list with their
+        candidates (after a step that scheduled nothing, or preempted) to wait, holding
+        nothing, for their group's selection (docs/DESIGN.md, "Progress")."""
         return self.step.parked
 
     @property
@@ -1480,12 +1482,13 @@ cdef class Scheduler:
         return self.step.fork_fallbacks
 
     def step_requests(self):
-        """Ids of the queued and running requests, in arrival order."""
+        """Ids of the queued, running and parked requests, in arrival order."""
         cdef StepState *st = &self.step
         cdef uint32_t e
         found = []
         for e in range(st.max_queued):
-            if st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING:
+            if (st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING
+                    or st.req[e].state == SR_PARKED):
                 found.append((st.req[e].arrival, st.req[e].rid))
         found.sort()
         return [rid for _, rid in found]

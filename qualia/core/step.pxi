@@ -27,6 +27,9 @@ cdef enum:
     # a beam group, a hypothesis (its tokens, score and reason)
     SR_MEMBER_DONE = 5
     SR_GROUP = 6        # a beam group's record (no tokens: an entry past max_queued)
+    # SR_PARKED: a live beam with its candidates that holds nothing (no slot, row, pages or
+    # heap position) until its group selects (docs/DESIGN.md, "Progress")
+    SR_PARKED = 7
 
 cdef enum:
     ROW_DEFERRED = -2   # row_owner of a row whose request was aborted in the pending plan
@@ -85,7 +88,7 @@ cdef struct StepReq:
     # n_members = width, n_members_done = hypotheses so far); each live beam and each stored
     # hypothesis holds one of the w entries the group reserved (group == the record)
     uint8_t beam            # record: a beam group
-    uint8_t has_cand        # live beam: its candidates are in the row's candidate buffer
+    uint8_t has_cand        # live beam: its candidates are in its entry's candidate buffer
     uint8_t unindexed       # not in the id index (the parent beam, a hypothesis)
     uint8_t in_sel          # record: queued for selection in this update
     double score            # live beam: cumulative log-probability; hypothesis: its score
@@ -228,8 +231,8 @@ cdef struct StepState:
     int32_t beam_head       # beam group records in add order
     int32_t beam_tail
     uint32_t num_topk       # the pending plan's candidates per row (0: no beam row)
-    uint32_t *cand_ids      # max_seqs x max_seqs, by row: a computed beam's candidates
-    double *cand_lps        # the same rows' log-probabilities (both with the first beam group)
+    uint32_t *cand_ids      # max_queued x max_seqs, by entry: a computed beam's candidates
+    double *cand_lps        # their log-probabilities (both allocated with the first beam group)
     SelCand *sel            # max_seqs: the kept candidates of one selection
     int32_t *sel_groups     # max_seqs: groups with a beam row in the plan being applied
     uint32_t n_sel_groups
@@ -525,9 +528,22 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
 
 cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
     # among running requests not yet scheduled in this step, plus the current one: the highest
-    # priority value, ties -> the most recently admitted
-    cdef int32_t best = cur, e
+    # priority value, ties -> the most recently admitted.  A computed beam waiting for its group
+    # (it keeps its candidates) goes first, before anything that still computes (the twin's
+    # _pick_victim)
+    cdef int32_t best = -1, e
     cdef uint32_t i
+    for i in range(st.n_running):
+        e = st.running[i]
+        if not st.req[e].has_cand:
+            continue
+        if best < 0 or (st.req[e].priority > st.req[best].priority
+                        or (st.req[e].priority == st.req[best].priority
+                            and st.req[e].admitted > st.req[best].admitted)):
+            best = e
+    if best >= 0:
+        return best
+    best = cur
     for i in range(st.n_running):
         e = st.running[i]
         if e != cur and st.req[e].sched_step == st.step_no:
@@ -539,16 +555,32 @@ cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
     return best
 
 
-cdef int preempt(StepState *st, int32_t e) noexcept nogil:
-    # recompute: release the pages (full pages stay cached in auto mode), back to waiting with
-    # its arrival number and outputs
+cdef int leave_running(StepState *st, int32_t e) noexcept nogil:
+    # release the pages (full pages stay cached in auto mode) and the row; forget the computed
+    # tokens
     cdef int rc = slot_release(st, e)
     row_release(st, e)
     running_remove(st, e)
     st.req[e].num_computed = 0
     st.req[e].row_fresh = 0
-    st.req[e].has_cand = 0
-    heap_push(st, e)
+    return rc
+
+
+cdef inline void beam_park(StepState *st, int32_t e) noexcept nogil:
+    # a computed beam out of the running list (leave_running first): it keeps its candidates
+    # and waits for its group's selection outside the queues
+    st.req[e].state = SR_PARKED
+    st.parked += 1
+
+
+cdef int preempt(StepState *st, int32_t e) noexcept nogil:
+    # recompute: back to waiting with its arrival number and outputs; a computed beam is parked
+    # with its candidates instead
+    cdef int rc = leave_running(st, e)
+    if st.req[e].has_cand:
+        beam_park(st, e)
+    else:
+        heap_push(st, e)
     st.preempted_ids[st.n_preempted] = st.req[e].rid
     st.n_preempted += 1
     return rc
@@ -873,7 +905,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
            <size_t>par.num_tokens * sizeof(uint32_t))
     ch.num_tokens = par.num_tokens
     st.count += 1
-    if row >= 0 and st.s.active < st.s.max_requests:
+    if par.state == SR_RUNNING and row >= 0 and st.s.active < st.s.max_requests:
         ps = &st.s.slots[par.slot]
         if ps.state != QUALIA_STATE_DECODE:
             # fork takes decoding requests only: the parent's prefill is complete
@@ -966,7 +998,7 @@ cdef int beam_stop(StepState *st, int32_t g, int32_t b) noexcept nogil:
         rc = slot_release(st, b)
         row_release(st, b)
         running_remove(st, b)
-    else:
+    elif st.req[b].state == SR_WAITING:
         heap_remove(st, b)
     st.req[b].has_cand = 0
     st.count -= 1
@@ -986,13 +1018,13 @@ cdef inline bint _sel_before(double s, uint32_t rank, uint32_t tok, SelCand *x) 
 
 
 cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
-    # The twin's _select: when every live beam of group g is running, computed and has its
-    # candidates, the best w - hypotheses candidates are kept; each either finishes a hypothesis
+    # The twin's _select: when every live beam of group g has its candidates (running and
+    # computed, or parked), the best w - hypotheses candidates are kept; each either finishes a hypothesis
     # (stored in an entry of the group) or continues a beam (the first continuation of a beam
     # takes the beam itself, each further one forks a child).  No live continuation: the group
     # is done (st.done).  Allocates nothing.
     cdef StepReq *R = &st.req[g]
-    cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0, cap = st.max_seqs
+    cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0
     cdef int32_t b, d, prev, src
     cdef size_t base
     cdef double sc
@@ -1002,14 +1034,14 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
     b = R.next_member
     while b >= 0:
         x = &st.req[b]
-        if x.state != SR_RUNNING or x.num_computed != x.num_tokens or not x.has_cand:
+        if not x.has_cand:
             return Q_OK
         b = x.next_member
     K = w - R.n_members_done
     b = R.next_member
     while b >= 0:
         x = &st.req[b]
-        base = <size_t>x.row * cap
+        base = <size_t>b * st.max_seqs
         for c in range(w):
             sc = x.score + st.cand_lps[base + c]
             tok = st.cand_ids[base + c]
@@ -1154,6 +1186,8 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         if st.mode == MODE_AUTO and x.state == SR_RUNNING:
             auto_note_token(st.s, st.ss, <uint32_t>x.slot, x.num_tokens, st.sel[i].tok)
         x.num_tokens += 1
+        if x.state == SR_PARKED:
+            heap_push(st, d)        # a parked beam continues: it has a token to compute
         x.score = st.sel[i].score
         x.next_member = -1
         if prev < 0:
@@ -1165,33 +1199,20 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
 
 
 cdef void beam_park_blocked(StepState *st) noexcept nogil:
-    # The twin's _park_blocked_beams, after a step that scheduled nothing: a group with a beam
-    # not running parks its computed running beams (preempted without a report, queued again).
+    # The twin's _park_blocked_beams, after a step that scheduled nothing: every running beam
+    # (each is computed and waits for a sibling) is parked with its candidates, not reported
+    # as preempted, groups in add order and beams in member order
     cdef int32_t g = st.beam_head, b
-    cdef bint blocked
     cdef StepReq *x
     while g >= 0:
         if st.req[g].state == SR_GROUP:
-            blocked = False
             b = st.req[g].next_member
             while b >= 0:
-                if st.req[b].state != SR_RUNNING:
-                    blocked = True
-                b = st.req[b].next_member
-            if blocked:
-                b = st.req[g].next_member
-                while b >= 0:
-                    x = &st.req[b]
-                    if x.state == SR_RUNNING and x.num_computed == x.num_tokens:
-                        slot_release(st, b)
-                        row_release(st, b)
-                        running_remove(st, b)
-                        x.num_computed = 0
-                        x.row_fresh = 0
-                        x.has_cand = 0
-                        heap_push(st, b)
-                        st.parked += 1
-                    b = x.next_member
+                x = &st.req[b]
+                if x.state == SR_RUNNING and x.num_computed == x.num_tokens:
+                    leave_running(st, b)
+                    beam_park(st, b)
+                b = x.next_member
         g = st.req[g].next_group
 
 
@@ -1255,7 +1276,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
             g = r.group
             w = st.req[g].n_members
             src = <size_t>st.plan_sample[j] * k
-            dst = <size_t>r.row * st.max_seqs
+            dst = <size_t>e * st.max_seqs
             for c in range(w):
                 st.cand_ids[dst + c] = tk_ids[src + c]
                 st.cand_lps[dst + c] = tk_lps[src + c] if tk_lps != NULL else tk_lps_f[src + c]
@@ -1489,7 +1510,7 @@ cdef int step_abort_one(StepState *st, int32_t e) noexcept nogil:
         else:
             row_release(st, e)
         running_remove(st, e)
-    else:
+    elif st.req[e].state == SR_WAITING:
         heap_remove(st, e)
     st.count -= 1
     accum_finished(st, st.req[e].rid)
