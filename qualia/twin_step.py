@@ -14,8 +14,8 @@ One step:
    ``min(tokens left, budget left, max_prefill_chunk)`` (the chunk cap applies to prefills).  When
    the pages for the chunk cannot be found (free plus reclaimable cached pages), the victim is
    preempted: of the running requests not yet scheduled in this step plus the current one, the
-   one with the largest priority value, ties broken towards the most recently admitted.  A
-   preempted request gives its pages back (its full pages stay cached), forgets its computed
+   one with the largest priority value, ties broken towards the most recently admitted (the
+   fork twin takes a computed beam waiting for its group first).  A preempted request gives its pages back (its full pages stay cached), forgets its computed
    tokens and waits again, keeping its outputs and its arrival number.
 2. If nothing was preempted, waiting requests are admitted in (priority, arrival) order until one
    does not fit (budget, ``max_num_seqs`` running requests, pages): the first that does not fit
