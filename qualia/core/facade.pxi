@@ -1493,35 +1493,71 @@ cdef class Scheduler:
         found.sort()
         return [rid for _, rid in found]
 
-    def run(self, backend, max_steps=None):
+    cdef int _raise_run_failure(self, int rc, int32_t status) except -1:
+        # the C loop's failed step (discarded by step_run) as its exception
+        if rc == RUN_BACKEND_FAILED:
+            raise RaggedBackendError.Failed(status)
+        if rc == RUN_BAD_TOKEN:
+            raise ValueError(f"the step backend sampled token id "
+                             f"{self.step.sampled[status]} (row {status}), outside "
+                             f"[0, {self.step.vocab - 1}]")
+        if rc == RUN_BAD_TOPK:
+            raise ValueError(f"the step backend wrote a candidate token id outside "
+                             f"[0, {self.step.vocab - 1}] (row {status})")
+        if rc == RUN_BAD_TOPK_LOGPROB:
+            raise ValueError(f"the step backend wrote a candidate log-probability that "
+                             f"is NaN or +inf, or left it unwritten (row {status})")
+        if rc == RUN_REPEATED_TOPK:
+            raise ValueError(f"the step backend repeated a token among a beam's "
+                             f"candidates (row {status})")
+        if rc == RUN_UNSORTED_TOPK:
+            raise ValueError(f"the step backend wrote a beam row's candidates out of "
+                             f"order: not best first (row {status})")
+        if rc == RUN_NO_TOPK:
+            raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
+                            "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
+                            "step was discarded")
+        raise _error(E_STEP, rc)
+
+    def run(self, backend, max_steps=None, *, stats_rows=RUN_STATS_ROWS):
         """schedule -> execute -> update until no request is left or ``max_steps`` steps ran.
-        Returns ``RunResult(stats, finished)``: one STEP_STATS row per step and the finished
-        requests in the order they finished.
+        Returns ``RunResult(stats, finished, steps, totals)``: the STEP_STATS rows of the last
+        ``min(steps, stats_rows)`` steps, oldest first (a ring sized when the call starts, so
+        the call's memory does not grow with its length), the finished requests in the order
+        they finished, the number of steps, and each STEP_TOTALS field summed over all of them.
 
         The scheduler is owned for the whole call: a backend (or a GC callback, or another
         thread) calling a mutating method meanwhile gets BusyError.  A C step backend
-        (``__qualia_step_backend__``) runs whole stretches of steps in C without the GIL; the
-        stats rows are written into arrays of up to 4096 rows allocated between stretches, and
-        the finished requests are collected between stretches.  A Python backend's
+        (``__qualia_step_backend__``) runs stretches of steps in C without the GIL; every few
+        milliseconds (5 ms) the stretch ends between two steps, the finished requests
+        are collected and pending signals are serviced with the GIL: a signal handler that
+        raises (KeyboardInterrupt) stops the call there.  A Python backend's
         ``execute_step(plan)`` is called with the GIL, between schedule and update.  If a
-        backend fails, that step is discarded (nothing of it applied) and the error propagates
-        with the requests the earlier steps of this call finished as its ``finished`` attribute
-        (a list of FinishedRequest; they are no longer queued)."""
+        backend fails, or a signal handler raises, the step being run is discarded (nothing of
+        it applied) and the error propagates with the requests the earlier steps of this call
+        finished as its ``finished`` attribute (they are no longer queued)."""
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        cdef uint32_t ring_rows = _u32(stats_rows, "stats_rows")
         cdef qualia_step_backend *cb = NULL
         cdef StepStat row
-        cdef StepStat *rows
-        cdef uint32_t steps = 0, want
+        cdef StepStat *ring
+        cdef uint32_t head = 0
+        cdef uint64_t steps = 0, total = 0, want
+        cdef uint64_t totals[STAT_TOTALS]
         cdef int32_t status = 0
         cdef int rc = Q_OK
         cdef uint64_t tok
         handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
-        stats = []
+        if limit is not None and <uint32_t>limit < ring_rows:
+            ring_rows = <uint32_t>limit
+        stats = np.empty(ring_rows, dtype=STEP_STATS)
+        ring = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>stats)
+        memset(totals, 0, sizeof(totals))
         finished = []
         tok = self._own()
         try:
             if cb == NULL:
-                while self.step.count and (limit is None or len(stats) < limit):
+                while self.step.count and (limit is None or total < limit):
                     rc = step_schedule(&self.step)
                     if rc:
                         raise _error(E_STEP, rc)
@@ -1547,58 +1583,35 @@ cdef class Scheduler:
                     done = self._update_loaded(cand)
                     finished.extend(done)
                     step_stat(&self.step, &row, <uint32_t>len(done))
-                    stats.append(row)
-                out = np.empty(len(stats), dtype=STEP_STATS)
-                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
-                for i, r in enumerate(stats):
-                    rows[i] = r
-                return RunResult(out, finished)
-            total = 0
-            if self.step.beam_head >= 0:
-                if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
-                    # refused before any step: nothing is scheduled, admitted or discarded
-                    raise TypeError("a beam group is queued or running and the C step backend "
-                                    "does not declare QUALIA_STEP_WRITES_TOPK (its plans need "
-                                    "candidates); nothing was run")
-                self._topk_buffers()
-            while self.step.count and (limit is None or total < limit):
-                want = 4096 if limit is None else min(4096, limit - total)
-                chunk = np.empty(want, dtype=STEP_STATS)
-                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
-                with nogil:
-                    rc = step_run(&self.step, cb, rows, want, &steps, &status)
-                finished.extend(step_collect(&self.step))
-                stats.append(chunk[:steps])
-                total += steps
-                if rc == RUN_BACKEND_FAILED:
-                    raise RaggedBackendError.Failed(status)
-                if rc == RUN_BAD_TOKEN:
-                    raise ValueError(f"the step backend sampled token id "
-                                     f"{self.step.sampled[status]} (row {status}), outside "
-                                     f"[0, {self.step.vocab - 1}]")
-                if rc == RUN_BAD_TOPK:
-                    raise ValueError(f"the step backend wrote a candidate token id outside "
-                                     f"[0, {self.step.vocab - 1}] (row {status})")
-                if rc == RUN_BAD_TOPK_LOGPROB:
-                    raise ValueError(f"the step backend wrote a candidate log-probability that "
-                                     f"is NaN or +inf, or left it unwritten (row {status})")
-                if rc == RUN_REPEATED_TOPK:
-                    raise ValueError(f"the step backend repeated a token among a beam's "
-                                     f"candidates (row {status})")
-                if rc == RUN_UNSORTED_TOPK:
-                    raise ValueError(f"the step backend wrote a beam row's candidates out of "
-                                     f"order: not best first (row {status})")
-                if rc == RUN_NO_TOPK:
-                    raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
-                                    "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
-                                    "step was discarded")
-                if rc:
-                    raise _error(E_STEP, rc)
-            if len(stats) == 1:
-                out = stats[0]
+                    stats_note(&row, ring, ring_rows, &head, totals)
+                    total += 1
             else:
-                out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
-            return RunResult(out, finished)
+                if self.step.beam_head >= 0:
+                    if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
+                        # refused before any step: nothing is scheduled, admitted or discarded
+                        raise TypeError("a beam group is queued or running and the C step "
+                                        "backend does not declare QUALIA_STEP_WRITES_TOPK (its "
+                                        "plans need candidates); nothing was run")
+                    self._topk_buffers()
+                while self.step.count and (limit is None or total < limit):
+                    want = U64_MAX if limit is None else <uint64_t>limit - total
+                    with nogil:
+                        rc = step_run(&self.step, cb, want, _now_ns() + RUN_SLICE_NS, ring,
+                                      ring_rows, &head, totals, &steps, &status)
+                    finished.extend(step_collect(&self.step))
+                    total += steps
+                    if rc:
+                        self._raise_run_failure(rc, status)
+                    # between two steps, nothing pending: a signal handler that raises stops
+                    # the call here (the steps so far stay applied)
+                    PyErr_CheckSignals()
+            if total > ring_rows:
+                # the ring wrapped: its oldest row is at head
+                stats = np.concatenate((stats[head:], stats[:head]))
+            elif total < ring_rows:
+                stats = stats[:total].copy()
+            return RunResult(stats, finished, total,
+                             {name: totals[k] for k, name in enumerate(STEP_TOTALS)})
         except BaseException as err:
             # the requests earlier steps of this call finished are freed: report them
             _attach_finished(err, finished)

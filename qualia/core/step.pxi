@@ -1872,6 +1872,33 @@ cdef object _step_output(StepState *st, int32_t e):
     return arr
 
 
+cdef enum:
+    # run() with a C backend: a stretch of steps without the GIL ends at the first step that
+    # ends this long after it began, so signals are serviced every few milliseconds
+    RUN_SLICE_NS = 5000000
+
+cdef enum:
+    # fields of StepStat summed into RunResult.totals: the first STAT_TOTALS (the rest are queue
+    # lengths and free pages after the step, which do not add up)
+    STAT_TOTALS = 9
+
+if STEP_TOTALS != STEP_STATS.names[:STAT_TOTALS]:
+    raise ImportError("qualia._types.STEP_TOTALS is not the first STAT_TOTALS STEP_STATS fields")
+
+
+cdef void stats_note(StepStat *row, StepStat *ring, uint32_t ring_rows, uint32_t *head,
+                     uint64_t *totals) noexcept nogil:
+    # one step's row: into the ring of the last ring_rows steps (head: the next row to write,
+    # the oldest once the ring is full), and added to the running totals
+    cdef const uint32_t *f = <const uint32_t *>row
+    cdef uint32_t k
+    if ring_rows:
+        ring[head[0]] = row[0]
+        head[0] = head[0] + 1 if head[0] + 1 < ring_rows else 0
+    for k in range(STAT_TOTALS):
+        totals[k] += f[k]
+
+
 cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept nogil:
     row.num_seqs = st.n
     row.num_tokens = st.T
@@ -1943,17 +1970,23 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.topk_logprobs_out = st.topk_lps_buf if st.num_topk else NULL
 
 
-cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32_t max_rows,
-                  uint32_t *steps, int32_t *status) noexcept nogil:
-    # schedule -> execute -> update until no request is left or max_rows steps ran.  A failing
-    # step is discarded (nothing of it applied) and ends the loop.
+cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
+                  uint64_t deadline_ns, StepStat *ring, uint32_t ring_rows, uint32_t *head,
+                  uint64_t *totals, uint64_t *steps, int32_t *status) noexcept nogil:
+    # schedule -> execute -> update until no request is left, max_steps steps ran, or a step
+    # ends at or after deadline_ns (CLOCK_MONOTONIC; at least one step runs), so the caller
+    # takes the GIL every few milliseconds to service signals.  Each step's statistics go to
+    # the ring and the totals (stats_note).  A failing step is discarded (nothing of it
+    # applied) and ends the loop; the loop never ends with a plan pending.
     cdef qualia_step_plan plan
-    cdef uint32_t k = 0, done, i, row = 0
+    cdef StepStat stat
+    cdef uint64_t k = 0
+    cdef uint32_t done, i, row = 0
     cdef size_t j
     cdef int rc = Q_OK
     cdef int32_t s
     cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
-    while st.count and k < max_rows:
+    while st.count and k < max_steps:
         rc = step_schedule(st)
         if rc:
             break
@@ -2005,9 +2038,10 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
                 break
         done = st.n_done
         rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
-        step_stat(st, &rows[k], st.n_done - done)
+        step_stat(st, &stat, st.n_done - done)
+        stats_note(&stat, ring, ring_rows, head, totals)
         k += 1
-        if rc:
+        if rc or _now_ns() >= deadline_ns:
             break
     steps[0] = k
     return rc
