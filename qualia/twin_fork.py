@@ -267,12 +267,13 @@ class ForkStepScheduler(StepScheduler):
             if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
                 raise ValueError(f"a topk token id is outside [0, {limit}]")
             tlps = tlps.astype(np.float64)
-            # NaN or +inf would leave the scores unordered; a beam's w continuations are w
-            # distinct tokens (rows of requests aborted in the plan are not read)
-            bad = np.isnan(tlps) | (tlps == np.inf)
+            # a log-probability is at most 0 (NaN would leave the scores unordered, and values
+            # above 0 add up to +inf, then NaN); a beam's w continuations are w distinct tokens
+            # (rows of requests aborted in the plan are not read)
+            bad = ~(tlps <= 0)
             if bad.any():
                 raise ValueError(f"topk_logprobs row {int(np.argmax(bad.any(axis=1)))} holds "
-                                 f"NaN or +inf")
+                                 f"NaN or a value above 0 (a log-probability is at most 0)")
             for r, rid in enumerate(plan.sampled_request_ids.tolist()):
                 g = self._group_of.get(rid)
                 if g is None or g.kind != "beam" or rid in self._aborted_in_plan:

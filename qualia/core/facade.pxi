@@ -1358,7 +1358,8 @@ cdef class Scheduler:
                               <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1]), NULL,
                               &row)
         if why == TOPK_BAD_LOGPROB:
-            raise ValueError(f"topk_logprobs row {row} holds NaN or +inf")
+            raise ValueError(f"topk_logprobs row {row} holds NaN or a value above 0 (a "
+                             f"log-probability is at most 0)")
         if why == TOPK_UNSORTED:
             raise ValueError(f"topk_logprobs row {row} is not best first (non-increasing)")
         if why:
@@ -1497,6 +1498,10 @@ cdef class Scheduler:
         # the C loop's failed step (discarded by step_run) as its exception
         if rc == RUN_BACKEND_FAILED:
             raise RaggedBackendError.Failed(status)
+        if rc == RUN_UNWRITTEN:
+            raise ValueError(f"the step backend returned 0 without writing sampled row {status} "
+                             f"(or wrote 4294967295, which is no token id); the step was "
+                             f"discarded")
         if rc == RUN_BAD_TOKEN:
             raise ValueError(f"the step backend sampled token id "
                              f"{self.step.sampled[status]} (row {status}), outside "
@@ -1506,7 +1511,8 @@ cdef class Scheduler:
                              f"[0, {self.step.vocab - 1}] (row {status})")
         if rc == RUN_BAD_TOPK_LOGPROB:
             raise ValueError(f"the step backend wrote a candidate log-probability that "
-                             f"is NaN or +inf, or left it unwritten (row {status})")
+                             f"is NaN or above 0 (a log-probability is at most 0), or left it "
+                             f"unwritten (row {status})")
         if rc == RUN_REPEATED_TOPK:
             raise ValueError(f"the step backend repeated a token among a beam's "
                              f"candidates (row {status})")
@@ -1596,7 +1602,7 @@ cdef class Scheduler:
                 while self.step.count and (limit is None or total < limit):
                     want = U64_MAX if limit is None else <uint64_t>limit - total
                     with nogil:
-                        rc = step_run(&self.step, cb, want, _now_ns() + RUN_SLICE_NS, ring,
+                        rc = step_run(&self.step, cb, want, _coarse_now_ns() + RUN_SLICE_NS, ring,
                                       ring_rows, &head, totals, &steps, &status)
                     finished.extend(step_collect(&self.step))
                     total += steps

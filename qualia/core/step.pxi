@@ -248,6 +248,26 @@ cdef inline uint64_t _now_ns() noexcept nogil:
     return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
 
 
+cdef extern from *:
+    """
+    #include <time.h>
+    #ifdef CLOCK_MONOTONIC_COARSE
+    #define QUALIA_CLOCK_COARSE CLOCK_MONOTONIC_COARSE
+    #else
+    #define QUALIA_CLOCK_COARSE CLOCK_MONOTONIC
+    #endif
+    """
+    int QUALIA_CLOCK_COARSE
+
+
+cdef inline uint64_t _coarse_now_ns() noexcept nogil:
+    # the monotonic clock at the kernel tick's resolution (a few ms) where there is one: a few
+    # ns a read, cheap enough for every step of run()'s C loop
+    cdef timespec ts
+    clock_gettime(QUALIA_CLOCK_COARSE, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+
+
 # -- facade primitives without the GIL (Scheduler.reserve/decode call the same functions) ------
 
 cdef int facade_make_writable(Sched *s, Pool *p, Undo *undo, qualia_copy_op *copies,
@@ -1313,7 +1333,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
 
 cdef enum:
     TOPK_OK = 0
-    TOPK_BAD_LOGPROB = 1    # a log-probability that is NaN or +inf
+    TOPK_BAD_LOGPROB = 1    # a log-probability that is NaN or above 0
     TOPK_REPEATED = 2       # a beam row names a token twice among its first w candidates
     TOPK_UNSORTED = 3       # a beam row's log-probabilities are not best first
 
@@ -1321,9 +1341,10 @@ cdef enum:
 cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
                          const float *lps_f, uint32_t *row) noexcept nogil:
     # The pending plan's candidates ([m, num_topk], ids already in the vocabulary), before
-    # anything is applied: every log-probability a number below +inf (-inf is a token of
-    # probability 0; NaN or +inf would make the scores unordered), and each live beam row's
-    # first w ids distinct (w continuations of one beam) and its k log-probabilities best
+    # anything is applied: every log-probability a number at most 0 (-inf is a token of
+    # probability 0; NaN would make the scores unordered, and a value above 0 is no
+    # log-probability: added up, 1e308s overflow to +inf, and +inf + -inf is NaN), each live
+    # beam row's first w ids distinct (w continuations of one beam) and its k log-probabilities best
     # first (a group narrower than num_topk reads the first w as its best).  *row: the first
     # bad row.
     cdef uint32_t k = st.num_topk, j, a, b, w
@@ -1332,7 +1353,7 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
     cdef int32_t g
     for i in range(n):
         v = lps[i] if lps != NULL else lps_f[i]
-        if v != v or v > 1.7976931348623157e308:
+        if not v <= 0:          # NaN compares false
             row[0] = <uint32_t>(i // k)
             return TOPK_BAD_LOGPROB
     for j in range(st.n):
@@ -1924,6 +1945,7 @@ cdef enum:
     RUN_BAD_TOPK_LOGPROB = -5   # a candidate log-probability NaN or +inf (in *status: its row)
     RUN_REPEATED_TOPK = -6      # a beam row repeats a candidate id (in *status: its row)
     RUN_UNSORTED_TOPK = -7      # a beam row's candidates are not best first (in *status: its row)
+    RUN_UNWRITTEN = -8          # a sampled row left unwritten (in *status: its row)
 
 
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
@@ -1974,7 +1996,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
                   uint64_t deadline_ns, StepStat *ring, uint32_t ring_rows, uint32_t *head,
                   uint64_t *totals, uint64_t *steps, int32_t *status) noexcept nogil:
     # schedule -> execute -> update until no request is left, max_steps steps ran, or a step
-    # ends at or after deadline_ns (CLOCK_MONOTONIC; at least one step runs), so the caller
+    # ends at or after deadline_ns (_coarse_now_ns; at least one step runs), so the caller
     # takes the GIL every few milliseconds to service signals.  Each step's statistics go to
     # the ring and the totals (stats_note).  A failing step is discarded (nothing of it
     # applied) and ends the loop; the loop never ends with a plan pending.
@@ -1996,6 +2018,12 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
             rc = RUN_NO_TOPK
             break
         step_abi_plan(st, &plan)
+        # the sampled ids are poisoned as the candidates are: a backend that returns 0 without
+        # writing a row fails the step instead of handing the previous step's ids (or, at the
+        # first step, whatever the buffer held) to the update.  U32_MAX is no token id a step
+        # backend may return (qualia.h)
+        for i in range(st.m):
+            st.sampled[i] = U32_MAX
         if st.num_topk:
             # a backend that declares the flag but leaves candidates unwritten fails the step
             # (the check below) instead of handing the previous step's to the selection
@@ -2013,10 +2041,10 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
             rc = RUN_BACKEND_FAILED
             break
         for i in range(st.m):
-            if st.sampled[i] > limit:
+            if st.sampled[i] == U32_MAX or st.sampled[i] > limit:
                 step_discard(st)
                 status[0] = <int32_t>i
-                rc = RUN_BAD_TOKEN
+                rc = RUN_UNWRITTEN if st.sampled[i] == U32_MAX else RUN_BAD_TOKEN
                 break
         if rc:
             break
@@ -2041,7 +2069,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
         step_stat(st, &stat, st.n_done - done)
         stats_note(&stat, ring, ring_rows, head, totals)
         k += 1
-        if rc or _now_ns() >= deadline_ns:
+        if rc or _coarse_now_ns() >= deadline_ns:
             break
     steps[0] = k
     return rc
