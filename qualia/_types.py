@@ -148,7 +148,8 @@ STEP_STATS = np.dtype([
 
 #: The ``STEP_STATS`` fields that ``RunResult.totals`` sums over every step of a ``run()`` call
 #: (the others are queue lengths and free pages after a step, which do not add up).
-STEP_TOTALS = STEP_STATS.names[:9]
+STEP_TOTALS = ("num_seqs", "num_tokens", "num_prefill_tokens", "num_decode_tokens",
+               "num_sampled", "num_new", "num_preempted", "num_cached_tokens", "num_finished")
 
 #: The ``STEP_STATS`` rows ``run()`` keeps by default: those of its last 4096 steps.
 RUN_STATS_ROWS = 4096

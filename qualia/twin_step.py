@@ -15,8 +15,9 @@ One step:
    the pages for the chunk cannot be found (free plus reclaimable cached pages), the victim is
    preempted: of the running requests not yet scheduled in this step plus the current one, the
    one with the largest priority value, ties broken towards the most recently admitted (the
-   fork twin takes a computed beam waiting for its group first).  A preempted request gives its pages back (its full pages stay cached), forgets its computed
-   tokens and waits again, keeping its outputs and its arrival number.
+   fork twin takes a computed beam waiting for its group first).  A preempted request gives its
+   pages back (its full pages stay cached), forgets its computed tokens and waits again,
+   keeping its outputs and its arrival number.
 2. If nothing was preempted, waiting requests are admitted in (priority, arrival) order until one
    does not fit (budget, ``max_num_seqs`` running requests, pages): the first that does not fit
    stops the admissions, so a large request is not overtaken forever.  An admission skips the
@@ -314,8 +315,7 @@ class StepScheduler:
         """A request that is not running leaves the scheduler's queues."""
         self._waiting.remove(r)
 
-    @staticmethod
-    def _pick_victim(pool: List[_Req]) -> _Req:
+    def _pick_victim(self, pool: List[_Req]) -> _Req:
         """The request a reservation that cannot be met preempts: of the running requests not
         yet scheduled in this step and the current one, the largest priority value, ties going
         to the most recently admitted."""

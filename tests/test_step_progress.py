@@ -35,7 +35,7 @@ def step_bound(requests):
     """The number of steps within which ``requests`` (``(id, prompt, kwargs)``, the accepted
     ones) finish: docs/DESIGN.md, "Progress"."""
     events = 0
-    for _, prompt, kw in requests:
+    for _, _, kw in requests:
         new = kw["max_new_tokens"]
         if kw.get("beam_width") is not None:
             events += (kw["beam_width"] + 1) * new

@@ -1039,10 +1039,10 @@ cdef inline bint _sel_before(double s, uint32_t rank, uint32_t tok, SelCand *x) 
 
 cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
     # The twin's _select: when every live beam of group g has its candidates (running and
-    # computed, or parked), the best w - hypotheses candidates are kept; each either finishes a hypothesis
-    # (stored in an entry of the group) or continues a beam (the first continuation of a beam
-    # takes the beam itself, each further one forks a child).  No live continuation: the group
-    # is done (st.done).  Allocates nothing.
+    # computed, or parked), the best w - hypotheses candidates are kept; each either finishes a
+    # hypothesis (stored in an entry of the group) or continues a beam (the first continuation
+    # of a beam takes the beam itself, each further one forks a child).  No live continuation:
+    # the group is done (st.done).  Allocates nothing.
     cdef StepReq *R = &st.req[g]
     cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0
     cdef int32_t b, d, prev, src
