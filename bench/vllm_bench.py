@@ -1,0 +1,243 @@
+"""qualia.vllm.Scheduler against vLLM's own scheduler, side by side in one run.
+
+    python bench/vllm_bench.py [--steps 60] [--sizes 64,256,1024] [--generate 256] [--json F]
+
+Needs vLLM (tools/vllm_env.sh).  Two measurements:
+
+1. Scheduler CPU per step: `schedule()` + `update_from_output()` with model-runner outputs built
+   as vLLM's scheduler tests build them (a `ModelRunnerOutput` with one sampled token per
+   request that samples), at 64 / 256 / 1,024 running requests, for two workloads:
+   *decode-heavy* (every running request decodes one token a step) and *mixed* (requests finish
+   at random lengths and new ones arrive to keep the count, their prompts prefilled in chunks
+   beside the decodes).  Both schedulers see the same requests, the same sampled tokens and the
+   same budget; prefix caching is on (vLLM's default).  For qualia's class the time inside the
+   compiled core (its `schedule` / `update`) is measured apart, so the rest is the adapter and
+   vLLM's Python objects it must build.
+2. Whole `generate` wall time on a tiny random Llama in vLLM's CPU engine, in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+from qualia.vllm import tiny
+
+tiny.engine_env()
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+import qualia.vllm  # noqa: E402
+
+BLOCK = 16
+MAX_MODEL_LEN = 4096
+
+
+def make_scheduler(cls, model_dir, max_num_seqs, num_blocks, budget):
+    model_config = ModelConfig(model=model_dir, dtype="float32", seed=0,
+                               skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN)
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                         max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
+                         async_scheduling=False, is_encoder_decoder=False, watermark=0.0)
+    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                     enable_prefix_caching=True)
+    cfg = VllmConfig(scheduler_config=sc, model_config=model_config, cache_config=cc)
+    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
+                                                      head_size=1, dtype=torch.float32))])
+    cc.num_gpu_blocks = num_blocks
+    register_all_kvcache_specs(cfg)
+    return cls(vllm_config=cfg, kv_cache_config=kv, block_size=BLOCK, log_stats=True,
+               structured_output_manager=StructuredOutputManager(cfg))
+
+
+_hasher = None
+
+
+def make_request(rid, prompt, max_tokens):
+    global _hasher
+    if _hasher is None:
+        init_none_hash(sha256)
+        _hasher = get_request_block_hasher(BLOCK, sha256)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=sp,
+                   pooling_params=None, block_hasher=_hasher)
+
+
+class CoreTimer:
+    """Stands in for qualia's core object: forwards everything, times schedule and update."""
+
+    def __init__(self, core):
+        object.__setattr__(self, "_c", core)
+        object.__setattr__(self, "t", 0.0)
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def schedule(self):
+        t = time.perf_counter()
+        try:
+            return self._c.schedule()
+        finally:
+            object.__setattr__(self, "t", self.t + time.perf_counter() - t)
+
+    def update(self, toks):
+        t = time.perf_counter()
+        try:
+            return self._c.update(toks)
+        finally:
+            object.__setattr__(self, "t", self.t + time.perf_counter() - t)
+
+
+def runner_output(out, rng):
+    ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[rng.randrange(3, 500)] for _ in ids],
+                             logprobs=None, prompt_logprobs_dict={}, pooler_output=[])
+
+
+def workload(kind, n, seed):
+    """The requests, (id, prompt, max_tokens), endless: the first n start, the rest arrive as
+    requests finish (mixed)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 500) for _ in range(256)]
+    i = 0
+    while True:
+        if kind == "decode":
+            prompt = shared[:64] + [rng.randrange(3, 500) for _ in range(64)]
+            yield (f"r{i}", prompt, 100000)
+        else:
+            plen = rng.randrange(32, 512)
+            cut = rng.randrange(0, 256)
+            prompt = shared[:cut] + [rng.randrange(3, 500) for _ in range(plen)]
+            yield (f"r{i}", prompt, rng.randrange(8, 200))
+        i += 1
+
+
+def measure(cls, model_dir, kind, n, steps, seed=0):
+    it = workload(kind, n, seed)
+    budget = n + (0 if kind == "decode" else 1024)
+    budget = max(budget, 2048) if kind == "decode" else budget
+    sched = make_scheduler(cls, model_dir, n, num_blocks=n * 48 + 64, budget=budget)
+    timer = None
+    if isinstance(sched, qualia.vllm.Scheduler):
+        timer = CoreTimer(sched._core)
+        sched._core = timer
+    rng = random.Random(seed + 1)
+    for _ in range(n):
+        rid, p, mt = next(it)
+        sched.add_request(make_request(rid, p, mt))
+    # warm up: every request admitted and past its prompt
+    for _ in range(200):
+        out = sched.schedule()
+        outputs = sched.update_from_output(out, runner_output(out, rng))
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    sched.add_request(make_request(*next(it)))
+        if len(sched.running) == n and all(r.num_output_tokens > 0 for r in sched.running):
+            break
+    gc.collect()
+    if timer is not None:
+        object.__setattr__(timer, "t", 0.0)
+    tokens = 0
+    wall = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        wall += time.perf_counter() - t0
+        tokens += out.total_num_scheduled_tokens
+        mro = runner_output(out, rng)  # the model runner's part: not timed
+        t0 = time.perf_counter()
+        outputs = sched.update_from_output(out, mro)
+        wall += time.perf_counter() - t0
+        if kind != "decode":
+            for eco in outputs.values():
+                for o in eco.outputs:
+                    if o.finish_reason is not None:
+                        sched.add_request(make_request(*next(it)))
+    core = timer.t if timer is not None else None
+    return dict(us_per_step=wall / steps * 1e6, tokens_per_step=tokens / steps,
+                core_us_per_step=None if core is None else core / steps * 1e6,
+                running=len(sched.running))
+
+
+def generate_wall(model_dir, cls, count, max_tokens):
+    from vllm import LLM
+
+    kw = dict(scheduler_cls=cls) if cls else {}
+    llm = LLM(model=model_dir, block_size=32, max_model_len=1024, max_num_seqs=64,
+              num_gpu_blocks_override=1024, enable_prefix_caching=True, **tiny.LLM_ARGS, **kw)
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(16, 128))]}
+               for _ in range(count)]
+    sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
+    llm.generate(prompts[:4], sp, use_tqdm=False)  # warm
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return wall, toks
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--generate", type=int, default=256, help="prompts for the generate run "
+                    "(0: skip it)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    results = {"scheduler": [], "generate": None}
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = tiny.make_tiny_llama(os.path.join(d, "tiny"), max_positions=MAX_MODEL_LEN)
+        print(f"{'workload':8} {'running':>7} {'vLLM us/step':>13} {'qualia us/step':>15} "
+              f"{'(core)':>8} {'speedup':>8} {'tokens/step':>11}")
+        for kind in ("decode", "mixed"):
+            for n in [int(x) for x in args.sizes.split(",")]:
+                v = measure(VllmScheduler, model_dir, kind, n, args.steps)
+                q = measure(qualia.vllm.Scheduler, model_dir, kind, n, args.steps)
+                row = dict(workload=kind, running=n, vllm=v, qualia=q,
+                           speedup=v["us_per_step"] / q["us_per_step"])
+                results["scheduler"].append(row)
+                print(f"{kind:8} {n:7d} {v['us_per_step']:13.0f} {q['us_per_step']:15.0f} "
+                      f"{q['core_us_per_step']:8.0f} {row['speedup']:7.1f}x "
+                      f"{v['tokens_per_step']:6.0f}/{q['tokens_per_step']:.0f}")
+                sys.stdout.flush()
+        if args.generate:
+            wv, tv = generate_wall(model_dir, None, args.generate, 64)
+            wq, tq = generate_wall(model_dir, "qualia.vllm.Scheduler", args.generate, 64)
+            results["generate"] = dict(prompts=args.generate, max_tokens=64, vllm_s=wv,
+                                       qualia_s=wq, same_tokens=tv == tq)
+            print(f"generate {args.generate} prompts x 64 tokens: vLLM {wv:.2f} s, "
+                  f"qualia {wq:.2f} s, same tokens: {tv == tq}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

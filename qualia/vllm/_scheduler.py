@@ -1,0 +1,728 @@
+"""``qualia.vllm.Scheduler``: vLLM's scheduler interface over qualia's compiled engine step.
+
+qualia's core decides every step: which waiting requests are admitted and in what order, the token
+budget and the prefill chunks, preemption and resumption, the KV pages (from qualia's pool), the
+prefix-cache hits and the release of pages.  This class translates: a vLLM ``Request`` becomes a
+core request (an integer id, its tokens, its limits), a core plan becomes vLLM's
+``SchedulerOutput``, the model runner's sampled tokens go back through the core's ``update``.
+
+It subclasses vLLM's ``Scheduler`` for the attributes and helpers vLLM's engine reads (the
+connectors it refuses, the encoder cache manager it never fills, the output structs), and
+overrides every method that decides or allocates.  vLLM's own ``schedule`` and its KV cache
+manager's ``allocate_slots`` / ``get_computed_blocks`` never run.
+
+Block ids: qualia's page ``p`` is vLLM block ``p + 1``; block 0 is vLLM's null block, which no
+request is given.  One KV-cache group only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import numpy as np
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
+from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.request import Request, RequestStatus
+
+# The one place that names the core class: the engine step's methods (add_request, schedule,
+# update, abort, clear_cache, ...) are reached through _Core only.
+from qualia import Scheduler as _Core
+
+#: Stop token ids the core holds per request; a request with more has the rest checked here.
+_CORE_MAX_STOPS = 16
+
+
+class UnsupportedByQualia(ValueError):
+    """A vLLM feature that ``qualia.vllm.Scheduler`` does not implement (docs/vllm.md)."""
+
+
+def _refuse(what: str) -> UnsupportedByQualia:
+    return UnsupportedByQualia(
+        f"qualia.vllm.Scheduler does not support {what}; run vLLM with its own scheduler "
+        f"for this (see qualia's docs/vllm.md, 'Support matrix')"
+    )
+
+
+def check_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> None:
+    """Raise ``UnsupportedByQualia`` for an engine configuration the class cannot serve."""
+    sc = vllm_config.scheduler_config
+    mc = vllm_config.model_config
+    if vllm_config.speculative_config is not None:
+        raise _refuse("speculative decoding")
+    if vllm_config.kv_transfer_config is not None:
+        raise _refuse("KV connectors (kv_transfer_config)")
+    if vllm_config.ec_transfer_config is not None:
+        raise _refuse("encoder-cache connectors (ec_transfer_config)")
+    if vllm_config.lora_config is not None:
+        raise _refuse("LoRA adapters")
+    if mc is not None and mc.runner_type == "pooling":
+        raise _refuse("pooling models")
+    if mc is not None and mc.is_encoder_decoder:
+        raise _refuse("encoder-decoder models")
+    if getattr(mc, "is_diffusion", False):
+        raise _refuse("diffusion models")
+    if sc.async_scheduling:
+        raise _refuse("async scheduling (pass async_scheduling=False, "
+                      "--no-async-scheduling)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise _refuse("pipeline parallelism (more than one batch in flight)")
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        raise _refuse("decode context parallelism")
+    if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+        raise _refuse("prefill context parallelism")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise _refuse(f"{len(groups)} KV-cache groups (hybrid or sliding-window models); "
+                      "exactly one full-attention group is supported")
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec) or getattr(
+            spec, "sliding_window", None) is not None or getattr(
+            spec, "attention_chunk_size", None) is not None:
+        raise _refuse(f"KV-cache spec {type(spec).__name__} (sliding-window, chunked-local, "
+                      "Mamba and other non-full-attention layers)")
+    if spec.block_size != block_size:
+        raise _refuse(f"a scheduler block size ({block_size}) other than the KV-cache "
+                      f"group's ({spec.block_size})")
+
+
+class _Waiting:
+    """The waiting requests (``Scheduler.waiting``): those the core holds in its queue, then those
+    the adapter holds back while the core's queue is full, each part in arrival order."""
+
+    __slots__ = ("_reqs",)
+
+    def __init__(self) -> None:
+        self._reqs: Dict[str, Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._reqs)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._reqs.values()))
+
+    def __contains__(self, request: object) -> bool:
+        rid = getattr(request, "request_id", None)
+        return rid is not None and self._reqs.get(rid) is request
+
+    def __getitem__(self, i: int) -> Request:
+        return list(self._reqs.values())[i]
+
+    def add_request(self, request: Request) -> None:
+        self._reqs[request.request_id] = request
+
+    def prepend_request(self, request: Request) -> None:
+        rest = self._reqs
+        self._reqs = {request.request_id: request}
+        for rid, r in rest.items():
+            if rid != request.request_id:
+                self._reqs[rid] = r
+
+    def remove_request(self, request: Request) -> None:
+        self._reqs.pop(request.request_id, None)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            self._reqs.pop(r.request_id, None)
+
+    def peek_request(self) -> Request:
+        if not self._reqs:
+            raise IndexError("peek from an empty queue")
+        return next(iter(self._reqs.values()))
+
+
+class Scheduler(_VllmScheduler):
+    """vLLM's scheduler interface, decided by qualia's compiled engine step."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        structured_output_manager: Any,
+        block_size: int,
+        hash_block_size: Optional[int] = None,
+        mm_registry: Any = MULTIMODAL_REGISTRY,
+        include_finished_set: bool = False,
+        log_stats: bool = False,
+    ) -> None:
+        check_config(vllm_config, kv_cache_config, block_size)
+        super().__init__(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=structured_output_manager,
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+            mm_registry=mm_registry,
+            include_finished_set=include_finished_set,
+            log_stats=log_stats,
+        )
+        sc = self.scheduler_config
+        num_blocks = int(kv_cache_config.num_blocks)
+        if num_blocks < 2:
+            raise ValueError(f"qualia.vllm.Scheduler needs at least 2 KV blocks, got {num_blocks}")
+        self._num_pages = num_blocks - 1  # block 0 is vLLM's null block
+        logical_pages = -(-int(self.max_model_len) // block_size)
+        # admission is capped by max_num_active_seqs (max_num_seqs unless set)
+        max_seqs = int(self.max_num_active_reqs)
+        entry_bytes = 4 * logical_pages * block_size
+        max_queued = max(2 * max_seqs, min(4 * max_seqs, (256 << 20) // entry_bytes))
+        threshold = int(sc.long_prefill_token_threshold or 0)
+        self._prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        self._core = _Core(
+            max_requests=max_seqs,
+            num_blocks=self._num_pages,
+            page_tokens=block_size,
+            logical_pages=logical_pages,
+            prefix_caching="auto" if self._prefix_caching else "off",
+            max_num_batched_tokens=int(self.max_num_scheduled_tokens),
+            max_num_seqs=max_seqs,
+            max_queued=max_queued,
+            max_prefill_chunk=threshold if threshold > 0 else None,
+        )
+        self._priority_policy = self.policy.value == "priority"
+        # vLLM's queues are replaced: the core holds the queue; `waiting` lists what waits.
+        self.waiting = _Waiting()  # type: ignore[assignment]
+        self._backlog: List[Request] = []  # waiting while the core's queue is full
+        self._qid: Dict[str, int] = {}  # vLLM request id -> core id
+        self._by_qid: Dict[int, Request] = {}
+        self._next_qid = 1
+        self._extra_stops: Dict[int, frozenset] = {}  # core id -> stop ids past the core's 16
+        self._in_runner: set = set()  # request ids the model runner holds state for
+        self._hit_tokens: Dict[str, int] = {}  # request id -> prefix hit at its first admission
+        # Per block-table row of the core: the request holding it and what the runner was told.
+        self._row_req: List[Optional[Request]] = [None] * max_seqs
+        self._row_sent = np.zeros(max_seqs, dtype=np.int64)  # block ids given to the runner
+        self._row_tokens = np.zeros(max_seqs, dtype=np.int64)  # prompt + outputs
+        self._row_prompt = np.zeros(max_seqs, dtype=np.int64)
+        self._row_last_step = np.full(max_seqs, -2, dtype=np.int64)
+        self._step = 0
+        self._sampled: List[Request] = []  # the pending plan's sampled rows, in order
+        self._sampled_rows = np.zeros(0, dtype=np.int32)
+        self._pending = False
+        self._prefix_stats = PrefixCacheStats() if log_stats else None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _check_request(self, request: Request) -> None:
+        if request.pooling_params is not None:
+            raise _refuse("pooling requests")
+        if request.mm_features:
+            raise _refuse("multimodal encoder inputs")
+        if request.lora_request is not None:
+            raise _refuse("LoRA requests")
+        if request.use_structured_output:
+            raise _refuse("structured outputs (grammar bitmasks)")
+        if request.prompt_embeds is not None:
+            raise _refuse("prompt embeddings")
+        if request.resumable:
+            raise _refuse("streaming-input (resumable) requests")
+        if request.kv_transfer_params:
+            raise _refuse("KV transfer parameters")
+        sp = request.sampling_params
+        if sp is None:
+            raise _refuse("requests without sampling parameters")
+        if getattr(sp, "repetition_detection", None) is not None:
+            raise _refuse("repetition detection")
+        if self._prefix_caching and request.skip_reading_prefix_cache:
+            raise _refuse("skipping prefix-cache reads (prompt logprobs) while prefix "
+                          "caching is enabled; disable prefix caching for prompt logprobs")
+
+    def _core_add(self, request: Request, tokens: List[int], max_new: int) -> int:
+        sp: Any = request.sampling_params
+        qid = self._next_qid
+        stops = list(sp.stop_token_ids or ())
+        core_stops = stops if len(stops) <= _CORE_MAX_STOPS else []
+        namespace = b""
+        if request.cache_salt:
+            namespace = request.cache_salt.encode()
+        self._core.add_request(
+            qid,
+            tokens,
+            max_new_tokens=max_new,
+            namespace=namespace,
+            priority=int(request.priority) if self._priority_policy else 0,
+            eos_token_id=sp.eos_token_id,
+            stop_token_ids=core_stops,
+        )
+        self._next_qid += 1
+        if len(stops) > _CORE_MAX_STOPS:
+            self._extra_stops[qid] = frozenset(stops)
+        self._qid[request.request_id] = qid
+        self._by_qid[qid] = request
+        return qid
+
+    def _max_new(self, request: Request) -> int:
+        # vLLM stops a request at max_tokens outputs or at max_model_len tokens
+        left = min(request.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens)
+        if left <= 0:
+            raise ValueError(f"request {request.request_id!r} has no token left to generate "
+                             f"(max_tokens={request.max_tokens}, max_model_len="
+                             f"{self.max_model_len}, {request.num_tokens} tokens)")
+        return left
+
+    def _room(self) -> bool:
+        c = self._core
+        return c.num_waiting + c.num_running < c.max_queued
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        self._check_request(request)
+        max_new = self._max_new(request)
+        # qualia's own prefix cache decides hits: vLLM's per-block hashes are not needed
+        request._block_hasher = None
+        if self._backlog or not self._room():
+            self._backlog.append(request)
+        else:
+            self._core_add(request, list(request.all_token_ids), max_new)
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def _drain_backlog(self) -> None:
+        while self._backlog and self._room():
+            request = self._backlog.pop(0)
+            self._core_add(request, list(request.all_token_ids), self._max_new(request))
+
+    def _forget(self, request: Request) -> None:
+        rid = request.request_id
+        if self.aux_output_connector is not None:
+            self.aux_output_connector.request_finished(request)
+        qid = self._qid.pop(rid, None)
+        if qid is not None:
+            self._by_qid.pop(qid, None)
+            self._extra_stops.pop(qid, None)
+        self._in_runner.discard(rid)
+        self._hit_tokens.pop(rid, None)
+        self.finished_req_ids.add(rid)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(rid)
+        self.requests.pop(rid, None)
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> List[Request]:
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            ids: Iterable[str] = (request_ids,)
+        elif request_ids is None:
+            ids = list(self.requests)
+        else:
+            ids = set(request_ids)
+        done: List[Request] = []
+        stopped_running = set()
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            qid = self._qid.get(rid)
+            if qid is not None:
+                self._core.abort(qid)
+            else:
+                self._backlog.remove(request)
+            if request.status == RequestStatus.RUNNING:
+                stopped_running.add(request)
+            else:
+                self.waiting.remove_request(request)
+            request.status = finished_status
+            self._forget(request)
+            done.append(request)
+        if stopped_running:
+            self.running = [r for r in self.running if r not in stopped_running]
+        self._drain_backlog()
+        return done
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        if self._pending:
+            raise RuntimeError("schedule() called twice without update_from_output(): "
+                               "qualia.vllm.Scheduler keeps one step in flight")
+        self.current_step += 1
+        self._step += 1
+        step = self._step
+        core = self._core
+        bs = self.block_size
+        timestamp = time.monotonic() if self.log_stats else 0.0
+        if self._pause_state == 2 or core.num_waiting + core.num_running == 0:
+            return self._empty_output()
+        plan = core.schedule()
+        self._pending = True
+        by_qid = self._by_qid
+
+        preempted = plan.preempted_request_ids
+        if len(preempted):
+            gone = set()
+            for qid in preempted.tolist():
+                req = by_qid[qid]
+                req.status = RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                if self.log_stats:
+                    req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+                if self.aux_output_connector is not None:
+                    self.aux_output_connector.request_finished(req)
+                self.waiting.prepend_request(req)
+                self.reset_preempted_req_ids.add(req.request_id)
+                gone.add(req)
+            self.running = [r for r in self.running if r not in gone]
+
+        n = len(plan.request_ids)
+        if n == 0:
+            core.update([])
+            self._pending = False
+            return self._empty_output()
+        rows = plan.block_table_rows
+        qsl = plan.query_start_loc
+        ntok = qsl[1:] - qsl[:-1]
+        seq = plan.seq_lens.astype(np.int64)
+        need = (seq + (bs - 1)) // bs
+        comp = seq - ntok
+        k = len(plan.new_request_ids)
+        m = n - k
+        table = plan.block_table
+        row_req = self._row_req
+
+        # admissions (the plan's tail): new to the runner, or resumed after a preemption
+        plan_reqs = [row_req[r] for r in rows[:m].tolist()]
+        new_reqs: List[Request] = []
+        new_blocks: List[Tuple[List[int], ...]] = []
+        res_pos: List[int] = []
+        resumed_blocks: List[Optional[Tuple[List[int], ...]]] = []
+        if k:
+            qids = plan.request_ids[m:].tolist()
+            arows = rows[m:].tolist()
+            acomp = comp[m:].tolist()
+            aneed = need[m:].tolist()
+            for j in range(k):
+                req = by_qid[qids[j]]
+                row = arows[j]
+                row_req[row] = req
+                plan_reqs.append(req)
+                self._row_sent[row] = aneed[j]
+                self._row_tokens[row] = req.num_tokens
+                self._row_prompt[row] = req.num_prompt_tokens
+                self._row_last_step[row] = -2
+                self.waiting.remove_request(req)
+                self.running.append(req)
+                blocks = ((table[row, :aneed[j]] + 1).tolist(),)
+                hit = acomp[j]
+                req.num_computed_tokens = hit
+                if self.log_stats:
+                    req.record_event(EngineCoreEventType.SCHEDULED, timestamp)
+                first = req.status == RequestStatus.WAITING
+                req.status = RequestStatus.RUNNING
+                if self._prefix_stats is not None and self._prefix_caching:
+                    self._prefix_stats.record(num_tokens=req.num_tokens, num_hits=hit,
+                                              preempted=not first)
+                if first and req.prefill_stats is not None:
+                    req.prefill_stats.set(num_prompt_tokens=req.num_prompt_tokens,
+                                          num_local_cached_tokens=hit,
+                                          num_external_cached_tokens=0)
+                if req.request_id in self._in_runner:
+                    res_pos.append(m + j)
+                    resumed_blocks.append(blocks)
+                else:
+                    if first:
+                        self._hit_tokens[req.request_id] = hit
+                    new_reqs.append(req)
+                    new_blocks.append(blocks)
+
+        # running requests: new block ids only where the context passed into a new page
+        new_block_ids: List[Optional[Tuple[List[int], ...]]] = [None] * m
+        if m:
+            rrows = rows[:m]
+            sent = self._row_sent[rrows]
+            grow = np.flatnonzero(need[:m] > sent)
+            if len(grow):
+                gneed = need[grow].tolist()
+                gsent = sent[grow].tolist()
+                grows = rrows[grow].tolist()
+                for j, i in enumerate(grow.tolist()):
+                    r = grows[j]
+                    new_block_ids[i] = ((table[r, gsent[j]:gneed[j]] + 1).tolist(),)
+                    self._row_sent[r] = gneed[j]
+        # the runner's cached requests: the running ones, then the resumed ones
+        plan_ids = [r.request_id for r in plan_reqs]
+        if res_pos:
+            cpos = np.concatenate([np.arange(m), np.asarray(res_pos)])
+            crows = rows[cpos]
+            ccomp = comp[cpos].tolist()
+            cids = plan_ids[:m] + [plan_ids[i] for i in res_pos]
+        else:
+            cpos = None
+            crows = rows[:m]
+            ccomp = comp[:m].tolist()
+            cids = plan_ids[:m]
+        # all token ids of the cached requests the runner did not see in the previous step
+        all_token_ids: Dict[str, List[int]] = {}
+        stale = np.flatnonzero(self._row_last_step[crows] != step - 1)
+        for i in stale.tolist():
+            req = plan_reqs[i if cpos is None else int(cpos[i])]
+            all_token_ids[req.request_id] = list(req.all_token_ids)
+        cached = CachedRequestData(
+            req_ids=cids,
+            resumed_req_ids={plan_ids[i] for i in res_pos},
+            new_token_ids=[],
+            all_token_ids=all_token_ids,
+            new_block_ids=new_block_ids + resumed_blocks,
+            num_computed_tokens=ccomp,
+            num_output_tokens=(self._row_tokens[crows] - self._row_prompt[crows]).tolist(),
+        )
+        new_data = [NewRequestData.from_request(r, b) for r, b in zip(new_reqs, new_blocks)]
+        for r in new_reqs:
+            self._in_runner.add(r.request_id)
+
+        num_scheduled = dict(zip(plan_ids, ntok.tolist()))
+        # computed tokens move when the plan is built (as vLLM's scheduler does)
+        for r, s in zip(plan_reqs, seq.tolist()):
+            r.num_computed_tokens = s
+        self._row_last_step[rows] = step
+        # the sampled rows: requests whose chunk reaches their last known token
+        sidx = np.flatnonzero(seq == self._row_tokens[rows])
+        self._sampled = [plan_reqs[i] for i in sidx.tolist()]
+        self._sampled_rows = rows[sidx]
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=int(qsl[-1]),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            preempted_req_ids=self.reset_preempted_req_ids,
+            finished_req_ids=self.finished_req_ids,
+            free_encoder_mm_hashes=[],
+        )
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+        return out
+
+    def _empty_output(self) -> SchedulerOutput:
+        out = SchedulerOutput.make_empty()
+        out.finished_req_ids = self.finished_req_ids
+        out.preempted_req_ids = self.reset_preempted_req_ids
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+        self._sampled = []
+        self._sampled_rows = np.zeros(0, dtype=np.int32)
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any) -> Dict[int, EngineCoreOutputs]:
+        sampled_reqs = self._sampled
+        self._sampled = []
+        requests = self.requests
+        outputs: Dict[int, List[EngineCoreOutput]] = {}
+        finished_here: List[Request] = []
+        if self._pending:
+            self._pending = False
+            sampled = model_runner_output.sampled_token_ids
+            index = model_runner_output.req_id_to_index
+            toks: List[int] = []
+            live: List[bool] = []
+            for req in sampled_reqs:
+                rid = req.request_id
+                if requests.get(rid) is req:
+                    got: Any = sampled[index[rid]] if sampled else ()
+                    if len(got) != 1:
+                        self._core.discard_plan()
+                        raise RuntimeError(
+                            f"the model runner returned {len(got)} tokens for request "
+                            f"{rid!r}, which qualia's plan samples once in this step")
+                    toks.append(got[0])
+                    live.append(True)
+                else:
+                    toks.append(0)  # aborted while the step ran: the core ignores its row
+                    live.append(False)
+            done = self._core.update(toks)
+            if len(self._sampled_rows):
+                self._row_tokens[self._sampled_rows] += 1
+            finished_qids = {f.request_id for f in done}
+            extra = self._extra_stops
+            check_stop = bool(finished_qids or extra)
+            qid_of = self._qid
+            logprobs = model_runner_output.logprobs
+            prompt_lp = model_runner_output.prompt_logprobs_dict or None
+            nans = model_runner_output.num_nans_in_logits
+            masks = model_runner_output.sampling_masks if self.return_sampling_mask else None
+            hits = self._hit_tokens
+            make = EngineCoreOutput
+            stopped_running = set()
+            for req, tok, ok in zip(sampled_reqs, toks, live):
+                if not ok:
+                    continue
+                # Request.append_output_token_ids without vLLM's block hashing (qualia's own
+                # cache decides hits)
+                req._output_token_ids.append(tok)
+                req._all_token_ids.append(tok)
+                rid = req.request_id
+                finish = None
+                if check_stop:
+                    qid = qid_of[rid]
+                    if qid in finished_qids or (qid in extra and tok in extra[qid]):
+                        sp: Any = req.sampling_params
+                        if tok == sp.eos_token_id:
+                            req.status = RequestStatus.FINISHED_STOPPED
+                        elif tok in (sp.stop_token_ids or ()):
+                            req.status = RequestStatus.FINISHED_STOPPED
+                            req.stop_reason = tok
+                        else:
+                            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                        if qid not in finished_qids:
+                            self._core.abort(qid)
+                        finish = req.get_finished_reason()
+                        stopped_running.add(req)
+                        finished_here.append(req)
+                new_logprobs = None
+                if logprobs is not None and getattr(req.sampling_params, "logprobs",
+                                                    None) is not None:
+                    new_logprobs = logprobs.slice_request(index[rid], 1)
+                new_mask = None
+                if masks is not None:
+                    new_mask = masks.slice_request(index[rid], 1)
+                prefill_stats = req.prefill_stats
+                if prefill_stats is not None:
+                    req.prefill_stats = None
+                    prefill_stats.finalize(hits.get(rid, 0))
+                events = None
+                if req.events:
+                    events = req.events
+                    req.events = []
+                if nans is not None and rid in nans:
+                    req.num_nans_in_logits = nans[rid]
+                out = make(
+                    request_id=rid,
+                    new_token_ids=[tok],
+                    finish_reason=finish,
+                    new_logprobs=new_logprobs,
+                    new_sampling_mask=new_mask,
+                    new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
+                    stop_reason=req.stop_reason,
+                    events=events,
+                    prefill_stats=prefill_stats,
+                    trace_headers=req.trace_headers,
+                    num_nans_in_logits=req.num_nans_in_logits,
+                )
+                lst = outputs.get(req.client_index)
+                if lst is None:
+                    outputs[req.client_index] = [out]
+                else:
+                    lst.append(out)
+            if stopped_running:
+                self.running = [r for r in self.running if r not in stopped_running]
+                for req in finished_here:
+                    self._forget(req)
+                self._drain_backlog()
+        result = {c: EngineCoreOutputs(outputs=o) for c, o in outputs.items()}
+        fin = self.finished_req_ids_dict
+        if fin:
+            for client, ids in fin.items():
+                eco = result.get(client)
+                if eco is None:
+                    result[client] = EngineCoreOutputs(finished_requests=ids)
+                else:
+                    eco.finished_requests = ids
+            fin.clear()
+        stats = self.make_stats()
+        if stats is not None:
+            eco = next(iter(result.values()), None)
+            if eco is None:
+                result[0] = eco = EngineCoreOutputs()
+            eco.scheduler_stats = stats
+        return result
+
+    # -- what vLLM's engine asks -------------------------------------------------------------
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        return None
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        raise _refuse("speculative decoding")
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any,
+                                         scheduler_output: SchedulerOutput) -> None:
+        raise _refuse("speculative decoding")
+
+    def get_request_counts(self) -> Tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        if self._pause_state == 2:  # PAUSED_ALL
+            return 0
+        return len(self.running) + len(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def get_kv_cache_usage(self) -> float:
+        # pages no request holds (free, or cached and reclaimable) are not in use
+        return 1.0 - self._core.free_pages / self._num_pages
+
+    def make_stats(self, spec_decoding_stats: Any = None, kv_connector_stats: Any = None,
+                   cudagraph_stats: Any = None, perf_stats: Any = None,
+                   ec_connector_stats: Any = None) -> Optional[SchedulerStats]:
+        if not self.log_stats:
+            return None
+        prefix_stats = self._prefix_stats or PrefixCacheStats()
+        self._prefix_stats = PrefixCacheStats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.get_kv_cache_usage(),
+            prefix_cache_stats=prefix_stats,
+            cudagraph_stats=cudagraph_stats,
+            perf_stats=perf_stats,
+        )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        if self.running and not reset_running_requests:
+            return False
+        if self._pending:
+            # the step in flight is dropped (its outputs are not delivered): every request it
+            # scheduled is requeued below and computes its tokens again
+            self._core.discard_plan()
+            self._pending = False
+            self._sampled = []
+        if reset_running_requests and self.running:
+            self._requeue_running()
+        self._core.clear_cache()
+        if self._prefix_stats is not None:
+            self._prefix_stats.reset = True
+        if self.aux_output_connector is not None:
+            self.aux_output_connector.reset()
+        return True
+
+    def _requeue_running(self) -> None:
+        # Every running request leaves the core and waits again with its tokens so far (prompt
+        # and outputs) and the outputs it has left; the runner is told it was preempted and
+        # resumes it from the block ids of its next admission.
+        timestamp = time.monotonic() if self.log_stats else 0.0
+        for req in self.running:
+            rid = req.request_id
+            qid = self._qid.pop(rid)
+            self._core.abort(qid)
+            self._by_qid.pop(qid)
+            extra = self._extra_stops.pop(qid, None)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            if self.log_stats:
+                req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+            self.reset_preempted_req_ids.add(rid)
+            new_qid = self._core_add(req, list(req.all_token_ids), self._max_new(req))
+            if extra is not None:
+                self._extra_stops[new_qid] = extra
+            self.waiting.add_request(req)
+        self.running = []
