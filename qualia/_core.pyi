@@ -7,7 +7,9 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
+from ._types import RUN_STATS_ROWS as RUN_STATS_ROWS
 from ._types import STEP_STATS as STEP_STATS
+from ._types import STEP_TOTALS as STEP_TOTALS
 from ._types import (
     Admission,
     CachedPrefix,
@@ -320,7 +322,9 @@ class Scheduler:
     def discard_plan(self) -> None: ...
     def request_tokens(self, request_id: int) -> npt.NDArray[np.uint32]: ...
     def step_requests(self) -> List[int]: ...
-    def run(self, backend: Any, max_steps: Optional[int] = ...) -> RunResult: ...
+    def run(
+        self, backend: Any, max_steps: Optional[int] = ..., *, stats_rows: int = ...
+    ) -> RunResult: ...
 
 @disjoint_base
 class StepPlan:

@@ -39,7 +39,7 @@
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
                              PyBUF_WRITABLE, PyBUF_ND)
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.exc cimport PyErr_Occurred, PyErr_Clear
+from cpython.exc cimport PyErr_CheckSignals, PyErr_Occurred, PyErr_Clear
 from cpython.long cimport PyLong_CheckExact
 from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free, PyMem_Realloc
 from cpython.ref cimport Py_INCREF, Py_DECREF
@@ -65,7 +65,7 @@ cnp.import_array()
 from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
                            RaggedBatchReceipt, RequestState, FinishedRequest, FinishedGroup,
                            RunResult,
-                           STEP_STATS)
+                           RUN_STATS_ROWS, STEP_STATS, STEP_TOTALS)
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
                            PrefixCacheError, PrefixKvError, RaggedBackendError,
                            SchedulerError, StepError, TableError)

@@ -1277,11 +1277,11 @@ cdef class Scheduler:
             raise _error(E_STEP, rc)
 
     cdef int _beam_buffers(self) except -1:
-        # under ownership: the candidate buffers, allocated with the first beam group (max_num_seqs
-        # rows of max_num_seqs candidates)
+        # under ownership: the candidate buffers, allocated with the first beam group (one row
+        # of max_num_seqs candidates per entry: a parked beam keeps its candidates)
         cdef StepState *st = &self.step
         return _alloc_candidates(<void **>&st.cand_ids, <void **>&st.cand_lps,
-                                 <size_t>st.max_seqs * st.max_seqs, sizeof(double))
+                                 <size_t>st.max_queued * st.max_seqs, sizeof(double))
 
     cdef int _topk_buffers(self) except -1:
         # under ownership, before run() hands beam plans to a C backend: room for every row's
@@ -1405,7 +1405,8 @@ cdef class Scheduler:
                               <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1]), NULL,
                               &row)
         if why == TOPK_BAD_LOGPROB:
-            raise ValueError(f"topk_logprobs row {row} holds NaN or +inf")
+            raise ValueError(f"topk_logprobs row {row} holds NaN or a value above 0 (a "
+                             f"log-probability is at most 0)")
         if why == TOPK_UNSORTED:
             raise ValueError(f"topk_logprobs row {row} is not best first (non-increasing)")
         if why:
@@ -1496,7 +1497,8 @@ cdef class Scheduler:
         if e >= 0 and self.step.req[e].state == SR_GROUP:
             e = self.step.req[e].parent_beam    # a beam group: its beam with the group's id
         if e < 0 or (self.step.req[e].state != SR_WAITING
-                     and self.step.req[e].state != SR_RUNNING):
+                     and self.step.req[e].state != SR_RUNNING
+                     and self.step.req[e].state != SR_PARKED):
             raise StepError.UnknownRequest(None, f"request {rid}")
         return _array_of(&self.step.arena[<size_t>e * self.step.entry_cap],
                          self.step.req[e].num_tokens)
@@ -1533,8 +1535,9 @@ cdef class Scheduler:
 
     @property
     def parked(self):
-        """Beams parked so far: computed beams of a group whose other beam waits, queued again
-        after a step that scheduled nothing (docs/DESIGN.md, "Beam search at the step level")."""
+        """Beams parked so far: computed beams that left the running list with their
+        candidates (after a step that scheduled nothing, or preempted) to wait, holding
+        nothing, for their group's selection (docs/DESIGN.md, "Progress")."""
         own_readable(self.gil_free)
         return self.step.parked
 
@@ -1545,7 +1548,7 @@ cdef class Scheduler:
         return self.step.fork_fallbacks
 
     def step_requests(self):
-        """Ids of the queued and running requests, in arrival order."""
+        """Ids of the queued, running and parked requests, in arrival order."""
         cdef StepState *st = &self.step
         cdef uint32_t e, k = 0, j
         own_readable(self.gil_free)
@@ -1556,7 +1559,8 @@ cdef class Scheduler:
             raise MemoryError()
         try:
             for e in range(st.max_queued):
-                if st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING:
+                if (st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING
+                        or st.req[e].state == SR_PARKED):
                     pairs[2 * k] = st.req[e].arrival
                     pairs[2 * k + 1] = st.req[e].rid
                     k += 1
@@ -1565,37 +1569,78 @@ cdef class Scheduler:
             PyMem_Free(pairs)
         return [rid for _, rid in found]
 
-    def run(self, backend, max_steps=None):
+    cdef int _raise_run_failure(self, int rc, int32_t status) except -1:
+        # the C loop's failed step (discarded by step_run) as its exception
+        if rc == RUN_BACKEND_FAILED:
+            raise RaggedBackendError.Failed(status)
+        if rc == RUN_UNWRITTEN:
+            raise ValueError(f"the step backend returned 0 without writing sampled row {status} "
+                             f"(or wrote 4294967295, which is no token id); the step was "
+                             f"discarded")
+        if rc == RUN_BAD_TOKEN:
+            raise ValueError(f"the step backend sampled token id "
+                             f"{self.step.sampled[status]} (row {status}), outside "
+                             f"[0, {self.step.vocab - 1}]")
+        if rc == RUN_BAD_TOPK:
+            raise ValueError(f"the step backend wrote a candidate token id outside "
+                             f"[0, {self.step.vocab - 1}] (row {status})")
+        if rc == RUN_BAD_TOPK_LOGPROB:
+            raise ValueError(f"the step backend wrote a candidate log-probability that "
+                             f"is NaN or above 0 (a log-probability is at most 0), or left it "
+                             f"unwritten (row {status})")
+        if rc == RUN_REPEATED_TOPK:
+            raise ValueError(f"the step backend repeated a token among a beam's "
+                             f"candidates (row {status})")
+        if rc == RUN_UNSORTED_TOPK:
+            raise ValueError(f"the step backend wrote a beam row's candidates out of "
+                             f"order: not best first (row {status})")
+        if rc == RUN_NO_TOPK:
+            raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
+                            "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
+                            "step was discarded")
+        raise _error(E_STEP, rc)
+
+    def run(self, backend, max_steps=None, *, stats_rows=RUN_STATS_ROWS):
         """schedule -> execute -> update until no request is left or ``max_steps`` steps ran.
-        Returns ``RunResult(stats, finished)``: one STEP_STATS row per step and the finished
-        requests in the order they finished.
+        Returns ``RunResult(stats, finished, steps, totals)``: the STEP_STATS rows of the last
+        ``min(steps, stats_rows)`` steps, oldest first (a ring sized when the call starts, so
+        the call's memory does not grow with its length), the finished requests in the order
+        they finished, the number of steps, and each STEP_TOTALS field summed over all of them.
 
         The scheduler is owned for the whole call: a backend (or a GC callback, or another
         thread) calling a mutating method meanwhile gets BusyError; reads work (the state
         stands still while Python runs).  A C step backend (``__qualia_step_backend__``) runs
-        whole stretches of steps in C without the GIL; while a stretch runs, every other call
-        on the scheduler and its raw objects raises BusyError, reads included, except
-        drain_events().  The stats rows are written into arrays of up to 4096 rows allocated
-        between stretches, and the finished requests are collected between stretches.  A
-        Python backend's ``execute_step(plan)`` is called with the GIL, between schedule and
-        update.  If a backend fails, that step is discarded (nothing of it applied) and the
-        error propagates with the requests the earlier steps of this call finished as its
-        ``finished`` attribute (a list of FinishedRequest; they are no longer queued)."""
+        stretches of steps in C without the GIL; while a stretch runs, every other call on the
+        scheduler and its raw objects raises BusyError, reads included, except
+        drain_events().  Every few milliseconds (5 ms) the stretch ends between two steps, the
+        finished requests are collected and pending signals are serviced with the GIL: a signal
+        handler that raises (KeyboardInterrupt) stops the call there.  A Python backend's
+        ``execute_step(plan)`` is called with the GIL, between schedule and update.  If a
+        backend fails, or a signal handler raises, the step being run is discarded (nothing of
+        it applied) and the error propagates with the requests the earlier steps of this call
+        finished as its ``finished`` attribute (they are no longer queued)."""
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        cdef uint32_t ring_rows = _u32(stats_rows, "stats_rows")
         cdef qualia_step_backend *cb = NULL
         cdef StepStat row
-        cdef StepStat *rows
-        cdef uint32_t steps = 0, want
+        cdef StepStat *ring
+        cdef uint32_t head = 0
+        cdef uint64_t steps = 0, total = 0, want
+        cdef uint64_t totals[STAT_TOTALS]
         cdef int32_t status = 0
         cdef int rc = Q_OK
         cdef uint64_t tok
         handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
-        stats = []
+        if limit is not None and <uint32_t>limit < ring_rows:
+            ring_rows = <uint32_t>limit
+        stats = np.empty(ring_rows, dtype=STEP_STATS)
+        ring = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>stats)
+        memset(totals, 0, sizeof(totals))
         finished = []
         tok = self._own()
         try:
             if cb == NULL:
-                while self.step.count and (limit is None or len(stats) < limit):
+                while self.step.count and (limit is None or total < limit):
                     rc = step_schedule(&self.step)
                     if rc:
                         raise _error(E_STEP, rc)
@@ -1621,60 +1666,37 @@ cdef class Scheduler:
                     done = self._update_loaded(cand)
                     finished.extend(done)
                     step_stat(&self.step, &row, <uint32_t>len(done))
-                    stats.append(row)
-                out = np.empty(len(stats), dtype=STEP_STATS)
-                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
-                for i, r in enumerate(stats):
-                    rows[i] = r
-                return RunResult(out, finished)
-            total = 0
-            if self.step.beam_head >= 0:
-                if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
-                    # refused before any step: nothing is scheduled, admitted or discarded
-                    raise TypeError("a beam group is queued or running and the C step backend "
-                                    "does not declare QUALIA_STEP_WRITES_TOPK (its plans need "
-                                    "candidates); nothing was run")
-                self._topk_buffers()
-            while self.step.count and (limit is None or total < limit):
-                want = 4096 if limit is None else min(4096, limit - total)
-                chunk = np.empty(want, dtype=STEP_STATS)
-                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
-                self._gil_free(1)
-                with nogil:
-                    rc = step_run(&self.step, cb, rows, want, &steps, &status)
-                self._gil_free(0)
-                finished.extend(step_collect(&self.step))
-                stats.append(chunk[:steps])
-                total += steps
-                if rc == RUN_BACKEND_FAILED:
-                    raise RaggedBackendError.Failed(status)
-                if rc == RUN_BAD_TOKEN:
-                    raise ValueError(f"the step backend sampled token id "
-                                     f"{self.step.sampled[status]} (row {status}), outside "
-                                     f"[0, {self.step.vocab - 1}]")
-                if rc == RUN_BAD_TOPK:
-                    raise ValueError(f"the step backend wrote a candidate token id outside "
-                                     f"[0, {self.step.vocab - 1}] (row {status})")
-                if rc == RUN_BAD_TOPK_LOGPROB:
-                    raise ValueError(f"the step backend wrote a candidate log-probability that "
-                                     f"is NaN or +inf, or left it unwritten (row {status})")
-                if rc == RUN_REPEATED_TOPK:
-                    raise ValueError(f"the step backend repeated a token among a beam's "
-                                     f"candidates (row {status})")
-                if rc == RUN_UNSORTED_TOPK:
-                    raise ValueError(f"the step backend wrote a beam row's candidates out of "
-                                     f"order: not best first (row {status})")
-                if rc == RUN_NO_TOPK:
-                    raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
-                                    "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
-                                    "step was discarded")
-                if rc:
-                    raise _error(E_STEP, rc)
-            if len(stats) == 1:
-                out = stats[0]
+                    stats_note(&row, ring, ring_rows, &head, totals)
+                    total += 1
             else:
-                out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
-            return RunResult(out, finished)
+                if self.step.beam_head >= 0:
+                    if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
+                        # refused before any step: nothing is scheduled, admitted or discarded
+                        raise TypeError("a beam group is queued or running and the C step "
+                                        "backend does not declare QUALIA_STEP_WRITES_TOPK (its "
+                                        "plans need candidates); nothing was run")
+                    self._topk_buffers()
+                while self.step.count and (limit is None or total < limit):
+                    want = U64_MAX if limit is None else <uint64_t>limit - total
+                    self._gil_free(1)
+                    with nogil:
+                        rc = step_run(&self.step, cb, want, _coarse_now_ns() + RUN_SLICE_NS, ring,
+                                      ring_rows, &head, totals, &steps, &status)
+                    self._gil_free(0)
+                    finished.extend(step_collect(&self.step))
+                    total += steps
+                    if rc:
+                        self._raise_run_failure(rc, status)
+                    # between two steps, nothing pending: a signal handler that raises stops
+                    # the call here (the steps so far stay applied)
+                    PyErr_CheckSignals()
+            if total > ring_rows:
+                # the ring wrapped: its oldest row is at head
+                stats = np.concatenate((stats[head:], stats[:head]))
+            elif total < ring_rows:
+                stats = stats[:total].copy()
+            return RunResult(stats, finished, total,
+                             {name: totals[k] for k, name in enumerate(STEP_TOTALS)})
         except BaseException as err:
             # the requests earlier steps of this call finished are freed: report them
             _attach_finished(err, finished)
