@@ -14,10 +14,10 @@ import time
 import pytest
 
 import qualia
-from qualia import __main__ as cli
-from qualia import preflight
-from qualia.__main__ import main
-from qualia.timing import ROWS
+import qualia.cli.main as cli
+from qualia.cli.main import main
+from qualia.sim import config as preflight
+from qualia.sim.timing import ROWS
 
 SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16",
              "--system-prompts", "2", "--system-prompt-len", "20", "--share-ratio", "0.8",
@@ -28,7 +28,7 @@ SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16"
 
 def _no_run(monkeypatch):
     """Make any attempt to build or run an engine fail the test."""
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started")
@@ -105,8 +105,8 @@ def test_cli_quiet_and_demo(capsys):
 
 
 def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
-    from qualia import engine as engine_mod
-    from qualia.check import CheckResult
+    from qualia.sim import engine as engine_mod
+    from qualia.sim.check import CheckResult
 
     def bad_check(self, on_checked=None):
         return CheckResult(False, len(self.outputs), [0], "pure-Python hash rule")
@@ -123,7 +123,7 @@ def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
 
 def test_cli_rows_add_up_to_a_wall_time_that_includes_the_workload(monkeypatch, tmp_path,
                                                                    capsys):
-    from qualia.workload import Workload
+    from qualia.sim.workload import Workload
 
     slept = [0.0]
     generate = Workload.generate
@@ -278,7 +278,7 @@ def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
 
 
 def test_memory_error_is_a_clean_exit_2(monkeypatch, capsys):
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     def oom(*args, **kwargs):
         raise MemoryError()
@@ -291,7 +291,7 @@ def test_memory_error_is_a_clean_exit_2(monkeypatch, capsys):
 
 def test_the_estimate_counts_the_model_kv():
     from qualia.model import ModelConfig
-    from qualia.resources import memory_estimate
+    from qualia.sim.resources import memory_estimate
 
     c = ModelConfig()
     parts = memory_estimate("model", num_blocks=1000, page_tokens=16)
@@ -381,7 +381,7 @@ def test_cli_multi_turn_auto_caching_check(tmp_path, capsys):
 
 
 def test_cli_prefix_caching_off(capsys):
-    from qualia.engine import core_has_step_api
+    from qualia.sim.engine import core_has_step_api
 
     if not core_has_step_api():
         pytest.skip("the pure-Python step twin serves prefix_caching='auto' only")
@@ -503,7 +503,7 @@ def _refused(argv, capsys):
 
 def test_a_trace_row_is_refused_by_its_line_before_its_prompt_is_drawn(tmp_path, monkeypatch,
                                                                         capsys):
-    from qualia.workload import Trace
+    from qualia.sim.trace import Trace
 
     _no_run(monkeypatch)
 
@@ -582,7 +582,7 @@ def test_output_into_a_closed_pipe_ends_quietly(extra, tmp_path):
 
 
 def test_both_paths_share_one_validation(monkeypatch, capsys):
-    from qualia import preflight
+    from qualia.sim import config as preflight
 
     def refuse(args, clock=None):
         raise preflight.Refused("checked once, here")
@@ -620,8 +620,8 @@ def test_output_that_cannot_be_written_is_one_error_line(extra):
 
 
 def test_a_failed_run_is_one_error_line_and_exit_1(monkeypatch, capsys):
-    from qualia import engine as engine_mod
     from qualia.errors import PrefixCacheError
+    from qualia.sim import engine as engine_mod
 
     for exc, says in ((RuntimeError("engine stuck: 65 steps"), "engine stuck: 65 steps"),
                       (PrefixCacheError.NamespaceTableFull(None, "x"), "NamespaceTableFull")):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia.check import hash_generate, hash_next_token
-from qualia.engine import (
+from qualia.sim.check import hash_generate, hash_next_token
+from qualia.sim.engine import (
     Counters,
     DecodeRuleSteps,
     Engine,
@@ -21,11 +21,10 @@ from qualia.engine import (
     core_has_step_api,
     make_scheduler_factory,
 )
-from qualia.report import WIDTH, format_summary
-from qualia.timing import ROWS, Stopwatch
-from qualia.twin import PyHashBackend
-from qualia.twin_step import StepScheduler
-from qualia.workload import Request, Workload
+from qualia.sim.report import WIDTH, format_summary
+from qualia.sim.timing import ROWS, Stopwatch
+from qualia.sim.workload import Request, Workload
+from qualia.twin import PyHashBackend, StepScheduler
 
 # A pool small enough that reclaim and preemption happen, and a step budget small enough that
 # prompts are prefilled in chunks beside decodes.
@@ -665,7 +664,7 @@ def test_timeline_follows_the_run():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from qualia.plot import plot_timeline
+    from qualia.sim.plot import plot_timeline
 
     result = Engine("c", **SMALL_ENGINE).run(Workload(**{**SMALL_WORKLOAD, "vocab": 32000}))
     path = tmp_path / "run.png"
@@ -681,7 +680,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_without_matplotlib(monkeypatch, tmp_path):
     import sys
 
-    from qualia.plot import matplotlib_problem, plot_timeline
+    from qualia.sim.plot import matplotlib_problem, plot_timeline
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert "qualia[plot]" in matplotlib_problem()

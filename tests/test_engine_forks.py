@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from qualia.__main__ import main
-from qualia.engine import Engine, core_supports
+from qualia.cli.main import main
 from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
-from qualia.report import WIDTH, format_summary
-from qualia.workload import Request, Workload
+from qualia.sim.engine import Engine, core_supports
+from qualia.sim.report import WIDTH, format_summary
+from qualia.sim.workload import Request, Workload
 
 HOT = SamplingParams(temperature=1.0, seed=5)
 CONFIG = ModelConfig(vocab=64, layers=1)
@@ -27,7 +27,7 @@ SMALL_CLI = ["--requests", "6", "--prompt-len", "12,40", "--output-len", "4,10",
 
 
 def _no_run(monkeypatch):
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started")
@@ -158,7 +158,7 @@ def test_this_build_s_core_has_both_kinds_of_group():
 def test_core_without_beam_search_is_a_clear_error(monkeypatch):
     """An older build's core (the probe's answer replaced) is refused for beams with
     implementation="core", and "auto" falls back to the twin."""
-    import qualia.engine as E
+    import qualia.sim.engine as E
 
     monkeypatch.setitem(E._CORE_FORKS, "beam", False)
     with pytest.raises(ValueError, match="no beam search"):

@@ -2,7 +2,7 @@
 step plan (prefill chunks and decodes in one forward, K/V through ``slot_mapping``, attention
 through the page table and ``seq_lens``, copy-on-write copies first) and its tokens equal the dense
 reference (no paging) token for token: hand-built plans first, then plans of the pure-Python step
-scheduler (``qualia.twin_step.StepScheduler``) with chunked prefill, mixed batches, prefix hits,
+scheduler (``qualia.twin.StepScheduler``) with chunked prefill, mixed batches, prefix hits,
 copies and preemptions; greedy and seeded sampling; log-probabilities and top-k.
 """
 
@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qualia.check import check_outputs, dense_reference
 from qualia.model import (
     GREEDY,
     DenseModel,
@@ -25,6 +24,7 @@ from qualia.model import (
     sample_tokens,
     sampling_uniforms,
 )
+from qualia.sim.check import check_outputs, dense_reference
 from qualia.twin import COPY_OP
 
 CONFIG = ModelConfig()  # layers=2, heads=4, head_dim=16, vocab=512
@@ -338,7 +338,7 @@ def _scenario(seed, vocab):
 @pytest.mark.parametrize("seed, budget, chunk, blocks", [
     (0, 16, 5, 40), (1, 24, None, 28), (2, 9, 3, 30), (3, 64, 16, 24)])
 def test_twin_plans_match_dense_reference(small, seed, budget, chunk, blocks):
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     pt = 4
     sched = StepScheduler(8, blocks, pt, 16, max_num_batched_tokens=budget, max_num_seqs=6,
@@ -361,7 +361,7 @@ def test_twin_plans_exercise_preemption_and_copies(small):
     """A small pool: requests are preempted (their full pages stay cached) and recomputed.
     (Automatic caching shares full pages only, so these plans carry no copies: the hand-built
     mixed-batch test covers copies.)"""
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     pt = 4
     totals = dict(preempted=0, cached=0)
@@ -383,7 +383,7 @@ def test_twin_plans_exercise_preemption_and_copies(small):
 def test_twin_plans_seeded_sampling_and_stops(small):
     """Seeded sampling per request, eos and stop ids: the same tokens as the dense reference,
     whatever the budget (batching and chunking do not change a request's tokens)."""
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     pt = 4
     prompts, max_new = _scenario(20, SMALL.vocab)
@@ -414,7 +414,7 @@ def test_twin_plans_seeded_sampling_and_stops(small):
 
 def test_decode_round_and_step_agree(small):
     """The v1 round path (prefill + execute_ragged) and the step path give the same tokens."""
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     prompt = _prompt(30, 13, SMALL.vocab)
     sched = StepScheduler(2, 8, 4, 8, max_num_batched_tokens=5, vocab_size=SMALL.vocab)
@@ -458,7 +458,7 @@ def test_dense_beam_search(small):
 def test_row_logits_do_not_depend_on_the_batch(weights, monkeypatch, budget):
     """Every sampled row of one mixed plan equals the dense model's logits for that request
     alone, bit for bit, however the rows are split into attention blocks."""
-    import qualia.model as model_mod
+    import qualia.model.weights as model_mod
 
     monkeypatch.setattr(model_mod, "_ATTEND_BUDGET", budget)
     pt = 4

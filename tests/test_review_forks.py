@@ -1,5 +1,5 @@
 """Hostile review of parallel sampling (``add_request(..., n=k)``) in the compiled engine step
-and its twin ``qualia.twin_fork.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the step level").
+and its twin ``qualia.twin.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the step level").
 
 The stateful test extends ``ForksVsTwin`` with what it does not reach: user ids in the range
 of the internal child ids (from 2**63 up) and at 2**64-1, a group aborted in its pending plan
@@ -21,8 +21,8 @@ from test_step_forks_core import ForksVsTwin
 from test_step_stateful import ALLOWED, SETTINGS, VOCAB
 
 import qualia
-from qualia import twin_fork as TF
 from qualia.errors import BusyError, StepError
+from qualia.twin import fork as TF
 
 CHILD = TF.CHILD_BASE
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -123,7 +123,7 @@ class PyHash:
 
 
 def ref(member, prompt, max_new):
-    from qualia.check import hash_generate
+    from qualia.sim.check import hash_generate
 
     return hash_generate(member, prompt, max_new, None, VOCAB)
 
@@ -429,9 +429,9 @@ def test_gc_callbacks_during_update_are_busy_and_the_group_result_is_whole():
 
 from hypothesis import given, settings  # noqa: E402
 
-from qualia.check import check_groups  # noqa: E402
-from qualia.engine import Engine  # noqa: E402
-from qualia.workload import Request  # noqa: E402
+from qualia.sim.check import check_groups  # noqa: E402
+from qualia.sim.engine import Engine  # noqa: E402
+from qualia.sim.workload import Request  # noqa: E402
 
 
 class RecordingHash:
@@ -663,7 +663,7 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
 def test_a_fork_run_the_core_cannot_take_without_caching_names_why(monkeypatch):
     # "auto" falling back to the twin (a core without the feature) with caching off used to
     # stop with the twin's own "the twin models prefix_caching='auto' only"
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     monkeypatch.setitem(engine_mod._CORE_FORKS, "n", False)
     with pytest.raises(ValueError, match=r"parallel sampling \(n\) with prefix_caching='off' "

@@ -1,5 +1,5 @@
 """Parallel sampling (n > 1) and beam search over copy-on-write forks at the step level
-(qualia.twin_fork, DESIGN.md "Forks at the step level"): every member's tokens equal the dense
+(qualia.twin.fork, DESIGN.md "Forks at the step level"): every member's tokens equal the dense
 run with the same sampler and request id, beam search equals the dense beam search of the same
 width, the prompt's pages are held once, and misuse is refused changing nothing."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from qualia import twin_fork as TF
 from qualia.errors import StepError
 from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.twin import fork as TF
 
 W = ModelWeights.random(ModelConfig(vocab=64, layers=1))
 DENSE = DenseModel(W)

@@ -1,5 +1,5 @@
 """Parallel sampling (``add_request(..., n=k)``) and beam search (``beam_width=w``) in the
-compiled engine step, against their pure-Python statement ``qualia.twin_fork.ForkStepScheduler``
+compiled engine step, against their pure-Python statement ``qualia.twin.ForkStepScheduler``
 (docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
 ``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
@@ -22,9 +22,9 @@ from test_step_abi import example_rule, example_topk_rule
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 import qualia
-from qualia import twin_fork as TF
 from qualia.errors import StepError
 from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.twin import fork as TF
 
 
 class ForksVsTwin(StepVsTwin):

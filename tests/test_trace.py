@@ -1,4 +1,4 @@
-"""Real traces: qualia.workload.Trace reads the Azure LLM inference trace format and a plain
+"""Real traces: qualia.sim.trace.Trace reads the Azure LLM inference trace format and a plain
 form, with synthetic token ids that keep the shared prefixes the file describes; malformed files
 are refused naming the file and the line."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qualia.engine import Engine
-from qualia.workload import Trace, TraceError, parse_timestamp
+from qualia.sim.engine import Engine
+from qualia.sim.trace import Trace, TraceError, parse_timestamp
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -152,7 +152,7 @@ def test_a_trace_is_served_and_its_groups_hit_the_cache(tmp_path):
 
 
 def test_a_trace_may_span_at_most_max_trace_span_s(tmp_path):
-    from qualia.workload import MAX_TRACE_SPAN_S
+    from qualia.sim.trace import MAX_TRACE_SPAN_S
 
     ok = write(tmp_path, f"arrival_s,prompt_tokens,output_tokens\n{MAX_TRACE_SPAN_S:.0f},8,2\n"
                          "0,8,2\n")

@@ -126,7 +126,7 @@ assert receipt == (1, 1) and int(outputs["next_token_id"][0]) == 7 + 1
 # -- README "Several replicas: the prefix router on Ray" ---------------------------------------
 
 from qualia.cluster import Cluster, ReplicaConfig
-from qualia.workload import Workload
+from qualia.sim import Workload
 
 config = ReplicaConfig(num_blocks=192, max_requests=8, logical_pages=24)
 cl = Cluster(4, "prefix", config, local=True)   # local=False: Ray actors (after ray.init())

@@ -17,7 +17,7 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
                     page_tokens: int = 16, logical_pages: int = 16, prefix_entries: int = 6,
                     prefix_pages: Optional[int] = None, model_config=None,
                     prefix_caching: str = "auto") -> Dict[str, int]:
-    """Bytes a :class:`qualia.engine.Engine` with these arguments allocates up front, by part (a
+    """Bytes a :class:`qualia.sim.engine.Engine` with these arguments allocates up front, by part (a
     close lower bound: the arrays and C buffers sized in the constructors).  ``backend`` is
     ``"model"``, ``"c"`` or anything else (counted as a backend with no memory of its own).
 
@@ -50,7 +50,7 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
     if backend == "model":
         import numpy as np
 
-        from .model import ModelConfig
+        from ..model import ModelConfig
 
         c = model_config if model_config is not None else ModelConfig()
         item = np.dtype(c.dtype).itemsize

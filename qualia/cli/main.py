@@ -16,7 +16,7 @@ Exit status: 0 on success, 1 when ``--check`` finds a mismatch (or the run fails
 cannot be written: a full disk), 2 for bad arguments (an option
 out of its bounds or in a combination that does not run, an output path that cannot be written,
 an empty workload, a run that needs more memory than the machine has, a workload request that
-can never fit the pool; all checked before the run by :mod:`qualia.preflight`, for one engine
+can never fit the pool; all checked before the run by :mod:`qualia.sim.config`, for one engine
 and for ``--replicas`` alike), 130 when interrupted (Ctrl-C), 141 when the reader of the output
 pipe went away (``qualia simulate | head -1``: the rest of the output is dropped quietly).
 """
@@ -29,8 +29,8 @@ import os
 import sys
 from typing import Optional, Sequence, Tuple
 
-from . import preflight
-from .report import OutputError, emit, format_summary, jsonable
+from ..sim import config as preflight
+from ..sim.report import OutputError, emit, format_summary, jsonable
 
 __all__ = ["main", "build_parser", "format_summary", "fork_option_problem", "sampling_of"]
 
@@ -286,7 +286,7 @@ cannot hold), 130 interrupted, 141 the output pipe was closed (| head)"""
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog=prog if prog is not None else _prog(),
@@ -354,13 +354,13 @@ def sampling_of(args):
     temp = args.temperature if args.temperature is not None else (1.0 if args.n > 1 else 0.0)
     if not temp:
         return None
-    from .model import SamplingParams
+    from ..model import SamplingParams
 
     return SamplingParams(temperature=temp, seed=args.seed)
 
 
 # --------------------------------------------------------------------------------------------
-# main (every check made before a run is qualia.preflight.check_simulate's)
+# main (every check made before a run is qualia.sim.config.check_simulate's)
 # --------------------------------------------------------------------------------------------
 
 
@@ -377,12 +377,12 @@ def _progress_bar(args, err, total: int):
 
 
 def _simulate(args, out=None, err=None) -> int:
-    from .timing import Stopwatch
+    from ..sim.timing import Stopwatch
 
     clock = Stopwatch()  # from here on, every second of the run is in one row of the summary
-    from .engine import Engine, UnservableRequest
-    from .errors import QualiaError
-    from .workload import Trace
+    from ..errors import QualiaError
+    from ..sim.engine import Engine, UnservableRequest
+    from ..sim.trace import Trace
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -458,7 +458,7 @@ def _simulate(args, out=None, err=None) -> int:
         summary["config"]["trace_form"] = workload.form
         summary["config"]["trace_requests"] = len(workload)
     if args.plot is not None:
-        from .plot import plot_timeline
+        from ..sim.plot import plot_timeline
 
         if result.timeline is not None:
             try:
@@ -550,6 +550,3 @@ def _main(argv: Optional[Sequence[str]]) -> int:
               "--max-requests or --requests", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

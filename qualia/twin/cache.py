@@ -34,7 +34,7 @@ from qualia.errors import (
     SchedulerError,
     TableError,
 )
-from qualia.twin import (
+from qualia.twin.seed import (
     COPY_OP,
     RAGGED_BATCH_ITEM,
     RAGGED_BATCH_OUTPUT,

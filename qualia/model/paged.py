@@ -47,7 +47,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._types import RaggedBatchReceipt
+from .._types import RaggedBatchReceipt
 
 __all__ = [
     "GREEDY",

@@ -15,13 +15,13 @@ happened by then: no engine, no Ray, no prompt drawn.  Checks, in order:
 * the workload: a trace is read (bad rows are refused by their line) and must have a row, and
   every row must be servable by the pool and a request's table (checked on the row's lengths,
   before any prompt is drawn); a synthetic workload's shortest possible request must be;
-* memory: the run's estimate (:mod:`qualia.resources`, every replica counted) against what the
+* memory: the run's estimate (:mod:`qualia.sim.resources`, every replica counted) against what the
   machine has;
 * ``--ray-address``: its form, ``ray[client]`` for ``ray://`` addresses, and that the address
   answers a TCP connection within :data:`CONNECT_TIMEOUT_S` seconds.
 
 The generated requests themselves are checked by the same rule
-(:func:`qualia.workload.unservable_reason`) as they are submitted, before the first step.
+(:func:`qualia.sim.workload.unservable_reason`) as they are submitted, before the first step.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
 from .resources import available_memory, format_bytes, memory_estimate
-from .workload import Trace, TraceError, Workload, unservable_reason
+from .trace import Trace, TraceError
+from .workload import Workload, unservable_reason
 
 __all__ = ["Refused", "Prepared", "check_simulate", "VOCAB", "CONNECT_TIMEOUT_S",
            "output_path_problem", "memory_needed", "ray_address_parts", "workload_of"]
@@ -183,7 +184,7 @@ _SET_BY = {
 
 
 def memory_needed(args, workload) -> Dict[str, int]:
-    """Bytes the run needs, by part (see :func:`qualia.resources.memory_estimate`); with
+    """Bytes the run needs, by part (see :func:`qualia.sim.resources.memory_estimate`); with
     ``--replicas N``, every engine part N times (the replicas of a local Ray share the
     machine)."""
     parts = memory_estimate(
@@ -295,7 +296,7 @@ def _cluster_option_problem(args) -> Optional[str]:
 
 def check_simulate(args, clock=None) -> Prepared:
     """Every check of a ``simulate`` / ``demo`` command line made before the run (see the module
-    docstring); raises :class:`Refused`.  ``clock`` (a :class:`qualia.timing.Stopwatch`) is
+    docstring); raises :class:`Refused`.  ``clock`` (a :class:`qualia.sim.timing.Stopwatch`) is
     charged the trace's reading."""
     problem = _cluster_option_problem(args)
     if problem is not None:

@@ -2,7 +2,7 @@
 
 ``StepScheduler`` is the step API of ``qualia.Scheduler`` (``add_request`` / ``abort`` /
 ``schedule`` / ``update`` / ``run``) written plainly, as a policy over the facade twin
-``qualia.twin_cache.Scheduler``: every page decision goes through the facade's verbs (admit,
+``qualia.twin.cache.Scheduler``: every page decision goes through the facade's verbs (admit,
 reserve, advance, finish) in the order the compiled core makes them, so the plans agree with the
 core's array for array, physical page numbers included.  It is the executable statement of the
 policy; the stateful differential test drives both and compares every plan and every result.
@@ -43,9 +43,9 @@ import numpy as np
 
 from qualia._types import RUN_STATS_ROWS, STEP_STATS, STEP_TOTALS, FinishedRequest, RunResult
 from qualia.errors import BusyError, PrefixCacheError, SchedulerError, StepError, TableError
-from qualia.twin import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64
-from qualia.twin_cache import NS_MAX_BYTES
-from qualia.twin_cache import Scheduler as _Facade
+from qualia.twin.cache import NS_MAX_BYTES
+from qualia.twin.cache import Scheduler as _Facade
+from qualia.twin.seed import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64
 
 __all__ = ["StepScheduler", "StepPlan", "MAX_STOP_TOKENS"]
 

@@ -1,7 +1,7 @@
 """``simulate --plot FILE``: the run over time, drawn with matplotlib (the ``plot`` extra:
 ``pip install 'qualia[plot]'``).
 
-Three panels over the engine's steps (:class:`qualia.report.Timeline`): running and waiting
+Three panels over the engine's steps (:class:`qualia.sim.report.Timeline`): running and waiting
 requests; the pool's pages held by requests and the pages only the prefix cache holds (free to
 reclaim); the prefix cache's hit rate so far (cached tokens over tokens looked up).
 """

@@ -30,7 +30,7 @@ DENSE_BEAM = "dense beam search"
 
 def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
     """The hash decode rule (docs/DESIGN.md) in pure Python: one definition, in qualia.twin."""
-    from .twin import PyHashBackend
+    from ..twin import PyHashBackend
 
     return PyHashBackend.next_token(request_id, position, token_id, vocab)
 
@@ -80,7 +80,7 @@ def dense_reference(weights, prompt: Sequence[int], max_new_tokens: int, *,
     ``qualia.model.SamplingParams``, default greedy) keyed by ``request_id`` and each token's
     position, as the paged step runner keys it.  Whatever the batching, chunking, prefix hits,
     copies or preemptions of a paged run, its tokens must equal these."""
-    from .model import DenseModel
+    from ..model import DenseModel
 
     return DenseModel(weights).generate(prompt, max_new_tokens, end_token,
                                         stop_token_ids=stop_token_ids, sampling=sampling,
@@ -100,7 +100,7 @@ def check_outputs(requests: Mapping[int, object], outputs: Mapping[int, List[int
     ``request_id -> SamplingParams`` (or None: greedy); ``stop_token_ids`` end a generation like
     ``end_token``."""
     if weights is not None:
-        from .model import DenseModel
+        from ..model import DenseModel
 
         dense = DenseModel(weights)
         against = DENSE_MODEL
@@ -146,7 +146,7 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
                  on_checked: Optional[Callable[[int], None]] = None, sampling=None,
                  beam_width: Optional[int] = None, n: int = 1) -> CheckResult:
     """Compare each finished group (``groups[request_id]``, a
-    :class:`qualia.report.GroupOutput`) with its references.
+    :class:`qualia.sim.report.GroupOutput`) with its references.
 
     * ``n`` groups: the group has ``n`` outputs and ``n`` distinct member ids, the first the
       request's own (members keyed alike would draw alike), and member ``j``'s tokens equal
@@ -165,7 +165,7 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
     problems: List[str] = []
     mismatched: List[int] = []
     if weights is not None:
-        from .model import DenseModel
+        from ..model import DenseModel
 
         dense = DenseModel(weights)
         against = DENSE_BEAM if beam_width is not None else DENSE_MODEL

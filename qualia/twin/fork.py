@@ -1,7 +1,7 @@
 """Parallel sampling (``n > 1``) and beam search on copy-on-write forks, in plain Python
 (docs/DESIGN.md, "Forks at the step level").
 
-``ForkStepScheduler`` extends the engine-step twin (``qualia.twin_step.StepScheduler``) with
+``ForkStepScheduler`` extends the engine-step twin (``qualia.twin.step.StepScheduler``) with
 request groups whose members share pages through ``Scheduler.fork``:
 
 * ``add_request(..., n=k)``: the prompt is prefilled once.  The step whose chunk reaches the end of
@@ -44,8 +44,8 @@ import numpy as np
 
 from qualia._types import FinishedGroup, FinishedRequest, RequestState
 from qualia.errors import StepError
-from qualia.twin import U32_MAX, _u32, _u64
-from qualia.twin_step import StepPlan, StepScheduler, _Req, _stops
+from qualia.twin.seed import U32_MAX, _u32, _u64
+from qualia.twin.step import StepPlan, StepScheduler, _Req, _stops
 
 __all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend",
            "run_forks", "CHILD_BASE"]

@@ -1,8 +1,8 @@
 """The serving loop: a continuous-batching engine on the scheduler's engine step.
 
 This is what ``python -m qualia simulate`` runs.  :class:`Engine` serves requests
-(:class:`qualia.workload.Request`, from a :class:`~qualia.workload.Workload` or a
-:class:`~qualia.workload.Trace`) on the step API of one scheduler.  The scheduler decides
+(:class:`qualia.sim.workload.Request`, from a :class:`~qualia.sim.workload.Workload` or a
+:class:`~qualia.sim.trace.Trace`) on the step API of one scheduler.  The scheduler decides
 everything about a step (admission by priority then arrival, token budget, chunked prefill,
 prefix-cache hits, reclaim, preemption, stop conditions); the engine only keeps the policy glue
 around it and the books:
@@ -12,7 +12,7 @@ around it and the books:
     of their conversation)
 
 The scheduler is ``qualia.Scheduler`` when the compiled core has the step API, else its
-pure-Python twin ``qualia.twin_step.StepScheduler`` (``implementation="auto"``); pass
+pure-Python twin ``qualia.twin.step.StepScheduler`` (``implementation="auto"``); pass
 ``implementation="core"`` or ``"twin"``, or ``scheduler_factory``, to choose.
 
 The backend's ``execute_step(plan)`` returns one sampled token id per sampled row of the plan.
@@ -23,7 +23,7 @@ written where the plan's block table says; the copy-on-write copies go first); a
 decode-rule backend (the C ``qualia.HashBackend``, ``qualia.twin.PyHashBackend``), whose hash
 rule gives each sampled row's token from the request id, the last token's position and the
 token.  With a model the generated tokens can be checked against the dense model, with a
-decode rule against the pure-Python hash rule (:mod:`qualia.check`).
+decode rule against the pure-Python hash rule (:mod:`qualia.sim.check`).
 
 Arrivals: a request is due once the engine reaches its ``arrival_step`` and, for a trace, once
 the serving clock reaches its ``arrival_s``.  The serving clock is the measured time of the
@@ -42,8 +42,8 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import StepError
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
-from .errors import StepError
 from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
 from .resources import memory_estimate
 from .timing import (
@@ -58,9 +58,9 @@ from .timing import (
     TimedBackend,
     is_c_backend,
 )
+from .trace import Trace
 from .workload import (
     Request,
-    Trace,
     UnservableRequest,
     Workload,
     checked_request,
@@ -142,7 +142,7 @@ def _probe_core(feature: str) -> bool:
 def make_scheduler_factory(implementation: str = "auto", *, n: int = 1,
                            beam_width: Optional[int] = None) -> Callable[..., Any]:
     """The class the engine builds its scheduler with: ``"core"`` (``qualia.Scheduler``),
-    ``"twin"`` (``qualia.twin_step.StepScheduler``, or ``qualia.twin_fork.ForkStepScheduler``
+    ``"twin"`` (``qualia.twin.step.StepScheduler``, or ``qualia.twin.fork.ForkStepScheduler``
     for ``n > 1`` or ``beam_width``) or ``"auto"`` (the core when it has the step API and
     supports the forks asked for, else the twin)."""
     if implementation not in ("auto", "core", "twin"):
@@ -162,13 +162,13 @@ def make_scheduler_factory(implementation: str = "auto", *, n: int = 1,
             what = "beam search (beam_width)" if feature == "beam" else "parallel sampling (n)"
             raise ValueError(f"implementation='core': this build's qualia.Scheduler has no "
                              f"{what}; use implementation='auto' or 'twin' (the pure-Python "
-                             f"qualia.twin_fork.ForkStepScheduler)")
+                             f"qualia.twin.fork.ForkStepScheduler)")
         return qualia.Scheduler
     if feature is not None:
-        from .twin_fork import ForkStepScheduler
+        from ..twin import ForkStepScheduler
 
         return ForkStepScheduler
-    from .twin_step import StepScheduler
+    from ..twin import StepScheduler
 
     return StepScheduler
 
@@ -261,7 +261,7 @@ class PlanModelSteps:
         self.steps = 0
 
     def execute_step(self, plan):
-        from .model import _topk_of, log_softmax
+        from ..model.sampling import _topk_of, log_softmax
 
         model = self.model
         logits = model.step_logits(plan)
@@ -348,7 +348,7 @@ class Engine:
     ``add_request(..., n=n)`` (one prefill, ``n`` sampled sequences sharing the prompt's pages
     copy-on-write), ``beam_width=w`` with ``add_request(..., beam_width=w)`` (beam search, model
     backend only); at most one of the two, each at most ``max_seqs``.  ``"auto"`` takes the core
-    when it supports what is asked, else the twin ``qualia.twin_fork.ForkStepScheduler``.  A
+    when it supports what is asked, else the twin ``qualia.twin.fork.ForkStepScheduler``.  A
     finished group's sequences are all in :attr:`groups`; ``outputs[request_id]`` is its first
     member (``n``) or best hypothesis (beam).  ``sampling`` (a
     :class:`qualia.model.SamplingParams`; model backend only; default greedy) draws each token
@@ -356,7 +356,7 @@ class Engine:
     temperature > 0.
 
     ``step_seconds``: the serving clock's cost of one step (None: the measured time of each
-    step).  ``clock`` is the :class:`~qualia.timing.Stopwatch` the engine charges its time to
+    step).  ``clock`` is the :class:`~qualia.sim.timing.Stopwatch` the engine charges its time to
     (the CLI passes one started before anything else); by default the engine makes one that
     counts only while an engine method runs.  ``on_complete(request_id, tokens)`` is called
     whenever a request completes."""
@@ -388,7 +388,7 @@ class Engine:
     ) -> None:
         import qualia
 
-        from .model import GREEDY, SamplingParams
+        from ..model import GREEDY, SamplingParams
 
         self._owns_clock = clock is None
         self.clock = clock if clock is not None else Stopwatch(SETUP)
@@ -413,7 +413,7 @@ class Engine:
         self.weights = None
         if isinstance(backend, str):
             if backend == "model":
-                from .model import ModelConfig, ModelWeights, PagedModelBackend
+                from ..model import ModelConfig, ModelWeights, PagedModelBackend
 
                 cfg = model_config if model_config is not None else ModelConfig()
                 self.weights = ModelWeights.random(cfg)
@@ -471,7 +471,7 @@ class Engine:
             what = "beam search" if self.beam_width is not None else "parallel sampling (n)"
             raise ValueError(f"{what} with prefix_caching='off' needs the compiled core's "
                              f"{what}, which this build lacks; its pure-Python twin "
-                             f"(qualia.twin_fork.ForkStepScheduler) models "
+                             f"(qualia.twin.fork.ForkStepScheduler) models "
                              f"prefix_caching='auto' only")
         self.scheduler = factory(
             max_requests, num_blocks, page_tokens, logical_pages,
@@ -594,8 +594,8 @@ class Engine:
             self.clock.leave(token)
 
     def submit_all(self, requests: Iterable[Request]) -> int:
-        """Submit every request of ``requests`` (a :class:`~qualia.workload.Workload` or
-        :class:`~qualia.workload.Trace` is generated first, charged to the workload row);
+        """Submit every request of ``requests`` (a :class:`~qualia.sim.workload.Workload` or
+        :class:`~qualia.sim.trace.Trace` is generated first, charged to the workload row);
         returns how many were submitted."""
         n = 0
         token = self.clock.enter(WORKLOAD)
@@ -980,7 +980,7 @@ class Engine:
         """Compare every completed request's tokens with the dense model (model backend, with
         the engine's sampler) or the pure-Python hash rule (decode-rule backend); a group's
         every member with its own reference run, a beam group with the dense beam search of
-        the same width; see :mod:`qualia.check`.  Charged to
+        the same width; see :mod:`qualia.sim.check`.  Charged to
         the check row; the result is also kept in ``last_check``.  ``on_checked(request_id)``
         is called after each request."""
         if self.is_model and self.weights is None:
@@ -1009,5 +1009,5 @@ class Engine:
         return self.timeline.latencies()
 
     def stats(self) -> Dict[str, object]:
-        """The run's figures and where its time went (:func:`qualia.report.collect_stats`)."""
+        """The run's figures and where its time went (:func:`qualia.sim.report.collect_stats`)."""
         return collect_stats(self)

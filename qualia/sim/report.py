@@ -2,7 +2,7 @@
 (:func:`format_summary`, 80 columns) and JSON (:func:`jsonable`).
 
 Time.  The engine charges every second of a run to exactly one row of its
-:class:`~qualia.timing.Stopwatch`, and the table shows every row, so the rows add up to the wall
+:class:`~qualia.sim.timing.Stopwatch`, and the table shows every row, so the rows add up to the wall
 time:
 
 * ``setup``: building the scheduler, the pool and the backend (model weights, KV array);
@@ -157,7 +157,7 @@ class GroupOutput:
 
 @dataclass
 class EngineResult:
-    """What :meth:`qualia.engine.Engine.run` reports.  ``outputs`` maps request id -> generated
+    """What :meth:`qualia.sim.engine.Engine.run` reports.  ``outputs`` maps request id -> generated
     tokens (a group's first member or best hypothesis); ``groups`` maps the request id of each
     group (``n > 1``, beam search) to all its sequences; ``timeline`` is the run over time."""
 
@@ -204,7 +204,7 @@ def _percentiles(values: List[float], prefix: str) -> Dict[str, float]:
 
 
 def collect_stats(engine) -> Dict[str, object]:
-    """The figures of ``engine``'s run so far (a :class:`qualia.engine.Engine`)."""
+    """The figures of ``engine``'s run so far (a :class:`qualia.sim.engine.Engine`)."""
     f, c = engine.facade, engine.counters
     cache = f.cache_stats()
     time_s = engine.clock.as_dict()
