@@ -1,34 +1,11 @@
-"""Data-parallel replicas on Ray behind a prefix-aware router (docs/DESIGN.md, "Replicas and the
-prefix router").
-
-Each replica is one engine: a step scheduler (``add_request`` / ``schedule`` / ``update``) and a
-step backend, run as a Ray actor (:class:`Replica`; in-process with ``local=True``).  The router
-(:class:`Cluster`) drives every replica one engine step at a time: each call hands the replica
-the requests routed to it since its last step, runs one step, and brings back what happened --
-the tokens sampled, the requests finished, the KV events its automatic prefix cache emitted and
-its load (running, waiting, free pages).  The events feed the router's index
-(:class:`qualia.PrefixRouterIndex`, in the compiled core): page identity -> replicas holding it.
-
-Policies: ``prefix`` sends a request to the replica holding the longest run of its leading pages,
-less a load cost (``load_weight`` pages per request queued there); ``round-robin`` and
-``least-loaded`` ignore the caches.
-
-Faults: a replica whose step call fails (its actor died) is marked down, taken off the index, and
-its unfinished requests go back to the router's queue, resubmitted to the survivors with the
-tokens generated so far appended to the prompt (the backend is deterministic, so recomputing
-gives the same tokens).  The router records each request's completion once; a replica that is
-restarted (``rejoin_after`` steps later) rejoins with an empty cache.
-
-Only this module needs Ray (the ``qualia[cluster]`` extra): it is imported lazily, and
-``local=True`` runs the same code in one process without it.
-"""
+"""The cluster: replicas behind the router, driven one engine step at a time, with replica
+deaths, resubmission and rejoins (see :mod:`qualia.cluster`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
 import itertools
-import math
 import os
 import time
 from collections import deque
@@ -37,16 +14,11 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-import qualia
-from qualia.errors import StepError
+from .metrics import ClusterMetrics
+from .replica import Replica, ReplicaConfig
+from .router import POLICIES, Router
 
-__all__ = ["POLICIES", "ReplicaConfig", "Replica", "Cluster", "ClusterResult", "ClusterMetrics",
-           "init_local_ray",
-           "HashStepBackend", "make_scheduler", "compare_policies", "format_comparison",
-           "add_cluster_options", "wants_cluster", "simulate_cli"]
-
-POLICIES = ("prefix", "round-robin", "least-loaded")
-DEFAULT_KEY = bytes(range(16))   # every replica and the router share the cache key
+__all__ = ["Cluster", "ClusterResult", "init_local_ray", "compare_policies", "format_comparison"]
 
 
 def _ray():
@@ -57,259 +29,7 @@ def _ray():
     return ray
 
 
-# --------------------------------------------------------------------------------------------
-# one replica
-# --------------------------------------------------------------------------------------------
 
-
-@dataclass
-class ReplicaConfig:
-    """What every replica is built with.  ``scheduler``: ``"auto"`` (the compiled core's
-    ``qualia.Scheduler`` when it has the step API, else the pure-Python twin), ``"core"``,
-    ``"twin"``, or a callable taking the scheduler's keyword arguments.  ``backend``:
-    ``"hash"`` (the hash rule, token = hash(request, position, last token)) or ``"model"``
-    (the numpy model's own step runner, ``PagedModelBackend.execute_step``: one forward over
-    the plan's mixed batch, K/V through ``slot_mapping``, greedy).  ``max_num_seqs`` (None:
-    ``max_requests``) and ``max_prefill_chunk`` (None: only the token budget) shape each
-    step as in the single engine."""
-
-    max_requests: int = 16
-    num_blocks: int = 96
-    page_tokens: int = 16
-    logical_pages: int = 16
-    max_num_batched_tokens: int = 512
-    max_num_seqs: Optional[int] = None
-    max_prefill_chunk: Optional[int] = None
-    max_queued: Optional[int] = None
-    cache_key: bytes = DEFAULT_KEY
-    event_capacity: int = 8192
-    scheduler: Any = "auto"
-    backend: str = "hash"
-    vocab: int = 32000
-    model_seed: int = 0
-    eos_token_id: Optional[int] = None
-
-    @property
-    def queue_limit(self) -> int:
-        return 4 * self.max_requests if self.max_queued is None else self.max_queued
-
-
-def make_scheduler(config: ReplicaConfig):
-    """The step scheduler of one replica (see :class:`ReplicaConfig`)."""
-    kw: Dict[str, Any] = dict(max_requests=config.max_requests, num_blocks=config.num_blocks,
-                              page_tokens=config.page_tokens,
-                              logical_pages=config.logical_pages, cache_key=config.cache_key,
-                              event_capacity=config.event_capacity,
-                              max_num_batched_tokens=config.max_num_batched_tokens,
-                              max_num_seqs=config.max_num_seqs,
-                              max_prefill_chunk=config.max_prefill_chunk,
-                              max_queued=config.queue_limit, vocab_size=config.vocab)
-    kind = config.scheduler
-    if callable(kind):
-        return kind(**kw)
-    core_has_step = hasattr(qualia.Scheduler, "add_request")
-    if kind == "core" or (kind == "auto" and core_has_step):
-        return qualia.Scheduler(**kw)
-    if kind in ("twin", "auto"):
-        from qualia.twin_step import StepScheduler
-        return StepScheduler(**kw)
-    raise ValueError(f"scheduler must be 'auto', 'core', 'twin' or a callable, got {kind!r}")
-
-
-class HashStepBackend:
-    """A step backend over the hash rule (``qualia.hash_next_token``): the token sampled for a
-    row is the rule applied to the row's last token at its position, as the C hash backend
-    does, so outputs do not depend on how a request was batched, chunked, preempted or moved."""
-
-    def __init__(self, vocab: int = 32000) -> None:
-        self.vocab = int(vocab)
-
-    def execute_step(self, plan) -> np.ndarray:
-        rows = np.asarray(plan.logits_indices)
-        toks = np.asarray(plan.input_ids)[rows].tolist()
-        pos = np.asarray(plan.positions)[rows].tolist()
-        rids = np.asarray(plan.sampled_request_ids).tolist()
-        h, v = qualia.hash_next_token, self.vocab
-        return np.array([h(r, p, t, v) for r, p, t in zip(rids, pos, toks)], dtype=np.uint32)
-
-
-def model_weights(config: ReplicaConfig):
-    """The numpy model's weights every replica of ``config`` uses (deterministic in the seed),
-    which ``--check`` hands to the dense model."""
-    from qualia.model import ModelConfig, ModelWeights
-    return ModelWeights.random(ModelConfig(seed=config.model_seed, vocab=config.vocab))
-
-
-def make_backend(config: ReplicaConfig):
-    if config.backend == "hash":
-        return HashStepBackend(config.vocab)
-    if config.backend == "model":
-        from qualia.model import PagedModelBackend
-        return PagedModelBackend(model_weights(config), config.num_blocks, config.page_tokens)
-    raise ValueError(f"backend must be 'hash' or 'model', got {config.backend!r}")
-
-
-class Replica:
-    """One engine: a step scheduler and its backend.  The body of the Ray actor; also usable
-    in-process.  :meth:`step` is the only call the router makes."""
-
-    def __init__(self, replica_id: int, config: ReplicaConfig) -> None:
-        self.replica_id = int(replica_id)
-        self.config = config
-        self.sched = make_scheduler(config)
-        self.backend = make_backend(config)
-        # the twin keeps the cache in its facade; the core's Scheduler is its own facade
-        self.facade = getattr(self.sched, "facade", self.sched)
-        self.implementation = ("core" if isinstance(self.sched, qualia.Scheduler)
-                               else "twin" if self.facade is not self.sched
-                               else type(self.sched).__name__)
-        self.steps = 0
-
-    def ping(self) -> int:
-        return self.replica_id
-
-    def describe(self) -> Dict[str, Any]:
-        """What this replica runs: its scheduler (``"core"``: the compiled ``qualia.Scheduler``;
-        ``"twin"``) and its backend's class."""
-        return dict(replica=self.replica_id, implementation=self.implementation,
-                    backend=type(self.backend).__name__)
-
-    def _hit_tokens(self) -> int:
-        # prompt tokens the cache has served so far (for a plan that does not count them)
-        return int(self.facade.cache_stats().hit_tokens)
-
-    def step(self, requests: Sequence[Tuple[int, Any, int, bytes]] = ()) -> Dict[str, Any]:
-        """Queue ``requests`` ((id, prompt tokens, max_new_tokens, namespace) each), run one
-        engine step when anything is unfinished, and report: tokens sampled (id -> token),
-        finished requests (id, outputs, reason), refused requests, KV events, load, counters."""
-        t0 = time.perf_counter()
-        rejected: List[int] = []
-        failed: List[Tuple[int, str]] = []
-        for rid, prompt, max_new, ns in requests:
-            try:
-                self.sched.add_request(rid, np.asarray(prompt, dtype=np.uint32),
-                                       max_new_tokens=max_new, namespace=ns,
-                                       eos_token_id=self.config.eos_token_id)
-            except StepError.QueueFull:
-                rejected.append(rid)
-            except (StepError, ValueError, TypeError, OverflowError) as exc:
-                failed.append((rid, f"{type(exc).__name__}: {exc}"))
-        sampled: Dict[int, int] = {}
-        finished: List[Tuple[int, List[int], str]] = []
-        rep: Dict[str, Any] = dict(prefill_tokens=0, decode_tokens=0, cached_tokens=0,
-                                   preempted=0, admitted=0, stepped=False)
-        if self.sched.has_unfinished():
-            hits_before = self._hit_tokens()
-            plan = self.sched.schedule()
-            try:
-                ids = np.asarray(self.backend.execute_step(plan), dtype=np.uint32)
-            except BaseException:
-                discard = getattr(self.sched, "discard_plan", None)
-                if discard is not None:
-                    discard()
-                raise
-            rids = np.asarray(plan.sampled_request_ids).tolist()
-            rep.update(prefill_tokens=int(plan.num_prefill_tokens),
-                       decode_tokens=int(plan.num_decode_tokens),
-                       cached_tokens=int(plan.num_cached_tokens)
-                       if hasattr(plan, "num_cached_tokens")
-                       else self._hit_tokens() - hits_before,
-                       preempted=len(plan.preempted_request_ids),
-                       admitted=len(plan.new_request_ids), stepped=True)
-            done = self.sched.update(ids)
-            sampled = dict(zip(rids, ids.tolist()))
-            finished = [(int(f.request_id), np.asarray(f.output_tokens).tolist(),
-                         f.finish_reason) for f in done]
-            self.steps += 1
-        f = self.facade
-        rep.update(replica=self.replica_id, implementation=self.implementation,
-                   sampled=sampled, finished=finished, rejected=rejected, failed=failed,
-                   events=f.drain_events(),
-                   running=int(self.sched.num_running), waiting=int(self.sched.num_waiting),
-                   free_pages=int(f.free_pages), num_blocks=int(f.num_blocks),
-                   step_s=time.perf_counter() - t0)
-        return rep
-
-
-# --------------------------------------------------------------------------------------------
-# metrics
-# --------------------------------------------------------------------------------------------
-
-
-_REPLICA = ("replica",)
-
-# ClusterMetrics' metrics: (attribute, Gauge or Counter, metric name, help text, labels)
-_METRICS: Tuple[Tuple[str, str, str, str, Tuple[str, ...]], ...] = (
-    ("up", "Gauge", "qualia_replica_up", "1 while the replica is live", _REPLICA),
-    ("running", "Gauge", "qualia_replica_requests_running", "requests running", _REPLICA),
-    ("waiting", "Gauge", "qualia_replica_requests_waiting", "requests waiting", _REPLICA),
-    ("pool", "Gauge", "qualia_replica_pool_usage", "fraction of KV pages not free", _REPLICA),
-    ("hit_rate", "Gauge", "qualia_replica_cache_hit_rate",
-     "cached prompt tokens / (cached + computed prefill tokens)", _REPLICA),
-    ("cached", "Counter", "qualia_replica_cached_tokens", "prompt tokens the cache skipped",
-     _REPLICA),
-    ("prefill", "Counter", "qualia_replica_prefill_tokens", "prefill tokens computed", _REPLICA),
-    ("generated", "Counter", "qualia_replica_generated_tokens", "tokens sampled", _REPLICA),
-    ("preemptions", "Counter", "qualia_replica_preemptions", "requests preempted", _REPLICA),
-    ("decisions", "Counter", "qualia_router_decisions", "routing decisions",
-     ("policy", "replica")),
-    ("resubmitted", "Counter", "qualia_router_resubmitted",
-     "requests resubmitted after their replica died", ()),
-    ("deaths", "Counter", "qualia_router_replica_deaths", "replicas found dead", ()),
-    ("completed", "Counter", "qualia_router_requests_completed", "requests completed", ()),
-    ("identities", "Gauge", "qualia_router_index_identities",
-     "page identities in the router's index", ()),
-    ("router_hit", "Gauge", "qualia_router_cache_hit_rate",
-     "cached-token hit rate over every replica", ()),
-)
-
-
-class ClusterMetrics:
-    """Prometheus metrics of the replicas (labelled ``replica``, from what each reports every
-    step) and of the router, in a registry of their own; :meth:`serve` exposes them over HTTP
-    (the exposition format) on ``port``.  One attribute a metric, declared in ``_METRICS``."""
-
-    up: Any
-    running: Any
-    waiting: Any
-    pool: Any
-    hit_rate: Any
-    cached: Any
-    prefill: Any
-    generated: Any
-    preemptions: Any
-    decisions: Any
-    resubmitted: Any
-    deaths: Any
-    completed: Any
-    identities: Any
-    router_hit: Any
-
-    def __init__(self) -> None:
-        import prometheus_client
-        self.registry = prometheus_client.CollectorRegistry()
-        for attr, kind, name, help_text, labels in _METRICS:
-            setattr(self, attr, getattr(prometheus_client, kind)(name, help_text, labels,
-                                                                 registry=self.registry))
-        self._server: Any = None
-
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve the metrics on ``addr:port`` (0: any free port); returns the port."""
-        from prometheus_client import start_http_server
-        started = start_http_server(port, addr=addr, registry=self.registry)
-        self._server = started[0] if isinstance(started, tuple) else None
-        return self._server.server_port if self._server is not None else port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-
-# --------------------------------------------------------------------------------------------
-# the router
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -432,18 +152,11 @@ class Cluster:
         self.max_resubmits = int(max_resubmits)
         if self.max_resubmits < 0:
             raise ValueError(f"max_resubmits must be at least 0, got {max_resubmits}")
-        c = self.config
-        self.index = qualia.PrefixRouterIndex(
-            index_capacity if index_capacity is not None else 2 * self.n * c.num_blocks + 64,
-            self.n)
-        # the router computes page identities with the replicas' cache key
-        self._ident = qualia.Scheduler(1, 1, c.page_tokens, 1, cache_key=c.cache_key)
-        self._match = np.zeros(self.n, dtype=np.uint32)
+        self.router = Router(self.n, policy, self.config, load_weight=self.load_weight,
+                             index_capacity=index_capacity)
+        self.index = self.router.index
         self.handles: List[Any] = [self._spawn(r) for r in range(self.n)]
-        self.live = [True] * self.n
-        self.load = [0] * self.n          # running + waiting (last report) + routed since
         self.died_at: Dict[int, int] = {}
-        self.rr = 0
         self.decisions = [0] * self.n
         self.deaths = 0
         self.rejoins = 0
@@ -455,6 +168,24 @@ class Cluster:
         self._counters = dict(cached=0, prefill=0, decode=0, preempted=0, generated=0)
         self._per_replica = [dict(cached=0, prefill=0) for _ in range(self.n)]
         self.implementations: set = set()   # the schedulers the replicas reported
+
+    @property
+    def live(self) -> List[bool]:
+        """Per replica: whether it is live (the router's record)."""
+        return self.router.live
+
+    @live.setter
+    def live(self, value: List[bool]) -> None:
+        self.router.live = list(value)
+
+    @property
+    def load(self) -> List[int]:
+        """Per replica: running + waiting at its last report + routed to it since."""
+        return self.router.load
+
+    @load.setter
+    def load(self, value: List[int]) -> None:
+        self.router.load = list(value)
 
     # -- replicas ----------------------------------------------------------------------------------
     def _spawn(self, r: int):
@@ -502,32 +233,10 @@ class Cluster:
             self.metrics.up.labels(str(r)).set(1)
 
     # -- routing -----------------------------------------------------------------------------------
-    def _eligible(self, r: int) -> bool:
-        return self.live[r] and self.load[r] < self.config.queue_limit
-
     def route(self, prompt: Sequence[int], namespace: bytes = b"") -> Tuple[int, int]:
         """The replica for a request (-1 when none can take it now) and the pages of its prompt
-        the chosen replica holds (prefix policy; 0 otherwise)."""
-        n = self.n
-        if self.policy == "round-robin":
-            for k in range(n):
-                r = (self.rr + k) % n
-                if self._eligible(r):
-                    self.rr = (r + 1) % n
-                    return r, 0
-            return -1, 0
-        if self.policy == "least-loaded":
-            best = -1
-            for r in range(n):
-                if self._eligible(r) and (best < 0 or self.load[r] < self.load[best]):
-                    best = r
-            return best, 0
-        ids = self._ident.page_identities(np.asarray(prompt, dtype=np.uint32), namespace)
-        low = min((self.load[r] for r in range(n) if self._eligible(r)), default=0)
-        cost = np.array([self.load_weight * (self.load[r] - low) if self._eligible(r)
-                         else math.inf for r in range(n)])
-        r = self.index.route(ids, cost, self._match)
-        return r, (int(self._match[r]) if r >= 0 else 0)
+        the chosen replica holds (:meth:`Router.route`)."""
+        return self.router.route(prompt, namespace)
 
     # -- the run -----------------------------------------------------------------------------------
     #: steps in a row in which replicas ran and none computed a token or finished a request,
@@ -537,7 +246,7 @@ class Cluster:
     def run(self, workload, *, kill_replica_at: Optional[int] = None, kill_replica: int = -1,
             rejoin_after: Optional[int] = None, max_steps: Optional[int] = 100_000,
             on_step: Optional[Callable[[int, "Cluster"], None]] = None) -> ClusterResult:
-        """Serve ``workload`` (a :class:`qualia.workload.Workload`, or a list of its requests:
+        """Serve ``workload`` (a :class:`qualia.sim.workload.Workload`, or a list of its requests:
         arrivals by ``arrival_step``, later turns by ``workload.next_turn``) until every request
         completed.  ``kill_replica_at``: the global step at which replica ``kill_replica``
         (default: the last) is killed; it is restarted ``rejoin_after`` steps after the router
@@ -724,7 +433,7 @@ class Cluster:
 
     def _unservable(self, req) -> Optional[str]:
         """Why no replica can ever serve ``req`` (the engine's rule), or None."""
-        from .workload import unservable_reason
+        from ..sim.workload import unservable_reason
 
         c = self.config
         return unservable_reason(f"request {req.request_id}", len(req.prompt),
@@ -816,236 +525,3 @@ def format_comparison(results: Sequence[ClusterResult]) -> str:
             f"{s['ttft_steps_p90']:.0f} | {s['ttft_ms_mean']:.1f} | {s['preempted']} | "
             f"{s['deaths']} | {s['resubmitted']} |")
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# the command line: `python -m qualia simulate --replicas N ...`
-# --------------------------------------------------------------------------------------------
-
-
-def _bounded(lo: int, hi: int):
-    import argparse
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
-        return v
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def _finite_non_negative(text: str) -> float:
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= v < math.inf:  # also nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
-
-
-def add_cluster_options(p) -> None:
-    """The cluster options of ``simulate`` (an argparse parser)."""
-    g = p.add_argument_group("cluster (needs the qualia[cluster] extra: Ray, prometheus-client)")
-    g.add_argument("--replicas", type=_bounded(1, 64), default=None, metavar="N",
-                   help="serve on N data-parallel replicas (Ray actors) behind a router")
-    g.add_argument("--router", choices=POLICIES, default="prefix",
-                   help="routing policy (default %(default)s)")
-    g.add_argument("--compare", action="store_true",
-                   help="run every policy and one replica with N times the pool, side by side")
-    g.add_argument("--kill-replica", type=_bounded(0, 2**31), default=None, metavar="STEP",
-                   help="kill the last replica's actor at this step (fault injection)")
-    g.add_argument("--rejoin-after", type=_bounded(0, 2**31), default=5, metavar="STEPS",
-                   help="restart a dead replica this many steps after its death was found "
-                        "(default %(default)s)")
-    g.add_argument("--load-weight", type=_finite_non_negative, default=0.25, metavar="PAGES",
-                   help="prefix router: pages of cached prefix one queued request is worth "
-                        "(default %(default)s)")
-    g.add_argument("--metrics-port", type=_bounded(0, 65535), default=None, metavar="P",
-                   help="serve Prometheus metrics on 127.0.0.1:P during the run")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="an existing Ray cluster (default: a local one started for the run)")
-    g.add_argument("--local", action="store_true",
-                   help="run the replicas in this process, without Ray")
-
-
-def wants_cluster(args) -> bool:
-    """Whether ``simulate``'s arguments name any cluster option (then :func:`simulate_cli`
-    runs it, and refuses cluster options without ``--replicas``)."""
-    from .preflight import wants_cluster as wants
-
-    return wants(args)
-
-
-def _connect_ray(ray, address: str) -> None:
-    """``ray.init`` on an existing cluster, in a bounded time: Ray's own connection loop is cut
-    to one attempt (each attempt has its own timeouts, about 40 s in all; a ``ray://`` client
-    gives up after about 30 s) unless the environment sets it."""
-    key = "RAY_gcs_server_port_wait_time_s"
-    had = key in os.environ
-    os.environ.setdefault(key, "1")
-    try:
-        ray.init(address=address, log_to_driver=False)
-    finally:
-        if not had:
-            del os.environ[key]
-
-
-def simulate_cli(args, out=None, err=None) -> int:
-    """``simulate`` with ``--replicas``: exit status as the single-engine simulate.  Every
-    check before the run is :func:`qualia.preflight.check_simulate`'s, as for one engine; the
-    generated requests are checked by the same rule as the engine's before Ray starts."""
-    import json
-    import sys
-
-    from . import preflight
-    from .check import check_outputs
-    from .report import emit
-    from .workload import unservable_reason
-
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
-    # --backend model: the numpy model's own step runner on every replica; c: the hash rule
-    backend = "hash" if args.backend == "c" else "model"
-    try:
-        prepared = preflight.check_simulate(args)
-        workload, vocab = prepared.workload, prepared.vocab
-        config = ReplicaConfig(max_requests=args.max_requests, num_blocks=args.num_blocks,
-                               page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-                               max_num_batched_tokens=getattr(args, "max_batched_tokens", 512),
-                               max_num_seqs=getattr(args, "max_seqs", None),
-                               max_prefill_chunk=getattr(args, "chunk", None),
-                               backend=backend, vocab=vocab, eos_token_id=args.end_token)
-        make_scheduler(config)      # bad step options are refused here, before Ray starts
-        requests = _Generated(workload)
-        for q in requests.requests:
-            why = unservable_reason(f"request {q.request_id}", len(q.prompt), q.max_new_tokens,
-                                    page_tokens=config.page_tokens,
-                                    num_blocks=config.num_blocks,
-                                    logical_pages=config.logical_pages)
-            if why is not None:
-                raise preflight.Refused(f"{why} (raise --num-blocks/--logical-pages/"
-                                        "--page-tokens or lower --prompt-len/--output-len)")
-    except (preflight.Refused, ValueError, TypeError, OverflowError) as exc:
-        print(f"error: {exc}", file=err)
-        return 2
-    metrics = None
-    if args.metrics_port is not None:   # before Ray: a port taken since the check fails fast
-        try:
-            metrics = ClusterMetrics()
-            port = metrics.serve(args.metrics_port)
-        except OSError as exc:
-            print(f"error: argument --metrics-port: cannot listen on "
-                  f"127.0.0.1:{args.metrics_port}: {exc.strerror or exc}", file=err)
-            return 2
-        if not args.quiet:
-            print(f"metrics on http://127.0.0.1:{port}/metrics", file=err)
-    ray = None
-    try:
-        if not args.local:
-            ray = _ray()
-            if ray.is_initialized():     # a caller's Ray (tests, notebooks): used, left running
-                ray = None
-            elif args.ray_address:
-                try:
-                    _connect_ray(ray, args.ray_address)
-                except (ConnectionError, RuntimeError, ValueError, TimeoutError, OSError) as exc:
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else \
-                        type(exc).__name__
-                    print(f"error: argument --ray-address {args.ray_address}: cannot connect "
-                          f"to a Ray cluster there: {first}", file=err)
-                    ray = None
-                    return 2
-            else:
-                init_local_ray(num_cpus=2)
-        # no step limit (Ctrl-C stops a run; a stuck one is detected)
-        kw = dict(kill_replica_at=args.kill_replica, rejoin_after=args.rejoin_after,
-                  max_steps=None)
-        if args.compare:
-            results = []
-            for pol in POLICIES:
-                cl = Cluster(args.replicas, pol, config, local=args.local, metrics=metrics,
-                             load_weight=args.load_weight)
-                try:
-                    results.append(cl.run(requests, **kw))
-                finally:
-                    cl.close()
-            results += compare_policies(requests, args.replicas, config, policies=(),
-                                        local=args.local, max_steps=None)
-        else:
-            cl = Cluster(args.replicas, args.router, config, local=args.local, metrics=metrics,
-                         load_weight=args.load_weight)
-            try:
-                results = [cl.run(requests, **kw)]
-            finally:
-                cl.close()
-    except RuntimeError as exc:   # the run failed: stuck, or replicas kept dying
-        print(f"error: the replicas' run failed: {exc}", file=err)
-        return 1
-    finally:
-        if metrics is not None:
-            metrics.close()
-        if ray is not None:
-            ray.shutdown()
-    ok = True
-    messages = []
-    for res in results:
-        once = all(n == 1 for n in res.completions.values()) and \
-            set(res.completions) == set(res.requests)
-        line = (f"{res.policy}: {len(res.completions)} of {len(res.requests)} requests "
-                f"completed {'exactly once' if once else 'NOT exactly once'} (scheduler: "
-                f"{res.summary['scheduler']}, backend: {backend})")
-        if res.summary.get("conversations_cut"):
-            line += (f"; {res.summary['conversations_cut']} conversations cut (a next turn "
-                     "outgrew the pool or --logical-pages)")
-        ok &= once
-        if args.check:
-            chk = check_outputs(res.requests, res.outputs, end_token=args.end_token, vocab=vocab,
-                                weights=model_weights(config) if backend == "model" else None)
-            line += f"; check: {chk.describe()}"
-            ok &= chk.ok
-        messages.append(line)
-    if args.json:
-        text = json.dumps([r.summary for r in results], indent=2, sort_keys=True, default=str)
-        if args.json == "-":
-            emit(text, out)
-        else:
-            try:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    f.write(text + "\n")
-            except OSError as exc:
-                print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
-                return 2
-    if not args.quiet and args.json != "-":
-        emit(format_comparison(results) + "\n" + "\n".join(messages), out)
-    elif not ok:
-        print("\n".join(messages), file=err)
-    if args.kill_replica is not None:
-        missed = [r for r in results if r.policy != "single replica"
-                  and r.summary["killed_at"] is None]
-        if missed:
-            steps = max(r.summary["steps"] for r in missed)
-            print(f"error: argument --kill-replica: the run ended after {steps} steps, before "
-                  f"step {args.kill_replica}: no replica was killed (give a step below "
-                  f"{steps})", file=err)
-            return 2
-    return 0 if ok else 1
-
-
-class _Generated:
-    """A workload generated once (its requests, checked before the run) and its next turns:
-    what :meth:`Cluster.run` takes."""
-
-    def __init__(self, workload) -> None:
-        self.requests = list(workload.generate())
-        self.next_turn = getattr(workload, "next_turn", None)
-
-    def generate(self):
-        return list(self.requests)
