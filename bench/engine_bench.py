@@ -36,7 +36,7 @@ import qualia  # noqa: E402
 from qualia.sim.engine import Engine  # noqa: E402
 from qualia.sim.workload import Workload  # noqa: E402
 
-CFG = dict(max_requests=24, num_blocks=96, page_tokens=16, logical_pages=16)
+CFG = dict(max_num_seqs=24, num_pages=96, page_tokens=16, logical_pages=16)
 BUDGET = 2048
 
 
@@ -47,7 +47,7 @@ def requests(n, seed):
 
 def by_engine(reqs):
     try:
-        eng = Engine("c", max_batched_tokens=BUDGET, **CFG)
+        eng = Engine("c", max_num_batched_tokens=BUDGET, **CFG)
     except TypeError:   # the engine before the step API: decode rounds, no token budget
         eng = Engine("c", **CFG)
     t0 = time.perf_counter()

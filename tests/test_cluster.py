@@ -19,7 +19,7 @@ from qualia.cluster import POLICIES, Cluster, ReplicaConfig, compare_policies, f
 from qualia.sim.check import check_outputs
 from qualia.sim.workload import Workload
 
-CFG = ReplicaConfig(max_requests=6, num_blocks=40, page_tokens=8, logical_pages=24,
+CFG = ReplicaConfig(max_num_seqs=6, num_pages=40, page_tokens=8, logical_pages=24,
                     max_num_batched_tokens=256)
 
 
@@ -155,7 +155,7 @@ def test_simulate_cli_local():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--local", "--requests", "8", "--backend", "c",
-                   "--check", "--num-blocks", "64", "--compare", "--no-progress"])
+                   "--check", "--num-pages", "64", "--compare", "--no-progress"])
     text = out.getvalue()
     assert rc == 0, text
     for name in POLICIES + ("single replica",):
@@ -199,7 +199,7 @@ def _cli(argv, monkeypatch=None):
 
 @pytest.mark.parametrize("argv, says", [
     (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: directory"),
-    (["--num-blocks", "1"], "can never be served"),
+    (["--num-pages", "1"], "can never be served"),
     (["--plot", "x.png"], "argument --plot: not with --replicas"),
     (["--step-ms", "1"], "argument --step-ms: not with --replicas"),
     (["--ray-address", "127.0.0.1:1"], "argument --ray-address: not with --local"),
@@ -281,7 +281,7 @@ def test_a_stuck_cluster_is_an_error_not_a_hang(monkeypatch):
     class Never:
         """A scheduler that takes requests and never schedules any."""
 
-        def __init__(self, **kw):
+        def __init__(self, *args, **kw):
             self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
             self.facade = self.inner.facade
 
@@ -344,7 +344,7 @@ def test_hit_tokens_without_a_plan_count():
     from qualia.cluster import make_scheduler
 
     class Plain:
-        def __init__(self, **kw):
+        def __init__(self, *args, **kw):
             self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
             self.facade = self.inner.facade
 
@@ -425,7 +425,7 @@ def test_ray_simulate_cli_with_a_kill(ray_cluster):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--router", "prefix", "--requests", "8",
-                   "--backend", "c", "--check", "--kill-replica", "3", "--num-blocks", "64",
+                   "--backend", "c", "--check", "--kill-replica", "3", "--num-pages", "64",
                    "--no-progress"])
     assert rc == 0, out.getvalue()
     assert "| prefix | 2 |" in out.getvalue()
@@ -438,13 +438,13 @@ def test_replicas_run_on_the_compiled_core_by_default():
     assert Replica(0, CFG).describe()["implementation"] == "core"
     twin = Replica(1, dataclasses.replace(CFG, scheduler="twin"))
     assert twin.describe()["implementation"] == "twin"
-    model = Replica(2, dataclasses.replace(CFG, backend="model", vocab=512))
+    model = Replica(2, dataclasses.replace(CFG, backend="model", vocab_size=512))
     assert model.describe() == dict(replica=2, implementation="core",
                                     backend="PagedModelBackend")
 
 
 # the numpy model is slow: small pools, short prompts and outputs
-MODEL_CFG = dataclasses.replace(CFG, backend="model", vocab=512, max_requests=4, num_blocks=32,
+MODEL_CFG = dataclasses.replace(CFG, backend="model", vocab_size=512, max_num_seqs=4, num_pages=32,
                                 max_num_batched_tokens=96, max_prefill_chunk=40)
 
 
@@ -489,8 +489,9 @@ def test_simulate_cli_local_model_backend_checked():
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--local", "--requests", "4", "--check",
                    "--prompt-len", "16,32", "--output-len", "3,6", "--system-prompt-len", "16",
-                   "--user-len", "3,6", "--num-blocks", "32", "--max-requests", "4",
-                   "--max-batched-tokens", "64", "--chunk", "32", "--kill-replica", "2",
+                   "--user-len", "3,6", "--num-pages", "32", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "64", "--max-prefill-chunk", "32",
+                   "--kill-replica", "2",
                    "--no-progress"])
     text = out.getvalue()
     assert rc == 0, text
@@ -498,7 +499,7 @@ def test_simulate_cli_local_model_backend_checked():
     assert "| prefix | 2 |" in text and "NOT" not in text
 
 
-@pytest.mark.parametrize("argv", [["--end-token", "512"], ["--max-batched-tokens", "0"],
+@pytest.mark.parametrize("argv", [["--eos-token-id", "512"], ["--max-num-batched-tokens", "0"],
                                   ["--trace", "x.csv"]])
 def test_simulate_cli_cluster_refuses_bad_options(argv):
     from qualia.cli.main import main
@@ -519,8 +520,8 @@ def test_ray_simulate_cli_model_backend_with_a_kill(ray_cluster):
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--requests", "4", "--check",
                    "--prompt-len", "16,32", "--output-len", "3,6", "--system-prompt-len", "16",
-                   "--user-len", "3,6", "--num-blocks", "32", "--max-requests", "4",
-                   "--max-batched-tokens", "64", "--kill-replica", "2", "--no-progress"])
+                   "--user-len", "3,6", "--num-pages", "32", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "64", "--kill-replica", "2", "--no-progress"])
     text = out.getvalue()
     assert rc == 0, text
     assert "match the dense model" in text and "scheduler: core, backend: model" in text

@@ -23,7 +23,8 @@ from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin
 
 import qualia
 from qualia.errors import StepError
-from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
+from qualia.sim.adapters import PlanModelSteps
 from qualia.twin import fork as TF
 
 
@@ -134,10 +135,10 @@ HOT = SamplingParams(temperature=1.0, seed=11)
 
 
 class CoreModelBackend:
-    """execute_step for qualia.Scheduler over the paged numpy model (twin_fork's backend)."""
+    """execute_step for qualia.Scheduler over the paged numpy model (the simulator's adapter)."""
 
     def __init__(self, num_blocks, page_tokens):
-        self.b = TF.StepModelBackend(W, num_blocks, page_tokens, sampling=HOT)
+        self.b = PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=HOT))
 
     def execute_step(self, plan):
         return np.asarray(self.b.execute_step(plan), dtype=np.uint32)
@@ -271,7 +272,7 @@ class CoreBeamBackend:
     rows (``(ids, topk_ids, topk_logprobs)`` when ``plan.num_topk > 0``)."""
 
     def __init__(self, num_blocks, page_tokens, sampling=HOT):
-        self.b = TF.StepModelBackend(W, num_blocks, page_tokens, sampling=sampling)
+        self.b = PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=sampling))
 
     def execute_step(self, plan):
         return self.b.execute_step(plan)
@@ -317,7 +318,7 @@ def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budge
     assert finished_key(fc) == finished_key(ft)
     g = [f for f in fc if f.request_id == 1][0]
     assert isinstance(g, qualia.FinishedGroup) and g.member_ids == []
-    assert beams_of(g) == dense_beams(PROMPT, width, 6, end_token=eos)
+    assert beams_of(g) == dense_beams(PROMPT, width, 6, eos_token_id=eos)
     assert g.scores == sorted(g.scores, reverse=True)
     assert c.forks == t.forks and c.parked == t.parked
     assert c.free_pages == c.num_blocks

@@ -86,7 +86,7 @@ def test_rows_are_sorted_by_arrival_and_columns_may_come_in_any_order(tmp_path):
 
 def test_the_end_token_never_appears_in_a_prompt(tmp_path):
     text = "arrival_s,prompt_tokens,output_tokens\n0,500,1\n"
-    r = Trace(write(tmp_path, text), vocab=4, end_token=2).generate()
+    r = Trace(write(tmp_path, text), vocab=4, eos_token_id=2).generate()
     assert 2 not in r[0].prompt.tolist() and set(r[0].prompt.tolist()) == {0, 1, 3}
 
 
@@ -167,6 +167,6 @@ def test_unservable_rows_are_found_by_their_lengths_without_drawing(tmp_path, mo
     trace = Trace(write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n2,8,2\n1,4000,1\n"
                                   "0,3000,9\n"))
     monkeypatch.setattr(np.random, "default_rng", None)   # drawing anything fails
-    bad = trace.unservable_row(page_tokens=16, num_blocks=100, logical_pages=64)
+    bad = trace.unservable_row(page_tokens=16, num_pages=100, logical_pages=64)
     assert bad.line == 3 and "request 1 can never be served" in str(bad)   # row 2 arrives 2nd
-    assert trace.unservable_row(page_tokens=16, num_blocks=300, logical_pages=300) is None
+    assert trace.unservable_row(page_tokens=16, num_pages=300, logical_pages=300) is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 
 from ..cluster.cluster import (
@@ -15,56 +15,29 @@ from ..cluster.cluster import (
 )
 from ..cluster.metrics import ClusterMetrics
 from ..cluster.replica import ReplicaConfig, make_scheduler, model_weights
+from .options import finite_non_negative, int_in
 
 __all__ = ["add_cluster_options", "wants_cluster", "simulate_cli"]
-
-
-def _bounded(lo: int, hi: int):
-    import argparse
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
-        return v
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def _finite_non_negative(text: str) -> float:
-    import argparse
-
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= v < math.inf:  # also nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
 
 
 def add_cluster_options(p) -> None:
     """The cluster options of ``simulate`` (an argparse parser)."""
     g = p.add_argument_group("cluster (needs the qualia[cluster] extra: Ray, prometheus-client)")
-    g.add_argument("--replicas", type=_bounded(1, 64), default=None, metavar="N",
+    g.add_argument("--replicas", type=int_in(1, 64), default=None, metavar="N",
                    help="serve on N data-parallel replicas (Ray actors) behind a router")
     g.add_argument("--router", choices=POLICIES, default="prefix",
                    help="routing policy (default %(default)s)")
     g.add_argument("--compare", action="store_true",
                    help="run every policy and one replica with N times the pool, side by side")
-    g.add_argument("--kill-replica", type=_bounded(0, 2**31), default=None, metavar="STEP",
+    g.add_argument("--kill-replica", type=int_in(0, 2**31), default=None, metavar="STEP",
                    help="kill the last replica's actor at this step (fault injection)")
-    g.add_argument("--rejoin-after", type=_bounded(0, 2**31), default=5, metavar="STEPS",
+    g.add_argument("--rejoin-after", type=int_in(0, 2**31), default=5, metavar="STEPS",
                    help="restart a dead replica this many steps after its death was found "
                         "(default %(default)s)")
-    g.add_argument("--load-weight", type=_finite_non_negative, default=0.25, metavar="PAGES",
+    g.add_argument("--load-weight", type=finite_non_negative, default=0.25, metavar="PAGES",
                    help="prefix router: pages of cached prefix one queued request is worth "
                         "(default %(default)s)")
-    g.add_argument("--metrics-port", type=_bounded(0, 65535), default=None, metavar="P",
+    g.add_argument("--metrics-port", type=int_in(0, 65535), default=None, metavar="P",
                    help="serve Prometheus metrics on 127.0.0.1:P during the run")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="an existing Ray cluster (default: a local one started for the run)")
@@ -103,7 +76,7 @@ def simulate_cli(args, out=None, err=None) -> int:
 
     from ..sim import config as preflight
     from ..sim.check import check_outputs
-    from ..sim.report import emit
+    from ..sim.report import emit, write_json
     from ..sim.workload import unservable_reason
 
     out = sys.stdout if out is None else out
@@ -113,21 +86,17 @@ def simulate_cli(args, out=None, err=None) -> int:
     try:
         prepared = preflight.check_simulate(args)
         workload, vocab = prepared.workload, prepared.vocab
-        config = ReplicaConfig(max_requests=args.max_requests, num_blocks=args.num_blocks,
-                               page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-                               max_num_batched_tokens=getattr(args, "max_batched_tokens", 512),
-                               max_num_seqs=getattr(args, "max_seqs", None),
-                               max_prefill_chunk=getattr(args, "chunk", None),
-                               backend=backend, vocab=vocab, eos_token_id=args.end_token)
+        config = ReplicaConfig(**{**dataclasses.asdict(preflight.engine_config_of(args)),
+                                  "backend": backend, "vocab_size": vocab})
         make_scheduler(config)      # bad step options are refused here, before Ray starts
         requests = _Generated(workload)
         for q in requests.requests:
             why = unservable_reason(f"request {q.request_id}", len(q.prompt), q.max_new_tokens,
                                     page_tokens=config.page_tokens,
-                                    num_blocks=config.num_blocks,
+                                    num_pages=config.num_pages,
                                     logical_pages=config.logical_pages)
             if why is not None:
-                raise preflight.Refused(f"{why} (raise --num-blocks/--logical-pages/"
+                raise preflight.Refused(f"{why} (raise --num-pages/--logical-pages/"
                                         "--page-tokens or lower --prompt-len/--output-len)")
     except (preflight.Refused, ValueError, TypeError, OverflowError) as exc:
         print(f"error: {exc}", file=err)
@@ -203,22 +172,16 @@ def simulate_cli(args, out=None, err=None) -> int:
                      "outgrew the pool or --logical-pages)")
         ok &= once
         if args.check:
-            chk = check_outputs(res.requests, res.outputs, end_token=args.end_token, vocab=vocab,
+            chk = check_outputs(res.requests, res.outputs, eos_token_id=args.eos_token_id,
+                                vocab=vocab,
                                 weights=model_weights(config) if backend == "model" else None)
             line += f"; check: {chk.describe()}"
             ok &= chk.ok
         messages.append(line)
     if args.json:
         text = json.dumps([r.summary for r in results], indent=2, sort_keys=True, default=str)
-        if args.json == "-":
-            emit(text, out)
-        else:
-            try:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    f.write(text + "\n")
-            except OSError as exc:
-                print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
-                return 2
+        if not write_json(text, args.json, out, err):
+            return 2
     if not args.quiet and args.json != "-":
         emit(format_comparison(results) + "\n" + "\n".join(messages), out)
     elif not ok:

@@ -6,8 +6,8 @@ Examples::
     qualia simulate --check               # ... and compare with the dense model
     qualia simulate --backend c --requests 2000 --arrival-rate 8 --check
     qualia simulate --json run.json --no-progress
-    qualia simulate --backend c --trace azure_conv.csv --logical-pages 512 --num-blocks 8192
-    qualia simulate --max-batched-tokens 256 --chunk 64 --plot run.png
+    qualia simulate --backend c --trace azure_conv.csv --logical-pages 512 --num-pages 8192
+    qualia simulate --max-num-batched-tokens 256 --max-prefill-chunk 64 --plot run.png
     qualia simulate --n 8 --check         # 8 samples per request, forked copy-on-write
     qualia simulate --beam-width 4 --check
     qualia demo                           # a tiny run with --check
@@ -27,10 +27,22 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 from ..sim import config as preflight
-from ..sim.report import OutputError, emit, format_summary, jsonable
+from ..sim.report import OutputError, emit, format_summary, jsonable, write_json
+from .options import (
+    MIN_ARRIVAL_RATE,
+    U32_MAX,
+    add_option,
+    finite_non_negative,
+    int_in,
+    pair,
+    path,
+    rate,
+    ratio,
+    step_ms,
+)
 
 __all__ = ["main", "build_parser", "format_summary", "fork_option_problem", "sampling_of"]
 
@@ -44,183 +56,91 @@ DEFAULTS = dict(
     share_ratio=0.75,
     system_prompt_len=40,
     tenants=2,
-    num_blocks=96,
-    max_requests=24,
+    num_pages=96,
+    max_num_seqs=24,
     page_tokens=16,
     logical_pages=16,
     backend="model",
     turns=2,
     user_len=(8, 32),
     prefix_caching="auto",
-    max_batched_tokens=2048,
+    max_num_batched_tokens=2048,
 )
 
-U32_MAX = 2**32 - 1
-#: The smallest --arrival-rate (requests per decode step) accepted; smaller rates are refused.
-MIN_ARRIVAL_RATE = 1e-6
 #: Exit status when stdout is a pipe its reader closed (``qualia simulate | head -1``): what a
 #: shell reports for a tool that SIGPIPE ended, 128 + 13.
 EXIT_BROKEN_PIPE = 141
 
 
-# --------------------------------------------------------------------------------------------
-# option types (argparse names the option in their messages: "argument --seed: ...")
-# --------------------------------------------------------------------------------------------
-
-
-def _int_in(minimum: int, maximum: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
-        if v > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {v}")
-        return v
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def _pair(text: str) -> Tuple[int, int]:
-    parts = text.replace(":", ",").replace("-", ",").split(",")
-    try:
-        if len(parts) == 1:
-            lo = hi = int(parts[0])
-        elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 24,96), got {text!r}") from None
-    if lo < 1 or hi < lo or hi > U32_MAX:
-        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX <= {U32_MAX}, got {text!r}")
-    return lo, hi
-
-
-def _rate(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v >= MIN_ARRIVAL_RATE:  # also nan
-        raise argparse.ArgumentTypeError(
-            f"must be >= {MIN_ARRIVAL_RATE:g} requests per step (or inf), got {text!r}")
-    return v
-
-
-def _ratio(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return v
-
-
-def _path(text: str) -> str:
-    """--json, --plot, --trace: a non-empty path."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
-    return text
-
-
-#: The longest --step-ms: an hour a step (a serving clock past that says nothing about serving)
-MAX_STEP_MS = 3.6e6
-
-
-def _step_ms(text: str) -> float:
-    """--step-ms: a number of milliseconds > 0 (the clock must move) and <= MAX_STEP_MS."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < v <= MAX_STEP_MS:  # also nan
-        raise argparse.ArgumentTypeError(
-            f"must be > 0 and <= {MAX_STEP_MS:.0f} (an hour), got {text!r}")
-    return v
-
-
-def _finite_non_negative(text: str) -> float:
-    """--temperature: a finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= v < float("inf"):  # also nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return v
-
 
 def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     d = defaults
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", metavar="FILE", type=_path, default=None,
+    w.add_argument("--trace", metavar="FILE", type=path, default=None,
                    help="replay a CSV trace instead of the synthetic workload: the Azure LLM "
                         "inference trace (TIMESTAMP,ContextTokens,GeneratedTokens) or "
                         "arrival_s,prompt_tokens,output_tokens, optionally with "
                         "prefix_group,prefix_tokens (rows of a group share that many first "
                         "tokens) and tenant; token ids are drawn from --seed, and the synthetic "
                         "workload options below are ignored")
-    w.add_argument("--requests", type=_int_in(1, 2**63 - 1), default=d["requests"], metavar="N",
+    w.add_argument("--requests", type=int_in(1, 2**63 - 1), default=d["requests"], metavar="N",
                    help="number of requests, or of conversations with --turns > 1 (default "
                         "%(default)s)")
-    w.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=d["seed"], metavar="S",
+    w.add_argument("--seed", type=int_in(0, 2**64 - 1), default=d["seed"], metavar="S",
                    help="workload seed, 0 <= S < 2**64 (default %(default)s)")
-    w.add_argument("--arrival-rate", type=_rate, default=d["arrival_rate"], metavar="R",
+    w.add_argument("--arrival-rate", type=rate, default=d["arrival_rate"], metavar="R",
                    help=f"Poisson arrivals, requests per decode step, R >= "
                         f"{MIN_ARRIVAL_RATE:g}; 'inf' = all at once (default %(default)s)")
-    w.add_argument("--prompt-len", type=_pair, default=d["prompt_len"], metavar="MIN,MAX",
+    w.add_argument("--prompt-len", type=pair, default=d["prompt_len"], metavar="MIN,MAX",
                    help="prompt length range in tokens (default %s,%s)" % d["prompt_len"])
-    w.add_argument("--output-len", type=_pair, default=d["output_len"], metavar="MIN,MAX",
+    w.add_argument("--output-len", type=pair, default=d["output_len"], metavar="MIN,MAX",
                    help="max_new_tokens range (default %s,%s)" % d["output_len"])
     w.add_argument("--length-dist", choices=("uniform", "lognormal"), default="uniform",
                    help="length distribution over those ranges (default %(default)s)")
-    w.add_argument("--system-prompts", type=_int_in(0, U32_MAX), default=d["system_prompts"],
+    w.add_argument("--system-prompts", type=int_in(0, U32_MAX), default=d["system_prompts"],
                    metavar="K", help="number of shared system prompts (default %(default)s)")
-    w.add_argument("--share-ratio", type=_ratio, default=d["share_ratio"], metavar="F",
+    w.add_argument("--share-ratio", type=ratio, default=d["share_ratio"], metavar="F",
                    help="fraction of requests starting with a system prompt (default %(default)s)")
-    w.add_argument("--system-prompt-len", type=_int_in(1, U32_MAX),
+    w.add_argument("--system-prompt-len", type=int_in(1, U32_MAX),
                    default=d["system_prompt_len"], metavar="L",
                    help="system prompt length in tokens (default %(default)s)")
-    w.add_argument("--tenants", type=_int_in(1, U32_MAX), default=d["tenants"], metavar="T",
+    w.add_argument("--tenants", type=int_in(1, U32_MAX), default=d["tenants"], metavar="T",
                    help="tenants, each with its own prefix namespace (default %(default)s)")
-    w.add_argument("--turns", type=_int_in(1, 1 << 20), default=d["turns"], metavar="N",
+    w.add_argument("--turns", type=int_in(1, 1 << 20), default=d["turns"], metavar="N",
                    help="turns per conversation: each request opens one, and each later turn's "
                         "prompt is the previous prompt + its answer + a new user message "
                         "(default %(default)s)")
-    w.add_argument("--user-len", type=_pair, default=d["user_len"], metavar="MIN,MAX",
+    w.add_argument("--user-len", type=pair, default=d["user_len"], metavar="MIN,MAX",
                    help="length of a later turn's new user message (default %s,%s)"
                         % d["user_len"])
-    w.add_argument("--end-token", type=_int_in(0, U32_MAX), default=None, metavar="ID",
-                   help="stop a request after it generates this token; below the backend's "
-                        "vocabulary: 512 (model), 32000 (c) (default: none)")
+    add_option(w, "--eos-token-id", "--end-token", type=int_in(0, U32_MAX), default=None,
+               metavar="ID",
+               help="stop a request after it generates this token; below the backend's "
+                    "vocabulary: 512 (model), 32000 (c) (default: none)")
     s = p.add_argument_group("scheduler")
-    s.add_argument("--num-blocks", type=_int_in(1, U32_MAX), default=d["num_blocks"],
-                   metavar="N", help="KV pages in the pool (default %(default)s)")
-    s.add_argument("--max-requests", type=_int_in(1, 65536), default=d["max_requests"],
-                   metavar="N", help="request slots = max batch (default %(default)s)")
-    s.add_argument("--page-tokens", type=_int_in(1, U32_MAX), default=d["page_tokens"],
+    add_option(s, "--num-pages", "--num-blocks", type=int_in(1, U32_MAX),
+               default=d["num_pages"], metavar="N",
+               help="KV pages in the pool (default %(default)s)")
+    add_option(s, "--max-num-seqs", "--max-seqs", "--max-requests", type=int_in(1, 65536),
+               default=d["max_num_seqs"], metavar="N",
+               help="sequences running at once, and in one step (default %(default)s)")
+    s.add_argument("--page-tokens", type=int_in(1, U32_MAX), default=d["page_tokens"],
                    metavar="N", help="tokens per KV page (default %(default)s)")
-    s.add_argument("--logical-pages", type=_int_in(1, U32_MAX), default=d["logical_pages"],
+    s.add_argument("--logical-pages", type=int_in(1, U32_MAX), default=d["logical_pages"],
                    metavar="N", help="max pages per request (default %(default)s)")
     s.add_argument("--prefix-caching", choices=("auto", "off"),
                    default=d["prefix_caching"],
                    help="'auto': reuse the longest cached run of every context's pages, verified "
                         "page by page; 'off' (default %(default)s)")
-    s.add_argument("--max-batched-tokens", type=_int_in(1, U32_MAX),
-                   default=d["max_batched_tokens"], metavar="N",
-                   help="token budget of one step: decodes and prefill chunks together "
-                        "(default %(default)s)")
-    s.add_argument("--max-seqs", type=_int_in(1, 65536), default=None, metavar="N",
-                   help="requests in one step, <= --max-requests (default: --max-requests)")
-    s.add_argument("--chunk", type=_int_in(1, U32_MAX), default=None, metavar="N",
-                   help="longest prefill chunk: longer prompts are prefilled over several steps "
-                        "(default: only the token budget limits a chunk)")
-    s.add_argument("--step-ms", type=_step_ms, default=None, metavar="MS",
+    add_option(s, "--max-num-batched-tokens", "--max-batched-tokens", type=int_in(1, U32_MAX),
+               default=d["max_num_batched_tokens"], metavar="N",
+               help="token budget of one step: decodes and prefill chunks together "
+                    "(default %(default)s)")
+    add_option(s, "--max-prefill-chunk", "--chunk", type=int_in(1, U32_MAX), default=None,
+               metavar="N",
+               help="longest prefill chunk: longer prompts are prefilled over several steps "
+                    "(default: only the token budget limits a chunk)")
+    s.add_argument("--step-ms", type=step_ms, default=None, metavar="MS",
                    help="the serving clock's cost of one step in milliseconds, > 0 and at "
                         "most an hour, for arrivals and latencies in seconds (default: each "
                         "step's measured time)")
@@ -228,14 +148,14 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
                    help="'model': the numpy paged-attention model; 'c': the built-in C hash "
                         "backend, qualia.HashBackend (default %(default)s)")
     f = p.add_argument_group("sampling and forks")
-    f.add_argument("--n", type=_int_in(1, 65536), default=1, metavar="K",
+    f.add_argument("--n", type=int_in(1, 65536), default=1, metavar="K",
                    help="parallel samples per request: each prompt is prefilled once and K "
                         "sequences fork from it, sharing its pages copy-on-write; K <= "
-                        "--max-seqs (default %(default)s)")
-    f.add_argument("--beam-width", type=_int_in(1, 65536), default=None, metavar="W",
+                        "--max-num-seqs (default %(default)s)")
+    f.add_argument("--beam-width", type=int_in(1, 65536), default=None, metavar="W",
                    help="beam search of width W for every request, over forks (model backend "
-                        "only; not with --n > 1); W <= --max-seqs (default: none)")
-    f.add_argument("--temperature", type=_finite_non_negative, default=None, metavar="T",
+                        "only; not with --n > 1); W <= --max-num-seqs (default: none)")
+    f.add_argument("--temperature", type=finite_non_negative, default=None, metavar="T",
                    help="sample each token from softmax(logits / T), keyed by --seed, the "
                         "sequence's id and its position; 0 = greedy (model backend only; "
                         "default: 1 with --n > 1, else 0; the c backend's hash rule keys "
@@ -244,10 +164,10 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     o.add_argument("--check", action="store_true",
                    help="compare every request's tokens with the dense model (model backend) or "
                         "the pure-Python hash rule (c backend); exit 1 on a mismatch")
-    o.add_argument("--json", metavar="PATH", type=_path, default=None,
+    o.add_argument("--json", metavar="PATH", type=path, default=None,
                    help="write the summary as JSON to PATH ('-' for stdout); PATH is checked "
                         "before the run")
-    o.add_argument("--plot", metavar="PATH", type=_path, default=None,
+    o.add_argument("--plot", metavar="PATH", type=path, default=None,
                    help="draw running and waiting requests, pool use and the prefix-cache hit "
                         "rate over the run into PATH, in the format its extension names (png, "
                         "pdf, svg, ...: checked before the run; needs matplotlib: pip install "
@@ -276,7 +196,7 @@ commands:
 examples:
   %(prog)s simulate --check
   %(prog)s simulate --backend c --requests 2000 --arrival-rate 8 --check
-  %(prog)s simulate --max-batched-tokens 128 --chunk 32 --plot run.png
+  %(prog)s simulate --max-num-batched-tokens 128 --max-prefill-chunk 32 --plot run.png
   %(prog)s simulate --n 8 --check         (8 samples per request, forked)
   %(prog)s simulate --beam-width 4 --check
   %(prog)s demo
@@ -304,7 +224,7 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     _add_simulate_options(sim, DEFAULTS)
     from .cluster import add_cluster_options  # imports no Ray: that waits for --replicas
     add_cluster_options(sim)
-    demo_defaults = dict(DEFAULTS, requests=12, num_blocks=48, max_requests=8,
+    demo_defaults = dict(DEFAULTS, requests=12, num_pages=48, max_num_seqs=8,
                          prompt_len=(20, 60), output_len=(8, 24))
     demo = sub.add_parser("demo", help="a tiny simulate run with --check",
                           description="A tiny simulate run (12 two-turn conversations, small "
@@ -321,8 +241,7 @@ def fork_option_problem(args) -> Optional[str]:
     """What is wrong with the combination of ``--n``, ``--beam-width``, ``--temperature``
     and the other options (an argparse error message), or None."""
     n, beam, temp = args.n, args.beam_width, args.temperature
-    seqs = args.max_seqs if args.max_seqs is not None else args.max_requests
-    what = "--max-seqs" if args.max_seqs is not None else "--max-requests"
+    seqs, what = args.max_num_seqs, "--max-num-seqs"
     if beam is not None and n > 1:
         return "argument --beam-width: not allowed with --n > 1 (beam search returns W " \
                "hypotheses per request)"
@@ -408,20 +327,16 @@ def _simulate(args, out=None, err=None) -> int:
     try:
         try:
             engine = Engine(
-                args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
-                page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-                end_token=args.end_token, clock=clock, prefix_caching=args.prefix_caching,
-                max_batched_tokens=args.max_batched_tokens, max_seqs=args.max_seqs,
-                max_prefill_chunk=args.chunk,
+                args.backend, preflight.engine_config_of(args), clock=clock,
                 step_seconds=None if args.step_ms is None else args.step_ms / 1e3,
-                n=args.n, beam_width=args.beam_width, sampling=sampling_of(args))
+                sampling=sampling_of(args))
         except (ValueError, TypeError, OverflowError) as exc:
             print(f"error: {exc}", file=err)
             return 2
         try:
             engine.submit_all(workload)
         except UnservableRequest as exc:
-            print(f"error: {exc} (raise --num-blocks/--logical-pages/--page-tokens or lower "
+            print(f"error: {exc} (raise --num-pages/--logical-pages/--page-tokens or lower "
                   "--prompt-len/--output-len)", file=err)
             return 2
         except ValueError as exc:
@@ -446,12 +361,12 @@ def _simulate(args, out=None, err=None) -> int:
         "share_ratio": args.share_ratio, "system_prompt_len": args.system_prompt_len,
         "tenants": args.tenants, "turns": args.turns, "user_len": list(args.user_len),
         "prefix_caching": args.prefix_caching,
-        "end_token": args.end_token, "num_blocks": args.num_blocks,
-        "max_requests": args.max_requests, "page_tokens": args.page_tokens,
+        "eos_token_id": args.eos_token_id, "num_pages": args.num_pages,
+        "max_num_seqs": args.max_num_seqs, "page_tokens": args.page_tokens,
         "logical_pages": args.logical_pages, "backend": args.backend,
         "check": bool(args.check), "trace": args.trace,
-        "max_batched_tokens": args.max_batched_tokens, "max_seqs": args.max_seqs,
-        "chunk": args.chunk, "step_ms": args.step_ms,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_prefill_chunk": args.max_prefill_chunk, "step_ms": args.step_ms,
         "n": args.n, "beam_width": args.beam_width, "temperature": args.temperature,
     }
     if isinstance(workload, Trace):
@@ -470,15 +385,8 @@ def _simulate(args, out=None, err=None) -> int:
                 return 2
     if args.json:
         text = json.dumps(jsonable(summary), indent=2, sort_keys=True)
-        if args.json == "-":
-            emit(text, out)
-        else:
-            try:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    f.write(text + "\n")
-            except OSError as exc:
-                print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
-                return 2
+        if not write_json(text, args.json, out, err):
+            return 2
     if not args.quiet and args.json != "-":
         emit(format_summary(result.stats, message), out)
     if result.check is not None and not result.check.ok:
@@ -546,7 +454,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print("qualia: interrupted", file=sys.stderr)
         return 130
     except MemoryError:
-        print("error: out of memory; lower --num-blocks, --page-tokens, --logical-pages, "
-              "--max-requests or --requests", file=sys.stderr)
+        print("error: out of memory; lower --num-pages, --page-tokens, --logical-pages, "
+              "--max-num-seqs or --requests", file=sys.stderr)
         return 2
 

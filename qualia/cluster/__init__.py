@@ -25,9 +25,9 @@ Only this module needs Ray (the ``qualia[cluster]`` extra): it is imported lazil
 
 from .cluster import Cluster, ClusterResult, compare_policies, format_comparison, init_local_ray
 from .metrics import ClusterMetrics
-from .replica import HashStepBackend, Replica, ReplicaConfig, make_scheduler, model_weights
+from .replica import Replica, ReplicaConfig, make_scheduler, model_weights
 from .router import POLICIES, Router
 
 __all__ = ["POLICIES", "ReplicaConfig", "Replica", "Router", "Cluster", "ClusterResult",
-           "ClusterMetrics", "init_local_ray", "HashStepBackend", "make_scheduler",
+           "ClusterMetrics", "init_local_ray", "make_scheduler",
            "model_weights", "compare_policies", "format_comparison"]

@@ -421,7 +421,7 @@ class Cluster:
             m.up.labels(lab).set(1)
             m.running.labels(lab).set(rep["running"])
             m.waiting.labels(lab).set(rep["waiting"])
-            m.pool.labels(lab).set(1.0 - rep["free_pages"] / max(1, rep["num_blocks"]))
+            m.pool.labels(lab).set(1.0 - rep["free_pages"] / max(1, rep["num_pages"]))
             m.cached.labels(lab).inc(rep["cached_tokens"])
             m.prefill.labels(lab).inc(rep["prefill_tokens"])
             m.generated.labels(lab).inc(len(rep["sampled"]))
@@ -438,7 +438,7 @@ class Cluster:
         c = self.config
         return unservable_reason(f"request {req.request_id}", len(req.prompt),
                                  int(req.max_new_tokens), page_tokens=c.page_tokens,
-                                 num_blocks=c.num_blocks, logical_pages=c.logical_pages)
+                                 num_pages=c.num_pages, logical_pages=c.logical_pages)
 
     def _summary(self, tracks: Dict[int, _Track], steps: int, wall: float) -> Dict[str, Any]:
         c = self._counters
@@ -494,10 +494,9 @@ def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
             cl.close()
     if single:
         big = dataclasses.replace(
-            config, num_blocks=config.num_blocks * replicas,
-            max_requests=config.max_requests * replicas,
+            config, num_pages=config.num_pages * replicas,
+            max_num_seqs=config.max_num_seqs * replicas,
             max_num_batched_tokens=config.max_num_batched_tokens * replicas,
-            max_num_seqs=None if config.max_num_seqs is None else config.max_num_seqs * replicas,
             max_queued=None if config.max_queued is None else config.max_queued * replicas)
         cl = Cluster(1, "round-robin", big, local=local)
         try:

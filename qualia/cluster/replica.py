@@ -9,84 +9,42 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-import qualia
 from qualia.errors import StepError
 
+from ..sim.adapters import DecodeRuleSteps
+from ..sim.config import EngineConfig, make_step_scheduler, step_scheduler_class
+
 __all__ = ["DEFAULT_KEY", "ReplicaConfig", "Replica", "make_scheduler", "make_backend",
-           "model_weights", "HashStepBackend"]
+           "model_weights"]
 
 DEFAULT_KEY = bytes(range(16))   # every replica and the router share the cache key
 
 
-@dataclass
-class ReplicaConfig:
-    """What every replica is built with.  ``scheduler``: ``"auto"`` (the compiled core's
-    ``qualia.Scheduler`` when it has the step API, else the pure-Python twin), ``"core"``,
-    ``"twin"``, or a callable taking the scheduler's keyword arguments.  ``backend``:
-    ``"hash"`` (the hash rule, token = hash(request, position, last token)) or ``"model"``
-    (the numpy model's own step runner, ``PagedModelBackend.execute_step``: one forward over
-    the plan's mixed batch, K/V through ``slot_mapping``, greedy).  ``max_num_seqs`` (None:
-    ``max_requests``) and ``max_prefill_chunk`` (None: only the token budget) shape each
-    step as in the single engine."""
+@dataclass(frozen=True)
+class ReplicaConfig(EngineConfig):
+    """What every replica is built with: one engine's :class:`~qualia.sim.config.EngineConfig`
+    (the replicas share the cache key, so the router computes the page identities they cache)
+    and its backend: ``"hash"`` (the hash rule, token = hash(request, position, last token))
+    or ``"model"`` (the numpy model's own step runner, ``PagedModelBackend.execute_step``: one
+    forward over the plan's mixed batch, K/V through ``slot_mapping``, greedy) over the
+    weights of ``model_seed``."""
 
-    max_requests: int = 16
-    num_blocks: int = 96
-    page_tokens: int = 16
-    logical_pages: int = 16
+    max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    max_num_seqs: Optional[int] = None
-    max_prefill_chunk: Optional[int] = None
-    max_queued: Optional[int] = None
-    cache_key: bytes = DEFAULT_KEY
-    event_capacity: int = 8192
-    scheduler: Any = "auto"
+    vocab_size: Optional[int] = 32000
+    cache_key: Optional[bytes] = DEFAULT_KEY
+    event_capacity: Optional[int] = 8192
     backend: str = "hash"
-    vocab: int = 32000
     model_seed: int = 0
-    eos_token_id: Optional[int] = None
 
     @property
-    def queue_limit(self) -> int:
-        return 4 * self.max_requests if self.max_queued is None else self.max_queued
+    def vocab(self) -> int:
+        return 32000 if self.vocab_size is None else self.vocab_size
 
 
 def make_scheduler(config: ReplicaConfig):
-    """The step scheduler of one replica (see :class:`ReplicaConfig`)."""
-    kw: Dict[str, Any] = dict(max_requests=config.max_requests, num_blocks=config.num_blocks,
-                              page_tokens=config.page_tokens,
-                              logical_pages=config.logical_pages, cache_key=config.cache_key,
-                              event_capacity=config.event_capacity,
-                              max_num_batched_tokens=config.max_num_batched_tokens,
-                              max_num_seqs=config.max_num_seqs,
-                              max_prefill_chunk=config.max_prefill_chunk,
-                              max_queued=config.queue_limit, vocab_size=config.vocab)
-    kind = config.scheduler
-    if callable(kind):
-        return kind(**kw)
-    core_has_step = hasattr(qualia.Scheduler, "add_request")
-    if kind == "core" or (kind == "auto" and core_has_step):
-        return qualia.Scheduler(**kw)
-    if kind in ("twin", "auto"):
-        from qualia.twin import StepScheduler
-        return StepScheduler(**kw)
-    raise ValueError(f"scheduler must be 'auto', 'core', 'twin' or a callable, got {kind!r}")
-
-
-class HashStepBackend:
-    """A step backend over the hash rule (``qualia.hash_next_token``): the token sampled for a
-    row is the rule applied to the row's last token at its position, as the C hash backend
-    does, so outputs do not depend on how a request was batched, chunked, preempted or moved."""
-
-    def __init__(self, vocab: int = 32000) -> None:
-        self.vocab = int(vocab)
-
-    def execute_step(self, plan) -> np.ndarray:
-        rows = np.asarray(plan.logits_indices)
-        toks = np.asarray(plan.input_ids)[rows].tolist()
-        pos = np.asarray(plan.positions)[rows].tolist()
-        rids = np.asarray(plan.sampled_request_ids).tolist()
-        h, v = qualia.hash_next_token, self.vocab
-        return np.array([h(r, p, t, v) for r, p, t in zip(rids, pos, toks)], dtype=np.uint32)
+    """The step scheduler of one replica (:func:`qualia.sim.config.make_step_scheduler`)."""
+    return make_step_scheduler(config.checked())
 
 
 def model_weights(config: ReplicaConfig):
@@ -98,10 +56,10 @@ def model_weights(config: ReplicaConfig):
 
 def make_backend(config: ReplicaConfig):
     if config.backend == "hash":
-        return HashStepBackend(config.vocab)
+        return DecodeRuleSteps(config.vocab)
     if config.backend == "model":
         from qualia.model import PagedModelBackend
-        return PagedModelBackend(model_weights(config), config.num_blocks, config.page_tokens)
+        return PagedModelBackend(model_weights(config), config.num_pages, config.page_tokens)
     raise ValueError(f"backend must be 'hash' or 'model', got {config.backend!r}")
 
 
@@ -116,7 +74,7 @@ class Replica:
         self.backend = make_backend(config)
         # the twin keeps the cache in its facade; the core's Scheduler is its own facade
         self.facade = getattr(self.sched, "facade", self.sched)
-        self.implementation = ("core" if isinstance(self.sched, qualia.Scheduler)
+        self.implementation = ("core" if isinstance(self.sched, step_scheduler_class("core"))
                                else "twin" if self.facade is not self.sched
                                else type(self.sched).__name__)
         self.steps = 0
@@ -182,6 +140,6 @@ class Replica:
                    sampled=sampled, finished=finished, rejected=rejected, failed=failed,
                    events=f.drain_events(),
                    running=int(self.sched.num_running), waiting=int(self.sched.num_waiting),
-                   free_pages=int(f.free_pages), num_blocks=int(f.num_blocks),
+                   free_pages=int(f.free_pages), num_pages=self.config.num_pages,
                    step_s=time.perf_counter() - t0)
         return rep

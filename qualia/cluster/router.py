@@ -36,7 +36,7 @@ class Router:
         self.config = config
         self.load_weight = float(load_weight)
         self.index = qualia.PrefixRouterIndex(
-            index_capacity if index_capacity is not None else 2 * self.n * config.num_blocks + 64,
+            index_capacity if index_capacity is not None else 2 * self.n * config.num_pages + 64,
             self.n)
         # the router computes page identities with the replicas' cache key
         self._ident = qualia.Scheduler(1, 1, config.page_tokens, 1, cache_key=config.cache_key)

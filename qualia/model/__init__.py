@@ -34,7 +34,7 @@ sampled (seeded sampling is keyed by ``(seed, request id, position)``, :class:`S
 With two or more heads the numbers are also those of the original one-token-at-a-time
 formulation (tests/test_model_step.py keeps a copy of it).
 
-KV cache layout of the paged backend: one array ``kv[num_blocks, layers, 2, page_tokens, heads,
+KV cache layout of the paged backend: one array ``kv[num_pages, layers, 2, page_tokens, heads,
 head_dim]`` (axis 2: 0 = K, 1 = V); the first axis is the physical page id.  The K/V of logical
 position ``p`` lives at ``kv[block_table[p // page_tokens], :, :, p % page_tokens]``.
 """

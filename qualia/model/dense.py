@@ -102,10 +102,10 @@ class DenseModel:
         """Logits after the last prompt token (same numbers as a paged prefill)."""
         return DenseSequence(self.weights, len(prompt)).feed_logits(prompt)
 
-    def generate(self, prompt, max_new_tokens: int, end_token: Optional[int] = None, *,
+    def generate(self, prompt, max_new_tokens: int, eos_token_id: Optional[int] = None, *,
                  stop_token_ids: Sequence[int] = (), sampling: Optional[SamplingParams] = None,
                  request_id: int = 0) -> List[int]:
-        """Decoding: at most ``max_new_tokens`` tokens, stopping after ``end_token`` or any of
+        """Decoding: at most ``max_new_tokens`` tokens, stopping after ``eos_token_id`` or any of
         ``stop_token_ids`` (included).  ``sampling`` (default greedy) picks each token, keyed by
         ``request_id`` and the token's position exactly as the paged step runner keys it."""
         max_new = _as_int(max_new_tokens, "max_new_tokens")
@@ -117,8 +117,8 @@ class DenseModel:
         params = GREEDY if sampling is None else sampling
         rid = np.asarray([_as_int(request_id, "request_id")], dtype=np.uint64)
         stops = {int(t) for t in stop_token_ids}
-        if end_token is not None:
-            stops.add(int(end_token))
+        if eos_token_id is not None:
+            stops.add(int(eos_token_id))
         if max_new == 0:
             return []
         seq = DenseSequence(self.weights, len(prompt) + max_new)
@@ -144,7 +144,7 @@ class DenseModel:
         return out, lps
 
     def beam_search(self, prompt, beam_width: int, max_new_tokens: int,
-                    end_token: Optional[int] = None, *, stop_token_ids: Sequence[int] = ()
+                    eos_token_id: Optional[int] = None, *, stop_token_ids: Sequence[int] = ()
                     ) -> List[BeamHypothesis]:
         """Dense beam search, the reference of the beam policy over forks (issue 15).
 
@@ -153,7 +153,7 @@ class DenseModel:
         :func:`log_softmax`); a candidate scores its beam's cumulative log-probability plus the
         token's.  Candidates are ranked by score (ties: the earlier beam, then the lower id)
         and the best ``W - finished`` survive, in that order; a survivor whose token is
-        ``end_token`` or a stop id, or whose output reaches ``max_new_tokens``, is finished.
+        ``eos_token_id`` or a stop id, or whose output reaches ``max_new_tokens``, is finished.
         Ends when no live beam remains.  Returns the finished beams, best first (ties: finished
         earlier first): ``result[0]`` is the best sequence."""
         width = _as_int(beam_width, "beam_width")
@@ -166,8 +166,8 @@ class DenseModel:
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         stops = {int(t) for t in stop_token_ids}
-        if end_token is not None:
-            stops.add(int(end_token))
+        if eos_token_id is not None:
+            stops.add(int(eos_token_id))
         root = DenseSequence(self.weights, len(prompt) + max_new)
         # (cumulative logprob, tokens, sequence, logits after it)
         live: List[Tuple[float, List[int], DenseSequence, np.ndarray]] = [

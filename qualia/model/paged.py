@@ -69,7 +69,7 @@ def _plan_array(plan, name: str) -> np.ndarray:
 class PagedModelBackend:
     """The tiny transformer over a paged KV cache, driven by block tables.
 
-    ``kv`` has shape ``[num_blocks, layers, 2, page_tokens, heads, head_dim]``; page ids index
+    ``kv`` has shape ``[num_pages, layers, 2, page_tokens, heads, head_dim]``; page ids index
     its first axis (the K/V of slot ``s`` is ``kv[s // page_tokens, :, :, s % page_tokens]``).
     The backend owns no allocation policy: callers (the scheduler / engine) decide which pages
     a sequence uses and perform copy-on-write via :meth:`copy_pages` (a step plan carries its
@@ -87,14 +87,14 @@ class PagedModelBackend:
     steps), ``tokens_sampled``.
     """
 
-    def __init__(self, weights: ModelWeights, num_blocks: int, page_tokens: int, *,
+    def __init__(self, weights: ModelWeights, num_pages: int, page_tokens: int, *,
                  sampling: SamplingParams = GREEDY, page_table: str = "block_table") -> None:
-        num_blocks = _as_int(num_blocks, "num_blocks")
+        num_pages = _as_int(num_pages, "num_pages")
         page_tokens = _as_int(page_tokens, "page_tokens")
-        if num_blocks < 1 or page_tokens < 1:
-            raise ValueError("num_blocks and page_tokens must be >= 1")
-        if num_blocks > _U32_MAX:
-            raise OverflowError("num_blocks must fit page ids in u32")
+        if num_pages < 1 or page_tokens < 1:
+            raise ValueError("num_pages and page_tokens must be >= 1")
+        if num_pages > _U32_MAX:
+            raise OverflowError("num_pages must fit page ids in u32")
         if not isinstance(sampling, SamplingParams):
             raise TypeError("sampling must be a SamplingParams")
         if page_table not in ("block_table", "csr"):
@@ -102,13 +102,13 @@ class PagedModelBackend:
         c = weights.config
         self.weights = weights
         self.config = c
-        self.num_blocks = num_blocks
+        self.num_pages = num_pages
         self.page_tokens = page_tokens
         self.sampling = sampling
         self.page_table = page_table
         self._request_sampling: Dict[int, SamplingParams] = {}
         self.kv = np.zeros(
-            (num_blocks, c.layers, 2, page_tokens, c.heads, c.head_dim), dtype=weights.dtype
+            (num_pages, c.layers, 2, page_tokens, c.heads, c.head_dim), dtype=weights.dtype
         )
         self.rounds = 0
         self.items_executed = 0
@@ -125,9 +125,9 @@ class PagedModelBackend:
         return self.kv[0].nbytes
 
     def _check_pages(self, pages: np.ndarray, what: str) -> None:
-        if len(pages) and int(pages.max()) >= self.num_blocks:
-            bad = int(pages[np.argmax(pages >= self.num_blocks)])
-            raise ValueError(f"{what}: page id {bad} out of range (num_blocks={self.num_blocks})")
+        if len(pages) and int(pages.max()) >= self.num_pages:
+            bad = int(pages[np.argmax(pages >= self.num_pages)])
+            raise ValueError(f"{what}: page id {bad} out of range (num_pages={self.num_pages})")
 
     def _copy_ops(self, copies) -> Tuple[np.ndarray, np.ndarray]:
         if isinstance(copies, np.ndarray) and copies.dtype.names:
@@ -138,8 +138,8 @@ class PagedModelBackend:
             src = np.asarray([s for s, _ in pairs], dtype=np.int64)
             dst = np.asarray([d for _, d in pairs], dtype=np.int64)
         for arr, what in ((src, "src_page"), (dst, "dst_page")):
-            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= self.num_blocks):
-                raise ValueError(f"copy_pages: {what} out of range (num_blocks={self.num_blocks})")
+            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= self.num_pages):
+                raise ValueError(f"copy_pages: {what} out of range (num_pages={self.num_pages})")
         return src, dst
 
     def _do_copies(self, src: np.ndarray, dst: np.ndarray) -> int:
@@ -182,7 +182,7 @@ class PagedModelBackend:
         def attend(layer, q, k, v):
             kv[page_of, layer, 0, off_of] = k
             kv[page_of, layer, 1, off_of] = v
-            k_pages, v_pages = kv[:, layer, 0], kv[:, layer, 1]  # [num_blocks, pt, H, D]
+            k_pages, v_pages = kv[:, layer, 0], kv[:, layer, 1]  # [num_pages, pt, H, D]
             out = np.empty_like(q)
             for a, b, length in _row_blocks(positions, per_key):
                 rows = row_of[a:b]
@@ -284,12 +284,12 @@ class PagedModelBackend:
         tables = np.where(valid, flat[np.minimum(off[:, None] + cols[None, :],
                                                  max(len(flat) - 1, 0))] if len(flat)
                           else 0, 0)
-        bad = valid & ((tables < 0) | (tables >= self.num_blocks))
+        bad = valid & ((tables < 0) | (tables >= self.num_pages))
         if bad.any():
             i = int(np.argmax(bad.any(axis=1)))
             page = int(tables[i][bad[i]][0])
             raise ValueError(f"item {i} block table: page id {page} out of range "
-                             f"(num_blocks={self.num_blocks})")
+                             f"(num_pages={self.num_pages})")
 
         if n:
             row_of = np.arange(n, dtype=np.int64)
@@ -322,7 +322,7 @@ class PagedModelBackend:
     def check_plan(self, plan):
         """Validate a step plan against itself and this backend; returns the arrays the
         forward needs.  ValueError/TypeError on any inconsistency (nothing is written)."""
-        pt, nb = self.page_tokens, self.num_blocks
+        pt, nb = self.page_tokens, self.num_pages
         toks = self.weights.check_tokens(_plan_array(plan, "input_ids"), "plan.input_ids")
         positions = _plan_array(plan, "positions").astype(np.int64).reshape(-1)
         slots = _plan_array(plan, "slot_mapping").astype(np.int64).reshape(-1)
@@ -375,9 +375,9 @@ class PagedModelBackend:
             valid = np.arange(table.shape[1])[None, :] < npages[:, None]
             tables_used = tables[rows]
             if ((tables_used < 0) | (tables_used >= nb))[valid].any():
-                raise ValueError(f"plan.block_table: page id out of range (num_blocks={nb})")
+                raise ValueError(f"plan.block_table: page id out of range (num_pages={nb})")
         if self.page_table == "csr" and ((tables < 0) | (tables >= nb))[valid].any():
-            raise ValueError(f"plan.kv_indices: page id out of range (num_blocks={nb})")
+            raise ValueError(f"plan.kv_indices: page id out of range (num_pages={nb})")
         if t:
             derived = tables[row_of, positions // pt] * pt + positions % pt
             if not np.array_equal(slots, derived):

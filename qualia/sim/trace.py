@@ -100,7 +100,7 @@ class Trace:
     :data:`MAX_TRACE_SPAN_S` seconds.  The requests are sorted by arrival (ties in file order) and
     numbered from ``first_request_id``.
 
-    Token ids are synthetic, drawn from ``[0, vocab)`` (never ``end_token``) and deterministic
+    Token ids are synthetic, drawn from ``[0, vocab)`` (never ``eos_token_id``) and deterministic
     from ``seed``: a group's shared ids come from the group's own stream, a row's other ids
     from the row's.  A prompt is a uint32 numpy array.  Bad input raises :class:`TraceError`
     (a ``ValueError``) naming the file and the line."""
@@ -108,15 +108,15 @@ class Trace:
     turns = 1
 
     def __init__(self, path: str, *, seed: int = 0, vocab: int = 32000,
-                 end_token: Optional[int] = None, first_request_id: int = 0) -> None:
+                 eos_token_id: Optional[int] = None, first_request_id: int = 0) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        if vocab < 1 or (end_token is not None and (vocab < 2 or not 0 <= end_token < vocab)):
+        if vocab < 1 or (eos_token_id is not None and (vocab < 2 or not 0 <= eos_token_id < vocab)):
             raise ValueError("vocab must be >= 1 (>= 2 with an end token, which must be below it)")
         self.path = str(path)
         self.seed = seed
         self.vocab = int(vocab)
-        self.end_token = end_token
+        self.eos_token_id = eos_token_id
         self.first_request_id = int(first_request_id)
         self.form, self._rows, self.groups = self._read()
         self.requests = len(self._rows)
@@ -231,8 +231,8 @@ class Trace:
 
     def _tokens(self, rng: np.random.Generator, n: int) -> np.ndarray:
         toks = rng.integers(0, self.vocab, size=n, dtype=np.uint32)
-        if self.end_token is not None:  # prompts never hold the end token
-            toks[toks == self.end_token] = (self.end_token + 1) % self.vocab
+        if self.eos_token_id is not None:  # prompts never hold the end token
+            toks[toks == self.eos_token_id] = (self.eos_token_id + 1) % self.vocab
         return toks
 
     def generate(self) -> List[Request]:
@@ -262,7 +262,7 @@ class Trace:
             ))
         return out
 
-    def unservable_row(self, *, page_tokens: int, num_blocks: int, logical_pages: int,
+    def unservable_row(self, *, page_tokens: int, num_pages: int, logical_pages: int,
                        beam_width: Optional[int] = None) -> Optional[TraceError]:
         """The first row (in file order) that a scheduler of that shape can never serve, as a
         :class:`TraceError` naming its line, or None.  Reads the rows' lengths only: nothing is
@@ -273,7 +273,7 @@ class Trace:
                 continue
             why = unservable_reason(f"request {self.first_request_id + i}", r.prompt_tokens,
                                     r.output_tokens, page_tokens=page_tokens,
-                                    num_blocks=num_blocks, logical_pages=logical_pages,
+                                    num_pages=num_pages, logical_pages=logical_pages,
                                     beam_width=beam_width)
             if why is not None:
                 worst = (r.line, why)

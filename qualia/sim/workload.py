@@ -75,10 +75,10 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
 
 
 def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_tokens: int,
-                      num_blocks: int, logical_pages: int,
+                      num_pages: int, logical_pages: int,
                       beam_width: Optional[int] = None) -> Optional[str]:
     """Why a request (``what``: "request 7", ...) with a prompt of ``prompt_len`` tokens and
-    ``max_new_tokens`` can never be served by a step scheduler of ``num_blocks`` pages of
+    ``max_new_tokens`` can never be served by a step scheduler of ``num_pages`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request (with ``beam_width`` beams
     side by side), or None when it can.  Pure arithmetic on the lengths: a trace's rows are
     checked with it before their prompts are drawn.  The scheduler's own rules: the pages of its
@@ -86,8 +86,8 @@ def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_t
     token fit the table's ``logical_pages x page_tokens`` tokens."""
     need = pages_needed(prompt_len, max_new_tokens, page_tokens)
     limits = []
-    if need > num_blocks:
-        limits.append(f"the whole pool has only {num_blocks} pages")
+    if need > num_pages:
+        limits.append(f"the whole pool has only {num_pages} pages")
     if need > logical_pages:
         limits.append(f"a request may map at most logical_pages={logical_pages} pages")
     if limits:
@@ -103,10 +103,10 @@ def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_t
         pt, w = page_tokens, beam_width
         tail = -(-(prompt_len + max_new_tokens - 1) // pt) - prompt_len // pt
         beams = prompt_len // pt + w * tail
-        if beams > num_blocks:
+        if beams > num_pages:
             return (f"{what} can never be served: its {w} beams need {beams} pages side by "
                     f"side (the prompt's full pages once, each beam's own tail), the pool has "
-                    f"{num_blocks}")
+                    f"{num_pages}")
     return None
 
 
@@ -131,10 +131,10 @@ def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logical_pages: int,
+def checked_request(request: Request, *, page_tokens: int, num_pages: int, logical_pages: int,
                     vocab: Optional[int] = None) -> Request:
     """``request`` with plain ``int`` fields and its prompt as a uint32 numpy array, once it is
-    known servable by a scheduler of ``num_blocks`` pages of
+    known servable by a scheduler of ``num_pages`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
     :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
     either or more tokens than a request's table holds (:func:`unservable_reason`), and
@@ -158,7 +158,7 @@ def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logi
         if not 0.0 <= arrival_s < math.inf:
             raise ValueError(f"request {rid}: arrival_s must be a finite number >= 0")
     why = unservable_reason(f"request {rid}", len(prompt), max_new, page_tokens=page_tokens,
-                            num_blocks=num_blocks, logical_pages=logical_pages)
+                            num_pages=num_pages, logical_pages=logical_pages)
     if why is not None:
         raise UnservableRequest(why)
     return dataclasses.replace(request, request_id=rid, prompt=prompt,
@@ -183,7 +183,7 @@ class Workload:
 
     ``prompt_len`` and ``output_len`` are inclusive ``(min, max)`` ranges; ``length_dist`` is
     ``"uniform"`` or ``"lognormal"`` (median at the geometric mean of the range, ``sigma`` 0.5,
-    clipped to the range).  ``end_token`` (optional) is the id that ends a generation; it never
+    clipped to the range).  ``eos_token_id`` (optional) is the id that ends a generation; it never
     appears in a prompt (pass the same id to the engine).  A shared prompt is one of the
     ``system_prompts`` system prompts (each ``system_prompt_len`` tokens, the same token ids for
     every tenant) followed by the user's part; its total length is drawn like any other prompt
@@ -210,7 +210,7 @@ class Workload:
     vocab: int = 512
     length_dist: str = "uniform"
     first_request_id: int = 0
-    end_token: Optional[int] = None
+    eos_token_id: Optional[int] = None
     turns: int = 1
     user_len: Tuple[int, int] = (8, 32)
 
@@ -238,9 +238,9 @@ class Workload:
             raise ValueError("system_prompt_len must be >= 1")
         if self.length_dist not in ("uniform", "lognormal"):
             raise ValueError("length_dist must be 'uniform' or 'lognormal'")
-        if self.end_token is not None and not 0 <= self.end_token < self.vocab:
-            raise ValueError(f"end_token must be in [0, {self.vocab}), got {self.end_token}")
-        if self.end_token is not None and self.vocab < 2:
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab:
+            raise ValueError(f"eos_token_id must be in [0, {self.vocab}), got {self.eos_token_id}")
+        if self.eos_token_id is not None and self.vocab < 2:
             raise ValueError("an end token needs vocab >= 2")
 
     def memory_estimate(self) -> int:
@@ -255,8 +255,8 @@ class Workload:
 
     def _tokens(self, rng: np.random.Generator, n: int) -> List[int]:
         toks = rng.integers(0, self.vocab, size=n)
-        if self.end_token is not None:  # prompts never hold the end token
-            toks[toks == self.end_token] = (self.end_token + 1) % self.vocab
+        if self.eos_token_id is not None:  # prompts never hold the end token
+            toks[toks == self.eos_token_id] = (self.eos_token_id + 1) % self.vocab
         return toks.tolist()
 
     def _lengths(self, rng: np.random.Generator, rng_range: Tuple[int, int], n: int) -> np.ndarray:
@@ -326,7 +326,7 @@ class Workload:
             return None
         rng = np.random.default_rng([int(self.seed), 2, int(c), t])
         said = [int(x) for x in answer]
-        if said and self.end_token is not None and said[-1] == self.end_token:
+        if said and self.eos_token_id is not None and said[-1] == self.eos_token_id:
             said.pop()  # prompts never hold the end token
         user = self._tokens(rng, int(self._lengths(rng, self.user_len, 1)[0]))
         return Request(

@@ -10,40 +10,9 @@ spec the core is checked against plan for plan (docs/DESIGN.md, "The twin").
 
 from .cache import Scheduler
 from .fork import ForkStepPlan, ForkStepScheduler
-from .seed import (
-    COPY_OP,
-    RAGGED_BATCH_ITEM,
-    RAGGED_BATCH_OUTPUT,
-    RAGGED_BATCH_RECEIPT,
-    REQUEST_VIEW,
-    U32_MAX,
-    U64_MAX,
-    BlockPool,
-    PrefixIdentity,
-    PrefixKvStore,
-    PyHashBackend,
-    RequestScheduler,
-    SequenceBlockTable,
-)
+from .seed import *  # noqa: F401,F403 - the seed's types
+from .seed import __all__ as _seed_all
 from .step import StepPlan, StepScheduler
 
-__all__ = [
-    "BlockPool",
-    "SequenceBlockTable",
-    "PrefixIdentity",
-    "PrefixKvStore",
-    "RequestScheduler",
-    "PyHashBackend",
-    "RAGGED_BATCH_ITEM",
-    "RAGGED_BATCH_OUTPUT",
-    "RAGGED_BATCH_RECEIPT",
-    "REQUEST_VIEW",
-    "COPY_OP",
-    "U32_MAX",
-    "U64_MAX",
-    "Scheduler",
-    "StepScheduler",
-    "StepPlan",
-    "ForkStepScheduler",
-    "ForkStepPlan",
-]
+__all__ = _seed_all + ["Scheduler", "StepScheduler", "StepPlan", "ForkStepScheduler",
+                      "ForkStepPlan"]
