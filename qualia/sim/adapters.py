@@ -16,7 +16,7 @@ backend computes (docs/DESIGN.md, "The engine step").
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 
@@ -28,7 +28,7 @@ __all__ = ["ModelSteps", "PlanModelSteps", "DecodeRuleSteps", "is_model", "step_
 class _Forwarding:
     """Reads the wrapped model's attributes (weights, config, counters) through the adapter."""
 
-    model: object
+    model: Any
 
     def __getattr__(self, name):
         if name == "model":

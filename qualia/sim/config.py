@@ -33,7 +33,7 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 from ..twin.seed import exact_int
 from .resources import available_memory, format_bytes, memory_estimate
@@ -166,7 +166,7 @@ def _group_sizes(n, beam_width, max_num_seqs: int, max_queued: Optional[int]
     return n, beam_width
 
 
-def step_scheduler_class(kind: str = "auto") -> Callable[..., Any]:
+def step_scheduler_class(kind: str = "auto") -> type:
     """The step scheduler class of ``kind``: ``"core"`` or ``"auto"``, the compiled core's;
     ``"twin"``, its pure-Python twin.  The one place the simulator names either."""
     if kind not in SCHEDULER_KINDS:

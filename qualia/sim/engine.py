@@ -234,7 +234,8 @@ class Engine:
             self.vocab: Optional[int] = int(own_vocab or 0) or config.vocab_size
             self._prompt_vocab = self.vocab
         else:  # the decode rule's vocabulary; any u32 prompt token id is fine
-            self.vocab = int(config.vocab_size or getattr(backend, "vocab", 32000))
+            vocab: Any = config.vocab_size or getattr(backend, "vocab", 32000)
+            self.vocab = int(vocab)
             self._prompt_vocab = None
         own = getattr(backend, "sampling", None) if self.is_model else None
         if sampling is not None and not sampling.greedy and not self.is_model:
