@@ -15,6 +15,7 @@ from ..cluster.cluster import (
 )
 from ..cluster.metrics import ClusterMetrics
 from ..cluster.replica import ReplicaConfig, make_scheduler, model_weights
+from ..sim.config import wants_cluster
 from .options import finite_non_negative, int_in
 
 __all__ = ["add_cluster_options", "wants_cluster", "simulate_cli"]
@@ -43,14 +44,6 @@ def add_cluster_options(p) -> None:
                    help="an existing Ray cluster (default: a local one started for the run)")
     g.add_argument("--local", action="store_true",
                    help="run the replicas in this process, without Ray")
-
-
-def wants_cluster(args) -> bool:
-    """Whether ``simulate``'s arguments name any cluster option (then :func:`simulate_cli`
-    runs it, and refuses cluster options without ``--replicas``)."""
-    from ..sim.config import wants_cluster as wants
-
-    return wants(args)
 
 
 def _connect_ray(ray, address: str) -> None:

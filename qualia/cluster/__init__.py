@@ -23,6 +23,7 @@ Only this module needs Ray (the ``qualia[cluster]`` extra): it is imported lazil
 ``local=True`` runs the same code in one process without it.
 """
 
+from ..sim.adapters import DecodeRuleSteps as HashStepBackend  # the replicas' hash rule
 from .cluster import Cluster, ClusterResult, compare_policies, format_comparison, init_local_ray
 from .metrics import ClusterMetrics
 from .replica import Replica, ReplicaConfig, make_scheduler, model_weights
@@ -30,4 +31,17 @@ from .router import POLICIES, Router
 
 __all__ = ["POLICIES", "ReplicaConfig", "Replica", "Router", "Cluster", "ClusterResult",
            "ClusterMetrics", "init_local_ray", "make_scheduler",
-           "model_weights", "compare_policies", "format_comparison"]
+           "model_weights", "compare_policies", "format_comparison", "HashStepBackend",
+           "add_cluster_options", "wants_cluster", "simulate_cli"]
+
+_COMMAND_LINE = ("add_cluster_options", "wants_cluster", "simulate_cli")
+
+
+def __getattr__(name: str):
+    """The ``--replicas`` command line's functions, from :mod:`qualia.cli.cluster` (which
+    imports this package)."""
+    if name in _COMMAND_LINE:
+        from ..cli import cluster as command_line
+
+        return getattr(command_line, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
