@@ -63,51 +63,20 @@ def timed(torch, fn, reps):
     return statistics.median(out)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=None)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-
-    import torch
-    import torch.nn.functional as F
-
-    clock = load_clock()
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA GPU")
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name(0)
-    total = torch.cuda.get_device_properties(0).total_memory
-    gpu = next((k for k in ("h200", "h100", "a100") if k in name.lower()), "h100")
-    prof = clock.get_profile(args.profile or f"llama3.1-8b-{gpu}")
-    acc, m = prof.accelerator, prof.model
-    mc = clock.ModeledClock(prof)
-    bf = torch.bfloat16
-    out = {"device": name, "total_memory_bytes": total, "profile": prof.name}
-    print(f"{name}: {total / 2**20:,.0f} MiB; modeled profile {prof.name}")
-
-    # -- peak rates -------------------------------------------------------------------------
+def peak_rates(torch, dev, bf, reps):
+    """FLOP/s of an 8192^3 bf16 product; bytes/s (read + written) of a 4 GiB copy."""
     n = 8192
     a = torch.randn(n, n, device=dev, dtype=bf)
     b = torch.randn(n, n, device=dev, dtype=bf)
-    ms = timed(torch, lambda: a @ b, args.reps)
-    flops = 2 * n**3 / (ms / 1e3)
-    del a, b
-    x = torch.empty(2**31, device=dev, dtype=bf)  # 4 GiB
+    flops = 2 * n**3 / (timed(torch, lambda: a @ b, reps) / 1e3)
+    x = torch.empty(2**31, device=dev, dtype=bf)
     y = torch.empty_like(x)
-    ms_copy = timed(torch, lambda: y.copy_(x), args.reps)
-    bw = 2 * x.numel() * 2 / (ms_copy / 1e3)
-    del x, y
-    out["gemm_flops"], out["copy_bytes_per_s"] = flops, bw
-    print(f"bf16 8192^3 GEMM: {flops / 1e12:,.0f} TFLOP/s = {flops / acc.peak_flops:.2f} of "
-          f"the profile's peak ({acc.peak_flops / 1e12:,.0f}); modeled fraction "
-          f"{acc.compute_efficiency:g}")
-    print(f"4 GiB copy: {bw / 1e12:.2f} TB/s = {bw / acc.memory_bandwidth:.2f} of the profile's "
-          f"peak ({acc.memory_bandwidth / 1e12:.2f}); modeled fraction "
-          f"{acc.bandwidth_efficiency:g}")
+    bw = 2 * x.numel() * x.element_size() / (timed(torch, lambda: y.copy_(x), reps) / 1e3)
+    return flops, bw
 
-    # -- the 8B's linear layers ----------------------------------------------------------------
+
+def linear_rows(torch, F, dev, bf, m, mc, clock, reps):
+    """The model's linear layers and LM head on random weights, as CUDA graphs."""
     h, qd, kvd, inter = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.intermediate
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -141,19 +110,20 @@ def main(argv=None):
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
             stack(xin, s)
-        ms = timed(torch, graph.replay, args.reps)
+        ms = timed(torch, graph.replay, reps)
         work = clock.StepWork(num_seqs=s, prefill_tokens=0 if s == t else t,
                               decode_tokens=t if s == t else 0, context_tokens=t,
                               attention_pairs=t, sampled_tokens=s)
         cost = mc.cost(work)
         rows.append({"kind": "linear", "tokens": t, "sampled": s, "measured_ms": ms,
                      "modeled_ms": cost.linear_s * 1e3, "bound": cost.linear_bound})
-        del graph, xin
-    del layers, lm_head
-    torch.cuda.empty_cache()
+    return rows
 
-    # -- attention -----------------------------------------------------------------------------
+
+def attention_rows(torch, F, dev, bf, m, mc, clock, reps):
+    """Decode attention (one query per sequence) and causal prefill attention, every layer."""
     nq, nkv, d = m.heads, m.kv_heads, m.head_dim
+    rows = []
     for batch, ctx in ((16, 2048), (64, 2048), (64, 4096)):
         q = torch.randn(batch, nq, 1, d, device=dev, dtype=bf)
         kv = [(torch.randn(batch, nkv, ctx, d, device=dev, dtype=bf),
@@ -163,13 +133,12 @@ def main(argv=None):
             for k_, v_ in kv:
                 F.scaled_dot_product_attention(q, k_, v_, enable_gqa=True)
 
-        ms = timed(torch, decode_attn, args.reps)
-        work = clock.StepWork.from_lens([1] * batch, [ctx] * batch)
-        cost = mc.cost(work)
+        ms = timed(torch, decode_attn, reps)
+        cost = mc.cost(clock.StepWork.from_lens([1] * batch, [ctx] * batch))
         rows.append({"kind": "decode attention", "tokens": batch, "context": ctx,
                      "measured_ms": ms, "modeled_ms": cost.attention_s * 1e3,
                      "bound": cost.attention_bound})
-        del q, kv
+        q = kv = None
         torch.cuda.empty_cache()
     for t in (1024, 4096, 8192):
         q = torch.randn(1, nq, t, d, device=dev, dtype=bf)
@@ -180,12 +149,49 @@ def main(argv=None):
             for _ in range(m.layers):
                 F.scaled_dot_product_attention(q, k_, v_, is_causal=True, enable_gqa=True)
 
-        ms = timed(torch, prefill_attn, args.reps)
+        ms = timed(torch, prefill_attn, reps)
         cost = mc.cost(clock.StepWork.from_lens([t], [t]))
         rows.append({"kind": "prefill attention", "tokens": t, "context": t, "measured_ms": ms,
                      "modeled_ms": cost.attention_s * 1e3, "bound": cost.attention_bound})
-        del q, k_, v_
+    return rows
 
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    clock = load_clock()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA GPU")
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(0)
+    total = torch.cuda.get_device_properties(0).total_memory
+    gpu = next((k for k in ("h200", "h100", "a100") if k in name.lower()), "h100")
+    prof = clock.get_profile(args.profile or f"llama3.1-8b-{gpu}")
+    acc, m = prof.accelerator, prof.model
+    mc = clock.ModeledClock(prof)
+    bf = torch.bfloat16
+    out = {"device": name, "total_memory_bytes": total, "profile": prof.name}
+    print(f"{name}: {total / 2**20:,.0f} MiB; modeled profile {prof.name}")
+
+    # -- peak rates -------------------------------------------------------------------------
+    flops, bw = peak_rates(torch, dev, bf, args.reps)
+    out["gemm_flops"], out["copy_bytes_per_s"] = flops, bw
+    print(f"bf16 8192^3 GEMM: {flops / 1e12:,.0f} TFLOP/s = {flops / acc.peak_flops:.2f} of "
+          f"the profile's peak ({acc.peak_flops / 1e12:,.0f}); modeled fraction "
+          f"{acc.compute_efficiency:g}")
+    print(f"4 GiB copy: {bw / 1e12:.2f} TB/s = {bw / acc.memory_bandwidth:.2f} of the profile's "
+          f"peak ({acc.memory_bandwidth / 1e12:.2f}); modeled fraction "
+          f"{acc.bandwidth_efficiency:g}")
+    rows = linear_rows(torch, F, dev, bf, m, mc, clock, args.reps)
+    torch.cuda.empty_cache()
+    rows += attention_rows(torch, F, dev, bf, m, mc, clock, args.reps)
     print(f"\n{'work':<18} {'tokens':>7} {'context':>8} {'measured ms':>12} {'modeled ms':>11} "
           f"{'ratio':>6}  bound")
     for r in rows:
