@@ -309,4 +309,4 @@ def test_clock_module_has_no_dependency_on_the_rest_of_the_simulator():
     imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for a in node.names}
     assert imported <= {"__future__", "difflib", "math", "operator", "dataclasses", "typing",
-                        "numpy"}
+                        "numpy", "numpy.typing"}

@@ -118,9 +118,10 @@ import difflib
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = [
     "ModelShape",
@@ -487,7 +488,7 @@ class StepWork:
         return self.prefill_tokens + self.decode_tokens
 
     @classmethod
-    def from_lens(cls, query_lens: Sequence[int], seq_lens: Sequence[int], *,
+    def from_lens(cls, query_lens: ArrayLike, seq_lens: ArrayLike, *,
                   sampled_tokens: Optional[int] = None, prefill_tokens: Optional[int] = None,
                   copied_pages: int = 0, page_tokens: int = 16) -> "StepWork":
         """The work of sequences computing ``query_lens[i]`` tokens that end a context of
