@@ -7,6 +7,7 @@ end.  They are skipped when Ray is not installed (the ``cluster`` extra)."""
 import contextlib
 import dataclasses
 import io
+import json
 import subprocess
 import sys
 import types
@@ -563,3 +564,16 @@ def test_ray_simulate_cli_model_backend_with_a_kill(ray_cluster):
     assert "match the dense model" in text and "scheduler: core, backend: model" in text
     row = [ln for ln in text.splitlines() if ln.startswith("| prefix | 2 |")][0]
     assert row.split("|")[11].strip() == "1"         # deaths
+
+
+def test_the_command_lines_replicas_share_the_routers_cache_key():
+    """The replicas the command line builds hash pages under the router's key: the prefix
+    router finds the pages they cache, and beats the policies that ignore the caches."""
+    rc, out, err = _cli(["--replicas", "4", "--local", "--compare", "--requests", "48",
+                         "--turns", "3", "--system-prompts", "8", "--num-pages", "192",
+                         "--max-num-seqs", "8", "--logical-pages", "24", "--json", "-"])
+    assert rc == 0, err
+    rate = {run["stats"]["policy"]: run["stats"]["prefix_cache_hit_rate"]
+            for run in json.loads(out)["runs"]}
+    assert rate["prefix"] > rate["least-loaded"] and rate["prefix"] > rate["round-robin"]
+    assert rate["prefix"] >= 0.9 * rate["single replica"]

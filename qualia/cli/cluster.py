@@ -24,8 +24,8 @@ __all__ = ["add_cluster_options", "wants_cluster", "simulate_cli"]
 
 def add_cluster_options(p) -> None:
     """The cluster options of ``simulate`` (an argparse parser)."""
-    g = p.add_argument_group('cluster (needs the cluster extra, Ray and prometheus-client: pip '
-                             'install ".[cluster]" in the qualia checkout)')
+    g = p.add_argument_group('cluster (Ray, prometheus-client: pip install ".[cluster]" in '
+                             'the qualia checkout)')
     g.add_argument("--replicas", type=int_in(1, 64), default=None, metavar="N",
                    help="serve on N data-parallel replicas (Ray actors) behind a router")
     g.add_argument("--router", choices=POLICIES, default="prefix",
@@ -82,8 +82,11 @@ def simulate_cli(args, out=None, err=None) -> int:
     try:
         prepared = preflight.check_simulate(args)
         workload, vocab = prepared.workload, prepared.vocab
-        config = ReplicaConfig(**{**dataclasses.asdict(preflight.engine_config_of(args)),
-                                  "backend": backend, "vocab_size": vocab})
+        # the command line's options over the replicas' defaults: the cache key every replica
+        # and the router share, and the event capacity, stay the replicas' own
+        options = {k: v for k, v in dataclasses.asdict(preflight.engine_config_of(args)).items()
+                   if not (k in ("cache_key", "event_capacity") and v is None)}
+        config = ReplicaConfig(**{**options, "backend": backend, "vocab_size": vocab})
         make_scheduler(config)      # bad step options are refused here, before Ray starts
         requests = _Generated(workload)
         for q in requests.requests:

@@ -214,6 +214,8 @@ class Engine:
         self.step_backend_s: List[float] = []
         #: the serving clock's seconds of the steps with work (idle gaps are not steps)
         self.busy_s = 0.0
+        #: sequence-seconds: each step's time times the sequences it computed
+        self.sequence_s = 0.0
         # each sampled sequence's token times (ends of the steps that sampled them), by the id
         # in plan.sampled_request_ids, until its request completes (none for beam search)
         self._token_times: Dict[int, List[float]] = {}
@@ -487,6 +489,7 @@ class Engine:
         self.step_backend_s.append(secs[BACKEND] - b0)
         dt = float(self.clock.step_time(plan, _now() - t0))
         self.busy_s += dt
+        self.sequence_s += dt * len(plan.request_ids)
         self.now += dt
         now = self.now
         for lv in firsts:
@@ -541,7 +544,7 @@ class Engine:
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
         self.finish_reasons[rid] = reasons[0]
-        self.timeline.finish(lv)
+        self.timeline.finish(lv, self.records[rid].output_tokens)
         c.completed += 1
         c.sequences_completed += len(outs)
         c.tokens_generated += sum(len(o) for o in outs)

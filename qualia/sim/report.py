@@ -125,19 +125,20 @@ class Timeline:
         self.pages_cached.append(pages_cached)
         self.hit_rate.append(hit_rate)
 
-    def finish(self, live) -> None:
+    def finish(self, live, output_tokens: Optional[int] = None) -> None:
         """Record the latencies in steps of a completed request (the engine's record of it:
         the steps of its arrival, its first token and its last).  Time to first token counts
         the steps from its arrival to the step that sampled it, both included; end-to-end
         latency the steps from its arrival to its last token's, both included; time per output
-        token, the steps from the first token to the last over the tokens after the first.  A
-        group (``n > 1`` or beam search) is one request: its first token is the first one
-        sampled for it, its last token the last of its longest sequence, over that sequence's
-        tokens after the first (its sequences decode side by side, one token each per
-        step)."""
+        token, the steps from the first token to the last over its ``output_tokens`` after the
+        first, the tokens its :class:`~qualia.sim.figures.RequestRecord` counts (default: its
+        longest sequence's).  A group (``n > 1`` or beam search) is one request: its first
+        token is the first one sampled for it, its last token the last of its longest
+        sequence."""
         self.ttft_steps.append(float(live.first_step - live.arrival_step + 1))
         self.e2el_steps.append(float(live.end_step - live.arrival_step + 1))
-        n = max(len(live.outputs), getattr(live, "longest", 0))  # a group: its longest
+        n = output_tokens if output_tokens is not None else max(
+            len(live.outputs), getattr(live, "longest", 0))
         if n > 1:
             self.tpot_steps.append((live.end_step - live.first_step) / (n - 1))
 
@@ -265,6 +266,7 @@ def collect_stats(engine) -> Dict[str, object]:
         "steps": c.steps,
         "mixed_steps": c.mixed_steps,
         "busy_s": engine.busy_s,
+        "mean_running": engine.sequence_s / engine.now if engine.now > 0 else 0.0,
         "mean_step_ms": 1e3 * engine.busy_s / busy if busy else 0.0,
         "idle_s": c.idle_s,
         "mean_step_tokens": (c.scheduled_tokens / busy) if busy else 0.0,
@@ -481,6 +483,10 @@ def _time_rows(s: dict) -> List[Tuple[str, float, Optional[str]]]:
     return rows
 
 
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
 def _pct(x: float) -> str:
     return f"{100.0 * x:.1f}%"
 
@@ -490,6 +496,7 @@ def scheduler_lines(s: dict) -> List[str]:
     n, beam = s.get("n", 1), s.get("beam_width")
     forking = beam is not None or (n or 1) > 1
     chunk = s.get("max_prefill_chunk")
+    busy = _share(float(s["busy_s"]), float(s["busy_s"]) + float(s["idle_s"]))
     kv: List[Tuple[str, List[str]]] = []
     if forking:
         temp = float(s.get("temperature") or 0.0)
@@ -509,13 +516,15 @@ def scheduler_lines(s: dict) -> List[str]:
                     f"decoded {number(int(s['tokens_decoded']))}",
                     f"recomputed {number(int(s['tokens_recomputed']))}"]),
         ("steps", [f"{number(int(s['steps']))} ({number(int(s['mixed_steps']))} mixed)",
-                   f"{number(float(s['mean_step_ms']))} ms",
-                   f"{number(float(s['mean_step_tokens']), 1)} tokens on average"]),
+                   f"{number(float(s['mean_step_ms']))} ms and "
+                   f"{number(float(s['mean_step_tokens']), 1)} tokens on average",
+                   f"busy {_pct(busy)} of the time"]),
         ("step budget", [f"{number(int(s['max_num_batched_tokens']))} tokens",
                          f"{number(int(s['max_num_seqs']))} sequences",
                          "no prefill chunk cap" if chunk is None else
                          f"prefill chunks <= {number(int(chunk))} tokens"]),
-        ("running, waiting", [f"peak {number(int(s['peak_running']))} running",
+        ("running, waiting", [f"{number(float(s['mean_running']), 1)} running on average",
+                              f"peak {number(int(s['peak_running']))} running",
                               f"peak {number(int(s['peak_waiting']))} waiting",
                               f"queue {number(int(s['max_queued']))}"]),
     ]
