@@ -707,7 +707,8 @@ class StepScheduler:
 
     def discard_plan(self) -> None:
         """Drop the pending plan after its execution failed: the scheduled tokens stay
-        uncomputed and are scheduled again by the next step."""
+        uncomputed and are scheduled again by the next step; its copies stay owed (the next
+        plan lists them first)."""
         self._enter()
         self._discard()
 
