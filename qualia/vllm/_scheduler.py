@@ -18,15 +18,17 @@ request is given.  One KV-cache group only.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 # The one place that names the core class: the engine step's methods (add_request, schedule,
@@ -60,6 +62,9 @@ def check_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> Non
         raise _refuse("encoder-cache connectors (ec_transfer_config)")
     if vllm_config.lora_config is not None:
         raise _refuse("LoRA adapters")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and aux.enabled:
+        raise _refuse("execution auxiliary outputs (routed experts: aux_output_config)")
     if mc is not None and mc.runner_type == "pooling":
         raise _refuse("pooling models")
     if mc is not None and mc.is_encoder_decoder:
@@ -119,10 +124,14 @@ class _Waiting:
         self._reqs[request.request_id] = request
 
     def prepend_request(self, request: Request) -> None:
+        self.prepend_requests([request])
+
+    def prepend_requests(self, requests: List[Request]) -> None:
+        """Put ``requests`` at the head, in their order."""
         rest = self._reqs
-        self._reqs = {request.request_id: request}
+        self._reqs = {r.request_id: r for r in requests}
         for rid, r in rest.items():
-            if rid != request.request_id:
+            if rid not in self._reqs:
                 self._reqs[rid] = r
 
     def remove_request(self, request: Request) -> None:
@@ -189,7 +198,9 @@ class Scheduler(_VllmScheduler):
         self._priority_policy = self.policy.value == "priority"
         # vLLM's queues are replaced: the core holds the queue; `waiting` lists what waits.
         self.waiting = _Waiting()  # type: ignore[assignment]
-        self._backlog: List[Request] = []  # waiting while the core's queue is full
+        # waiting in the adapter: while the core's queue is full, and every waiting request
+        # while admissions are held (PAUSED_NEW); in queue order
+        self._backlog: Deque[Request] = deque()
         self._qid: Dict[str, int] = {}  # vLLM request id -> core id
         self._by_qid: Dict[int, Request] = {}
         self._next_qid = 1
@@ -206,7 +217,6 @@ class Scheduler(_VllmScheduler):
         self._sampled: List[Request] = []  # the pending plan's sampled rows, in order
         self._sampled_rows = np.zeros(0, dtype=np.int32)
         self._pending = False
-        self._prefix_stats = PrefixCacheStats() if log_stats else None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -280,7 +290,7 @@ class Scheduler(_VllmScheduler):
         max_new = self._max_new(request)
         # qualia's own prefix cache decides hits: vLLM's per-block hashes are not needed
         request._block_hasher = None
-        if self._backlog or not self._room():
+        if self._backlog or not self._room() or self._holding():
             self._backlog.append(request)
         else:
             self._core_add(request, list(request.all_token_ids), max_new)
@@ -289,10 +299,88 @@ class Scheduler(_VllmScheduler):
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
+    def _holding(self) -> bool:
+        # PAUSED_NEW: the running requests go on, nothing waiting is admitted
+        return self._pause_state == PauseState.PAUSED_NEW
+
     def _drain_backlog(self) -> None:
+        if self._holding():
+            return
         while self._backlog and self._room():
-            request = self._backlog.pop(0)
+            request = self._backlog.popleft()
             self._core_add(request, list(request.all_token_ids), self._max_new(request))
+
+    def _core_leave(self, request: Request) -> None:
+        """Take ``request`` out of the core (it stays one of this scheduler's requests)."""
+        qid = self._qid.pop(request.request_id)
+        self._core.abort(qid)
+        del self._by_qid[qid]
+        self._extra_stops.pop(qid, None)
+
+    def _take_core_waiting(self) -> List[Request]:
+        """Take every request waiting in the core's queue out of it; return them in the
+        core's order (priority under the priority policy, then the order they were added)."""
+        core_waiting = [self._by_qid[q] for q in sorted(
+            self._qid[r.request_id] for r in self.waiting if r.request_id in self._qid)]
+        if self._priority_policy:
+            core_waiting.sort(key=lambda r: int(r.priority))  # stable: add order within
+        for r in core_waiting:
+            self._core_leave(r)
+        return core_waiting
+
+    def _queue_front(self, requests: List[Request]) -> None:
+        """Queue ``requests`` (out of the core, in this order) ahead of every waiting request,
+        as vLLM's scheduler puts preempted requests back: at the head of its queue (in the
+        priority policy's order under that policy)."""
+        if self._holding():
+            self._backlog.extendleft(reversed(requests))
+            return
+        # the core orders its queue by priority, then by the order requests were added: every
+        # request waiting in it is added again behind these
+        order = list(requests) + self._take_core_waiting()
+        if self._priority_policy:
+            order.sort()  # vLLM's Request order: priority, arrival time, request id
+        spill: List[Request] = []
+        for r in order:
+            if spill or not self._room():
+                spill.append(r)
+            else:
+                self._core_add(r, list(r.all_token_ids), self._max_new(r))
+        self._backlog.extendleft(reversed(spill))
+
+    def _preempt_request(self, request: Request, timestamp: float,
+                         drop_stale_output: bool = False) -> None:
+        """Preempt one running request (already taken out of ``running`` by the caller): its
+        pages go back to the core and it waits at the head of the queue.  A token sampled for it
+        by a step in flight is dropped (recomputed when it resumes)."""
+        self._preempt_out([request], timestamp)
+
+    def _preempt_out(self, requests: List[Request], timestamp: float) -> None:
+        for req in requests:
+            if req.status != RequestStatus.RUNNING:
+                raise ValueError(f"request {req.request_id!r} is not running")
+        for req in requests:
+            if self.aux_output_connector is not None:
+                self.aux_output_connector.request_finished(req)
+            self._core_leave(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            if self.log_stats:
+                req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+            self.reset_preempted_req_ids.add(req.request_id)
+        self.waiting.prepend_requests(requests)
+        self._queue_front(requests)
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        held = self._holding()
+        super().set_pause_state(pause_state)
+        if self._holding() and not held:
+            # vLLM's PAUSED_NEW admits nothing that waits: the core's queue moves to the
+            # adapter until the pause ends
+            self._backlog.extendleft(reversed(self._take_core_waiting()))
+        elif held and not self._holding():
+            self._drain_backlog()
 
     def _forget(self, request: Request) -> None:
         rid = request.request_id
@@ -351,8 +439,10 @@ class Scheduler(_VllmScheduler):
         step = self._step
         core = self._core
         bs = self.block_size
-        timestamp = time.monotonic() if self.log_stats else 0.0
-        if self._pause_state == 2 or core.num_waiting + core.num_running == 0:
+        log_stats = self.log_stats
+        kvm = self.kv_cache_manager
+        timestamp = time.monotonic() if log_stats else 0.0
+        if self._pause_state == PauseState.PAUSED_ALL or core.num_waiting + core.num_running == 0:
             return self._empty_output()
         plan = core.schedule()
         self._pending = True
@@ -360,7 +450,7 @@ class Scheduler(_VllmScheduler):
 
         preempted = plan.preempted_request_ids
         if len(preempted):
-            gone = set()
+            victims: List[Request] = []
             for qid in preempted.tolist():
                 req = by_qid[qid]
                 req.status = RequestStatus.PREEMPTED
@@ -370,10 +460,16 @@ class Scheduler(_VllmScheduler):
                     req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
                 if self.aux_output_connector is not None:
                     self.aux_output_connector.request_finished(req)
-                self.waiting.prepend_request(req)
                 self.reset_preempted_req_ids.add(req.request_id)
-                gone.add(req)
+                victims.append(req)
+            gone = set(victims)
             self.running = [r for r in self.running if r not in gone]
+            # vLLM puts each victim at the head of the queue, the last one first
+            self.waiting.prepend_requests(victims[::-1])
+            if self._holding():
+                for req in victims:
+                    self._core_leave(req)
+                self._backlog.extendleft(victims)
 
         n = len(plan.request_ids)
         if n == 0:
@@ -420,9 +516,10 @@ class Scheduler(_VllmScheduler):
                     req.record_event(EngineCoreEventType.SCHEDULED, timestamp)
                 first = req.status == RequestStatus.WAITING
                 req.status = RequestStatus.RUNNING
-                if self._prefix_stats is not None and self._prefix_caching:
-                    self._prefix_stats.record(num_tokens=req.num_tokens, num_hits=hit,
-                                              preempted=not first)
+                if log_stats:
+                    # the query and hits of this admission, as vLLM counts them (a request
+                    # preempted before counts as a preempted query)
+                    kvm.record_prefix_cache_stats(req, hit)
                 if first and req.prefill_stats is not None:
                     req.prefill_stats.set(num_prompt_tokens=req.num_prompt_tokens,
                                           num_local_cached_tokens=hit,
@@ -530,7 +627,7 @@ class Scheduler(_VllmScheduler):
             live: List[bool] = []
             for req in sampled_reqs:
                 rid = req.request_id
-                if requests.get(rid) is req:
+                if requests.get(rid) is req and req.status == RequestStatus.RUNNING:
                     got: Any = sampled[index[rid]] if sampled else ()
                     if len(got) != 1:
                         self._core.discard_plan()
@@ -540,7 +637,8 @@ class Scheduler(_VllmScheduler):
                     toks.append(got[0])
                     live.append(True)
                 else:
-                    toks.append(0)  # aborted while the step ran: the core ignores its row
+                    # aborted or preempted while the step ran: the core ignores its row
+                    toks.append(0)
                     live.append(False)
             done = self._core.update(toks)
             if len(self._sampled_rows):
@@ -655,8 +753,10 @@ class Scheduler(_VllmScheduler):
         return len(self.running), len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        if self._pause_state == 2:  # PAUSED_ALL
+        if self._pause_state == PauseState.PAUSED_ALL:
             return 0
+        if self._pause_state == PauseState.PAUSED_NEW:
+            return len(self.running)  # what waits stays queued until the pause ends
         return len(self.running) + len(self.waiting)
 
     def has_finished_requests(self) -> bool:
@@ -674,8 +774,10 @@ class Scheduler(_VllmScheduler):
                    ec_connector_stats: Any = None) -> Optional[SchedulerStats]:
         if not self.log_stats:
             return None
-        prefix_stats = self._prefix_stats or PrefixCacheStats()
-        self._prefix_stats = PrefixCacheStats()
+        # the prefix-cache queries and hits are recorded in vLLM's accumulator at admission
+        # (kv_cache_manager.prefix_cache_stats, which vLLM's tests and engine read)
+        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        assert prefix_stats is not None  # log_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -696,33 +798,15 @@ class Scheduler(_VllmScheduler):
             self._pending = False
             self._sampled = []
         if reset_running_requests and self.running:
-            self._requeue_running()
+            # every running request waits again, at the head of the queue in its order, with
+            # its tokens so far; the runner is told it was preempted and resumes it from the
+            # block ids of its next admission
+            running, self.running = self.running, []
+            self._preempt_out(running, time.monotonic())
         self._core.clear_cache()
-        if self._prefix_stats is not None:
-            self._prefix_stats.reset = True
+        stats = self.kv_cache_manager.prefix_cache_stats
+        if stats is not None:
+            stats.reset = True
         if self.aux_output_connector is not None:
             self.aux_output_connector.reset()
         return True
-
-    def _requeue_running(self) -> None:
-        # Every running request leaves the core and waits again with its tokens so far (prompt
-        # and outputs) and the outputs it has left; the runner is told it was preempted and
-        # resumes it from the block ids of its next admission.
-        timestamp = time.monotonic() if self.log_stats else 0.0
-        for req in self.running:
-            rid = req.request_id
-            qid = self._qid.pop(rid)
-            self._core.abort(qid)
-            self._by_qid.pop(qid)
-            extra = self._extra_stops.pop(qid, None)
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-            req.num_preemptions += 1
-            if self.log_stats:
-                req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
-            self.reset_preempted_req_ids.add(rid)
-            new_qid = self._core_add(req, list(req.all_token_ids), self._max_new(req))
-            if extra is not None:
-                self._extra_stops[new_qid] = extra
-            self.waiting.add_request(req)
-        self.running = []
