@@ -1,6 +1,7 @@
 """qualia.vllm.Scheduler against vLLM's own scheduler, side by side in one run.
 
-    python bench/vllm_bench.py [--steps 60] [--sizes 64,256,1024] [--generate 256] [--json F]
+    python bench/vllm_bench.py [--steps 60] [--sizes 64,256,1024] [--repeat 3] [--generate 256]
+                               [--json F] [--extra NAME=FILE.py:CLASS ...]
 
 Needs vLLM (tools/vllm_env.sh).  Two measurements:
 
@@ -12,7 +13,10 @@ Needs vLLM (tools/vllm_env.sh).  Two measurements:
    beside the decodes).  Both schedulers see the same requests, the same sampled tokens and the
    same budget; prefix caching is on (vLLM's default).  For qualia's class the time inside the
    compiled core (its `schedule` / `update`) is measured apart, so the rest is the adapter and
-   vLLM's Python objects it must build.
+   vLLM's Python objects it must build.  Each configuration is measured `--repeat` times, the
+   schedulers alternating, and the fastest run of each is kept (the machine's other load only
+   ever adds time).  `--extra` measures more scheduler classes beside them, loaded from a file
+   (another version of the adapter, say), in the same alternation.
 2. Whole `generate` wall time on a tiny random Llama in vLLM's CPU engine, in-process.
 """
 
@@ -140,7 +144,7 @@ def measure(cls, model_dir, kind, n, steps, seed=0):
     budget = max(budget, 2048) if kind == "decode" else budget
     sched = make_scheduler(cls, model_dir, n, num_blocks=n * 48 + 64, budget=budget)
     timer = None
-    if isinstance(sched, qualia.vllm.Scheduler):
+    if hasattr(sched, "_core"):
         timer = CoreTimer(sched._core)
         sched._core = timer
     rng = random.Random(seed + 1)
@@ -203,9 +207,31 @@ def generate_wall(model_dir, cls, count, max_tokens):
     return wall, toks
 
 
+def load_class(spec):
+    """NAME=FILE.py:CLASS -> (NAME, the class), the file imported as a module of its own."""
+    import importlib.util
+
+    name, _, where = spec.partition("=")
+    path, _, cls = where.rpartition(":")
+    mod_spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return name, getattr(mod, cls)
+
+
+def fastest(cls, model_dir, kind, n, steps, runs):
+    """The fastest of ``runs`` measurements (``runs`` is a list this one is appended to)."""
+    r = measure(cls, model_dir, kind, n, steps)
+    runs.append(r)
+    return min(runs, key=lambda x: x["us_per_step"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--extra", action="append", default=[],
+                    help="NAME=FILE.py:CLASS, another scheduler class to measure")
     ap.add_argument("--sizes", default="64,256,1024")
     ap.add_argument("--generate", type=int, default=256, help="prompts for the generate run "
                     "(0: skip it)")
@@ -214,18 +240,29 @@ def main():
     results = {"scheduler": [], "generate": None}
     with tempfile.TemporaryDirectory() as d:
         model_dir = tiny.make_tiny_llama(os.path.join(d, "tiny"), max_positions=MAX_MODEL_LEN)
+        extras = [load_class(e) for e in args.extra]
         print(f"{'workload':8} {'running':>7} {'vLLM us/step':>13} {'qualia us/step':>15} "
-              f"{'(core)':>8} {'speedup':>8} {'tokens/step':>11}")
+              f"{'(core)':>8} {'speedup':>8} {'tokens/step':>11}"
+              + "".join(f" {name + ' us/step':>16} {'speedup':>8}" for name, _ in extras))
         for kind in ("decode", "mixed"):
             for n in [int(x) for x in args.sizes.split(",")]:
-                v = measure(VllmScheduler, model_dir, kind, n, args.steps)
-                q = measure(qualia.vllm.Scheduler, model_dir, kind, n, args.steps)
+                vr, qr = [], []
+                er = [[] for _ in extras]
+                for _ in range(args.repeat):
+                    v = fastest(VllmScheduler, model_dir, kind, n, args.steps, vr)
+                    q = fastest(qualia.vllm.Scheduler, model_dir, kind, n, args.steps, qr)
+                    es = [fastest(cls, model_dir, kind, n, args.steps, runs)
+                          for (_, cls), runs in zip(extras, er)]
                 row = dict(workload=kind, running=n, vllm=v, qualia=q,
                            speedup=v["us_per_step"] / q["us_per_step"])
+                for (name, _), e in zip(extras, es):
+                    row[name] = dict(e, speedup=v["us_per_step"] / e["us_per_step"])
                 results["scheduler"].append(row)
                 print(f"{kind:8} {n:7d} {v['us_per_step']:13.0f} {q['us_per_step']:15.0f} "
                       f"{q['core_us_per_step']:8.0f} {row['speedup']:7.1f}x "
-                      f"{v['tokens_per_step']:6.0f}/{q['tokens_per_step']:.0f}")
+                      f"{v['tokens_per_step']:6.0f}/{q['tokens_per_step']:.0f}"
+                      + "".join(f" {e['us_per_step']:16.0f} {row[name]['speedup']:7.1f}x"
+                                for (name, _), e in zip(extras, es)))
                 sys.stdout.flush()
         if args.generate:
             wv, tv = generate_wall(model_dir, None, args.generate, 64)

@@ -17,9 +17,10 @@ request is given.  One KV-cache group only.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -37,6 +38,10 @@ from qualia import Scheduler as _Core
 
 #: Stop token ids the core holds per request; a request with more has the rest checked here.
 _CORE_MAX_STOPS = 16
+
+#: Runs an iterator to its end (map() over a C function, without a Python loop).
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+_chain = itertools.chain.from_iterable
 
 
 class UnsupportedByQualia(ValueError):
@@ -213,9 +218,27 @@ class Scheduler(_VllmScheduler):
         self._row_tokens = np.zeros(max_seqs, dtype=np.int64)  # prompt + outputs
         self._row_prompt = np.zeros(max_seqs, dtype=np.int64)
         self._row_last_step = np.full(max_seqs, -2, dtype=np.int64)
+        self._row_rid: List[str] = [""] * max_seqs
+        self._row_out: List[List[int]] = [[] for _ in range(max_seqs)]  # its output tokens
+        self._row_all: List[List[int]] = [[] for _ in range(max_seqs)]  # its tokens
+        self._row_client = np.zeros(max_seqs, dtype=np.int64)
+        # rows whose next output carries more than the token: the first output (prefill
+        # stats, events), and (watch) every output of a request with trace headers, stop ids
+        # past the core's or a NaN count
+        self._row_special = np.zeros(max_seqs, dtype=bool)
+        self._row_watch = np.zeros(max_seqs, dtype=bool)
         self._step = 0
-        self._sampled: List[Request] = []  # the pending plan's sampled rows, in order
+        # the pending plan's sampled rows, in plan order: request ids, rows (array, list)
+        self._sampled_ids: List[str] = []
         self._sampled_rows = np.zeros(0, dtype=np.int32)
+        self._sampled_rows_list: List[int] = []
+        self._qid_row: Dict[int, int] = {}  # core id -> block-table row, while it runs
+        self._plan_dirty = False  # a request of the pending plan left it
+        self._sampled_all = False  # every request of the pending plan samples
+        # the lists of the last plan built: its rows (array, list), requests, ids, the
+        # requests' output-token and token lists (filled when every request sampled), and its
+        # num_scheduled_tokens when every request has one token (copied for each output)
+        self._plan_cache: Optional[List[Any]] = None
         self._pending = False
 
     # -- requests ----------------------------------------------------------------------------
@@ -316,6 +339,7 @@ class Scheduler(_VllmScheduler):
         self._core.abort(qid)
         del self._by_qid[qid]
         self._extra_stops.pop(qid, None)
+        self._qid_row.pop(qid, None)
 
     def _take_core_waiting(self) -> List[Request]:
         """Take every request waiting in the core's queue out of it; return them in the
@@ -359,6 +383,7 @@ class Scheduler(_VllmScheduler):
         for req in requests:
             if req.status != RequestStatus.RUNNING:
                 raise ValueError(f"request {req.request_id!r} is not running")
+        self._plan_dirty = self._pending
         for req in requests:
             if self.aux_output_connector is not None:
                 self.aux_output_connector.request_finished(req)
@@ -390,6 +415,7 @@ class Scheduler(_VllmScheduler):
         if qid is not None:
             self._by_qid.pop(qid, None)
             self._extra_stops.pop(qid, None)
+            self._qid_row.pop(qid, None)
         self._in_runner.discard(rid)
         self._hit_tokens.pop(rid, None)
         self.finished_req_ids.add(rid)
@@ -425,6 +451,7 @@ class Scheduler(_VllmScheduler):
             done.append(request)
         if stopped_running:
             self.running = [r for r in self.running if r not in stopped_running]
+            self._plan_dirty = self._pending
         self._drain_backlog()
         return done
 
@@ -487,8 +514,19 @@ class Scheduler(_VllmScheduler):
         table = plan.block_table
         row_req = self._row_req
 
+        # The plan's requests, from their rows.  A row changes hands only at an admission, so
+        # a plan without admissions over the same rows as the last one built has the same
+        # requests (the decode steady state): its lists are reused.
+        cache: List[Any] = self._plan_cache or [None]
+        reuse = (k == 0 and cache[0] is not None and len(cache[0]) == n
+                 and np.array_equal(cache[0], rows))
+        if reuse:
+            rows_list = cache[1]
+            plan_reqs = cache[2]
+        else:
+            rows_list = rows.tolist()
+            plan_reqs = [row_req[r] for r in rows_list[:m]]
         # admissions (the plan's tail): new to the runner, or resumed after a preemption
-        plan_reqs = [row_req[r] for r in rows[:m].tolist()]
         new_reqs: List[Request] = []
         new_blocks: List[Tuple[List[int], ...]] = []
         res_pos: List[int] = []
@@ -507,6 +545,14 @@ class Scheduler(_VllmScheduler):
                 self._row_tokens[row] = req.num_tokens
                 self._row_prompt[row] = req.num_prompt_tokens
                 self._row_last_step[row] = -2
+                self._row_rid[row] = req.request_id
+                self._qid_row[qids[j]] = row
+                self._row_out[row] = req._output_token_ids
+                self._row_all[row] = req._all_token_ids
+                self._row_client[row] = req.client_index
+                self._row_watch[row] = bool(req.trace_headers is not None
+                                            or req.num_nans_in_logits
+                                            or qids[j] in self._extra_stops)
                 self.waiting.remove_request(req)
                 self.running.append(req)
                 blocks = ((table[row, :aneed[j]] + 1).tolist(),)
@@ -516,6 +562,7 @@ class Scheduler(_VllmScheduler):
                     req.record_event(EngineCoreEventType.SCHEDULED, timestamp)
                 first = req.status == RequestStatus.WAITING
                 req.status = RequestStatus.RUNNING
+                self._row_special[row] = bool(req.events) or req.prefill_stats is not None
                 if log_stats:
                     # the query and hits of this admission, as vLLM counts them (a request
                     # preempted before counts as a preempted query)
@@ -540,15 +587,26 @@ class Scheduler(_VllmScheduler):
             sent = self._row_sent[rrows]
             grow = np.flatnonzero(need[:m] > sent)
             if len(grow):
-                gneed = need[grow].tolist()
-                gsent = sent[grow].tolist()
-                grows = rrows[grow].tolist()
-                for j, i in enumerate(grow.tolist()):
-                    r = grows[j]
-                    new_block_ids[i] = ((table[r, gsent[j]:gneed[j]] + 1).tolist(),)
-                    self._row_sent[r] = gneed[j]
+                gneed = need[grow]
+                gsent = sent[grow]
+                grows = rrows[grow]
+                self._row_sent[grows] = gneed
+                if int((gneed - gsent).max()) == 1:
+                    # one new page each (decodes): one gather
+                    for i, b in zip(grow.tolist(), (table[grows, gsent] + 1).tolist()):
+                        new_block_ids[i] = ([b],)
+                else:
+                    for i, r, a, z in zip(grow.tolist(), grows.tolist(), gsent.tolist(),
+                                          gneed.tolist()):
+                        new_block_ids[i] = ((table[r, a:z] + 1).tolist(),)
         # the runner's cached requests: the running ones, then the resumed ones
-        plan_ids = [r.request_id for r in plan_reqs]
+        if reuse:
+            plan_ids = cache[3]
+        else:
+            row_rid = self._row_rid
+            plan_ids = [row_rid[r] for r in rows_list]
+            cache = self._plan_cache = [rows.copy(), rows_list, plan_reqs, plan_ids, None, None,
+                                        None]
         if res_pos:
             cpos = np.concatenate([np.arange(m), np.asarray(res_pos)])
             crows = rows[cpos]
@@ -578,20 +636,35 @@ class Scheduler(_VllmScheduler):
         for r in new_reqs:
             self._in_runner.add(r.request_id)
 
-        num_scheduled = dict(zip(plan_ids, ntok.tolist()))
+        total = int(qsl[-1])
+        if total == n:  # one token each
+            if cache[6] is None:
+                cache[6] = dict.fromkeys(plan_ids, 1)
+            num_scheduled = cache[6].copy()
+        else:
+            num_scheduled = dict(zip(plan_ids, ntok.tolist()))
         # computed tokens move when the plan is built (as vLLM's scheduler does)
         for r, s in zip(plan_reqs, seq.tolist()):
             r.num_computed_tokens = s
         self._row_last_step[rows] = step
         # the sampled rows: requests whose chunk reaches their last known token
-        sidx = np.flatnonzero(seq == self._row_tokens[rows])
-        self._sampled = [plan_reqs[i] for i in sidx.tolist()]
-        self._sampled_rows = rows[sidx]
+        sampling = seq == self._row_tokens[rows]
+        self._plan_dirty = False
+        self._sampled_all = bool(sampling.all())
+        if self._sampled_all:
+            self._sampled_ids = plan_ids
+            self._sampled_rows = rows.copy()
+            self._sampled_rows_list = rows_list
+        else:
+            sidx = np.flatnonzero(sampling)
+            self._sampled_ids = [plan_ids[i] for i in sidx.tolist()]
+            self._sampled_rows = rows[sidx]
+            self._sampled_rows_list = self._sampled_rows.tolist()
         out = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=int(qsl[-1]),
+            total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={},
             preempted_req_ids=self.reset_preempted_req_ids,
@@ -608,118 +681,16 @@ class Scheduler(_VllmScheduler):
         out.preempted_req_ids = self.reset_preempted_req_ids
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
-        self._sampled = []
-        self._sampled_rows = np.zeros(0, dtype=np.int32)
+        self._sampled_ids = []
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Dict[int, EngineCoreOutputs]:
-        sampled_reqs = self._sampled
-        self._sampled = []
-        requests = self.requests
-        outputs: Dict[int, List[EngineCoreOutput]] = {}
-        finished_here: List[Request] = []
+        result: Dict[int, EngineCoreOutputs] = {}
         if self._pending:
             self._pending = False
-            sampled = model_runner_output.sampled_token_ids
-            index = model_runner_output.req_id_to_index
-            toks: List[int] = []
-            live: List[bool] = []
-            for req in sampled_reqs:
-                rid = req.request_id
-                if requests.get(rid) is req and req.status == RequestStatus.RUNNING:
-                    got: Any = sampled[index[rid]] if sampled else ()
-                    if len(got) != 1:
-                        self._core.discard_plan()
-                        raise RuntimeError(
-                            f"the model runner returned {len(got)} tokens for request "
-                            f"{rid!r}, which qualia's plan samples once in this step")
-                    toks.append(got[0])
-                    live.append(True)
-                else:
-                    # aborted or preempted while the step ran: the core ignores its row
-                    toks.append(0)
-                    live.append(False)
-            done = self._core.update(toks)
-            if len(self._sampled_rows):
-                self._row_tokens[self._sampled_rows] += 1
-            finished_qids = {f.request_id for f in done}
-            extra = self._extra_stops
-            check_stop = bool(finished_qids or extra)
-            qid_of = self._qid
-            logprobs = model_runner_output.logprobs
-            prompt_lp = model_runner_output.prompt_logprobs_dict or None
-            nans = model_runner_output.num_nans_in_logits
-            masks = model_runner_output.sampling_masks if self.return_sampling_mask else None
-            hits = self._hit_tokens
-            make = EngineCoreOutput
-            stopped_running = set()
-            for req, tok, ok in zip(sampled_reqs, toks, live):
-                if not ok:
-                    continue
-                # Request.append_output_token_ids without vLLM's block hashing (qualia's own
-                # cache decides hits)
-                req._output_token_ids.append(tok)
-                req._all_token_ids.append(tok)
-                rid = req.request_id
-                finish = None
-                if check_stop:
-                    qid = qid_of[rid]
-                    if qid in finished_qids or (qid in extra and tok in extra[qid]):
-                        sp: Any = req.sampling_params
-                        if tok == sp.eos_token_id:
-                            req.status = RequestStatus.FINISHED_STOPPED
-                        elif tok in (sp.stop_token_ids or ()):
-                            req.status = RequestStatus.FINISHED_STOPPED
-                            req.stop_reason = tok
-                        else:
-                            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                        if qid not in finished_qids:
-                            self._core.abort(qid)
-                        finish = req.get_finished_reason()
-                        stopped_running.add(req)
-                        finished_here.append(req)
-                new_logprobs = None
-                if logprobs is not None and getattr(req.sampling_params, "logprobs",
-                                                    None) is not None:
-                    new_logprobs = logprobs.slice_request(index[rid], 1)
-                new_mask = None
-                if masks is not None:
-                    new_mask = masks.slice_request(index[rid], 1)
-                prefill_stats = req.prefill_stats
-                if prefill_stats is not None:
-                    req.prefill_stats = None
-                    prefill_stats.finalize(hits.get(rid, 0))
-                events = None
-                if req.events:
-                    events = req.events
-                    req.events = []
-                if nans is not None and rid in nans:
-                    req.num_nans_in_logits = nans[rid]
-                out = make(
-                    request_id=rid,
-                    new_token_ids=[tok],
-                    finish_reason=finish,
-                    new_logprobs=new_logprobs,
-                    new_sampling_mask=new_mask,
-                    new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
-                    stop_reason=req.stop_reason,
-                    events=events,
-                    prefill_stats=prefill_stats,
-                    trace_headers=req.trace_headers,
-                    num_nans_in_logits=req.num_nans_in_logits,
-                )
-                lst = outputs.get(req.client_index)
-                if lst is None:
-                    outputs[req.client_index] = [out]
-                else:
-                    lst.append(out)
-            if stopped_running:
-                self.running = [r for r in self.running if r not in stopped_running]
-                for req in finished_here:
-                    self._forget(req)
-                self._drain_backlog()
-        result = {c: EngineCoreOutputs(outputs=o) for c, o in outputs.items()}
+            self._take_tokens(model_runner_output, result)
+        self._sampled_ids = []
         fin = self.finished_req_ids_dict
         if fin:
             for client, ids in fin.items():
@@ -736,6 +707,168 @@ class Scheduler(_VllmScheduler):
                 result[0] = eco = EngineCoreOutputs()
             eco.scheduler_stats = stats
         return result
+
+    def _take_tokens(self, mro: Any, result: Dict[int, EngineCoreOutputs]) -> None:
+        """The sampled tokens of the pending plan: into the core, onto the vLLM requests, and
+        their outputs into ``result`` (by client)."""
+        rids = self._sampled_ids
+        if not rids:
+            self._core.update(())
+            return
+        rows = self._sampled_rows
+        rlist = self._sampled_rows_list
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        row_req = self._row_req  # rows change hands only at admissions, in schedule()
+        live: Optional[List[bool]] = None
+        if self._plan_dirty:
+            # a request of the plan was aborted or preempted while the step ran: the core
+            # ignores its row, and it gets no output
+            requests = self.requests
+            live = []
+            for rid, row in zip(rids, rlist):
+                r = row_req[row]
+                live.append(requests.get(rid) is r and r is not None
+                            and r.status == RequestStatus.RUNNING)
+        toks: List[int] = []
+        try:
+            if live is not None:
+                got = [sampled[index[rid]] if ok else (0,) for rid, ok in zip(rids, live)]
+            elif (mro.req_ids == rids and len(sampled) == len(rids)
+                  and index[rids[-1]] == len(rids) - 1):
+                got = sampled  # the runner kept the plan's order
+            else:
+                got = [sampled[i] for i in map(index.__getitem__, rids)]
+            toks = list(_chain(got))
+            # exactly one token each: as many tokens as requests, none without one
+            bad = len(toks) != len(got) or min(map(len, got)) != 1
+        except (KeyError, IndexError, ValueError, TypeError):
+            bad = True
+        if bad:
+            self._core.discard_plan()
+            for rid, ok in zip(rids, live or [True] * len(rids)):
+                n = len(sampled[index[rid]]) if sampled and rid in index else 0
+                if ok and n != 1:
+                    raise RuntimeError(
+                        f"the model runner returned {n} tokens for request {rid!r}, which "
+                        f"qualia's plan samples once in this step")
+        done = self._core.update(toks)
+        self._row_tokens[rows] += 1
+        if live is not None:
+            keep = [i for i, ok in enumerate(live) if ok]
+            rids = [rids[i] for i in keep]
+            toks = [toks[i] for i in keep]
+            rlist = [rlist[i] for i in keep]
+            rows = rows[keep]
+        if not rids:
+            return
+        # vLLM's Request.append_output_token_ids, without its block hashing (qualia's own
+        # cache decides hits), for every request at once
+        cache = self._plan_cache
+        if live is None and self._sampled_all and cache is not None and cache[4] is not None:
+            outl, alll = cache[4], cache[5]
+        else:
+            row_out = self._row_out
+            row_all = self._row_all
+            outl = [row_out[r] for r in rlist]
+            alll = [row_all[r] for r in rlist]
+            if live is None and self._sampled_all and cache is not None:
+                cache[4], cache[5] = outl, alll
+        _consume(map(list.append, outl, toks))
+        _consume(map(list.append, alll, toks))
+        outs: List[EngineCoreOutput] = list(map(EngineCoreOutput, rids, [[t] for t in toks]))
+        # the outputs that carry more than the token: a stop, the first output (prefill
+        # stats, events), trace headers, stop ids past the core's, and anything the runner
+        # returned for some requests (logprobs, sampling masks, prompt logprobs, NaN counts)
+        logprobs = mro.logprobs
+        prompt_lp = mro.prompt_logprobs_dict or None
+        nans = mro.num_nans_in_logits
+        masks = mro.sampling_masks if self.return_sampling_mask else None
+        finished_qids = {f.request_id for f in done}
+        if logprobs is not None or prompt_lp or nans is not None or masks is not None:
+            special: Iterable[int] = range(len(rids))
+        else:
+            marked = self._row_special | self._row_watch
+            if finished_qids:
+                qid_row = self._qid_row
+                marked[[qid_row[q] for q in finished_qids]] = True
+            special = np.flatnonzero(marked[rows]).tolist()
+        self._row_special[rows] = False
+        stopped: List[Request] = []
+        for i in special:
+            row = rlist[i]
+            req = row_req[row]
+            assert req is not None
+            outs[i] = self._full_output(req, row, toks[i], finished_qids, index, logprobs,
+                                        masks, prompt_lp, nans, stopped)
+        clients = self._row_client[rows]
+        if clients.min() == clients.max():
+            result[int(clients[0])] = EngineCoreOutputs(outputs=outs)
+        else:
+            by_client: Dict[int, List[EngineCoreOutput]] = {}
+            for c, o in zip(clients.tolist(), outs):
+                by_client.setdefault(c, []).append(o)
+            for c, lst in by_client.items():
+                result[c] = EngineCoreOutputs(outputs=lst)
+        if stopped:
+            gone = set(stopped)
+            self.running = [r for r in self.running if r not in gone]
+            for req in stopped:
+                self._forget(req)
+            self._drain_backlog()
+
+    def _full_output(self, req: Request, row: int, tok: int, finished_qids: set,
+                     index: Dict[str, int], logprobs: Any, masks: Any, prompt_lp: Any,
+                     nans: Any, stopped: List[Request]) -> EngineCoreOutput:
+        """The output of one request whose token was appended: stop, logprobs, stats."""
+        rid = req.request_id
+        finish = None
+        qid = self._qid[rid]
+        extra = self._extra_stops.get(qid)
+        if qid in finished_qids or (extra is not None and tok in extra):
+            sp: Any = req.sampling_params
+            if tok == sp.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif tok in (sp.stop_token_ids or ()):
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+            else:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if qid not in finished_qids:
+                self._core.abort(qid)
+            finish = req.get_finished_reason()
+            stopped.append(req)
+        new_logprobs = None
+        if logprobs is not None and getattr(req.sampling_params, "logprobs", None) is not None:
+            new_logprobs = logprobs.slice_request(index[rid], 1)
+        new_mask = None
+        if masks is not None:
+            new_mask = masks.slice_request(index[rid], 1)
+        prefill_stats = req.prefill_stats
+        if prefill_stats is not None:
+            req.prefill_stats = None
+            prefill_stats.finalize(self._hit_tokens.get(rid, 0))
+        events = None
+        if req.events:
+            events = req.events
+            req.events = []
+        if nans is not None and rid in nans:
+            req.num_nans_in_logits = nans[rid]
+            if req.num_nans_in_logits:
+                self._row_watch[row] = True  # every later output carries the count
+        return EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=[tok],
+            finish_reason=finish,
+            new_logprobs=new_logprobs,
+            new_sampling_mask=new_mask,
+            new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
+            stop_reason=req.stop_reason,
+            events=events,
+            prefill_stats=prefill_stats,
+            trace_headers=req.trace_headers,
+            num_nans_in_logits=req.num_nans_in_logits,
+        )
 
     # -- what vLLM's engine asks -------------------------------------------------------------
 
@@ -796,7 +929,7 @@ class Scheduler(_VllmScheduler):
             # scheduled is requeued below and computes its tokens again
             self._core.discard_plan()
             self._pending = False
-            self._sampled = []
+            self._sampled_ids = []
         if reset_running_requests and self.running:
             # every running request waits again, at the head of the queue in its order, with
             # its tokens so far; the runner is told it was preempted and resumes it from the

@@ -20,6 +20,7 @@ from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig  #
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.interface import PauseState  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -227,3 +228,91 @@ def test_requests_the_core_preempts_while_paused_new_stay_queued(model_dir):
 def test_auxiliary_outputs_are_refused(model_dir):
     with pytest.raises(qualia.vllm.UnsupportedByQualia, match="auxiliary outputs"):
         make_scheduler(model_dir, aux_output=True)
+
+
+def scripted_run(sched, reqs, script, abort_in_flight=None):
+    """Drive ``sched`` until every request is done; the runner samples ``script(rid, n)`` for
+    a request's n-th output and lists the requests in the reverse of the plan's order.
+    ``abort_in_flight`` = (step, request id): aborted between that step's schedule and its
+    update.  Returns each request's outputs as comparable tuples, and the finished ids seen."""
+    for r in reqs:
+        sched.add_request(r)
+    outputs = {r.request_id: [] for r in reqs}
+    finished = set()
+    counts = {r.request_id: 0 for r in reqs}
+    nans_at = {("n", 2)}
+    step_no = 0
+    while sched.has_requests():
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)[::-1]
+        sampled = []
+        for rid in ids:
+            req = sched.requests[rid]
+            if req.num_computed_tokens >= req.num_tokens:
+                sampled.append([script(rid, counts[rid])])
+            else:
+                sampled.append([])
+        nans = {rid: 3 for rid in ids if (rid, counts[rid]) in nans_at} or None
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled, num_nans_in_logits=nans)
+        if abort_in_flight is not None and abort_in_flight[0] == step_no:
+            sched.finish_requests(abort_in_flight[1], RequestStatus.FINISHED_ABORTED)
+        for client, eco in sched.update_from_output(out, mro).items():
+            finished |= set(eco.finished_requests or ())
+            for o in eco.outputs:
+                counts[o.request_id] += 1
+                ps = o.prefill_stats
+                outputs[o.request_id].append((
+                    client, list(o.new_token_ids), o.finish_reason, o.stop_reason,
+                    o.trace_headers, o.num_nans_in_logits,
+                    None if ps is None else (ps.num_prompt_tokens, ps.num_cached_tokens),
+                    [e.type for e in o.events or ()]))
+        step_no += 1
+        assert step_no < 200
+    return outputs, finished
+
+
+def test_outputs_equal_vllms_field_by_field(model_dir):
+    # With no prefix caching and room for everything, both schedulers run the same steps: every
+    # output field must then be the same (the token, finish and stop reasons, trace headers,
+    # NaN counts, prefill stats, events, the client), whichever of the adapter's paths built it
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    stops = list(range(400, 420))  # 20 stop ids: the last four are checked by the adapter
+
+    def script(rid, n):
+        if rid == "s" and n == 3:
+            return 419
+        if rid == "e" and n == 2:
+            return tiny.EOS
+        return 5 + n
+
+    def make_reqs():
+        reqs = []
+        for i, rid in enumerate(["a", "b", "s", "e", "t", "n", "x"]):
+            sp = SamplingParams(max_tokens=4 + i, ignore_eos=rid != "e",
+                                stop_token_ids=stops if rid == "s" else None)
+            sp.update_from_generation_config({}, tiny.EOS)
+            reqs.append(Request(
+                request_id=rid, prompt_token_ids=list(range(3 + i, 20 + 3 * i)),
+                sampling_params=sp, pooling_params=None, client_index=i % 2,
+                trace_headers={"tp": rid} if rid == "t" else None))
+        return reqs
+
+    got = {}
+    for name, cls in (("vllm", VllmScheduler), ("qualia", qualia.vllm.Scheduler)):
+        sched = make_scheduler(model_dir, prefix_caching=False)
+        if cls is VllmScheduler:
+            sched = VllmScheduler(vllm_config=sched.vllm_config,
+                                  kv_cache_config=sched.kv_cache_config, block_size=BLOCK,
+                                  log_stats=True, structured_output_manager=StructuredOutputManager(
+                                      sched.vllm_config))
+        got[name] = scripted_run(sched, make_reqs(), script, abort_in_flight=(2, "x"))
+        if cls is not VllmScheduler:
+            assert all_pages_back(sched)
+    assert got["qualia"] == got["vllm"]
+    outputs = got["qualia"][0]
+    assert outputs["s"][-1][2:4] == (FinishReason.STOP, 419)
+    assert outputs["e"][-1][2] == FinishReason.STOP
+    assert all(o[4] == {"tp": "t"} for o in outputs["t"])
+    assert [o[5] for o in outputs["n"]][2:] == [3] * (len(outputs["n"]) - 2)
