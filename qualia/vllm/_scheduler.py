@@ -591,14 +591,19 @@ class Scheduler(_VllmScheduler):
                 gsent = sent[grow]
                 grows = rrows[grow]
                 self._row_sent[grows] = gneed
-                if int((gneed - gsent).max()) == 1:
+                count = gneed - gsent
+                if int(count.max()) == 1:
                     # one new page each (decodes): one gather
                     for i, b in zip(grow.tolist(), (table[grows, gsent] + 1).tolist()):
                         new_block_ids[i] = ([b],)
                 else:
-                    for i, r, a, z in zip(grow.tolist(), grows.tolist(), gsent.tolist(),
-                                          gneed.tolist()):
-                        new_block_ids[i] = ((table[r, a:z] + 1).tolist(),)
+                    # every request's new entries in one gather, then cut
+                    ends = np.cumsum(count)
+                    starts = ends - count
+                    cols = np.arange(int(ends[-1])) - np.repeat(starts - gsent, count)
+                    flat = (table[np.repeat(grows, count), cols] + 1).tolist()
+                    for i, a, z in zip(grow.tolist(), starts.tolist(), ends.tolist()):
+                        new_block_ids[i] = (flat[a:z],)
         # the runner's cached requests: the running ones, then the resumed ones
         if reuse:
             plan_ids = cache[3]

@@ -316,3 +316,30 @@ def test_outputs_equal_vllms_field_by_field(model_dir):
     assert outputs["e"][-1][2] == FinishReason.STOP
     assert all(o[4] == {"tp": "t"} for o in outputs["t"])
     assert [o[5] for o in outputs["n"]][2:] == [3] * (len(outputs["n"]) - 2)
+
+
+def test_block_ids_given_to_the_runner_are_each_requests_pages(model_dir):
+    # chunked prefills that pass into several new pages in one step, decodes that pass into
+    # one: the block ids the runner has been given always equal the request's pages (qualia
+    # page p is vLLM block p + 1) covering its computed tokens
+    sched = make_scheduler(model_dir, budget=100, prefix_caching=False)
+    for i in range(4):
+        sched.add_request(request(f"r{i}", list(range(3 + i, 3 + i + 90 + 7 * i)), max_tokens=40))
+    given = {}
+    steps = 0
+    while sched.has_requests():
+        out = sched.schedule()
+        for new in out.scheduled_new_reqs:
+            given[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids is not None:
+                given[rid] = (given[rid] if rid not in cached.resumed_req_ids else []) + ids[0]
+        for rid in out.num_scheduled_tokens:
+            req = sched.requests[rid]
+            pages = sched._core.block_table(sched._qid[rid])
+            want = (pages[:-(-req.num_computed_tokens // BLOCK)] + 1).tolist()
+            assert given[rid] == want
+        sched.update_from_output(out, runner_output(out))
+        steps += 1
+    assert steps > 10 and all_pages_back(sched)
