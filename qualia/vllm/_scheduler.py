@@ -752,11 +752,13 @@ class Scheduler(_VllmScheduler):
         if bad:
             self._core.discard_plan()
             for rid, ok in zip(rids, live or [True] * len(rids)):
-                n = len(sampled[index[rid]]) if sampled and rid in index else 0
+                i = index.get(rid)
+                n = len(sampled[i]) if i is not None and 0 <= i < len(sampled) else 0
                 if ok and n != 1:
                     raise RuntimeError(
                         f"the model runner returned {n} tokens for request {rid!r}, which "
                         f"qualia's plan samples once in this step")
+            raise RuntimeError("the model runner's sampled tokens do not match qualia's plan")
         done = self._core.update(toks)
         self._row_tokens[rows] += 1
         if live is not None:
