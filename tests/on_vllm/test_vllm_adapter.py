@@ -343,3 +343,20 @@ def test_block_ids_given_to_the_runner_are_each_requests_pages(model_dir):
         sched.update_from_output(out, runner_output(out))
         steps += 1
     assert steps > 10 and all_pages_back(sched)
+
+
+@pytest.mark.parametrize("tokens", [[], [7, 8]])
+def test_a_runner_output_without_exactly_one_token_is_refused(model_dir, tokens):
+    sched = make_scheduler(model_dir)
+    a, b = request("a", list(range(3, 20))), request("b", list(range(5, 22)))
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    out = sched.schedule()
+    mro = runner_output(out)
+    mro.sampled_token_ids[mro.req_id_to_index["b"]] = tokens
+    with pytest.raises(RuntimeError, match=f"returned {len(tokens)} tokens for request 'b'"):
+        sched.update_from_output(out, mro)
+    # nothing was applied: no token appended, and the core plans the same step again
+    assert [a.num_output_tokens, b.num_output_tokens] == [1, 1]
+    assert sched._core.schedule().request_ids.tolist() == [sched._qid["a"], sched._qid["b"]]
