@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -155,6 +155,11 @@ class _Waiting:
 class Scheduler(_VllmScheduler):
     """vLLM's scheduler interface, decided by qualia's compiled engine step."""
 
+    # vLLM's attributes this class assigns (declared so that the class type-checks without vLLM)
+    running: List[Request]
+    finished_req_ids: Set[str]
+    reset_preempted_req_ids: Set[str]
+
     def __init__(
         self,
         vllm_config: Any,
@@ -202,7 +207,8 @@ class Scheduler(_VllmScheduler):
         )
         self._priority_policy = self.policy.value == "priority"
         # vLLM's queues are replaced: the core holds the queue; `waiting` lists what waits.
-        self.waiting = _Waiting()  # type: ignore[assignment]
+        # (the ignore is unused where vLLM is not installed: the base class is then Any)
+        self.waiting = _Waiting()  # type: ignore[assignment, unused-ignore]
         # waiting in the adapter: while the core's queue is full, and every waiting request
         # while admissions are held (PAUSED_NEW); in queue order
         self._backlog: Deque[Request] = deque()
