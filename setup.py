@@ -2,7 +2,8 @@
 
 Release builds use the directives of the hot path (no bounds or wraparound checks).  Set
 QUALIA_DEBUG=1 for a debug build: bounds checks on, -O0 -g, assertions on.  QUALIA_SANITIZE=1
-adds AddressSanitizer and UndefinedBehaviorSanitizer (see tools/sanitize.sh).
+adds AddressSanitizer and UndefinedBehaviorSanitizer, QUALIA_SANITIZE=thread ThreadSanitizer
+(see tools/sanitize.sh).
 """
 
 import glob
@@ -17,6 +18,7 @@ from setuptools.command.build_py import build_py
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("QUALIA_DEBUG", "") not in ("", "0")
 SANITIZE = os.environ.get("QUALIA_SANITIZE", "") not in ("", "0")
+THREAD_SANITIZE = os.environ.get("QUALIA_SANITIZE", "") == "thread"
 
 # The header lives once, in csrc/; the wheel ships a copy inside the package so that
 # qualia.get_include() finds it after installation.
@@ -59,7 +61,13 @@ directives = {
 extra_compile = ["-fvisibility=hidden"]
 extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3", "-g0"]
 extra_link = [] if DEBUG or SANITIZE else ["-Wl,--strip-all"]
-if SANITIZE:
+if THREAD_SANITIZE:
+    # ThreadSanitizer sees the extension's accesses and every pthread lock (the GIL included)
+    # through its interceptors; CPython itself is not instrumented
+    flags = ["-fsanitize=thread", "-fno-omit-frame-pointer"]
+    extra_compile += flags + ["-g"]
+    extra_link += flags
+elif SANITIZE:
     flags = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
              "-fno-sanitize-recover=undefined"]
     extra_compile += flags + ["-g"]

@@ -278,7 +278,7 @@ def beam_run_ns(groups, width, new_tokens, loop, reps):
                 steps += 1
         else:
             r = s.run(hb)
-            fin, steps = r.finished, len(r.stats)
+            fin, steps = r.finished, r.steps
         times.append(pc() - t0)
         gc.enable()
         seqs = sum(len(g.outputs) for g in fin)

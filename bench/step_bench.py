@@ -130,7 +130,7 @@ def s6(quick):
     t = pc() - t0
     tokens = sum(len(f.output_tokens) for f in r.finished)
     out["core_run_c_tokens_per_s"] = tokens / t * 1e9
-    out["steps"] = len(r.stats)
+    out["steps"] = r.steps
     s = qualia.Scheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
     fill(s)
     t0 = pc()

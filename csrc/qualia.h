@@ -178,7 +178,9 @@ typedef struct qualia_step_plan {
      * the row's num_topk most likely next tokens, best first (ties: the lower id first), with
      * their natural-log probabilities.  Both are NULL when num_topk is 0.  The scheduler refuses
      * a plan with num_topk > 0 for a backend without that flag (the step is discarded), and
-     * fails the step when a candidate id is past vocab_size, a log-probability is NaN or +inf,
+     * fails the step when a candidate id is past vocab_size, a log-probability is NaN or above 0
+     * (a log-probability is at most 0; -inf is a token of probability 0), a candidate is left
+     * unwritten (the scheduler sets each to id 0 and log-probability NaN before the call),
      * a beam row repeats an id among its first beam_width candidates, or a beam row's
      * log-probabilities are not best first (non-increasing). */
     uint32_t num_topk;
@@ -202,7 +204,9 @@ typedef struct qualia_step_plan {
  * released, possibly for many consecutive steps: the functions must not touch Python.
  *
  * execute_step: run one step's forward pass over *plan and sample.  Write sampled_out[r] for every
- * r < plan->num_sampled: the token sampled for sampled_request_ids[r].  logprobs_out is NULL
+ * r < plan->num_sampled: the token sampled for sampled_request_ids[r], below the scheduler's
+ * vocab_size when it has one, and never 0xFFFFFFFF: the scheduler sets every entry to
+ * 0xFFFFFFFF before the call and fails the step (nothing applied) when one is left so.  logprobs_out is NULL
  * unless the scheduler asks for log-probabilities; when not NULL it has num_sampled entries and a
  * backend that sets QUALIA_STEP_WRITES_LOGPROBS in flags writes the natural-log probability of
  * each sampled token there.  A backend that cannot produce them leaves flags without that bit and

@@ -125,4 +125,20 @@ static inline uint64_t qualia_page_chain(const uint64_t *k, const uint64_t *K, u
     return qualia_page_hash_n(k, K, n, parent, has_parent, ns_hash, t);
 }
 
+/* The positions of the KV event ring (qualia/core/pagecache.pxi; docs/DESIGN.md, "KV events").
+   The ring has one producer, the core, which may run without the GIL inside Scheduler.run(),
+   and one consumer at a time, drain_events(), which runs with the GIL.  Each position is
+   written by one side only: the side that writes it publishes with a release store, the other
+   side reads it with an acquire load, so a consumer that sees a position sees every record
+   below it complete, and the producer never reuses a record the consumer is still copying. */
+#if defined(__GNUC__) || defined(__clang__)
+static inline uint64_t qualia_load_acquire(const uint64_t *p) {
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+static inline void qualia_store_release(uint64_t *p, uint64_t v) {
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+#else
+#error "qualia's event ring needs the GCC/Clang __atomic builtins"
+#endif
 #endif

@@ -42,7 +42,9 @@ except ImportError as _exc:
         raise
     raise ImportError(_why, name=__name__) from _exc
 from ._types import (
+    RUN_STATS_ROWS,
     STEP_STATS,
+    STEP_TOTALS,
     Admission,
     CachedPrefix,
     CacheEntry,
@@ -88,4 +90,5 @@ __all__ = [
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
     "SequenceBlockTable", "STEP_ABI_VERSION", "STEP_CAPSULE_NAME", "StepError", "TableError",
     "StepPlan", "FinishedRequest", "FinishedGroup", "RunResult", "STEP_STATS", "MAX_STOP_TOKENS",
+    "STEP_TOTALS", "RUN_STATS_ROWS",
 ]

@@ -23,7 +23,9 @@ from ._core import SequenceBlockTable as SequenceBlockTable
 from ._core import StepPlan as StepPlan
 from ._core import hash_logprob as hash_logprob
 from ._core import hash_next_token as hash_next_token
+from ._types import RUN_STATS_ROWS as RUN_STATS_ROWS
 from ._types import STEP_STATS as STEP_STATS
+from ._types import STEP_TOTALS as STEP_TOTALS
 from ._types import Admission as Admission
 from ._types import CachedPrefix as CachedPrefix
 from ._types import CacheEntry as CacheEntry
@@ -97,6 +99,8 @@ __all__ = [
     "FinishedGroup",
     "RunResult",
     "STEP_STATS",
+    "STEP_TOTALS",
+    "RUN_STATS_ROWS",
     "MAX_STOP_TOKENS",
 ]
 

@@ -12,9 +12,13 @@ Examples::
     qualia simulate --beam-width 4 --check
     qualia demo                           # a tiny run with --check
 
-Exit status: 0 on success, 1 when ``--check`` finds a mismatch, 2 for bad arguments (an option
-out of its bounds, an output path that cannot be written, a run that needs more memory than the
-machine has, a workload request that can never fit the pool), 130 when interrupted (Ctrl-C).
+Exit status: 0 on success, 1 when ``--check`` finds a mismatch (or the run fails, or the output
+cannot be written: a full disk), 2 for bad arguments (an option
+out of its bounds or in a combination that does not run, an output path that cannot be written,
+an empty workload, a run that needs more memory than the machine has, a workload request that
+can never fit the pool; all checked before the run by :mod:`qualia.preflight`, for one engine
+and for ``--replicas`` alike), 130 when interrupted (Ctrl-C), 141 when the reader of the output
+pipe went away (``qualia simulate | head -1``: the rest of the output is dropped quietly).
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple
 
-from .report import format_summary, jsonable
-from .resources import available_memory, format_bytes, memory_estimate
+from . import preflight
+from .report import OutputError, emit, format_summary, jsonable
 
 __all__ = ["main", "build_parser", "format_summary", "fork_option_problem", "sampling_of"]
 
@@ -54,7 +58,9 @@ DEFAULTS = dict(
 U32_MAX = 2**32 - 1
 #: The smallest --arrival-rate (requests per decode step) accepted; smaller rates are refused.
 MIN_ARRIVAL_RATE = 1e-6
-_VOCAB = {"model": 512, "c": 32000}  # token ids of the workload, per backend
+#: Exit status when stdout is a pipe its reader closed (``qualia simulate | head -1``): what a
+#: shell reports for a tool that SIGPIPE ended, 128 + 13.
+EXIT_BROKEN_PIPE = 141
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,8 +121,31 @@ def _ratio(text: str) -> float:
     return v
 
 
+def _path(text: str) -> str:
+    """--json, --plot, --trace: a non-empty path."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+    return text
+
+
+#: The longest --step-ms: an hour a step (a serving clock past that says nothing about serving)
+MAX_STEP_MS = 3.6e6
+
+
+def _step_ms(text: str) -> float:
+    """--step-ms: a number of milliseconds > 0 (the clock must move) and <= MAX_STEP_MS."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < v <= MAX_STEP_MS:  # also nan
+        raise argparse.ArgumentTypeError(
+            f"must be > 0 and <= {MAX_STEP_MS:.0f} (an hour), got {text!r}")
+    return v
+
+
 def _finite_non_negative(text: str) -> float:
-    """--step-ms and --temperature: a finite number >= 0."""
+    """--temperature: a finite number >= 0."""
     try:
         v = float(text)
     except ValueError:
@@ -129,15 +158,16 @@ def _finite_non_negative(text: str) -> float:
 def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     d = defaults
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", metavar="FILE", default=None,
+    w.add_argument("--trace", metavar="FILE", type=_path, default=None,
                    help="replay a CSV trace instead of the synthetic workload: the Azure LLM "
                         "inference trace (TIMESTAMP,ContextTokens,GeneratedTokens) or "
                         "arrival_s,prompt_tokens,output_tokens, optionally with "
                         "prefix_group,prefix_tokens (rows of a group share that many first "
                         "tokens) and tenant; token ids are drawn from --seed, and the synthetic "
                         "workload options below are ignored")
-    w.add_argument("--requests", type=_int_in(0, 2**63 - 1), default=d["requests"], metavar="N",
-                   help="number of requests (default %(default)s)")
+    w.add_argument("--requests", type=_int_in(1, 2**63 - 1), default=d["requests"], metavar="N",
+                   help="number of requests, or of conversations with --turns > 1 (default "
+                        "%(default)s)")
     w.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=d["seed"], metavar="S",
                    help="workload seed, 0 <= S < 2**64 (default %(default)s)")
     w.add_argument("--arrival-rate", type=_rate, default=d["arrival_rate"], metavar="R",
@@ -190,9 +220,10 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     s.add_argument("--chunk", type=_int_in(1, U32_MAX), default=None, metavar="N",
                    help="longest prefill chunk: longer prompts are prefilled over several steps "
                         "(default: only the token budget limits a chunk)")
-    s.add_argument("--step-ms", type=_finite_non_negative, default=None, metavar="MS",
-                   help="the serving clock's cost of one step in milliseconds, for arrivals "
-                        "and latencies in seconds (default: each step's measured time)")
+    s.add_argument("--step-ms", type=_step_ms, default=None, metavar="MS",
+                   help="the serving clock's cost of one step in milliseconds, > 0 and at "
+                        "most an hour, for arrivals and latencies in seconds (default: each "
+                        "step's measured time)")
     s.add_argument("--backend", choices=("model", "c"), default=d["backend"],
                    help="'model': the numpy paged-attention model; 'c': the built-in C hash "
                         "backend, qualia.HashBackend (default %(default)s)")
@@ -213,13 +244,14 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     o.add_argument("--check", action="store_true",
                    help="compare every request's tokens with the dense model (model backend) or "
                         "the pure-Python hash rule (c backend); exit 1 on a mismatch")
-    o.add_argument("--json", metavar="PATH", default=None,
+    o.add_argument("--json", metavar="PATH", type=_path, default=None,
                    help="write the summary as JSON to PATH ('-' for stdout); PATH is checked "
                         "before the run")
-    o.add_argument("--plot", metavar="PATH", default=None,
+    o.add_argument("--plot", metavar="PATH", type=_path, default=None,
                    help="draw running and waiting requests, pool use and the prefix-cache hit "
-                        "rate over the run into PATH (PNG, PDF, SVG; needs matplotlib: pip "
-                        "install 'qualia[plot]')")
+                        "rate over the run into PATH, in the format its extension names (png, "
+                        "pdf, svg, ...: checked before the run; needs matplotlib: pip install "
+                        "'qualia[plot]'; not with --replicas)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bar and no summary table (errors and a failed check are "
@@ -250,7 +282,7 @@ examples:
   %(prog)s demo
 
 exit status: 0 ok, 1 --check found a mismatch, 2 bad arguments (or a run the machine
-cannot hold), 130 interrupted"""
+cannot hold), 130 interrupted, 141 the output pipe was closed (| head)"""
 
 
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -328,71 +360,7 @@ def sampling_of(args):
 
 
 # --------------------------------------------------------------------------------------------
-# checks made before the run
-# --------------------------------------------------------------------------------------------
-
-
-def _output_path_problem(option: str, path: Optional[str]) -> Optional[str]:
-    """Why ``path`` (the value of ``option``) cannot be written, or None if it can."""
-    if path is None or path == "-":
-        return None
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{option} {path}: is a directory"
-    if not os.path.exists(parent):
-        return f"{option} {path}: directory {parent} does not exist"
-    if not os.path.isdir(parent):
-        return f"{option} {path}: {parent} is not a directory"
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            return f"{option} {path}: not writable"
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        return f"{option} {path}: directory {parent} is not writable"
-    return None
-
-
-_SET_BY = {
-    "model KV": "--num-blocks x --page-tokens",
-    "model weights": "the model's size",
-    "pool": "--num-blocks",
-    "block tables": "--max-requests x --logical-pages",
-    "request slots": "--max-requests",
-    "token arena": "4 x --max-requests x --logical-pages x --page-tokens",
-    "prefix cache": "--num-blocks x --page-tokens",
-    "token streams": "--max-requests x --logical-pages x --page-tokens",
-    "token scratch": "--logical-pages x --page-tokens",
-    "undo log": "--max-requests, --logical-pages",
-    "workload": "--requests x --prompt-len, --output-len (or the --trace)",
-}
-
-
-def memory_needed(args, workload) -> Dict[str, int]:
-    """Bytes the run needs, by part (see :func:`qualia.resources.memory_estimate`)."""
-    parts = memory_estimate(
-        args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
-        page_tokens=args.page_tokens, logical_pages=args.logical_pages,
-        prefix_entries=1, prefix_caching=args.prefix_caching)
-    parts.pop("prefix store", None)  # the engine step keeps no breakpoint store
-    # the step API holds every queued request's tokens (4 x max_requests by default)
-    parts["token arena"] = 4 * args.max_requests * args.logical_pages * args.page_tokens * 4
-    parts["workload"] = workload.memory_estimate()
-    return parts
-
-
-def _memory_problem(args, workload) -> Optional[str]:
-    parts = memory_needed(args, workload)
-    total = sum(parts.values())
-    avail = available_memory()
-    if avail is None or total <= avail:
-        return None
-    part = max(parts, key=parts.__getitem__)
-    return (f"this run needs about {format_bytes(total)} of memory, more than the "
-            f"{format_bytes(avail)} available; the largest part is the {part} "
-            f"({format_bytes(parts[part])}, set by {_SET_BY[part]}): lower those options")
-
-
-# --------------------------------------------------------------------------------------------
-# main
+# main (every check made before a run is qualia.preflight.check_simulate's)
 # --------------------------------------------------------------------------------------------
 
 
@@ -409,50 +377,20 @@ def _progress_bar(args, err, total: int):
 
 
 def _simulate(args, out=None, err=None) -> int:
-    from .timing import SETUP, WORKLOAD, Stopwatch
+    from .timing import Stopwatch
 
     clock = Stopwatch()  # from here on, every second of the run is in one row of the summary
     from .engine import Engine, UnservableRequest
-    from .workload import Trace, TraceError, Workload
+    from .errors import QualiaError
+    from .workload import Trace
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    vocab = _VOCAB[args.backend]
-    if args.end_token is not None and args.end_token >= vocab:
-        print(f"error: argument --end-token: must be < {vocab} (the vocabulary of --backend "
-              f"{args.backend}), got {args.end_token}", file=err)
-        return 2
-    workload: Union[Workload, Trace]
     try:
-        if args.trace is not None:
-            clock.switch(WORKLOAD)
-            workload = Trace(args.trace, seed=args.seed, vocab=vocab, end_token=args.end_token)
-            clock.switch(SETUP)
-        else:
-            workload = Workload(
-                requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
-                prompt_len=args.prompt_len, output_len=args.output_len,
-                system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
-                share_ratio=args.share_ratio, tenants=args.tenants,
-                length_dist=args.length_dist, vocab=vocab, end_token=args.end_token,
-                turns=args.turns, user_len=args.user_len)
-    except TraceError as exc:
-        print(f"error: --trace {exc}", file=err)
-        return 2
-    except ValueError as exc:
+        workload = preflight.check_simulate(args, clock).workload
+    except preflight.Refused as exc:
         print(f"error: {exc}", file=err)
         return 2
-    problems = [_output_path_problem("--json", args.json),
-                _output_path_problem("--plot", args.plot)]
-    if args.plot is not None:
-        from .plot import matplotlib_problem
-
-        problems.append(matplotlib_problem())
-    problems.append(_memory_problem(args, workload))
-    for problem in problems:
-        if problem is not None:
-            print(f"error: {problem}", file=err)
-            return 2
 
     bar = _progress_bar(args, err, len(workload) if isinstance(workload, Trace)
                         else args.requests * args.turns)
@@ -483,13 +421,17 @@ def _simulate(args, out=None, err=None) -> int:
         try:
             engine.submit_all(workload)
         except UnservableRequest as exc:
-            print(f"error: {exc}\n(raise --num-blocks/--logical-pages/--page-tokens or lower "
+            print(f"error: {exc} (raise --num-blocks/--logical-pages/--page-tokens or lower "
                   "--prompt-len/--output-len)", file=err)
             return 2
         except ValueError as exc:
             print(f"error: {exc}", file=err)
             return 2
-        result = engine.run(check=args.check, progress=progress)
+        try:
+            result = engine.run(check=args.check, progress=progress)
+        except (RuntimeError, QualiaError) as exc:   # the run failed (stuck, a scheduler error;
+            print(f"error: the run failed: {exc}", file=err)   # a QualiaError names its class)
+            return 1
     finally:
         if bar is not None:
             bar.close()
@@ -522,13 +464,14 @@ def _simulate(args, out=None, err=None) -> int:
             try:
                 plot_timeline(result.timeline, args.plot, stats=result.stats,
                               x="time" if args.trace is not None else "step")
-            except OSError as exc:
-                print(f"error: --plot {args.plot}: {exc.strerror or exc}", file=err)
+            except (OSError, ValueError) as exc:   # the file could not be written after all
+                print(f"error: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}",
+                      file=err)
                 return 2
     if args.json:
         text = json.dumps(jsonable(summary), indent=2, sort_keys=True)
         if args.json == "-":
-            print(text, file=out)
+            emit(text, out)
         else:
             try:
                 with open(args.json, "w", encoding="utf-8") as f:
@@ -537,7 +480,7 @@ def _simulate(args, out=None, err=None) -> int:
                 print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
                 return 2
     if not args.quiet and args.json != "-":
-        print(format_summary(result.stats, message), file=out)
+        emit(format_summary(result.stats, message), out)
     if result.check is not None and not result.check.ok:
         if args.quiet or args.json == "-":
             print(f"check FAILED: {message}", file=err)
@@ -545,7 +488,45 @@ def _simulate(args, out=None, err=None) -> int:
     return 0
 
 
+def _quiet_output(*streams) -> None:
+    """After the output could not be written (a reader closed the pipe, a full disk): point
+    ``streams`` at /dev/null, so that nothing more (the interpreter's final flush included)
+    writes there."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in streams:
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError, AttributeError):  # not a real file: nothing to redirect
+                pass
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; returns the exit status (see the module docstring).  Output into a
+    pipe whose reader has gone (``qualia simulate | head -1``) ends the command quietly with
+    status 141, as SIGPIPE would end a C tool; output that cannot be written otherwise (a full
+    disk) is one error line and status 1."""
+    try:
+        status = _main(argv)
+        try:
+            sys.stdout.flush()   # a write error shows here at the latest, not at exit
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc.strerror or str(exc)) from None
+        return status
+    except BrokenPipeError:
+        _quiet_output(sys.stdout, sys.stderr)
+        return EXIT_BROKEN_PIPE
+    except OutputError as exc:
+        _quiet_output(sys.stdout)
+        print(f"error: cannot write the output: {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))

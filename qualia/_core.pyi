@@ -7,7 +7,9 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
+from ._types import RUN_STATS_ROWS as RUN_STATS_ROWS
 from ._types import STEP_STATS as STEP_STATS
+from ._types import STEP_TOTALS as STEP_TOTALS
 from ._types import (
     Admission,
     CachedPrefix,
@@ -186,6 +188,14 @@ class HashBackend:
 
 @disjoint_base
 class Scheduler:
+    """Concurrency (docs/DESIGN.md, "Concurrency"): mutating calls own the scheduler and its
+    raw objects (``pool``, ``prefixes``, ``requests``); a call made meanwhile raises BusyError
+    and changes nothing.  While ``run()`` with a C step backend runs its GIL-free loop, every
+    other call raises BusyError, reads included, except ``drain_events()`` (a single-producer,
+    single-consumer ring, drained concurrently), ``page_identities()``, the configuration
+    properties and ``repr``.  A pending plan's pages are never allocated: the facade stays in
+    step mode until ``update()`` or ``discard_plan()`` retires the plan."""
+
     pool: BlockPool
     prefixes: PrefixKvStore
     requests: RequestScheduler
@@ -254,6 +264,7 @@ class Scheduler:
     def cached_prefix(
         self, prompt_tokens: _Tokens, namespace: _Namespace = ...
     ) -> CachedPrefix: ...
+    # works at any time, from any thread, also while run()'s GIL-free loop runs
     def drain_events(self, out: Optional[npt.NDArray[Any]] = ...) -> Any: ...
     def clear_cache(self) -> int: ...
     def cache_stats(self) -> CacheStats: ...
@@ -311,7 +322,9 @@ class Scheduler:
     def discard_plan(self) -> None: ...
     def request_tokens(self, request_id: int) -> npt.NDArray[np.uint32]: ...
     def step_requests(self) -> List[int]: ...
-    def run(self, backend: Any, max_steps: Optional[int] = ...) -> RunResult: ...
+    def run(
+        self, backend: Any, max_steps: Optional[int] = ..., *, stats_rows: int = ...
+    ) -> RunResult: ...
 
 @disjoint_base
 class StepPlan:

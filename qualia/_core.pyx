@@ -11,8 +11,10 @@
 # that can run user code), then takes ownership of every object it touches (core/ownership.pxi),
 # mutates, releases, and maps a failing code to an exception through the one table in
 # core/errors.pxi.  State memory is allocated in __cinit__; the steady-state operations allocate
-# nothing.  The GIL is released only around calls into C backends, while the core's state is owned
-# and the core does not touch it.
+# nothing.  The GIL is released around calls into C backends, while the core's state is owned and
+# the core does not touch it, and around the loop of Scheduler.run() with a C step backend, which
+# owns the state and changes it: every other call, reads included, is refused meanwhile, except
+# draining the KV event ring (a single-producer, single-consumer ring).
 #
 # Where each concept lives:
 #   core/structs.pxi     C structs, status codes, C declarations
@@ -37,7 +39,7 @@
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
                              PyBUF_WRITABLE, PyBUF_ND)
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.exc cimport PyErr_Occurred, PyErr_Clear
+from cpython.exc cimport PyErr_CheckSignals, PyErr_Occurred, PyErr_Clear
 from cpython.long cimport PyLong_CheckExact
 from cpython.mem cimport PyMem_Malloc, PyMem_Calloc, PyMem_Free, PyMem_Realloc
 from cpython.ref cimport Py_INCREF, Py_DECREF
@@ -63,7 +65,7 @@ cnp.import_array()
 from qualia._types import (Admission, CacheEntry, CachedPrefix, CacheStats, CopyOnWrite,
                            RaggedBatchReceipt, RequestState, FinishedRequest, FinishedGroup,
                            RunResult,
-                           STEP_STATS)
+                           RUN_STATS_ROWS, STEP_STATS, STEP_TOTALS)
 from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolError,
                            PrefixCacheError, PrefixKvError, RaggedBackendError,
                            SchedulerError, StepError, TableError)

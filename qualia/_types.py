@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
 __all__ = ["RequestState", "Admission", "RaggedBatchReceipt", "CopyOnWrite", "CacheStats",
            "CacheEntry", "CachedPrefix", "FinishedRequest", "FinishedGroup", "RunResult",
-           "STEP_STATS"]
+           "STEP_STATS", "STEP_TOTALS", "RUN_STATS_ROWS"]
 
 
 class RequestState(enum.IntEnum):
@@ -146,9 +146,25 @@ STEP_STATS = np.dtype([
 ])
 
 
+#: The ``STEP_STATS`` fields that ``RunResult.totals`` sums over every step of a ``run()`` call
+#: (the others are queue lengths and free pages after a step, which do not add up).
+STEP_TOTALS = ("num_seqs", "num_tokens", "num_prefill_tokens", "num_decode_tokens",
+               "num_sampled", "num_new", "num_preempted", "num_cached_tokens", "num_finished")
+
+#: The ``STEP_STATS`` rows ``run()`` keeps by default: those of its last 4096 steps.
+RUN_STATS_ROWS = 4096
+
+
 class RunResult(NamedTuple):
-    """What ``run()`` returns: one ``STEP_STATS`` row per step and the finished requests in the
-    order they finished."""
+    """What ``run()`` returns.
+
+    ``stats``: one ``STEP_STATS`` row for each of the last ``min(steps, stats_rows)`` steps of
+    the call, oldest first (``stats_rows``, a keyword of ``run()``, default ``RUN_STATS_ROWS``,
+    bounds the call's memory however many steps it runs); ``finished``: the requests (and
+    groups) it finished, in the order they finished; ``steps``: the steps it ran; ``totals``:
+    each ``STEP_TOTALS`` field summed over all ``steps`` steps."""
 
     stats: Any  # np.ndarray of STEP_STATS
-    finished: List[FinishedRequest]
+    finished: List[Any]  # FinishedRequest and FinishedGroup
+    steps: int
+    totals: Dict[str, int]

@@ -26,6 +26,8 @@ Only this module needs Ray (the ``qualia[cluster]`` extra): it is imported lazil
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 import os
 import time
@@ -337,6 +339,7 @@ class ClusterResult:
     completions: Dict[int, int]
     requests: Dict[int, Any]
     summary: Dict[str, Any]
+    arrived: Dict[int, int] = field(default_factory=dict)   # the step each request arrived at
 
 
 def init_local_ray(num_cpus: int = 2) -> None:
@@ -444,6 +447,9 @@ class Cluster:
         self.decisions = [0] * self.n
         self.deaths = 0
         self.rejoins = 0
+        self.killed_at: Optional[int] = None   # the step the last run killed a replica at
+        self.conversations_cut = 0             # next turns of the last run no replica can serve
+        self.idle_steps = 0                    # steps of the last run skipped: nothing to do
         self.resubmitted = 0
         self.duplicates_ignored = 0
         self._counters = dict(cached=0, prefill=0, decode=0, preempted=0, generated=0)
@@ -524,36 +530,75 @@ class Cluster:
         return r, (int(self._match[r]) if r >= 0 else 0)
 
     # -- the run -----------------------------------------------------------------------------------
+    #: steps in a row in which replicas ran and none computed a token or finished a request,
+    #: with requests unfinished, after which a run is declared stuck (``RuntimeError``)
+    MAX_STALLED_STEPS = 10_000
+
     def run(self, workload, *, kill_replica_at: Optional[int] = None, kill_replica: int = -1,
-            rejoin_after: Optional[int] = None, max_steps: int = 100_000,
+            rejoin_after: Optional[int] = None, max_steps: Optional[int] = 100_000,
             on_step: Optional[Callable[[int, "Cluster"], None]] = None) -> ClusterResult:
         """Serve ``workload`` (a :class:`qualia.workload.Workload`, or a list of its requests:
         arrivals by ``arrival_step``, later turns by ``workload.next_turn``) until every request
         completed.  ``kill_replica_at``: the global step at which replica ``kill_replica``
         (default: the last) is killed; it is restarted ``rejoin_after`` steps after the router
-        found it dead (never when None)."""
+        found it dead (never when None).
+
+        Every request reaches the router at its ``arrival_step`` (a later turn: the step after
+        its previous turn completed).  Steps in which nothing is queued or unfinished are
+        skipped up to the next arrival (or kill, or rejoin), and so are steps with every replica
+        down until the next rejoin: ``summary["idle_steps"]`` counts them.  ``max_steps``
+        (None: no limit) bounds the steps the replicas run; :data:`MAX_STALLED_STEPS` steps in a
+        row without progress raise ``RuntimeError``.  A later turn that no replica could ever
+        serve (it outgrew the pool or ``logical_pages``) ends its conversation
+        (``summary["conversations_cut"]``)."""
         reqs = list(workload.generate() if hasattr(workload, "generate") else workload)
         next_turn = getattr(workload, "next_turn", None)
-        arrivals: Deque[Any] = deque(sorted(reqs, key=lambda q: q.arrival_step))
+        order = itertools.count()
+        arrivals: List[Tuple[int, int, Any]] = []     # a heap of (arrival step, order, request)
+
+        def arrive(q) -> None:
+            heapq.heappush(arrivals, (int(q.arrival_step), next(order), q))
+
+        for q in reqs:
+            arrive(q)
         tracks: Dict[int, _Track] = {}
+        arrived: Dict[int, int] = {}
         completions: Dict[int, int] = {}
         queue: Deque[int] = deque()        # routed to nobody yet: new, refused, resubmitted
         victim = self.n - 1 if kill_replica < 0 else kill_replica
+        self.killed_at = None
+        self.conversations_cut = 0
+        self.idle_steps = 0
+        unfinished = 0
         t0 = time.perf_counter()
-        step = 0
+        step = ran = stalled = 0
         step_s = 0.0
-        while arrivals or queue or any(not t.done for t in tracks.values()):
-            if step >= max_steps:
+        while arrivals or queue or unfinished:
+            # skip the steps in which nothing can happen: to the next arrival, kill or rejoin
+            if not queue and not unfinished or not any(self.live):
+                nxt = [] if not arrivals or not any(self.live) else [arrivals[0][0]]
+                if kill_replica_at is not None and kill_replica_at > step and \
+                        self.live[victim]:
+                    nxt.append(kill_replica_at)
+                if rejoin_after is not None:
+                    nxt += [d + rejoin_after for d in self.died_at.values()]
+                if nxt and min(nxt) > step:
+                    self.idle_steps += min(nxt) - step
+                    step = min(nxt)
+            if max_steps is not None and ran >= max_steps:
                 raise RuntimeError(f"the cluster did not finish within {max_steps} steps")
             now = time.perf_counter()
-            while arrivals and arrivals[0].arrival_step <= step:
-                q = arrivals.popleft()
+            while arrivals and arrivals[0][0] <= step:
+                q = heapq.heappop(arrivals)[2]
                 if q.request_id in tracks:
                     raise ValueError(f"duplicate request id {q.request_id}")
                 tracks[q.request_id] = _Track(q, step, now)
+                arrived[q.request_id] = step
+                unfinished += 1
                 queue.append(q.request_id)
             if kill_replica_at is not None and step == kill_replica_at and self.live[victim]:
                 self.kill(victim)
+                self.killed_at = step
             for r in list(self.died_at):
                 if rejoin_after is not None and step >= self.died_at[r] + rejoin_after:
                     self._rejoin(r)
@@ -582,14 +627,26 @@ class Cluster:
             # one engine step on every live replica, concurrently
             futs = {r: self.handles[r].start(batches[r]) for r in range(self.n) if self.live[r]}
             ts = time.perf_counter()
+            progress = False
             for r, fut in futs.items():
                 try:
                     rep = self.handles[r].result(fut, self.step_timeout)
                 except Exception:
                     self._on_death(r, step, tracks, queue)
                     continue
-                self._apply(r, rep, step, tracks, completions, queue, next_turn, arrivals)
+                before = len(completions)
+                self._apply(r, rep, step, tracks, completions, queue, next_turn, arrive)
+                unfinished -= len(completions) - before
+                progress |= bool(rep["prefill_tokens"] or rep["decode_tokens"]
+                                 or rep["finished"] or rep["sampled"])
             step_s += time.perf_counter() - ts
+            if futs:
+                ran += 1
+                stalled = 0 if progress or not unfinished else stalled + 1
+                if stalled > self.MAX_STALLED_STEPS:
+                    raise RuntimeError(
+                        f"the cluster is stuck: {stalled} steps in a row computed nothing with "
+                        f"{unfinished} requests unfinished")
             if self.metrics is not None:
                 self.metrics.identities.set(len(self.index))
             if on_step is not None:
@@ -599,10 +656,11 @@ class Cluster:
         outputs = {rid: t.outputs for rid, t in tracks.items()}
         summary = self._summary(tracks, step, wall)
         return ClusterResult(self.policy, self.n, outputs, completions,
-                             {rid: t.req for rid, t in tracks.items()}, summary)
+                             {rid: t.req for rid, t in tracks.items()}, summary, arrived)
 
     def _apply(self, r: int, rep: Dict[str, Any], step: int, tracks: Dict[int, _Track],
-               completions: Dict[int, int], queue: Deque[int], next_turn, arrivals) -> None:
+               completions: Dict[int, int], queue: Deque[int], next_turn,
+               arrive: Callable[[Any], None]) -> None:
         now = time.perf_counter()
         self.index.apply_events(r, rep["events"])
         self.implementations.add(rep.get("implementation", "?"))
@@ -635,8 +693,10 @@ class Cluster:
                 self.metrics.completed.inc()
             if next_turn is not None:
                 nxt = next_turn(t.req, t.outputs, step)
-                if nxt is not None:
-                    arrivals.append(nxt)
+                if nxt is not None and self._unservable(nxt) is None:
+                    arrive(nxt)
+                elif nxt is not None:   # the conversation outgrew the pool or logical_pages
+                    self.conversations_cut += 1
         c = self._counters
         c["cached"] += rep["cached_tokens"]
         c["prefill"] += rep["prefill_tokens"]
@@ -661,6 +721,15 @@ class Cluster:
             m.hit_rate.labels(lab).set(pr["cached"] / tot if tot else 0.0)
             all_tot = c["cached"] + c["prefill"]
             m.router_hit.set(c["cached"] / all_tot if all_tot else 0.0)
+
+    def _unservable(self, req) -> Optional[str]:
+        """Why no replica can ever serve ``req`` (the engine's rule), or None."""
+        from .workload import unservable_reason
+
+        c = self.config
+        return unservable_reason(f"request {req.request_id}", len(req.prompt),
+                                 int(req.max_new_tokens), page_tokens=c.page_tokens,
+                                 num_blocks=c.num_blocks, logical_pages=c.logical_pages)
 
     def _summary(self, tracks: Dict[int, _Track], steps: int, wall: float) -> Dict[str, Any]:
         c = self._counters
@@ -687,6 +756,8 @@ class Cluster:
             "preempted": c["preempted"], "decisions": list(self.decisions),
             "deaths": self.deaths, "rejoins": self.rejoins, "resubmitted": self.resubmitted,
             "duplicates_ignored": self.duplicates_ignored,
+            "killed_at": self.killed_at, "conversations_cut": self.conversations_cut,
+            "idle_steps": self.idle_steps,
             "index": self.index.stats(),
         }
 
@@ -721,7 +792,7 @@ def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
             max_queued=None if config.max_queued is None else config.max_queued * replicas)
         cl = Cluster(1, "round-robin", big, local=local)
         try:
-            res = cl.run(workload)
+            res = cl.run(workload, max_steps=run_kw.get("max_steps", 100_000))
         finally:
             cl.close()
         res.summary["policy"] = "single replica"
@@ -768,6 +839,18 @@ def _bounded(lo: int, hi: int):
     return parse
 
 
+def _finite_non_negative(text: str) -> float:
+    import argparse
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v < math.inf:  # also nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
 def add_cluster_options(p) -> None:
     """The cluster options of ``simulate`` (an argparse parser)."""
     g = p.add_argument_group("cluster (needs the qualia[cluster] extra: Ray, prometheus-client)")
@@ -782,7 +865,7 @@ def add_cluster_options(p) -> None:
     g.add_argument("--rejoin-after", type=_bounded(0, 2**31), default=5, metavar="STEPS",
                    help="restart a dead replica this many steps after its death was found "
                         "(default %(default)s)")
-    g.add_argument("--load-weight", type=float, default=0.25, metavar="PAGES",
+    g.add_argument("--load-weight", type=_finite_non_negative, default=0.25, metavar="PAGES",
                    help="prefix router: pages of cached prefix one queued request is worth "
                         "(default %(default)s)")
     g.add_argument("--metrics-port", type=_bounded(0, 65535), default=None, metavar="P",
@@ -793,53 +876,47 @@ def add_cluster_options(p) -> None:
                    help="run the replicas in this process, without Ray")
 
 
-_CLUSTER_DEFAULTS = dict(replicas=None, router="prefix", compare=False, kill_replica=None,
-                         rejoin_after=5, load_weight=0.25, metrics_port=None, ray_address=None,
-                         local=False)
-
-
 def wants_cluster(args) -> bool:
     """Whether ``simulate``'s arguments name any cluster option (then :func:`simulate_cli`
     runs it, and refuses cluster options without ``--replicas``)."""
-    return any(getattr(args, k, v) != v for k, v in _CLUSTER_DEFAULTS.items())
+    from .preflight import wants_cluster as wants
+
+    return wants(args)
+
+
+def _connect_ray(ray, address: str) -> None:
+    """``ray.init`` on an existing cluster, in a bounded time: Ray's own connection loop is cut
+    to one attempt (each attempt has its own timeouts, about 40 s in all; a ``ray://`` client
+    gives up after about 30 s) unless the environment sets it."""
+    key = "RAY_gcs_server_port_wait_time_s"
+    had = key in os.environ
+    os.environ.setdefault(key, "1")
+    try:
+        ray.init(address=address, log_to_driver=False)
+    finally:
+        if not had:
+            del os.environ[key]
 
 
 def simulate_cli(args, out=None, err=None) -> int:
-    """``simulate`` with ``--replicas``: exit status as the single-engine simulate."""
+    """``simulate`` with ``--replicas``: exit status as the single-engine simulate.  Every
+    check before the run is :func:`qualia.preflight.check_simulate`'s, as for one engine; the
+    generated requests are checked by the same rule as the engine's before Ray starts."""
     import json
     import sys
 
+    from . import preflight
     from .check import check_outputs
-    from .workload import Workload
+    from .report import emit
+    from .workload import unservable_reason
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    if args.replicas is None:
-        print("error: the cluster options (--router, --compare, --kill-replica, --metrics-port, "
-              "--ray-address, --local ...) need --replicas N", file=err)
-        return 2
-    if args.prefix_caching != "auto":
-        print("error: --replicas routes on automatic prefix caching: use --prefix-caching auto",
-              file=err)
-        return 2
     # --backend model: the numpy model's own step runner on every replica; c: the hash rule
     backend = "hash" if args.backend == "c" else "model"
-    vocab = 32000 if backend == "hash" else 512
-    if args.end_token is not None and args.end_token >= vocab:
-        print(f"error: argument --end-token: must be < {vocab} (the vocabulary of --backend "
-              f"{args.backend}), got {args.end_token}", file=err)
-        return 2
-    if getattr(args, "trace", None) is not None:
-        print("error: --trace is not served on --replicas yet (a synthetic workload only)",
-              file=err)
-        return 2
     try:
-        workload = Workload(
-            requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
-            prompt_len=args.prompt_len, output_len=args.output_len,
-            system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
-            share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
-            vocab=vocab, end_token=args.end_token, turns=args.turns, user_len=args.user_len)
+        prepared = preflight.check_simulate(args)
+        workload, vocab = prepared.workload, prepared.vocab
         config = ReplicaConfig(max_requests=args.max_requests, num_blocks=args.num_blocks,
                                page_tokens=args.page_tokens, logical_pages=args.logical_pages,
                                max_num_batched_tokens=getattr(args, "max_batched_tokens", 512),
@@ -847,48 +924,71 @@ def simulate_cli(args, out=None, err=None) -> int:
                                max_prefill_chunk=getattr(args, "chunk", None),
                                backend=backend, vocab=vocab, eos_token_id=args.end_token)
         make_scheduler(config)      # bad step options are refused here, before Ray starts
-    except (ValueError, TypeError, OverflowError) as exc:
+        requests = _Generated(workload)
+        for q in requests.requests:
+            why = unservable_reason(f"request {q.request_id}", len(q.prompt), q.max_new_tokens,
+                                    page_tokens=config.page_tokens,
+                                    num_blocks=config.num_blocks,
+                                    logical_pages=config.logical_pages)
+            if why is not None:
+                raise preflight.Refused(f"{why} (raise --num-blocks/--logical-pages/"
+                                        "--page-tokens or lower --prompt-len/--output-len)")
+    except (preflight.Refused, ValueError, TypeError, OverflowError) as exc:
         print(f"error: {exc}", file=err)
         return 2
-    ray = None
-    if not args.local:
-        try:
-            ray = _ray()
-        except ImportError as exc:
-            print(f"error: {exc}", file=err)
-            return 2
-        if ray.is_initialized():     # a caller's Ray (tests, notebooks): used, left running
-            ray = None
-        elif args.ray_address:
-            ray.init(address=args.ray_address, log_to_driver=False)
-        else:
-            init_local_ray(num_cpus=2)
     metrics = None
-    try:
-        if args.metrics_port is not None:
+    if args.metrics_port is not None:   # before Ray: a port taken since the check fails fast
+        try:
             metrics = ClusterMetrics()
             port = metrics.serve(args.metrics_port)
-            if not args.quiet:
-                print(f"metrics on http://127.0.0.1:{port}/metrics", file=err)
-        kw = dict(kill_replica_at=args.kill_replica, rejoin_after=args.rejoin_after)
+        except OSError as exc:
+            print(f"error: argument --metrics-port: cannot listen on "
+                  f"127.0.0.1:{args.metrics_port}: {exc.strerror or exc}", file=err)
+            return 2
+        if not args.quiet:
+            print(f"metrics on http://127.0.0.1:{port}/metrics", file=err)
+    ray = None
+    try:
+        if not args.local:
+            ray = _ray()
+            if ray.is_initialized():     # a caller's Ray (tests, notebooks): used, left running
+                ray = None
+            elif args.ray_address:
+                try:
+                    _connect_ray(ray, args.ray_address)
+                except (ConnectionError, RuntimeError, ValueError, TimeoutError, OSError) as exc:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                        type(exc).__name__
+                    print(f"error: argument --ray-address {args.ray_address}: cannot connect "
+                          f"to a Ray cluster there: {first}", file=err)
+                    ray = None
+                    return 2
+            else:
+                init_local_ray(num_cpus=2)
+        # no step limit (Ctrl-C stops a run; a stuck one is detected)
+        kw = dict(kill_replica_at=args.kill_replica, rejoin_after=args.rejoin_after,
+                  max_steps=None)
         if args.compare:
             results = []
             for pol in POLICIES:
                 cl = Cluster(args.replicas, pol, config, local=args.local, metrics=metrics,
                              load_weight=args.load_weight)
                 try:
-                    results.append(cl.run(workload, **kw))
+                    results.append(cl.run(requests, **kw))
                 finally:
                     cl.close()
-            results += compare_policies(workload, args.replicas, config, policies=(),
-                                        local=args.local)
+            results += compare_policies(requests, args.replicas, config, policies=(),
+                                        local=args.local, max_steps=None)
         else:
             cl = Cluster(args.replicas, args.router, config, local=args.local, metrics=metrics,
                          load_weight=args.load_weight)
             try:
-                results = [cl.run(workload, **kw)]
+                results = [cl.run(requests, **kw)]
             finally:
                 cl.close()
+    except RuntimeError as exc:   # the run failed: stuck, or replicas kept dying
+        print(f"error: the replicas' run failed: {exc}", file=err)
+        return 1
     finally:
         if metrics is not None:
             metrics.close()
@@ -902,6 +1002,9 @@ def simulate_cli(args, out=None, err=None) -> int:
         line = (f"{res.policy}: {len(res.completions)} of {len(res.requests)} requests "
                 f"completed {'exactly once' if once else 'NOT exactly once'} (scheduler: "
                 f"{res.summary['scheduler']}, backend: {backend})")
+        if res.summary.get("conversations_cut"):
+            line += (f"; {res.summary['conversations_cut']} conversations cut (a next turn "
+                     "outgrew the pool or --logical-pages)")
         ok &= once
         if args.check:
             chk = check_outputs(res.requests, res.outputs, end_token=args.end_token, vocab=vocab,
@@ -912,13 +1015,37 @@ def simulate_cli(args, out=None, err=None) -> int:
     if args.json:
         text = json.dumps([r.summary for r in results], indent=2, sort_keys=True, default=str)
         if args.json == "-":
-            print(text, file=out)
+            emit(text, out)
         else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+            try:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(f"error: --json {args.json}: {exc.strerror or exc}", file=err)
+                return 2
     if not args.quiet and args.json != "-":
-        print(format_comparison(results), file=out)
-        print("\n".join(messages), file=out)
+        emit(format_comparison(results) + "\n" + "\n".join(messages), out)
     elif not ok:
         print("\n".join(messages), file=err)
+    if args.kill_replica is not None:
+        missed = [r for r in results if r.policy != "single replica"
+                  and r.summary["killed_at"] is None]
+        if missed:
+            steps = max(r.summary["steps"] for r in missed)
+            print(f"error: argument --kill-replica: the run ended after {steps} steps, before "
+                  f"step {args.kill_replica}: no replica was killed (give a step below "
+                  f"{steps})", file=err)
+            return 2
     return 0 if ok else 1
+
+
+class _Generated:
+    """A workload generated once (its requests, checked before the run) and its next turns:
+    what :meth:`Cluster.run` takes."""
+
+    def __init__(self, workload) -> None:
+        self.requests = list(workload.generate())
+        self.next_turn = getattr(workload, "next_turn", None)
+
+    def generate(self):
+        return list(self.requests)

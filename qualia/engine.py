@@ -58,7 +58,15 @@ from .timing import (
     TimedBackend,
     is_c_backend,
 )
-from .workload import Request, Trace, UnservableRequest, Workload, checked_request, pages_needed
+from .workload import (
+    Request,
+    Trace,
+    UnservableRequest,
+    Workload,
+    checked_request,
+    pages_needed,
+    unservable_reason,
+)
 
 __all__ = [
     "Engine",
@@ -612,23 +620,13 @@ class Engine:
         request = checked_request(request, page_tokens=self.page_tokens,
                                   num_blocks=self.num_blocks, logical_pages=self.logical_pages,
                                   vocab=self._prompt_vocab)
-        table = self.logical_pages * self.page_tokens
-        total = len(request.prompt) + request.max_new_tokens
-        if total > table:  # the scheduler holds every token of a request, the last one too
-            raise UnservableRequest(
-                f"request {request.request_id} can never be served: prompt of "
-                f"{len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} is "
-                f"more than the {table} tokens a request may hold (logical_pages x page_tokens)")
-        if self.beam_width is not None:  # the beams are computed side by side
-            pt, w = self.page_tokens, self.beam_width
-            n_prompt = len(request.prompt)
-            tail = -(-(n_prompt + request.max_new_tokens - 1) // pt) - n_prompt // pt
-            need = n_prompt // pt + w * tail
-            if need > self.num_blocks:
-                raise UnservableRequest(
-                    f"request {request.request_id} can never be served: its {w} beams need "
-                    f"{need} pages side by side (the prompt's full pages once, each beam's own "
-                    f"tail), the pool has {self.num_blocks}")
+        if self.beam_width is not None:
+            why = unservable_reason(f"request {request.request_id}", len(request.prompt),
+                                    request.max_new_tokens, page_tokens=self.page_tokens,
+                                    num_blocks=self.num_blocks,
+                                    logical_pages=self.logical_pages, beam_width=self.beam_width)
+            if why is not None:
+                raise UnservableRequest(why)
         rid = request.request_id
         self._requests[rid] = request
         live = _Live(request)

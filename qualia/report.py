@@ -28,7 +28,7 @@ from .timing import ROWS, percentile
 
 __all__ = ["Counters", "Timeline", "EngineResult", "GroupOutput", "backend_label",
            "collect_stats",
-           "format_summary", "jsonable", "WIDTH", "PERCENTILES"]
+           "format_summary", "jsonable", "WIDTH", "PERCENTILES", "OutputError", "emit"]
 
 #: The summary table fits a terminal this wide.
 WIDTH = 80
@@ -488,3 +488,20 @@ def jsonable(obj):
     if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # numpy scalars
         return obj.item()
     return obj
+
+
+class OutputError(Exception):
+    """The command's output could not be written (disk full, I/O error; a closed pipe is a
+    ``BrokenPipeError`` and stays one)."""
+
+
+def emit(text: str, out) -> None:
+    """Print ``text`` to ``out`` (the command's stdout); an ``OSError`` other than a closed pipe
+    becomes :class:`OutputError` with its reason."""
+    try:
+        print(text, file=out)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(exc.strerror or str(exc)) from None

@@ -27,7 +27,7 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
     twice: the tables and the decode scratch); ``"request slots"``; ``"prefix store"``
     (``prefix_entries x prefix_pages`` page ids); ``"token scratch"`` (``logical_pages x
     page_tokens`` token ids); ``"undo log"``; with ``prefix_caching="auto"``, ``"prefix cache"``
-    (a record of ``round_up(56 + 4 x page_tokens, 64)`` bytes per page, the index, namespaces and
+    (a record of ``round_up(64 + 4 x page_tokens, 64)`` bytes per page, the index, namespaces and
     the event ring) and ``"token streams"`` (``max_requests x logical_pages x (4 x page_tokens +
     20)`` bytes)."""
     mr, nb, pt, lp = int(max_requests), int(num_blocks), int(page_tokens), int(logical_pages)
@@ -44,8 +44,8 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
         index = 2
         while index < 2 * nb:
             index *= 2
-        parts["prefix cache"] = (nb * ((56 + 4 * pt + 63) // 64 * 64) + 4 * index
-                                 + 1024 * (256 + 32) + 4096 * 32)
+        parts["prefix cache"] = (nb * ((64 + 4 * pt + 63) // 64 * 64) + 4 * index
+                                 + 1024 * (256 + 53) + 4096 * 32)
         parts["token streams"] = mr * max(lp, 1) * (4 * pt + 20) + mr * 32
     if backend == "model":
         import numpy as np

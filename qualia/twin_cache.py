@@ -230,10 +230,13 @@ class Scheduler:
         self._inuse: "OrderedDict[int, None]" = OrderedDict()
         self._reclaimable: "OrderedDict[int, None]" = OrderedDict()
         self._gen = 0
-        # namespaces: name -> id, id -> [name, hash, refs]; free ids with the lowest on top
+        # namespaces: name -> id, id -> [name, hash, refs, reclaimable pages]; free ids with
+        # the lowest on top; the idle namespaces (every reference a reclaimable page), least
+        # recently used first
         self._ns_ids: Dict[bytes, int] = {b"": 0}
-        self._ns: Dict[int, list] = {0: [b"", namespace_hash(self._k, b""), 0]}
+        self._ns: Dict[int, list] = {0: [b"", namespace_hash(self._k, b""), 0, 0]}
         self._ns_free = list(range(max_ns - 1, 0, -1))
+        self._ns_idle: "OrderedDict[int, None]" = OrderedDict()
         # events
         self._ev_cap = ev_cap
         self._events: List[tuple] = []
@@ -291,11 +294,17 @@ class Scheduler:
         if page in self._inuse and self.pool.refcount(page) == 1:
             del self._inuse[page]
             self._reclaimable[page] = None
+            ns = self._entries[page].ns
+            self._ns[ns][3] += 1
+            self._ns_touch(ns)
 
     def _on_retain(self, page: int) -> None:
         if page in self._reclaimable and self.pool.refcount(page) >= 2:
             del self._reclaimable[page]
             self._inuse[page] = None
+            ns = self._entries[page].ns
+            self._ns[ns][3] -= 1
+            self._ns_touch(ns)
 
     def _matches(self, q: int, ns: int, has_parent: bool, parent: int, parent_gen: int,
                  tokens) -> bool:
@@ -330,16 +339,52 @@ class Scheduler:
         self._index[ident] = page
         if self.pool.refcount(page) == 1:
             self._reclaimable[page] = None
+            self._ns[ns][3] += 1
         else:
             self._inuse[page] = None
-        self._ns[ns][2] += 1
+        self._ns_ref(ns)
         self._c["stored"] += 1
         self._emit(KV_STORED, ident, e.parent_ident, has_parent, ns, self.page_tokens, page)
         return True
 
+    def _ns_touch(self, ns: int) -> None:
+        """After a namespace's references or reclaimable pages changed: it is idle (on the idle
+        list, joining at the most recent end) while it has references and all are reclaimable
+        pages.  Id 0 is never idle (it is never freed)."""
+        refs, rec = self._ns[ns][2], self._ns[ns][3]
+        if ns != 0 and refs != 0 and refs == rec:
+            if ns not in self._ns_idle:
+                self._ns_idle[ns] = None
+        else:
+            self._ns_idle.pop(ns, None)
+
+    def _ns_ref(self, ns: int) -> None:
+        self._ns[ns][2] += 1
+        self._ns_touch(ns)
+
     def _ns_unref(self, ns: int) -> None:
         self._ns[ns][2] -= 1
+        self._ns_touch(ns)
         self._ns_free_if_unused(ns)
+
+    def _intern(self, name: bytes) -> int:
+        """The id of namespace `name`, interning it when new; with every id in use, the least
+        recently used idle namespace's pages are reclaimed (least recently used first) to free
+        its id.  ``NamespaceTableFull``, changing nothing, when no namespace is idle."""
+        ns = self._ns_ids.get(name)
+        if ns is not None:
+            return ns
+        if not self._ns_free:
+            if not self._ns_idle:
+                raise PrefixCacheError.NamespaceTableFull(None, f"{len(self._ns)} namespaces")
+            victim = next(iter(self._ns_idle))
+            for page in [q for q in self._reclaimable if self._entries[q].ns == victim]:
+                self._drop(page, True)
+                self._c["reclaims"] += 1
+        ns = self._ns_free.pop()
+        self._ns_ids[name] = ns
+        self._ns[ns] = [name, namespace_hash(self._k, name), 0, 0]
+        return ns
 
     def _ns_free_if_unused(self, ns: int) -> None:
         if ns == 0 or self._ns[ns][2] != 0:
@@ -352,7 +397,9 @@ class Scheduler:
         e = self._entries.pop(page)
         del self._index[e.ident]
         self._inuse.pop(page, None)
-        self._reclaimable.pop(page, None)
+        if page in self._reclaimable:
+            del self._reclaimable[page]
+            self._ns[e.ns][3] -= 1
         self._ns_unref(e.ns)
         if emit:
             self._emit(KV_REMOVED, e.ident, e.parent_ident, e.has_parent, e.ns,
@@ -428,13 +475,7 @@ class Scheduler:
                      None)
         if index is None:
             raise SchedulerError.Full(None, f"{len(self._slots)} slots")
-        ns = self._ns_ids.get(ns_name)
-        if ns is None:
-            if not self._ns_free:
-                raise PrefixCacheError.NamespaceTableFull(None, f"{len(self._ns)} namespaces")
-            ns = self._ns_free.pop()
-            self._ns_ids[ns_name] = ns
-            self._ns[ns] = [ns_name, namespace_hash(self._k, ns_name), 0]
+        ns = self._intern(ns_name)
         pt = self.page_tokens
         k, ids, canon, collided = self._match(tok, ns, self._ns[ns][1], n // pt)
         slot = self._slots[index]
@@ -466,7 +507,7 @@ class Scheduler:
             self._c["hit_tokens"] += k * pt
         self._c["collisions"] += int(collided)
         self._c["pages_hashed"] += len(ids)
-        self._ns[ns][2] += 1
+        self._ns_ref(ns)
         return Admission(index, k != 0, k * pt)
 
     def _fill(self, index: int) -> None:
@@ -788,7 +829,7 @@ class Scheduler:
         dst.live, dst.broken, dst.pending = src.live, src.broken, None
         dst.tokens, dst.ids, dst.canon = list(src.tokens), list(src.ids), list(src.canon)
         if src.live:
-            self._ns[src.ns][2] += 1
+            self._ns_ref(src.ns)
         return index
 
     # -- events, stats, introspection --------------------------------------------------------------

@@ -104,6 +104,9 @@ class ForkStepScheduler(StepScheduler):
         self.fork_fallbacks = 0
         self.parked = 0
         self.pages_copied = 0
+        # live beams that have their candidates and hold nothing (no slot, row or pages): out
+        # of the queues until their group selects
+        self._parked: Dict[int, _Req] = {}
 
     # -- requests in -------------------------------------------------------------------------------
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, n=1, beam_width=None,
@@ -161,6 +164,9 @@ class ForkStepScheduler(StepScheduler):
         if g is None:
             raise StepError.UnknownRequest(None, f"no group {request_id}")
         return list(g.members)
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self._parked)
 
     def _taken(self, rid: int) -> bool:
         # every member id of a live group is taken (reserved, running, waiting or stopped),
@@ -261,12 +267,13 @@ class ForkStepScheduler(StepScheduler):
             if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
                 raise ValueError(f"a topk token id is outside [0, {limit}]")
             tlps = tlps.astype(np.float64)
-            # NaN or +inf would leave the scores unordered; a beam's w continuations are w
-            # distinct tokens (rows of requests aborted in the plan are not read)
-            bad = np.isnan(tlps) | (tlps == np.inf)
+            # a log-probability is at most 0 (NaN would leave the scores unordered, and values
+            # above 0 add up to +inf, then NaN); a beam's w continuations are w distinct tokens
+            # (rows of requests aborted in the plan are not read)
+            bad = ~(tlps <= 0)
             if bad.any():
                 raise ValueError(f"topk_logprobs row {int(np.argmax(bad.any(axis=1)))} holds "
-                                 f"NaN or +inf")
+                                 f"NaN or a value above 0 (a log-probability is at most 0)")
             for r, rid in enumerate(plan.sampled_request_ids.tolist()):
                 g = self._group_of.get(rid)
                 if g is None or g.kind != "beam" or rid in self._aborted_in_plan:
@@ -332,12 +339,41 @@ class ForkStepScheduler(StepScheduler):
         if r.running:
             f._note_token(f._find(r.request_id), len(r.tokens), tok)
         r.tokens.append(tok)
+        if self._parked.pop(r.request_id, None) is not None:
+            self._enqueue(r)        # a parked beam continues: it has a token to compute
+
+    def _unqueue(self, r: _Req) -> None:
+        if self._parked.pop(r.request_id, None) is None:
+            self._waiting.remove(r)
+
+    def _has_cand(self, r: _Req) -> bool:
+        # a live beam whose candidates wait for its group's selection
+        g = self._group_of.get(r.request_id)
+        return g is not None and g.kind == "beam" and r.request_id in g.cand
+
+    def _pick_victim(self, pool: List[_Req]) -> _Req:
+        # a computed beam waiting for its group (it keeps its candidates) goes before anything
+        # that still computes
+        ready = [q for q in pool if self._has_cand(q)]
+        return super()._pick_victim(ready or pool)
+
+    def _preempt(self, r: _Req) -> None:
+        if self._has_cand(r):
+            self._park(r)
+        else:
+            super()._preempt(r)
+
+    def _park(self, r: _Req) -> None:
+        # out of the running list with its candidates: pages back (full pages stay cached)
+        self._stop_running(r)
+        self._parked[r.request_id] = r
+        self.parked += 1
 
     def _finish_member(self, r: _Req) -> None:
         if r.running:
             self._stop_running(r)
         else:
-            self._waiting.remove(r)
+            self._unqueue(r)
         del self._reqs[r.request_id]
         self._finished_since.append(r.request_id)
 
@@ -370,7 +406,7 @@ class ForkStepScheduler(StepScheduler):
                      set(parent.stop), parent.ignore_eos)
         self._reserved.discard(cid)
         self._reqs[cid] = child
-        if self._rows_free and f.active_count < f.max_requests:
+        if parent.running and self._rows_free and f.active_count < f.max_requests:
             if f._slots[f._find(parent.request_id)].state != RequestState.DECODE:
                 f.complete_prefill(parent.request_id, 0)   # fork needs a decoding parent
             f.fork(parent.request_id, cid)
@@ -396,32 +432,27 @@ class ForkStepScheduler(StepScheduler):
 
     # -- beam search -------------------------------------------------------------------------------
     def _park_blocked_beams(self, idle: bool) -> None:
-        # A beam group selects only when all its beams are running and computed.  While one of
-        # them waits (queued child, preempted beam), its computed siblings would hold their
-        # slots and rows for nothing -- with several groups, forever.  They are parked instead:
-        # preempted (full pages stay cached) and queued with the group, to be recomputed when
-        # the group is admitted again.  Only after a step that scheduled nothing: while any
-        # request computes, the waiting beam may still get its slot, row, budget and pages.
+        # A beam group selects once every live beam has its candidates.  A computed beam whose
+        # sibling waits would hold its slot, row and pages for nothing -- with several groups,
+        # forever.  After a step that scheduled nothing (every running request is such a beam,
+        # and the head of the queue did not fit), every running beam is parked: it keeps its
+        # candidates and leaves the running list (full pages stay cached), so the next step
+        # admits the head of the queue.  A parked beam is not queued: it needs nothing until
+        # its group selects (docs/DESIGN.md, "Progress").
         if idle is False:
             return
         for g in list(self._groups.values()):
             if g.kind != "beam":
                 continue
-            members = [self._reqs[m] for m in g.members if m in self._reqs]
-            if all(r.running for r in members):
-                continue
-            for r in members:
+            for m in g.members:
+                r = self._reqs[m]
                 if r.running and r.num_computed == len(r.tokens):
-                    self._stop_running(r)
-                    self._enqueue(r)
-                    g.cand.pop(r.request_id, None)
-                    self.parked += 1
+                    self._park(r)
 
     def _select(self, g: _Group, finished: List[Any]) -> None:
         live = [self._reqs[b] for b in g.members]
-        if not all(b.running and b.num_computed == len(b.tokens)
-                   and b.request_id in g.cand for b in live):
-            return          # a beam is still being (re)computed: select when all are ready
+        if not all(b.request_id in g.cand for b in live):
+            return          # a beam is still being computed: select when all have candidates
         cands: List[Tuple[float, int, int, _Req]] = []
         for rank, b in enumerate(live):
             base = g.cum.get(b.request_id, 0.0)

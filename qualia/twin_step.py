@@ -14,9 +14,10 @@ One step:
    ``min(tokens left, budget left, max_prefill_chunk)`` (the chunk cap applies to prefills).  When
    the pages for the chunk cannot be found (free plus reclaimable cached pages), the victim is
    preempted: of the running requests not yet scheduled in this step plus the current one, the
-   one with the largest priority value, ties broken towards the most recently admitted.  A
-   preempted request gives its pages back (its full pages stay cached), forgets its computed
-   tokens and waits again, keeping its outputs and its arrival number.
+   one with the largest priority value, ties broken towards the most recently admitted (the
+   fork twin takes a computed beam waiting for its group first).  A preempted request gives its
+   pages back (its full pages stay cached), forgets its computed tokens and waits again,
+   keeping its outputs and its arrival number.
 2. If nothing was preempted, waiting requests are admitted in (priority, arrival) order until one
    does not fit (budget, ``max_num_seqs`` running requests, pages): the first that does not fit
    stops the admissions, so a large request is not overtaken forever.  An admission skips the
@@ -32,14 +33,15 @@ update (its sampled row, if any, is ignored).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
-from qualia._types import STEP_STATS, FinishedRequest, RunResult
+from qualia._types import RUN_STATS_ROWS, STEP_STATS, STEP_TOTALS, FinishedRequest, RunResult
 from qualia.errors import BusyError, PrefixCacheError, SchedulerError, StepError, TableError
 from qualia.twin import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64
 from qualia.twin_cache import NS_MAX_BYTES
@@ -201,6 +203,9 @@ class StepScheduler:
         self._plan: Optional[StepPlan] = None
         self._aborted_in_plan: Set[int] = set()
         self._deferred_rows: List[int] = []   # rows of requests aborted in the pending plan
+        # ...and their facade requests, in abort order: the pages stay held until the plan is
+        # retired (a kernel may be executing it)
+        self._deferred_finish: List[int] = []
         self._busy = False     # run() holds the scheduler: mutating calls get BusyError
 
     def _enter(self) -> None:
@@ -251,7 +256,7 @@ class StepScheduler:
         if not tokens:
             raise ValueError("the prompt must have at least one token")
         self._enter()
-        if self.facade.active_count > len(self._running):
+        if self.facade.active_count > len(self._running) + len(self._deferred_finish):
             raise StepError.ModeConflict(None, "requests admitted with admit() are active")
         if self._taken(rid):
             raise StepError.DuplicateRequest(None, f"request {rid}")
@@ -297,9 +302,14 @@ class StepScheduler:
         self._rows_free.sort()
 
     def _clear_deferred_rows(self) -> None:
+        # the plan is retired: the rows and the pages of the requests aborted while it was
+        # pending are free again (pages in abort order)
         for row in self._deferred_rows:
             self._clear_row(row)
         self._deferred_rows = []
+        for rid in self._deferred_finish:
+            self.facade.finish(rid)
+        self._deferred_finish = []
 
     def _stop_running(self, r: _Req) -> None:
         # give the pages back (full pages stay cached) and the row; leave the running list
@@ -309,6 +319,21 @@ class StepScheduler:
         r.running = False
         r.num_computed = 0
 
+    def _unqueue(self, r: _Req) -> None:
+        """A request that is not running leaves the scheduler's queues."""
+        self._waiting.remove(r)
+
+    def _pick_victim(self, pool: List[_Req]) -> _Req:
+        """The request a reservation that cannot be met preempts: of the running requests not
+        yet scheduled in this step and the current one, the largest priority value, ties going
+        to the most recently admitted."""
+        return max(pool, key=lambda q: (q.priority, q.admitted))
+
+    def _preempt(self, r: _Req) -> None:
+        # its pages back (full pages stay cached), its computed tokens forgotten: it waits again
+        self._stop_running(r)
+        self._enqueue(r)
+
     def abort(self, request_id) -> None:
         rid = _u64(request_id, "request_id")
         self._enter()
@@ -317,14 +342,19 @@ class StepScheduler:
             raise StepError.UnknownRequest(None, f"request {rid}")
         if r.running:
             if self._plan is not None and any(c is r for c, _ in self._plan._chunks):
-                # the pending plan may be executing: its block-table row keeps the pages
-                # (nobody allocates before the plan is done); update() / discard_plan() clear it
+                # the pending plan may be executing: the request keeps its pages and its
+                # block-table row keeps them, until update() / discard_plan() retires the plan
                 self._aborted_in_plan.add(rid)
                 self._deferred_rows.append(r.row)
+                self._deferred_finish.append(rid)
                 r.row = -1
-            self._stop_running(r)
+                self._running.remove(r)
+                r.running = False
+                r.num_computed = 0
+            else:
+                self._stop_running(r)
         else:
-            self._waiting.remove(r)
+            self._unqueue(r)
         del self._reqs[rid]
         self._finished_since.append(rid)
 
@@ -366,10 +396,9 @@ class StepScheduler:
                 copies = self._reserve(r, n)
                 if copies is not None:
                     break
-                pool = [q for q in self._running if q.request_id not in scheduled]
-                victim = max(pool, key=lambda q: (q.priority, q.admitted))
-                self._stop_running(victim)
-                self._enqueue(victim)
+                victim = self._pick_victim(
+                    [q for q in self._running if q.request_id not in scheduled])
+                self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is r:
                     break
@@ -572,31 +601,42 @@ class StepScheduler:
         return finished
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, backend, max_steps=None) -> RunResult:
-        """schedule, execute, update until idle or ``max_steps`` steps.  The scheduler is held
-        for the whole call (a backend calling a mutating method gets BusyError).  If the backend
-        fails, its step is discarded and the error propagates with ``finished``: the requests
-        the earlier steps of this call finished (they are no longer queued)."""
+    def run(self, backend, max_steps=None, *, stats_rows=RUN_STATS_ROWS) -> RunResult:
+        """schedule, execute, update until idle or ``max_steps`` steps; ``RunResult(stats,
+        finished, steps, totals)`` keeps the rows of the last ``stats_rows`` steps and sums
+        the ``STEP_TOTALS`` fields over all of them.  The scheduler is held for the whole call
+        (a backend calling a mutating method gets BusyError).  If the backend fails, its step
+        is discarded and the error propagates with ``finished``: the requests the earlier
+        steps of this call finished (they are no longer queued)."""
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        ring_rows = _u32(stats_rows, "stats_rows")
         execute = getattr(backend, "execute_step", None)
         if not callable(execute):
             raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule) "
                             f"or have an execute_step(plan) method, not {type(backend).__name__}")
         self._enter()
-        stats: List[tuple] = []
+        stats: Deque[tuple] = collections.deque(maxlen=ring_rows)
+        totals = [0] * len(STEP_TOTALS)
+        steps = 0
         finished: List[Any] = []
         self._busy = True
         try:
-            while self.has_unfinished() and (limit is None or len(stats) < limit):
+            while self.has_unfinished() and (limit is None or steps < limit):
                 plan = self._schedule()
                 done = self._run_step(execute, plan)
                 finished.extend(done)
-                stats.append((plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
-                              plan.num_decode_tokens, len(plan.logits_indices),
-                              len(plan.new_request_ids), len(plan.preempted_request_ids),
-                              plan.num_cached_tokens, len(done), self.num_waiting,
-                              self.num_running, self.facade.free_pages))
-            return RunResult(np.array(stats, dtype=STEP_STATS), finished)
+                row = (plan.num_seqs, plan.num_tokens, plan.num_prefill_tokens,
+                       plan.num_decode_tokens, len(plan.logits_indices),
+                       len(plan.new_request_ids), len(plan.preempted_request_ids),
+                       plan.num_cached_tokens, len(done), self.num_waiting,
+                       self.num_running, self.facade.free_pages)
+                if ring_rows:
+                    stats.append(row)
+                for k in range(len(totals)):
+                    totals[k] += row[k]
+                steps += 1
+            return RunResult(np.array(list(stats), dtype=STEP_STATS), finished, steps,
+                             dict(zip(STEP_TOTALS, totals)))
         except BaseException as err:
             try:
                 err.finished = finished     # type: ignore[attr-defined]

@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 __all__ = ["Request", "Workload", "Trace", "TraceError", "UnservableRequest", "checked_request",
-           "pages_needed", "MAX_ARRIVAL_STEP"]
+           "pages_needed", "unservable_reason", "MAX_ARRIVAL_STEP", "MAX_TRACE_SPAN_S"]
 
 #: The last arrival step a trace may have.  Steps are held in int64 arrays; an arrival rate so
 #: small that the trace would run past this is refused (``Workload.generate`` raises
@@ -79,6 +79,42 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
     return -(-positions // page_tokens)
 
 
+def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_tokens: int,
+                      num_blocks: int, logical_pages: int,
+                      beam_width: Optional[int] = None) -> Optional[str]:
+    """Why a request (``what``: "request 7", ...) with a prompt of ``prompt_len`` tokens and
+    ``max_new_tokens`` can never be served by a step scheduler of ``num_blocks`` pages of
+    ``page_tokens`` tokens and ``logical_pages`` pages per request (with ``beam_width`` beams
+    side by side), or None when it can.  Pure arithmetic on the lengths: a trace's rows are
+    checked with it before their prompts are drawn.  The scheduler's own rules: the pages of its
+    peak (:func:`pages_needed`) fit the pool and a request's table, and its prompt and every new
+    token fit the table's ``logical_pages x page_tokens`` tokens."""
+    need = pages_needed(prompt_len, max_new_tokens, page_tokens)
+    limits = []
+    if need > num_blocks:
+        limits.append(f"the whole pool has only {num_blocks} pages")
+    if need > logical_pages:
+        limits.append(f"a request may map at most logical_pages={logical_pages} pages")
+    if limits:
+        return (f"{what} can never be served: prompt of {prompt_len} tokens + "
+                f"max_new_tokens={max_new_tokens} needs {need} pages of {page_tokens} tokens, "
+                "but " + " and ".join(limits))
+    table = logical_pages * page_tokens
+    if prompt_len + max_new_tokens > table:  # the scheduler holds every token, the last one too
+        return (f"{what} can never be served: prompt of {prompt_len} tokens + "
+                f"max_new_tokens={max_new_tokens} is more than the {table} tokens a request may "
+                "hold (logical_pages x page_tokens)")
+    if beam_width is not None:  # the beams are computed side by side
+        pt, w = page_tokens, beam_width
+        tail = -(-(prompt_len + max_new_tokens - 1) // pt) - prompt_len // pt
+        beams = prompt_len // pt + w * tail
+        if beams > num_blocks:
+            return (f"{what} can never be served: its {w} beams need {beams} pages side by "
+                    f"side (the prompt's full pages once, each beam's own tail), the pool has "
+                    f"{num_blocks}")
+    return None
+
+
 def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
     """A request's prompt as a uint32 numpy array, checked without a Python loop over its
     tokens (a list of ints goes through one conversion)."""
@@ -106,7 +142,8 @@ def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logi
     known servable by a scheduler of ``num_blocks`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
     :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
-    either, and ``ValueError`` for an empty prompt, no tokens to generate, a token id outside
+    either or more tokens than a request's table holds (:func:`unservable_reason`), and
+    ``ValueError`` for an empty prompt, no tokens to generate, a token id outside
     ``[0, vocab)`` (u32 when ``vocab`` is None), a request id that is not a u64 or an arrival
     time that is not a finite number >= 0."""
     rid = int(request.request_id)
@@ -125,17 +162,10 @@ def checked_request(request: Request, *, page_tokens: int, num_blocks: int, logi
         arrival_s = float(arrival_s)
         if not 0.0 <= arrival_s < math.inf:
             raise ValueError(f"request {rid}: arrival_s must be a finite number >= 0")
-    need = pages_needed(len(prompt), max_new, page_tokens)
-    limits = []
-    if need > num_blocks:
-        limits.append(f"the whole pool has only {num_blocks} pages")
-    if need > logical_pages:
-        limits.append(f"a request may map at most logical_pages={logical_pages} pages")
-    if limits:
-        raise UnservableRequest(
-            f"request {rid} can never be served: prompt of {len(prompt)} tokens + "
-            f"max_new_tokens={max_new} needs {need} pages of {page_tokens} tokens, but "
-            + " and ".join(limits))
+    why = unservable_reason(f"request {rid}", len(prompt), max_new, page_tokens=page_tokens,
+                            num_blocks=num_blocks, logical_pages=logical_pages)
+    if why is not None:
+        raise UnservableRequest(why)
     return dataclasses.replace(request, request_id=rid, prompt=prompt,
                                shared_prefix_len=int(request.shared_prefix_len),
                                max_new_tokens=max_new, arrival_step=int(request.arrival_step),
@@ -338,6 +368,11 @@ class TraceError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+#: The longest span of a trace's arrivals, in seconds (about 31.7 years): past it, a float
+#: second count cannot add a step's microseconds (the serving clock would stop), so a trace
+#: spanning more is refused by the line of its latest row.
+MAX_TRACE_SPAN_S = 1e9
+
 #: The two trace forms, by their three required columns (arrival, prompt tokens, output tokens).
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 PLAIN_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
@@ -384,6 +419,7 @@ class _Row:
     group: Optional[int]  # index of the prefix group, in order of first appearance
     prefix_tokens: int
     tenant: int
+    line: int = 0  # the row's line in the file (1-based; the header is line 1)
 
 
 class Trace:
@@ -399,8 +435,9 @@ class Trace:
     Either form may add the columns ``prefix_group,prefix_tokens`` (the rows of one non-empty
     group share their first ``prefix_tokens`` token ids: a system prompt, a conversation's
     history) and ``tenant`` (an integer >= 0, the prefix-cache namespace; 0 without it).
-    Columns may come in any order; blank lines are skipped.  The requests are sorted by arrival
-    (ties in file order) and numbered from ``first_request_id``.
+    Columns may come in any order; blank lines are skipped.  The arrivals may span at most
+    :data:`MAX_TRACE_SPAN_S` seconds.  The requests are sorted by arrival (ties in file order) and
+    numbered from ``first_request_id``.
 
     Token ids are synthetic, drawn from ``[0, vocab)`` (never ``end_token``) and deterministic
     from ``seed``: a group's shared ids come from the group's own stream, a row's other ids
@@ -478,7 +515,6 @@ class Trace:
         i_tenant = names.get("tenant")
         groups: Dict[str, int] = {}
         rows: List[_Row] = []
-        lines: List[int] = []
         for fields in reader:
             line = getattr(reader, "line_num", 0)
             if not any(x.strip() for x in fields):
@@ -516,12 +552,16 @@ class Trace:
                 tenant = _count(fields[i_tenant], "tenant", 0) if i_tenant is not None else 0
             except ValueError as exc:
                 raise TraceError(path, line, str(exc)) from None
-            rows.append(_Row(arrival, prompt, output, group, ptok, tenant))
-            lines.append(line)
+            rows.append(_Row(arrival, prompt, output, group, ptok, tenant, line))
         if rows:
             start = min(r.arrival_s for r in rows)
             for r in rows:
                 r.arrival_s -= start
+            last = max(rows, key=lambda r: r.arrival_s)
+            if last.arrival_s > MAX_TRACE_SPAN_S:
+                raise TraceError(path, last.line,
+                                 f"arrives {last.arrival_s:.6g} s after the first row; a trace "
+                                 f"may span at most {MAX_TRACE_SPAN_S:g} s")
             order = sorted(range(len(rows)), key=lambda i: rows[i].arrival_s)
             rows = [rows[i] for i in order]
         return form, rows, len(groups)
@@ -560,6 +600,23 @@ class Trace:
                 arrival_s=r.arrival_s,
             ))
         return out
+
+    def unservable_row(self, *, page_tokens: int, num_blocks: int, logical_pages: int,
+                       beam_width: Optional[int] = None) -> Optional[TraceError]:
+        """The first row (in file order) that a scheduler of that shape can never serve, as a
+        :class:`TraceError` naming its line, or None.  Reads the rows' lengths only: nothing is
+        drawn, so a row asking for 2**32-1 prompt tokens is refused at once."""
+        worst: Optional[Tuple[int, str]] = None
+        for i, r in enumerate(self._rows):
+            if worst is not None and r.line > worst[0]:
+                continue
+            why = unservable_reason(f"request {self.first_request_id + i}", r.prompt_tokens,
+                                    r.output_tokens, page_tokens=page_tokens,
+                                    num_blocks=num_blocks, logical_pages=logical_pages,
+                                    beam_width=beam_width)
+            if why is not None:
+                worst = (r.line, why)
+        return None if worst is None else TraceError(self.path, worst[0], worst[1])
 
     def memory_estimate(self) -> int:
         """Rough bytes the requests take once generated and served (uint32 prompts, outputs as

@@ -424,13 +424,75 @@ def test_bad_admissions_change_nothing(make):
     assert s.cache_stats().namespaces == 2
 
 
-def test_a_namespace_lives_while_its_pages_are_cached(make):
+def test_a_namespace_with_a_live_request_keeps_its_id(make):
     s = make(max_namespaces=2)
-    serve(s, 1, PROMPT, namespace="a")
+    serve(s, 1, PROMPT, namespace="a", finish=False)     # its pages are in use
+    before = state(s)
     with pytest.raises(PrefixCacheError.NamespaceTableFull):
         s.admit(2, PROMPT, namespace="b")
-    s.clear_cache()
+    assert state(s) == before
+    s.finish(1)
     s.admit(2, PROMPT, namespace="b")
+
+
+def test_an_idle_namespace_gives_its_pages_and_id_to_a_new_one(make):
+    s = make(max_namespaces=2)
+    serve(s, 1, PROMPT, namespace="a")
+    pages = s.reclaimable_pages().tolist()       # a's pages, least recently used first
+    assert len(pages) == 4 and all(s.cache_entry(p).namespace_id == 1 for p in pages)
+    idents = [s.cache_entry(p).identity for p in pages]
+    events(s)
+    before = s.cache_stats()
+    adm = s.admit(2, PROMPT, namespace="b")      # every id in use: "a" is idle, so it goes
+    assert adm.prefix_tokens == 0
+    assert [(e[0], e[2], e[4], e[5]) for e in events(s)] == \
+        [(i, 1, p, twin_cache.KV_REMOVED) for i, p in zip(idents, pages)]
+    after = s.cache_stats()
+    assert after.reclaims == before.reclaims + 4
+    assert (after.cached_pages, after.reclaimable_pages, after.namespaces) == (0, 0, 2)
+    assert s.cached_prefix_tokens(PROMPT, "a") == 0
+    prefill(s, 2, PROMPT)
+    assert {s.cache_entry(p).namespace_id for p in s.block_table(2).tolist()[:4]} == {1}
+
+
+def test_the_least_recently_used_idle_namespace_goes_first(make):
+    s = make(max_namespaces=3, num_blocks=40)
+    serve(s, 1, PROMPT, namespace="a")
+    serve(s, 2, PROMPT, namespace="b")
+    serve(s, 3, PROMPT, namespace="a")           # a hit: "a" is used again, after "b"
+    s.admit(4, [5, 6], namespace="c")
+    assert s.cached_prefix_tokens(PROMPT, "a") == 4 * PT
+    assert s.cached_prefix_tokens(PROMPT, "b") == 0
+    s.finish(4)                                  # "c" had no page: its id is free again
+    s.admit(5, [5, 6], namespace="d")
+    assert s.cached_prefix_tokens(PROMPT, "a") == 4 * PT
+    assert s.cache_stats().namespaces == 3
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_the_engine_step_serves_more_tenants_than_namespace_ids(kind):
+    from qualia.twin_step import StepScheduler
+    cls = qualia.Scheduler if kind == "core" else StepScheduler
+    s = cls(2, 64, PT, 16, cache_key=KEY, max_namespaces=3, max_queued=12)
+    finished = []
+    for tenant in range(12):
+        s.add_request(tenant, PROMPT, max_new_tokens=2, namespace=f"tenant-{tenant}")
+    while s.has_unfinished():
+        plan = s.schedule()
+        ids = (np.asarray(plan.input_ids)[np.asarray(plan.logits_indices)] + 1) % 50
+        finished += [f.request_id for f in s.update(ids.astype(np.uint32))]
+    assert sorted(finished) == list(range(12))
+    stats = (s if kind == "core" else s.facade).cache_stats()
+    assert stats.namespaces <= 3 and stats.reclaims > 0
+
+
+def test_the_empty_namespace_never_gives_its_id(make):
+    s = make(max_namespaces=1)
+    serve(s, 1, PROMPT)
+    before = state(s)
+    with pytest.raises(PrefixCacheError.NamespaceTableFull):
+        s.admit(2, PROMPT, namespace="a")
+    assert state(s) == before
 
 
 def test_explicit_verbs_are_refused_in_auto_mode():

@@ -9,7 +9,9 @@ identity masks that force hash collisions, bad arguments.  After every step both
 the result or the exception (class and chain), every reference count, the free count, the
 reclaimable pages in reclaim order, every cache entry, every block table and token count, the
 counters and the drained events; and reference counts are conserved: a page's count is the
-number of block tables that map it plus one if it is cached.
+number of block tables that map it plus one if it is cached.  The namespace tables are small (1 to
+4 ids for up to five namespaces), and ``NamespaceTableFull`` is only allowed when no namespace is
+idle: every id but the empty namespace's is held by a live request.
 
 Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1.
 """
@@ -26,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import qualia
 from qualia import twin_cache as T
-from qualia.errors import QualiaError
+from qualia.errors import PrefixCacheError, QualiaError
 from qualia.twin import PyHashBackend
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
@@ -50,7 +52,8 @@ PROMPTS = [
     [5],
     [],
 ]
-NAMESPACES = st.sampled_from([b"", b"", b"", "tenant-a", b"tenant-b", b"x" * 257])
+NAMESPACES = st.sampled_from([b"", b"", b"", "tenant-a", b"tenant-b", "tenant-c", b"tenant-d",
+                              b"x" * 257])
 RIDS = st.one_of(st.tuples(st.just("active"), st.integers(0, 7)), st.integers(0, 5),
                  st.sampled_from([2**64 - 1]))
 TOKENS = st.one_of(st.integers(0, 40), st.sampled_from([U32_MAX]))
@@ -91,7 +94,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         num_blocks=st.sampled_from([12, 8, 24, 5, 2]),
         page_tokens=st.sampled_from([2, 4, 1, 3]),
         logical_pages=st.sampled_from([8, 6, 12, 3]),
-        max_namespaces=st.sampled_from([4, 2, 1]),
+        max_namespaces=st.sampled_from([4, 2, 3, 1]),
         event_capacity=st.sampled_from([64, 5, 0]),
         key=st.binary(min_size=16, max_size=16),
     )
@@ -103,6 +106,8 @@ class CacheVsTwin(RuleBasedStateMachine):
         self.t = T.Scheduler(*args, **kw)
         self.pt = page_tokens
         self.streams = {}      # rid -> the token stream the test believes the request has
+        self.ns_of = {}        # rid -> the namespace (bytes) of each live request
+        self.max_namespaces = max_namespaces
         self.history = [[]]    # finished streams: later prompts continue them
 
     # -- running one call on both -----------------------------------------------------------------
@@ -138,8 +143,10 @@ class CacheVsTwin(RuleBasedStateMachine):
             tokens = list(PROMPTS[prompt])
         arg = np.array(tokens, dtype=np.uint32) if as_array else tokens
         out = self.both("admit", rid, arg, namespace=ns)
+        self.check_table_full(out)
         if not isinstance(out, Raised):
             self.streams[rid] = list(tokens)
+            self.ns_of[rid] = ns.encode() if isinstance(ns, str) else ns
             assert out.prefix_tokens % self.pt == 0
             assert out.prefix_tokens < max(len(tokens), 1)   # one token is left to compute
 
@@ -174,6 +181,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         rid = self.rid(rid)
         if not isinstance(self.both("admit", rid), Raised):
             self.streams[rid] = []
+            self.ns_of[rid] = b""
 
     @rule(rid=RIDS, first=TOKENS, extra=st.sampled_from([0, 0, 1, -1]))
     def prefill(self, rid, first, extra):
@@ -227,6 +235,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         rid = self.rid(rid)
         count = attempt(lambda: self.c.token_count(rid))
         if not isinstance(self.both("finish", rid), Raised):
+            self.ns_of.pop(rid, None)
             stream = self.streams.pop(rid, [])
             if keep and not isinstance(count, Raised):
                 self.history.append(stream[:count])
@@ -251,6 +260,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         assert self.c.token_count(child) == self.c.token_count(parent)
         assert self.c.requests.pending_token(child) == self.c.requests.pending_token(parent)
         self.streams[child] = list(self.streams.get(parent, []))
+        self.ns_of[child] = self.ns_of[parent]
         for _ in range(rounds):
             self.decode(None, 32000)
 
@@ -300,8 +310,11 @@ class CacheVsTwin(RuleBasedStateMachine):
             assert self.state() == before, f"{call}({bad!r}) raised and changed the state"
         elif call.startswith("admit"):
             self.streams[rid if call != "admit" else bad] = []
+            self.ns_of[rid if call != "admit" else bad] = \
+                bad.encode() if call == "admit_ns" else b""
         elif call.startswith("fork"):
             self.streams[bad] = list(self.streams.get(rid, []))
+            self.ns_of[bad] = self.ns_of[rid]
 
     @rule(rid=RIDS)
     def overlong_prompt(self, rid):
@@ -311,6 +324,15 @@ class CacheVsTwin(RuleBasedStateMachine):
         out = self.both("admit", rid, too_long)
         assert isinstance(out, Raised) and isinstance(out.exc, ValueError)
         assert self.state() == before
+
+    def check_table_full(self, out):
+        """A namespace whose every page is reclaimable (and no live request uses) gives its id
+        to a new namespace: the table is full only when every id but the empty namespace's is
+        held by a namespace of a live request."""
+        if isinstance(out, Raised) and isinstance(out.exc, PrefixCacheError.NamespaceTableFull):
+            live = {self.ns_of[r] for r in self.active()} - {b""}
+            assert self.c.cache_stats().namespaces == self.max_namespaces
+            assert len(live) == self.max_namespaces - 1, (live, self.max_namespaces)
 
     # -- comparing the two worlds ------------------------------------------------------------------
     def state(self):

@@ -15,6 +15,7 @@ import pytest
 
 import qualia
 from qualia import __main__ as cli
+from qualia import preflight
 from qualia.__main__ import main
 from qualia.timing import ROWS
 
@@ -263,7 +264,7 @@ def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
                  "--logical-pages", "4294967295"]) == 2
     assert "--logical-pages x --page-tokens" in capsys.readouterr().err
     # the C backend's pool of 2**32 - 1 pages is 32 GiB: refused on a machine with 8 GiB free
-    monkeypatch.setattr(cli, "available_memory", lambda: 8 * 2**30)
+    monkeypatch.setattr(preflight, "available_memory", lambda: 8 * 2**30)
     assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295",
                  "--prefix-caching", "off"]) == 2
     err = capsys.readouterr().err
@@ -296,7 +297,7 @@ def test_the_estimate_counts_the_model_kv():
     parts = memory_estimate("model", num_blocks=1000, page_tokens=16)
     assert parts["model KV"] == 1000 * 16 * c.layers * 2 * c.heads * c.head_dim * 8
     assert "model KV" not in memory_estimate("c", num_blocks=1000)
-    assert cli.available_memory() is None or cli.available_memory() > 0
+    assert preflight.available_memory() is None or preflight.available_memory() > 0
 
 
 # -- usage, version, help ---------------------------------------------------------------------
@@ -484,3 +485,150 @@ def test_cli_plot_without_matplotlib_is_refused_before_the_run(tmp_path, monkeyp
     assert "matplotlib" in err and "qualia[plot]" in err and "Traceback" not in err
     assert main(["simulate", "--backend", "c", "--plot", "/nonexistent/x.png"]) == 2
     assert "--plot" in capsys.readouterr().err
+
+
+# -- every mistake is refused before the run, in one line -----------------------------------------
+
+
+def _refused(argv, capsys):
+    """Run ``qualia simulate argv`` (argparse's own refusals included); exit status and stderr."""
+    try:
+        rc = main(["simulate", "--no-progress", *argv])
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def test_a_trace_row_is_refused_by_its_line_before_its_prompt_is_drawn(tmp_path, monkeypatch,
+                                                                        capsys):
+    from qualia.workload import Trace
+
+    _no_run(monkeypatch)
+
+    def no_draw(self):
+        raise AssertionError("a prompt was drawn")
+
+    monkeypatch.setattr(Trace, "generate", no_draw)
+    trace = _write(tmp_path / "t.csv",
+                   "arrival_s,prompt_tokens,output_tokens\n0,10,2\n\n0,4294967295,1\n")
+    rc, err = _refused(["--trace", trace, "--backend", "c"], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"--trace {trace}:4: request 1 can never be served" in err
+    assert "4294967295 tokens" in err and "--num-blocks" in err
+
+
+def test_a_header_only_trace_is_refused(tmp_path, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    trace = _write(tmp_path / "t.csv", "arrival_s,prompt_tokens,output_tokens\n\n")
+    rc, err = _refused(["--trace", trace, "--backend", "c"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "no requests to serve" in err and trace in err
+
+
+@pytest.mark.parametrize("argv, option", [(["--requests", "0"], "--requests"),
+                                          (["--json", ""], "--json"),
+                                          (["--plot", ""], "--plot"),
+                                          (["--trace", " "], "--trace")])
+def test_nothing_to_do_and_empty_paths_are_refused(argv, option, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    rc, err = _refused(argv, capsys)
+    assert rc == 2 and f"argument {option}:" in err
+
+
+def test_the_plot_format_is_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    _no_run(monkeypatch)
+    for name, why in (("out.txt", "does not write .txt files"),
+                      ("out", "needs an extension")):
+        rc, err = _refused(["--backend", "c", "--plot", str(tmp_path / name)], capsys)
+        assert rc == 2 and err.count("\n") == 1 and "--plot" in err and why in err, err
+        assert "png" in err and "svg" in err
+
+
+def test_a_trace_of_more_tenants_than_namespace_ids_runs(tmp_path, capsys):
+    rows = ["arrival_s,prompt_tokens,output_tokens,tenant"]
+    rows += [f"{i * 0.001:.3f},{20 + i % 30},{2 + i % 3},{i}" for i in range(1100)]
+    trace = _write(tmp_path / "t.csv", "\n".join(rows) + "\n")
+    rc = main(["simulate", "--backend", "c", "--trace", trace, "--num-blocks", "4096",
+               "--step-ms", "1", "--check", "--json", "-", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    data = json.loads(captured.out)
+    assert data["check"]["ok"] and data["stats"]["requests_completed"] == 1100
+
+
+def _closed_pipe(args):
+    """Run ``python -m qualia args`` with its stdout a pipe whose reader has already gone (as
+    ``| head -1`` leaves it); the exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "qualia", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # pragma: no cover
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("extra", [[], ["--json", "-"],
+                                   ["--replicas", "2", "--local", "--json", "-"]])
+def test_output_into_a_closed_pipe_ends_quietly(extra, tmp_path):
+    rc, err = _closed_pipe(["simulate", "--backend", "c", "--requests", "4", "--no-progress",
+                            *extra])
+    assert rc == cli.EXIT_BROKEN_PIPE == 141
+    assert err == ""
+
+
+def test_both_paths_share_one_validation(monkeypatch, capsys):
+    from qualia import preflight
+
+    def refuse(args, clock=None):
+        raise preflight.Refused("checked once, here")
+
+    monkeypatch.setattr(preflight, "check_simulate", refuse)
+    for extra in ([], ["--replicas", "2", "--local"]):
+        rc, err = _refused(["--backend", "c", *extra], capsys)
+        assert (rc, err) == (2, "error: checked once, here\n")
+
+
+def test_plot_and_json_into_one_file_are_refused(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    _no_run(monkeypatch)
+    path = str(tmp_path / "run.png")
+    rc, err = _refused(["--backend", "c", "--json", path, "--plot", path], capsys)
+    assert rc == 2 and "argument --plot" in err and "--json" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e308", "3600000.1"])
+def test_step_ms_moves_the_clock_by_at_most_an_hour(value, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    rc, err = _refused(["--backend", "c", f"--step-ms={value}"], capsys)
+    assert rc == 2 and "argument --step-ms: must be > 0 and <= 3600000" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("extra", [[], ["--json", "-"], ["--replicas", "2", "--local"]])
+def test_output_that_cannot_be_written_is_one_error_line(extra):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "qualia", "simulate", "--backend", "c",
+                            "--requests", "4", "--no-progress", *extra], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr == "error: cannot write the output: No space left on device\n"
+
+
+def test_a_failed_run_is_one_error_line_and_exit_1(monkeypatch, capsys):
+    from qualia import engine as engine_mod
+    from qualia.errors import PrefixCacheError
+
+    for exc, says in ((RuntimeError("engine stuck: 65 steps"), "engine stuck: 65 steps"),
+                      (PrefixCacheError.NamespaceTableFull(None, "x"), "NamespaceTableFull")):
+        def fail(self, *args, _exc=exc, **kwargs):
+            raise _exc
+
+        monkeypatch.setattr(engine_mod.Engine, "run", fail)
+        rc, err = _refused(["--backend", "c"], capsys)
+        assert rc == 1 and err.startswith("error: the run failed: ") and says in err
+        assert err.count("\n") == 1

@@ -178,6 +178,166 @@ def test_cluster_options_need_replicas(option):
     assert main(["simulate", *option]) == 2
 
 
+def _cli(argv, monkeypatch=None):
+    """``qualia simulate --replicas 2 --local argv`` (argparse's refusals included): the exit
+    status, stdout and stderr; with ``monkeypatch``, a run that starts fails the test."""
+    from qualia.__main__ import main
+    if monkeypatch is not None:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the run started")
+        monkeypatch.setattr(Cluster, "run", refuse)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(["simulate", "--backend", "c", "--requests", "6", "--no-progress",
+                       *argv])
+        except SystemExit as exc:
+            rc = exc.code
+    assert "Traceback" not in err.getvalue()
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: directory"),
+    (["--num-blocks", "1"], "can never be served"),
+    (["--plot", "x.png"], "argument --plot: not with --replicas"),
+    (["--step-ms", "1"], "argument --step-ms: not with --replicas"),
+    (["--ray-address", "127.0.0.1:1"], "argument --ray-address: not with --local"),
+    (["--compare", "--router", "round-robin"], "argument --router: not with --compare"),
+])
+def test_replica_mistakes_are_refused_before_the_run(argv, says, monkeypatch):
+    rc, out, err = _cli(["--replicas", "2", "--local", *argv], monkeypatch)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and says in err, err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "x"])
+def test_load_weight_is_a_finite_number_at_least_0(value, monkeypatch):
+    rc, _, err = _cli(["--replicas", "2", "--local", "--load-weight", value], monkeypatch)
+    assert rc == 2 and "argument --load-weight:" in err
+
+
+def test_metrics_port_without_prometheus_client_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)   # import -> ImportError
+    rc, _, err = _cli(["--replicas", "2", "--local", "--metrics-port", "0"], monkeypatch)
+    assert rc == 2 and "--metrics-port" in err and "qualia[cluster]" in err
+
+
+def test_metrics_port_in_use_is_refused(monkeypatch):
+    pytest.importorskip("prometheus_client")
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        rc, _, err = _cli(["--replicas", "2", "--local", "--metrics-port", str(port)],
+                          monkeypatch)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"argument --metrics-port: cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_a_kill_past_the_end_of_the_run_is_an_error():
+    rc, out, err = _cli(["--replicas", "2", "--local", "--kill-replica", "100000"])
+    assert rc == 2 and "| prefix | 2 |" in out
+    assert "argument --kill-replica" in err and "no replica was killed" in err
+    rc, out, err = _cli(["--replicas", "2", "--local", "--kill-replica", "2",
+                         "--rejoin-after", "2"])
+    assert rc == 0 and err == "", err
+
+
+def test_a_conversation_that_outgrows_a_replica_is_cut_not_an_error():
+    cfg = dataclasses.replace(CFG, logical_pages=10)
+    cl = Cluster(2, "prefix", cfg, local=True)
+    res = cl.run(workload(requests=6, turns=8), max_steps=5000)
+    assert_exactly_once(res)
+    assert res.summary["conversations_cut"] > 0
+    rc, out, err = _cli(["--replicas", "2", "--local", "--turns", "6", "--logical-pages", "8"])
+    assert rc == 0 and "conversations cut" in out, err
+
+
+def test_every_request_arrives_at_its_arrival_step():
+    """First turns at their drawn steps, every later turn the step after its previous turn
+    completed, even while first turns of later conversations are still to come."""
+    cl = Cluster(2, "prefix", CFG, local=True)
+    res = cl.run(workload(requests=8, turns=3, arrival_rate=0.1), max_steps=5000)
+    assert_exactly_once(res)
+    assert len(res.requests) == 24
+    assert {rid: q.arrival_step for rid, q in res.requests.items()} == res.arrived
+
+
+def test_steps_with_nothing_to_do_are_skipped():
+    cl = Cluster(2, "prefix", CFG, local=True)
+    res = cl.run(workload(requests=3, turns=2, arrival_rate=1e-6), max_steps=1000)
+    assert_exactly_once(res)
+    assert res.summary["idle_steps"] > 10**5
+    assert res.summary["steps"] - res.summary["idle_steps"] < 1000
+    rc, out, err = _cli(["--replicas", "2", "--local", "--arrival-rate", "1e-6", "--requests",
+                         "3"])
+    assert rc == 0 and "exactly once" in out, err
+
+
+def test_a_stuck_cluster_is_an_error_not_a_hang(monkeypatch):
+    from qualia.cluster import make_scheduler
+
+    class Never:
+        """A scheduler that takes requests and never schedules any."""
+
+        def __init__(self, **kw):
+            self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
+            self.facade = self.inner.facade
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def schedule(self):
+            none = np.zeros(0, dtype=np.int64)
+            return types.SimpleNamespace(logits_indices=none, input_ids=none, positions=none,
+                                         sampled_request_ids=none, num_prefill_tokens=0,
+                                         num_decode_tokens=0, num_cached_tokens=0,
+                                         preempted_request_ids=[], new_request_ids=[])
+
+        def update(self, ids):
+            return []
+
+    monkeypatch.setattr(Cluster, "MAX_STALLED_STEPS", 5)
+    cl = Cluster(1, "round-robin", dataclasses.replace(CFG, scheduler=Never), local=True)
+    with pytest.raises(RuntimeError, match="stuck"):
+        cl.run(workload(requests=2, turns=1), max_steps=None)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the cluster is stuck")
+
+    monkeypatch.setattr(Cluster, "run", fail)
+    rc, _, err = _cli(["--replicas", "2", "--local"])
+    assert (rc, err) == (1, "error: the replicas' run failed: the cluster is stuck\n")
+
+
+def test_ray_client_address_without_ray_client_is_refused(monkeypatch):
+    pytest.importorskip("ray")
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "grpc" else find_spec(name, *a))
+    rc, _, err = _cli(["--replicas", "2", "--ray-address", "ray://127.0.0.1:10001"],
+                      monkeypatch)
+    assert rc == 2 and "ray[client]" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}",
+                                     "no-such-host.invalid:6379", "6379", "ray://"])
+def test_an_unreachable_ray_address_fails_at_once(address):
+    pytest.importorskip("ray")
+    import socket
+    with socket.socket() as s:     # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "qualia", "simulate", "--replicas", "2",
+                        "--requests", "4", "--backend", "c", "--no-progress", "--ray-address",
+                        address.format(port=port)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("error: argument --ray-address") and r.stderr.count("\n") == 1
+
+
 def test_hit_tokens_without_a_plan_count():
     """A scheduler whose plan does not count cached tokens: the replica falls back on the
     cache's own counter and reports the same figure."""

@@ -537,3 +537,341 @@ def test_concurrent_identities_without_the_scheduler():
     s.decode(YieldingBackend(during))
     t.join(WAIT)
     assert not t.is_alive() and not wrong
+
+
+# -- the GIL-free loop of run() and other threads (docs/DESIGN.md, "Concurrency") ----------------
+
+_KEEP = []
+
+
+def gil_free_backend(during):
+    """A C step backend over a ctypes callback: run() calls it inside its GIL-free section (the
+    loop is paused in execute_step; ctypes takes the GIL to run Python), ``during(plan)`` runs,
+    then every sampled row gets token 5."""
+    import ctypes
+
+    from ctypes_abi import EXECUTE_STEP, CStepBackend
+
+    @EXECUTE_STEP
+    def execute(ctx, plan, out, logprobs):
+        during(plan.contents)
+        arr = (ctypes.c_uint32 * max(plan.contents.num_sampled, 1)).from_address(out)
+        for i in range(plan.contents.num_sampled):
+            arr[i] = 5
+        return 0
+
+    iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), 0, 0, None,
+                         ctypes.cast(execute, ctypes.c_void_p), None)
+    name = qualia.STEP_CAPSULE_NAME.encode()
+    _KEEP.append((iface, execute, name))    # the capsule holds raw pointers into these
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(iface), name, None)
+
+
+def step_world(**kw):
+    s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=4, logical_pages=8,
+                         cache_key=b"t" * 16, **kw)
+    shared = list(range(1, 13))
+    s.add_request(1, shared + [20], max_new_tokens=6)
+    s.run(qualia.HashBackend())             # pages of `shared` are cached now
+    s.add_request(2, shared + [21], max_new_tokens=6)
+    s.add_request(3, [7, 8, 9, 10, 11], max_new_tokens=3, n=2)
+    return s, shared
+
+
+def step_reads(s, shared):
+    """Every read of a facade with engine-step requests and of the raw objects it holds, by
+    name: under the contract each raises BusyError while a GIL-free section runs."""
+    ident = qualia.PrefixIdentity.of_tokens(shared)
+    out = np.zeros(4, qualia.REQUEST_VIEW)
+    return {
+        "stats": lambda: s.stats(),
+        "active_count": lambda: s.active_count,
+        "free_pages": lambda: s.free_pages,
+        "block_table": lambda: s.block_table(2),
+        "token_count": lambda: s.token_count(2),
+        "runnable": lambda: s.runnable(),
+        "cached_prefix": lambda: s.cached_prefix(shared + [1]),
+        "cached_prefix_tokens": lambda: s.cached_prefix_tokens(shared + [1]),
+        "cache_stats": lambda: s.cache_stats(),
+        "reclaimable_pages": lambda: s.reclaimable_pages(),
+        "cache_entry": lambda: s.cache_entry(0),
+        "num_waiting": lambda: s.num_waiting,
+        "num_running": lambda: s.num_running,
+        "has_unfinished": lambda: s.has_unfinished(),
+        "request_tokens": lambda: s.request_tokens(2),
+        "group_members": lambda: s.group_members(3),
+        "forks": lambda: s.forks,
+        "fork_fallbacks": lambda: s.fork_fallbacks,
+        "parked": lambda: s.parked,
+        "step_requests": lambda: s.step_requests(),
+        "pool.free_count": lambda: s.pool.free_count,
+        "pool.refcount": lambda: s.pool.refcount(0),
+        "pool.refcounts": lambda: s.pool.refcounts(),
+        "prefixes.hits": lambda: s.prefixes.hits,
+        "prefixes.misses": lambda: s.prefixes.misses,
+        "prefixes.__len__": lambda: len(s.prefixes),
+        "prefixes.contains": lambda: s.prefixes.contains(ident),
+        "prefixes.__contains__": lambda: ident in s.prefixes,
+        "prefixes.pages_of": lambda: s.prefixes.pages_of(ident),
+        "prefixes.tokens_of": lambda: s.prefixes.tokens_of(ident),
+        "prefixes.identities": lambda: s.prefixes.identities(),
+        "requests.active_count": lambda: s.requests.active_count(),
+        "requests.block_table": lambda: s.requests.block_table(2),
+        "requests.pending_token": lambda: s.requests.pending_token(2),
+        "requests.request_view": lambda: s.requests.request_view(2),
+        "requests.runnable": lambda: s.requests.runnable(),
+        "requests.runnable_into": lambda: s.requests.runnable_into(out),
+    }
+
+
+def step_calls_that_work(s, shared):
+    """What works while a GIL-free section runs: the KV events (a single-producer,
+    single-consumer ring), what reads no state the loop changes, and repr."""
+    return {
+        "drain_events": lambda: s.drain_events(),
+        "drain_events_out": lambda: s.drain_events(np.zeros(4, qualia.KV_EVENT)),
+        "page_identities": lambda: s.page_identities(shared),
+        "max_requests": lambda: s.max_requests,
+        "num_blocks": lambda: s.num_blocks,
+        "logical_pages": lambda: s.logical_pages,
+        "page_tokens": lambda: s.page_tokens,
+        "prefix_caching": lambda: s.prefix_caching,
+        "max_num_batched_tokens": lambda: s.max_num_batched_tokens,
+        "max_num_seqs": lambda: s.max_num_seqs,
+        "max_queued": lambda: s.max_queued,
+        "max_prefill_chunk": lambda: s.max_prefill_chunk,
+        "vocab_size": lambda: s.vocab_size,
+        "pool.num_blocks": lambda: s.pool.num_blocks,
+        "prefixes.capacity": lambda: s.prefixes.capacity,
+        "requests.max_requests": lambda: s.requests.max_requests,
+        "repr": lambda: (repr(s), repr(s.pool), repr(s.prefixes), repr(s.requests)),
+    }
+
+
+def outcome(call):
+    try:
+        call()
+        return "ran"
+    except BusyError:
+        return "busy"
+    except Exception as exc:  # noqa: BLE001 - reported in the assertion
+        return repr(exc)
+
+
+def run_record(s, backend):
+    """run() to the end; what it returned, the events and the state it left (for replays)."""
+    r = s.run(backend)
+    events = s.drain_events()
+    return ([(f.request_id, [t.tolist() for t in f.outputs] if hasattr(f, "outputs")
+              else f.output_tokens.tolist()) for f in r.finished],
+            r.stats.tobytes(), events.tobytes(), s.cache_stats(), s.stats(),
+            s.pool.refcounts().tolist(), s.reclaimable_pages().tolist())
+
+
+def test_every_read_is_busy_inside_the_gil_free_loop_and_changes_nothing():
+    """A C step backend calling back into the scheduler from inside run()'s GIL-free section:
+    every read of the facade and of its raw objects raises BusyError (the loop owns the
+    state); the event ring, reads of no loop state, and repr keep working; the run is the run
+    without the calls."""
+    s, shared = step_world()
+    seen = {}
+
+    def during(plan):
+        if seen:
+            return
+        for name, call in step_reads(s, shared).items():
+            seen[name] = outcome(call)
+        for name, call in step_calls_that_work(s, shared).items():
+            seen[name] = outcome(call)
+        for name, call in {"add_request": lambda: s.add_request(9, [1], max_new_tokens=1),
+                           "abort": lambda: s.abort(2), "schedule": lambda: s.schedule(),
+                           "discard_plan": lambda: s.discard_plan(),
+                           "clear_cache": lambda: s.clear_cache()}.items():
+            seen[name] = outcome(call)
+
+    s.drain_events()
+    got = run_record(s, gil_free_backend(during))
+    want_busy = set(step_reads(s, shared)) | {"add_request", "abort", "schedule", "discard_plan",
+                                               "clear_cache"}
+    assert seen == {name: "busy" if name in want_busy else "ran" for name in seen}
+    replay, _ = step_world()
+    replay.drain_events()
+    assert got == run_record(replay, gil_free_backend(lambda plan: None))
+    # and afterwards every read works again
+    for call in step_reads(s, shared).values():
+        try:
+            call()
+        except (qualia.StepError.UnknownRequest, qualia.SchedulerError.UnknownRequest,
+                qualia.PrefixKvError.Unknown):
+            pass
+
+
+def test_another_thread_gets_busy_from_every_read_while_the_loop_runs():
+    """The loop paused inside its GIL-free section hands the GIL to a second thread: every read
+    there raises BusyError, drain_events works."""
+    s, shared = step_world()
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def reader():
+        assert inside.wait(WAIT)
+        for name, call in step_reads(s, shared).items():
+            seen[name] = outcome(call)
+        seen["drain_events"] = outcome(lambda: s.drain_events())
+        done.set()
+
+    def during(plan):
+        if not inside.is_set():
+            inside.set()
+            assert done.wait(WAIT)      # releases the GIL: the reader runs now
+
+    t = threading.Thread(target=reader)
+    t.start()
+    s.run(gil_free_backend(during))
+    t.join(WAIT)
+    assert not t.is_alive()
+    assert seen == {**{name: "busy" for name in step_reads(s, shared)}, "drain_events": "ran"}
+
+
+def test_reads_from_a_python_backend_mid_step_see_the_state_and_change_nothing():
+    """A Python backend runs with the GIL while run() owns the scheduler and the state stands
+    still: reads work there (cached_prefix included) and the run equals the run without them."""
+    s, shared = step_world()
+    seen = []
+
+    class Reader:
+        def execute_step(self, plan):
+            rids = plan.request_ids.tolist()
+            seen.append((s.num_running, s.cached_prefix(shared + [1]).tokens,
+                         {r: len(s.request_tokens(r)) for r in rids if r in (1, 2)},
+                         s.stats()["active"], len(s.runnable())))
+            for call in step_reads(s, shared).values():
+                try:
+                    call()
+                except (qualia.StepError.UnknownRequest, qualia.SchedulerError.UnknownRequest,
+                        qualia.PrefixKvError.Unknown):
+                    pass
+            return np.full(len(plan.logits_indices), 5, np.uint32)
+
+    class Plain:
+        def execute_step(self, plan):
+            return np.full(len(plan.logits_indices), 5, np.uint32)
+
+    got = run_record(s, Reader())
+    replay, _ = step_world()
+    assert got == run_record(replay, Plain())
+    assert seen and all(active == running for running, _, _, active, _ in seen)
+    assert all(hit == 12 for _, hit, _, _, _ in seen)
+
+
+def replayable_runs(s, base, rounds):
+    """`rounds` workloads of requests sharing a long cached prefix (each admission sizes a
+    cache hit) near the table's end, each run to the end by run(HashBackend())."""
+    out = []
+    L = s.page_tokens * s.logical_pages
+    for k in range(rounds):
+        for i in range(16):
+            s.add_request(base + 100 * k + i, list(range(1, L - s.page_tokens - 1)) + [1000 + i],
+                          max_new_tokens=1 + i % 2)
+        r = s.run(qualia.HashBackend())
+        out.append(sorted((f.request_id, f.output_tokens.tolist()) for f in r.finished))
+    return out
+
+
+def test_cached_prefix_racing_the_gil_free_loop_never_half_admits():
+    """A thread hammering cached_prefix (and other reads) while run(HashBackend()) admits
+    requests with cache hits: each read runs in full or raises BusyError, no run fails, and
+    every run, the events and the state equal a single-threaded replay."""
+    def make():
+        return qualia.Scheduler(max_requests=8, num_blocks=600, page_tokens=4, logical_pages=64,
+                                cache_key=b"r" * 16, max_num_batched_tokens=1024)
+
+    s = make()
+    probe = list(range(5000, 5256))
+    stop = threading.Event()
+    counts = {"ran": 0, "busy": 0}
+    errors = []
+
+    def hammer():
+        while not stop.is_set():
+            for call in (lambda: s.cached_prefix(probe), lambda: s.cached_prefix(probe),
+                         lambda: s.cached_prefix_tokens(probe), lambda: s.stats()):
+                try:
+                    call()
+                    counts["ran"] += 1
+                except BusyError:
+                    counts["busy"] += 1
+                except Exception as exc:  # pragma: no cover - would be a bug
+                    errors.append(exc)
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    try:
+        got = replayable_runs(s, 0, 150)
+    finally:
+        stop.set()
+        t.join(WAIT)
+    assert not errors, errors[:3]
+    replay = make()
+    assert got == replayable_runs(replay, 0, 150)
+    assert s.drain_events().tobytes() == replay.drain_events().tobytes()
+    assert s.cache_stats() == replay.cache_stats()
+    assert s.pool.refcounts().tolist() == replay.pool.refcounts().tolist()
+    assert counts["busy"] > 0      # the hammer met the loop
+
+
+def test_a_router_thread_draining_events_during_run_gets_every_event_once_in_order():
+    """drain_events in a router thread while run(HashBackend()) fills the ring without the GIL:
+    the concatenated drains equal the events of a single-threaded replay (none lost,
+    duplicated or made up), and nothing is dropped while the ring has room."""
+    def make():
+        return qualia.Scheduler(max_requests=8, num_blocks=96, page_tokens=2, logical_pages=16,
+                                cache_key=b"e" * 16, max_num_batched_tokens=64,
+                                max_queued=512, event_capacity=1 << 16)
+
+    def workload(s):
+        rng = np.random.default_rng(7)
+        for i in range(400):
+            prompt = rng.integers(0, 40, size=int(rng.integers(2, 24))).tolist()
+            s.add_request(i, prompt, max_new_tokens=int(rng.integers(1, 8)))
+
+    s = make()
+    workload(s)
+    stop = threading.Event()
+    drained = []
+    buf = np.zeros(7, qualia.KV_EVENT)
+    prompt = list(range(30))
+    idents = s.page_identities(prompt).tolist()
+    wrong = []
+
+    def router():
+        k = 0
+        while not stop.is_set():
+            k += 1
+            if s.page_identities(prompt).tolist() != idents:    # reads only the cache key
+                wrong.append(k)
+            if k % 2:
+                drained.append(s.drain_events().copy())
+            else:
+                n = s.drain_events(buf)
+                drained.append(buf[:n].copy())
+
+    t = threading.Thread(target=router)
+    t.start()
+    try:
+        s.run(qualia.HashBackend())
+    finally:
+        stop.set()
+        t.join(WAIT)
+    drained.append(s.drain_events())
+    got = np.concatenate(drained)
+    replay = make()
+    workload(replay)
+    replay.run(qualia.HashBackend())
+    want = replay.drain_events()
+    assert len(want) > 1000 and s.cache_stats().events_dropped == 0 and not wrong
+    assert (got["kind"] != 0).all()
+    assert got.tolist() == want.tolist()    # by field: concatenate leaves the padding as is

@@ -158,8 +158,8 @@ def test_an_unsorted_row_changes_nothing_alike():
         p = s.schedule()
         m, k = len(p.logits_indices), p.num_topk
         tids = np.tile(np.arange(k, dtype=np.uint32), (m, 1))
-        tlps = np.tile(-np.arange(k, dtype=np.float64), (m, 1))
-        tlps[0, k - 1] = np.nextafter(tlps[0, k - 2], 1.0)
+        tlps = np.tile(-1.0 - np.arange(k, dtype=np.float64), (m, 1))
+        tlps[0, k - 1] = np.nextafter(tlps[0, k - 2], 0.0)
         before = snapshot(s) if isinstance(s, qualia.Scheduler) else None
         with pytest.raises(ValueError, match="best first"):
             s.update(np.zeros(m, np.uint32), tids, tlps)
@@ -189,6 +189,9 @@ def fork_seeing_backend(seen):
         kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
         pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
         seen.append([(kids[i], pars[i]) for i in range(p.num_forks)])
+        out = ctypes.cast(sampled_out, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):      # every row written, as the ABI asks
+            out[r] = 0
         return 0
 
     cb = EXECUTE_STEP(execute)

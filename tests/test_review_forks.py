@@ -638,7 +638,7 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
         prompt = [(7 * i + j) % 50 for j in range(length)]
         try:
             s.add_request(rid, prompt, max_new_tokens=max_new, n=min(n, seqs))
-        except StepError.NeverFits:
+        except (StepError.NeverFits, StepError.QueueFull):  # groups past max_queued's entries
             continue
         except StepError.DuplicateRequest:  # a user id a group's child took
             assert high

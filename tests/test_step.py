@@ -620,3 +620,74 @@ def test_many_aborts_between_plans_are_all_reported():
         s.abort(rid)
     plan = s.schedule()
     assert plan.finished_request_ids.tolist() == rids
+
+
+# -- pages of a pending plan are pinned ------------------------------------------------------------
+
+def free(s):
+    return s.facade.free_pages if isinstance(s, StepScheduler) else s.free_pages
+
+
+@pytest.mark.parametrize("retire", ["update", "discard_plan"])
+def test_pages_of_a_pending_plan_stay_pinned_after_the_last_request_is_aborted(retire):
+    """Aborting the last request of a pending plan frees none of the pages the plan names (a
+    kernel may be executing it): the facade stays in step mode, so neither its manual verbs
+    nor the raw pool allocate, until update() or discard_plan() retires the plan; then the
+    pages come back and the manual verbs work."""
+    a, b = pair(2, 16, 4, 8)
+    for s in (a, b):
+        s.add_request(1, list(range(1, 11)), max_new_tokens=3)
+    plan = a.schedule()
+    b.schedule()
+    named = set((plan.slot_mapping // 4).tolist()) | set(plan.kv_indices.tolist())
+    pages = free(a)
+    assert pages == free(b) == 16 - len(named)
+    for s in (a, b):
+        s.abort(1)
+        assert not s.has_unfinished()
+        assert free(s) == pages               # nothing was handed back yet
+    for call in (lambda: a.reserve(7, 4), lambda: a.admit(7, [1, 2, 3]),
+                 lambda: a.decode(qualia.HashBackend()), lambda: a.finish(1),
+                 lambda: a.pool.allocate(), lambda: a.requests.finish(1, a.pool)):
+        with pytest.raises(StepError.ModeConflict):
+            call()
+    assert free(a) == pages
+    a.add_request(2, [5, 6], max_new_tokens=1)    # queuing allocates nothing: allowed
+    a.abort(2)
+    if retire == "update":
+        ids = sample(plan)
+        assert a.update(ids) == [] and b.update(ids) == []
+    else:
+        a.discard_plan()
+        b.discard_plan()
+    assert free(a) == free(b) == 16
+    for rid in (7, 8):                            # two requests of 8 pages take all 16
+        a.admit(rid)
+        a.reserve(rid, 8 * 4)
+    assert named <= set(a.block_table(7).tolist()) | set(a.block_table(8).tolist())
+
+
+def test_an_abort_in_the_pending_plan_returns_its_pages_when_the_plan_is_retired():
+    """While other requests keep the step busy, the aborted request's pages are held until the
+    plan is applied, and core and twin agree page for page on the way."""
+    a, b = pair(4, 32, 4, 8)
+    for s in (a, b):
+        s.add_request(1, list(range(1, 11)), max_new_tokens=4)
+        s.add_request(2, list(range(1, 7)), max_new_tokens=4)
+        s.add_request(3, [9, 9, 9, 9, 9], max_new_tokens=4)
+    step_both(a, b)
+    pa, pb = a.schedule(), b.schedule()
+    assert_same_plan(pa, pb)
+    pages = free(a)
+    for s in (a, b):
+        s.abort(2)
+        assert free(s) == pages
+        s.add_request(2, [4, 4], max_new_tokens=1)   # its id is free again at once
+    ids = sample(pa)
+    assert a.update(ids) == b.update(ids) == []
+    assert free(a) == free(b) > pages
+    for _ in range(8):
+        if not a.has_unfinished():
+            break
+        step_both(a, b)
+    assert free(a) == free(b)

@@ -90,7 +90,7 @@ class ForksVsTwin(StepVsTwin):
         elif how == 6 and m:
             tlps[0, -1] = np.nan
         elif how == 7 and m and k > 1:
-            tlps[-1, 1] = tlps[-1, 0] + 0.5  # not best first: refused on a live beam's row
+            tlps[-1, 0] = tlps[-1, 1] - 0.5  # not best first: refused on a live beam's row
         return lambda s: s.update(ids, tids, tlps)
 
     @rule(pick=st.integers(0, 40), child=st.integers(0, 3))

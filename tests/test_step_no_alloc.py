@@ -70,6 +70,33 @@ def test_run_c_backend_allocates_only_its_result():
     assert s.stats()["pages_allocated"] > 64      # the steps crossed page boundaries
 
 
+def test_run_memory_stays_flat_however_many_steps_it_runs():
+    """run() keeps the rows of its last stats_rows steps (a ring sized when the call starts)
+    and running totals: a call of 40,000 steps peaks at the ring, the rotated copy it returns
+    and the outputs it finished, not at a row per step (40,000 rows: 1.9 MB)."""
+    steps = 40_000
+    s = decoding(n=2, ctx=16, steps=steps)
+    hb = qualia.HashBackend()
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        r = s.run(hb)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert r.steps == steps - 1 and not s.has_unfinished()
+    assert len(r.stats) == qualia.RUN_STATS_ROWS
+    assert r.totals["num_decode_tokens"] == 2 * (steps - 1)
+    assert r.stats["num_finished"][-1] == 2 and r.stats["num_finished"][:-1].sum() == 0
+    ring_bytes = qualia.RUN_STATS_ROWS * qualia.STEP_STATS.itemsize
+    outputs = sum(f.output_tokens.nbytes for f in r.finished)    # 2 x 40,000 tokens
+    assert peak <= 2 * ring_bytes + outputs + 16384, f"run() of {steps} steps peaked at {peak} B"
+
+
 def test_run_c_backend_no_net_allocation():
     s = decoding()
     hb = qualia.HashBackend()

@@ -149,3 +149,24 @@ def test_a_trace_is_served_and_its_groups_hit_the_cache(tmp_path):
     # the group arrives after that and finds them cached
     assert st["prefix_hits"] == 8 and st["prefix_tokens_reused"] == 8 * 32
     assert st["serve_s"] >= 0.09
+
+
+def test_a_trace_may_span_at_most_max_trace_span_s(tmp_path):
+    from qualia.workload import MAX_TRACE_SPAN_S
+
+    ok = write(tmp_path, f"arrival_s,prompt_tokens,output_tokens\n{MAX_TRACE_SPAN_S:.0f},8,2\n"
+                         "0,8,2\n")
+    assert Trace(ok).duration_s == MAX_TRACE_SPAN_S
+    far = write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n5,8,2\n1e308,8,2\n4,8,2\n")
+    with pytest.raises(TraceError) as exc:
+        Trace(far)
+    assert exc.value.line == 3 and "at most 1e+09 s" in str(exc.value)
+
+
+def test_unservable_rows_are_found_by_their_lengths_without_drawing(tmp_path, monkeypatch):
+    trace = Trace(write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n2,8,2\n1,4000,1\n"
+                                  "0,3000,9\n"))
+    monkeypatch.setattr(np.random, "default_rng", None)   # drawing anything fails
+    bad = trace.unservable_row(page_tokens=16, num_blocks=100, logical_pages=64)
+    assert bad.line == 3 and "request 1 can never be served" in str(bad)   # row 2 arrives 2nd
+    assert trace.unservable_row(page_tokens=16, num_blocks=300, logical_pages=300) is None

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
 # Build qualia._core twice with AddressSanitizer + UndefinedBehaviorSanitizer and run the tests
-# under each build, every build in its own throwaway virtual environment.
+# under each build, every build in its own throwaway virtual environment; on request, a third
+# build with ThreadSanitizer.
 #
 #   tools/sanitize.sh                             # the whole suite under both builds
 #   tools/sanitize.sh tests/test_stateful.py -x   # these pytest arguments, under both builds
+#   QUALIA_SANITIZE_BUILDS=thread tools/sanitize.sh   # the thread tests under ThreadSanitizer
 #
-# The two builds:
+# The builds:
 #   debug    QUALIA_SANITIZE=1 QUALIA_DEBUG=1: -O0 -g, Cython bounds/wraparound checks on.
 #   release  QUALIA_SANITIZE=1 alone: the release directives (no bounds or wraparound checks)
 #            and -O3, as shipped.  Bounds checks turn an out-of-bounds index into an
 #            IndexError, so the debug build alone cannot see that class of bug; this one lets
 #            ASan see the raw access instead.
-# Both add -fsanitize=address,undefined -fno-sanitize-recover=undefined (see setup.py).
+#   thread   QUALIA_SANITIZE=thread: the release directives, -O3 -g -fsanitize=thread.  Only the
+#            extension is instrumented; CPython is not, but ThreadSanitizer intercepts every
+#            pthread lock, the GIL's included, so it knows what the GIL orders and reports only
+#            races of the extension's own accesses (run()'s GIL-free loop against another
+#            thread, the KV event ring).  Without arguments it runs the tests that start
+#            threads (THREAD_TESTS below), not the whole suite: its shadow memory makes the
+#            test that allocates the largest plans (2**31-token budgets) take tens of GiB.
+#            Not in the default: add it to QUALIA_SANITIZE_BUILDS.
+# debug and release add -fsanitize=address,undefined -fno-sanitize-recover=undefined (see
+# setup.py).
 #
 # What runs where (no arguments): the whole suite under both builds (about 5 minutes here, see
 # below).  QUALIA_SANITIZE_QUICK=1 keeps the whole suite under the release build but runs only the
@@ -42,9 +53,13 @@
 #   interpreter on an 8-byte PyMem heap overflow.
 #   Any ASan/UBSan report aborts the run with a nonzero status.  gcc and libasan/libubsan are
 #   installed with apt-get only if they are missing; nothing else is needed (no rsync).
+#   The thread build runs with LD_PRELOAD=$(gcc -print-file-name=libtsan.so) instead and
+#   TSAN_OPTIONS=halt_on_error=1:report_signal_unsafe=0 (a report aborts the interpreter);
+#   it has no preflight (nothing in CPython races on purpose), only the check that the
+#   extension is instrumented.  libtsan is installed only if that build is asked for.
 #
 # Env: PYTHON (interpreter to base the venvs on, default python3), QUALIA_SANITIZE_BUILDS
-#      ("release debug" by default; one of them to run only that build), QUALIA_SANITIZE_QUICK=1,
+#      ("release debug" by default; any of release, debug, thread), QUALIA_SANITIZE_QUICK=1,
 #      QUALIA_SANITIZE_KEEP=1 (keep the work folder and print where it is).
 #
 # Time here (2 shared CPU cores, gcc 12, Python 3.11): 307 s in all -- release: 93 s for the venv
@@ -69,6 +84,12 @@ GCC_MAJOR="$(gcc -dumpversion | cut -d. -f1)"
 [ -e "$(gcc -print-file-name=libubsan.so)" ] || apt_install libubsan1 "libgcc-${GCC_MAJOR}-dev"
 LIBASAN="$(gcc -print-file-name=libasan.so)"
 [ -e "$LIBASAN" ] || { echo "sanitize.sh: libasan not found ($LIBASAN)" >&2; exit 2; }
+LIBTSAN=""
+if [[ " $BUILDS " == *" thread "* ]]; then
+    [ -e "$(gcc -print-file-name=libtsan.so)" ] || apt_install libtsan2 "libgcc-${GCC_MAJOR}-dev"
+    LIBTSAN="$(gcc -print-file-name=libtsan.so)"
+    [ -e "$LIBTSAN" ] || { echo "sanitize.sh: libtsan not found ($LIBTSAN)" >&2; exit 2; }
+fi
 
 WORK="$(mktemp -d /tmp/qualia-sanitize.XXXXXX)"
 cleanup() {
@@ -121,6 +142,11 @@ EOF
 
 ASAN_OPTS="detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
 UBSAN_OPTS="halt_on_error=1:print_stacktrace=1"
+TSAN_OPTS="halt_on_error=1:report_signal_unsafe=0"
+# the thread build's default selection: every test file that starts threads
+THREAD_TESTS=(tests/test_ownership.py tests/test_hardening.py tests/test_backends.py
+              tests/test_fuzz.py tests/test_review_forks.py tests/test_step_harden.py
+              -k "not largest_int32_sizes")
 
 # build NAME: copy, venv, instrumented install; sets $VENV
 build() {
@@ -135,13 +161,21 @@ build() {
     if [ "$name" = debug ]; then
         (cd "$src" && QUALIA_SANITIZE=1 QUALIA_DEBUG=1 \
             "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "$src")
+    elif [ "$name" = thread ]; then
+        (cd "$src" && env -u QUALIA_DEBUG QUALIA_SANITIZE=thread \
+            "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "$src")
     else
         (cd "$src" && env -u QUALIA_DEBUG QUALIA_SANITIZE=1 \
             "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "$src")
     fi
     local so
     so="$(ls "$VENV"/lib/python*/site-packages/qualia/_core*.so)"
-    if ! nm -D "$so" | grep -q __asan_init || ! nm -D "$so" | grep -q __ubsan_handle; then
+    if [ "$name" = thread ]; then
+        if ! nm -D "$so" | grep -q __tsan_init; then
+            echo "sanitize.sh: $so ($name) is not built with ThreadSanitizer" >&2
+            exit 2
+        fi
+    elif ! nm -D "$so" | grep -q __asan_init || ! nm -D "$so" | grep -q __ubsan_handle; then
         echo "sanitize.sh: $so ($name) is not built with ASan + UBSan" >&2
         exit 2
     fi
@@ -176,14 +210,17 @@ run_tests() {
     t0=$(date +%s)
     run_dir="$WORK/run-$name"
     mkdir -p "$run_dir"
+    local preload="$LIBASAN"
+    [ "$name" != thread ] || preload="$LIBTSAN"
     (cd "$run_dir" && env QUALIA_TEST_INSTALLED=1 QUALIA_LEAK_CYCLES="${QUALIA_LEAK_CYCLES:-2000}" \
         PYTHONMALLOC=malloc PYTHONFAULTHANDLER=1 \
-        LD_PRELOAD="$LIBASAN" \
-        ASAN_OPTIONS="$ASAN_OPTS" UBSAN_OPTIONS="$UBSAN_OPTS" \
+        LD_PRELOAD="$preload" \
+        ASAN_OPTIONS="$ASAN_OPTS" UBSAN_OPTIONS="$UBSAN_OPTS" TSAN_OPTIONS="$TSAN_OPTS" \
         "$VENV/bin/python" -m pytest -p no:cacheprovider -q --capture=sys --rootdir="$ROOT" \
         "$@") 2>&1 | tee "$run_dir/pytest.log" || st=$?
     echo "sanitize.sh: $name build: pytest exit status $st in $(( $(date +%s) - t0 )) s" >&2
-    if grep -qE "ERROR: AddressSanitizer|runtime error:|Fatal Python error" "$run_dir/pytest.log"; then
+    if grep -qE "ERROR: AddressSanitizer|runtime error:|WARNING: ThreadSanitizer|Fatal Python error" \
+            "$run_dir/pytest.log"; then
         echo "sanitize.sh: $name build: a sanitizer report or a crash (see above)" >&2
         [ $st -ne 0 ] || st=3
     fi
@@ -199,7 +236,12 @@ if [ $# -gt 0 ]; then
     done
     SEL_release=("${args[@]}")
     SEL_debug=("${args[@]}")
+    SEL_thread=("${args[@]}")
 else
+    SEL_thread=()
+    for a in "${THREAD_TESTS[@]}"; do
+        if [[ "$a" == tests/* ]]; then SEL_thread+=("$ROOT/$a"); else SEL_thread+=("$a"); fi
+    done
     SEL_release=("$ROOT/tests")
     if [ "${QUALIA_SANITIZE_QUICK:-0}" = 1 ]; then
         SEL_debug=("$ROOT/tests/test_hardening.py" "$ROOT/tests/test_ownership.py"
@@ -215,10 +257,11 @@ for name in $BUILDS; do
     case "$name" in
         release) sel=("${SEL_release[@]}") ;;
         debug) sel=("${SEL_debug[@]}") ;;
-        *) echo "sanitize.sh: unknown build '$name' (release or debug)" >&2; exit 2 ;;
+        thread) sel=("${SEL_thread[@]}") ;;
+        *) echo "sanitize.sh: unknown build '$name' (release, debug or thread)" >&2; exit 2 ;;
     esac
     build "$name"
-    if [ $first = 1 ]; then
+    if [ $first = 1 ] && [ "$name" != thread ]; then
         preflight
         first=0
     fi

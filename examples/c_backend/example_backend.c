@@ -13,7 +13,8 @@
  *
  * It is also a step backend (the step ABI of qualia.h): one whole engine step per call.
  *
- *   example_backend.new_step(vocab, logprobs=False, topk=True) -> "qualia.step_backend.v1" capsule
+ *   example_backend.new_step(vocab, logprobs=False, topk=True, delay_us=0)
+ *       -> "qualia.step_backend.v1" capsule   (delay_us sleeps inside each step)
  *   example_backend.step_stats(capsule) -> (steps, sampled, pages_copied)
  *
  * Its step "model": for sampled row r, with t = logits_indices[r] and i the request whose tokens
@@ -93,7 +94,7 @@ static int32_t example_copy_pages(void *ctx, const qualia_copy_op *ops, uint32_t
 typedef struct example_step_backend {
     qualia_step_backend iface; /* first, so the capsule pointer is the interface */
     uint32_t vocab;
-    uint32_t _pad;
+    uint32_t delay_us;
     uint64_t steps;
     uint64_t sampled;
     uint64_t pages_copied;
@@ -128,6 +129,10 @@ static int32_t example_execute_step(void *ctx, const qualia_step_plan *plan,
 {
     example_step_backend *self = (example_step_backend *)ctx;
     self->steps++;
+    if (self->delay_us) {
+        struct timespec ts = {self->delay_us / 1000000u, (long)(self->delay_us % 1000000u) * 1000L};
+        nanosleep(&ts, NULL);
+    }
     /* the fields of the first step ABI must all be there */
     if (!PLAN_HAS(plan, finished_request_ids) || plan->page_tokens == 0) return 20;
     /* the beam-row fields were appended later: an older scheduler's plan has none */
@@ -178,11 +183,12 @@ static void example_step_free(PyObject *capsule)
 
 static PyObject *example_new_step(PyObject *mod, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"vocab", "logprobs", "topk", NULL};
-    unsigned int vocab;
+    static char *kwlist[] = {"vocab", "logprobs", "topk", "delay_us", NULL};
+    unsigned int vocab, delay_us = 0;
     int logprobs = 0, topk = 1;
     (void)mod;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|pp", kwlist, &vocab, &logprobs, &topk)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "I|ppI", kwlist, &vocab, &logprobs, &topk,
+                                     &delay_us)) {
         return NULL;
     }
     if (vocab == 0) {
@@ -199,6 +205,7 @@ static PyObject *example_new_step(PyObject *mod, PyObject *args, PyObject *kwarg
     b->iface.execute_step = example_execute_step;
     b->iface.copy_pages = example_step_copy_pages;
     b->vocab = vocab;
+    b->delay_us = delay_us;
     PyObject *cap = PyCapsule_New(&b->iface, QUALIA_STEP_CAPSULE_NAME, example_step_free);
     if (!cap) PyMem_Free(b);
     return cap;
@@ -336,7 +343,7 @@ static PyMethodDef example_methods[] = {
     {"stats", example_stats, METH_O, "stats(capsule) -> (calls, items, pages_copied)"},
     {"layout", example_layout, METH_NOARGS, "ABI layout as this compiler sees qualia.h"},
     {"new_step", (PyCFunction)(void (*)(void))example_new_step, METH_VARARGS | METH_KEYWORDS,
-     "new_step(vocab, logprobs=False, topk=True) -> step backend capsule"},
+     "new_step(vocab, logprobs=False, topk=True, delay_us=0) -> step backend capsule"},
     {"step_stats", example_step_stats, METH_O, "step_stats(capsule) -> (steps, sampled, pages_copied)"},
     {NULL, NULL, 0, NULL}};
 

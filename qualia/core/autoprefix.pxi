@@ -26,9 +26,12 @@ cdef struct Streams:
     uint64_t *ident     # max_requests x logical_pages: each page's chain value (pc_chain)
     uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
     uint64_t *canon_gen
-    uint64_t *probe_ident    # logical_pages: scratch of cached_prefix_tokens
+    uint64_t *probe_ident    # logical_pages: the engine step's probe of an admission's hit
     uint32_t *probe_canon
     uint64_t *probe_gen
+    uint64_t *read_ident     # logical_pages: cached_prefix's own (a read writes no core scratch)
+    uint32_t *read_canon
+    uint64_t *read_gen
     uint32_t logical_pages
     uint32_t page_tokens
     uint32_t cacheable  # streams that are live and not broken: 0 lets a decode round skip them
@@ -53,9 +56,13 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
     ss.probe_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
     ss.probe_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
     ss.probe_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
+    ss.read_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
+    ss.read_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
+    ss.read_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
     if ss.st == NULL or ss.tokens == NULL or ss.ident == NULL or ss.canon == NULL \
             or ss.canon_gen == NULL or ss.probe_ident == NULL or ss.probe_canon == NULL \
-            or ss.probe_gen == NULL:
+            or ss.probe_gen == NULL or ss.read_ident == NULL or ss.read_canon == NULL \
+            or ss.read_gen == NULL:
         raise MemoryError(f"cannot allocate token streams of {max_requests} x {logical_pages} "
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
@@ -72,6 +79,9 @@ cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.probe_ident)
     PyMem_Free(ss.probe_canon)
     PyMem_Free(ss.probe_gen)
+    PyMem_Free(ss.read_ident)
+    PyMem_Free(ss.read_canon)
+    PyMem_Free(ss.read_gen)
     memset(ss, 0, sizeof(Streams))
 
 
@@ -137,7 +147,10 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
         stream_stop(ss, st)
         st.live = 0
         ns_unref(&c.ns, st.ns)
-    rc = ns_intern(&c.ns, nsh, nsb, nsl, &ns)
+    # A new namespace may take an idle namespace's id (reclaiming its pages) and then has no
+    # cached page: its match is empty, and attaching no page to the free slot's empty table
+    # cannot fail, so nothing after a reclaim can fail.
+    rc = pc_intern_ns(c, p, nsh, nsb, nsl, &ns)
     if rc:
         return rc
     ids = &ss.ident[_sp(ss, index)]
@@ -169,7 +182,7 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
         c.hit_tokens += <uint64_t>k * pt
     c.collisions += collided
     c.pages_hashed += hashed
-    c.ns.refs[ns] += 1
+    ns_ref(&c.ns, ns)
     out.slot = <uint16_t>index
     out.prefix_tokens = k * pt
     return Q_OK

@@ -310,8 +310,9 @@ def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logpr
     check the capsule, lower the plan, call ``copy_pages`` (when set and the plan has copies),
     then ``execute_step`` without the GIL.  Returns ``sampled`` or ``(sampled, logprobs)`` when
     ``logprobs`` (logprobs stay NaN unless the backend declares QUALIA_STEP_WRITES_LOGPROBS).
-    A nonzero status raises ``RaggedBackendError.Failed(status)``.  For tests and Python loops
-    that drive C step backends; not a hot path."""
+    A nonzero status raises ``RaggedBackendError.Failed(status)``; a sampled row the backend
+    left unwritten (each is set to 2**32-1, no token id, before the call) raises ``ValueError``.
+    For tests and Python loops that drive C step backends; not a hot path."""
     cdef qualia_step_backend *cb = NULL
     cap = _c_step_backend(backend, &cb)
     if cap is None:
@@ -331,6 +332,9 @@ def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logpr
         for i in range(lp.plan.num_sampled):
             (<float *>(<_Buffer>bl).ptr)[i] = nan
     cdef int32_t status = 0
+    cdef uint32_t *sp = <uint32_t *>(<_Buffer>bs).ptr
+    for i in range(lp.plan.num_sampled):
+        sp[i] = U32_MAX
     with nogil:
         if cb.copy_pages != NULL and lp.plan.num_copies > 0:
             status = cb.copy_pages(cb.ctx, lp.plan.copies, lp.plan.num_copies)
@@ -338,6 +342,10 @@ def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logpr
             status = cb.execute_step(cb.ctx, &lp.plan, <uint32_t *>(<_Buffer>bs).ptr, lptr)
     if status != 0:
         raise RaggedBackendError.Failed(status)
+    for i in range(lp.plan.num_sampled):
+        if sp[i] == U32_MAX:
+            raise ValueError(f"the step backend returned 0 without writing sampled row {i} (or "
+                             f"wrote 4294967295, which is no token id)")
     return (out, lps) if lps is not None else out
 
 

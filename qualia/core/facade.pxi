@@ -87,12 +87,20 @@ cdef class Scheduler:
     call (docs/DESIGN.md, "Ownership"): a call made meanwhile -- from a backend, a GC callback or
     another thread, on the facade or on ``pool``/``prefixes``/``requests`` -- raises
     ``BusyError`` and changes nothing.
+
+    While ``run()`` with a C step backend runs its GIL-free loop, every other call on the
+    facade and on its raw objects raises ``BusyError`` and changes nothing, reads included
+    (``stats``, ``cached_prefix``, ``request_tokens``, ``num_waiting``, ...), except
+    ``drain_events()``, which drains the KV event ring concurrently; configuration properties
+    and ``page_identities`` read nothing the loop changes and work too (docs/DESIGN.md,
+    "Concurrency").  Reads work at every other time, from a Python backend mid-step too.
     """
     cdef readonly BlockPool pool
     cdef readonly PrefixKvStore prefixes
     cdef readonly RequestScheduler requests
     cdef readonly uint32_t page_tokens
     cdef uint64_t owner
+    cdef uint8_t gil_free   # run()'s GIL-free loop is changing everything (ownership.pxi)
     # Scratch, written only by the core under ownership.  items/table/copies/results are exported
     # to Python read-only; backend_out is the one buffer a backend writes.
     cdef _Region _items_r
@@ -257,8 +265,23 @@ cdef class Scheduler:
     cdef inline void _unown(self, uint64_t token) noexcept:
         own_release(token, &self.owner, &self.requests.owner, &self.prefixes.owner,
                     &self.pool.owner)
-        if self.owner == 0 and (self.step.count or self.step.n_done):
+        if self.owner == 0 and self._step_mode():
             self._hold_raw(0, OWN_STEP_HELD)
+
+    cdef inline bint _step_mode(self) noexcept:
+        # The facade belongs to the engine step while step requests exist (queued, running or
+        # uncollected) or a plan is pending: a kernel may be executing the plan, and every page
+        # it names stays pinned until update() or discard_plan() retires it (requests aborted
+        # meanwhile hand their pages back then), whatever API asks for pages
+        return self.step.count != 0 or self.step.n_done != 0 or self.step.pending
+
+    cdef inline void _gil_free(self, uint8_t on) noexcept:
+        # with the GIL, around run()'s GIL-free stretch (under ownership): every read of the
+        # facade and of its raw objects raises BusyError while it is set
+        self.gil_free = on
+        self.pool.gil_free = on
+        self.prefixes.gil_free = on
+        self.requests.gil_free = on
 
     cdef inline void _hold_raw(self, uint64_t was, uint64_t now) noexcept:
         if self.requests.owner == was:
@@ -283,11 +306,13 @@ cdef class Scheduler:
 
     @property
     def active_count(self):
+        own_readable(self.gil_free)
         return self.requests.s.active
 
     @property
     def free_pages(self):
         """Pages an allocation can take: free pages plus reclaimable cached pages."""
+        own_readable(self.gil_free)
         return self.pool.pool.free_top + self.cache.n_state[PC_RECLAIMABLE]
 
     @property
@@ -296,6 +321,7 @@ cdef class Scheduler:
 
     def stats(self):
         # C values first: building the dict runs Python code
+        own_readable(self.gil_free)
         cdef uint32_t active = self.requests.s.active, mr = self.requests.s.max_requests
         cdef uint32_t nb = self.pool.pool.num_blocks
         cdef uint32_t free = self.pool.pool.free_top + self.cache.n_state[PC_RECLAIMABLE]
@@ -772,9 +798,14 @@ cdef class Scheduler:
         return self.requests.s.slots[self.requests._find(request_id)].token_count
 
     def runnable(self):
+        own_readable(self.gil_free)
         return _views_array(&self.requests.s)
 
     def __repr__(self):
+        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
+            return (f"Scheduler(max_requests={self.max_requests}, num_blocks={self.num_blocks}, "
+                    f"page_tokens={self.page_tokens}, logical_pages={self.logical_pages}, "
+                    f"prefix_caching={self.prefix_caching!r}, busy)")
         return (f"Scheduler(max_requests={self.max_requests}, num_blocks={self.num_blocks}, "
                 f"page_tokens={self.page_tokens}, logical_pages={self.logical_pages}, "
                 f"prefix_caching={self.prefix_caching!r}, "
@@ -929,7 +960,8 @@ cdef class Scheduler:
     def cached_prefix(self, prompt_tokens, namespace=b""):
         """``CachedPrefix(tokens, pages, reclaimable)``: what an admission of ``prompt_tokens``
         in ``namespace`` would take from the cache right now, and how many of those pages are
-        reclaimable now (the admission takes them out of ``free_pages``).  Changes nothing."""
+        reclaimable now (the admission takes them out of ``free_pages``).  Changes nothing
+        and writes no scratch of the core (it has its own)."""
         return self._probe(prompt_tokens, namespace, "cached_prefix", True)
 
     cdef object _probe(self, object prompt_tokens, object namespace, str what, bint detail):
@@ -944,18 +976,21 @@ cdef class Scheduler:
         nsl = len(nsb)
         if nsl > NS_MAX_BYTES:
             raise ValueError(f"a namespace is at most {NS_MAX_BYTES} bytes, got {nsl}")
-        keep = self._prompt(prompt_tokens, &t)
+        keep = self._prompt(prompt_tokens, &t)   # last: no user code runs after it
         try:
+            own_readable(self.gil_free)
+            # the reads' own scratch (read_*): the core's probe scratch belongs to the step,
+            # which may be between its probe and its admission (a Python backend calling back)
             nsh = self.cache.ns.hashes[0] if nsl == 0 else \
                 pc_ns_hash(&self.cache, <const uint8_t *><char *>nsb, <uint32_t>nsl)
             ns = ns_find(&self.cache.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
             if ns != U32_MAX:
                 hashed = (t.n - 1) // self.page_tokens if t.n else 0
                 k = auto_match(&self.cache, t.ptr, <uint32_t>t.n, ns, nsh, hashed,
-                               self.streams.probe_ident, self.streams.probe_canon,
-                               self.streams.probe_gen, &collided)
+                               self.streams.read_ident, self.streams.read_canon,
+                               self.streams.read_gen, &collided)
                 for i in range(k):
-                    rec += pc_rec(&self.cache, self.streams.probe_canon[i]).state \
+                    rec += pc_rec(&self.cache, self.streams.read_canon[i]).state \
                         == PC_RECLAIMABLE
         finally:
             _tokens_free(&t)
@@ -967,13 +1002,16 @@ cdef class Scheduler:
         """Pending KV events, oldest first.  Without ``out``: a new KV_EVENT array of all of
         them.  With ``out`` (a writable 1-D KV_EVENT array): write up to ``len(out)`` events
         into it and return how many (no allocation).  Events left in the ring stay pending.
-        Draining touches only the ring, which no GIL-free section touches: it takes no
-        ownership and may be called at any time, from a backend or a router thread too."""
+        The ring is a single-producer, single-consumer ring: the core writes it (without the
+        GIL inside run()), drain_events reads it (with the GIL, one caller at a time), so it
+        takes no ownership and may be called at any time, from any thread, even while run()'s
+        GIL-free loop runs: every event comes out once, in order.  A full ring drops new
+        events and counts them (``cache_stats().events_dropped``)."""
         cdef void *ptr
         cdef Py_ssize_t n
         cdef uint32_t count
         if out is None:
-            count = self.cache.ev.count
+            count = pc_pending(&self.cache)
             arr = np.empty(count, dtype=_DT_KV_EVENT)
             # the allocation may have run a GC callback that drained or added events: take at
             # most what the array holds
@@ -1000,6 +1038,7 @@ cdef class Scheduler:
     def cache_stats(self):
         """Counters of automatic prefix caching, as a CacheStats."""
         # C values first: building the tuple runs Python code
+        own_readable(self.gil_free)
         cdef PageCache *c = &self.cache
         cdef uint32_t nb = self.pool.pool.num_blocks
         cdef uint32_t held = nb - self.pool.pool.free_top - c.n_state[PC_RECLAIMABLE]
@@ -1008,7 +1047,7 @@ cdef class Scheduler:
         cdef uint64_t duplicates = c.duplicates, collisions = c.collisions
         cdef uint64_t hashed = c.pages_hashed, dropped = c.ev.dropped
         cdef uint32_t cached = c.n_state[PC_INUSE] + c.n_state[PC_RECLAIMABLE]
-        cdef uint32_t reclaimable = c.n_state[PC_RECLAIMABLE], pending = c.ev.count
+        cdef uint32_t reclaimable = c.n_state[PC_RECLAIMABLE], pending = pc_pending(c)
         cdef uint32_t namespaces = c.ns.count
         return CacheStats(lookups, lookup_tokens, hit_tokens, reclaims, cached, reclaimable,
                           stored, duplicates, collisions, hashed, pending, dropped, namespaces,
@@ -1016,6 +1055,7 @@ cdef class Scheduler:
 
     def reclaimable_pages(self):
         """The reclaimable cached pages, least recently used (next to be reclaimed) first."""
+        own_readable(self.gil_free)
         cdef uint32_t n = self.cache.n_state[PC_RECLAIMABLE] if self.mode == MODE_AUTO else 0
         cdef uint32_t *tmp = <uint32_t *>PyMem_Malloc((n if n else 1) * sizeof(uint32_t))
         cdef uint32_t p, k = 0
@@ -1039,6 +1079,7 @@ cdef class Scheduler:
         cdef CachePage x
         if pg >= self.pool.pool.num_blocks:
             raise PoolError.InvalidPage()
+        own_readable(self.gil_free)
         if self.mode != MODE_AUTO or pc_rec(&self.cache, pg).state == PC_NONE:
             return None
         x = pc_rec(&self.cache, pg)[0]  # a copy: building the result runs Python code
@@ -1088,18 +1129,22 @@ cdef class Scheduler:
     # -- the engine step (core/step.pxi; docs/DESIGN.md, "The engine step") ---------------------
     cdef int _no_step(self) except -1:
         # the manual verbs refuse while step requests exist (queued, running or uncollected)
-        if self.step.count or self.step.n_done:
-            raise StepError.ModeConflict(None, "engine-step requests exist; the manual verbs "
-                                               "(admit/reserve/advance/complete_prefill/decode/"
-                                               "finish) are refused until they are done")
+        # or a plan is pending (its pages are pinned, see _step_mode)
+        if self._step_mode():
+            raise StepError.ModeConflict(None, "engine-step requests exist or a plan is "
+                                               "pending; the manual verbs (admit/reserve/"
+                                               "advance/complete_prefill/decode/finish) are "
+                                               "refused until they are done")
         return 0
 
     @property
     def num_waiting(self):
+        own_readable(self.gil_free)
         return self.step.n_waiting
 
     @property
     def num_running(self):
+        own_readable(self.gil_free)
         return self.step.n_running
 
     @property
@@ -1123,6 +1168,7 @@ cdef class Scheduler:
         return self.step.vocab if self.step.vocab else None
 
     def has_unfinished(self):
+        own_readable(self.gil_free)
         return self.step.count != 0
 
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
@@ -1231,11 +1277,11 @@ cdef class Scheduler:
             raise _error(E_STEP, rc)
 
     cdef int _beam_buffers(self) except -1:
-        # under ownership: the candidate buffers, allocated with the first beam group (max_num_seqs
-        # rows of max_num_seqs candidates)
+        # under ownership: the candidate buffers, allocated with the first beam group (one row
+        # of max_num_seqs candidates per entry: a parked beam keeps its candidates)
         cdef StepState *st = &self.step
         return _alloc_candidates(<void **>&st.cand_ids, <void **>&st.cand_lps,
-                                 <size_t>st.max_seqs * st.max_seqs, sizeof(double))
+                                 <size_t>st.max_queued * st.max_seqs, sizeof(double))
 
     cdef int _topk_buffers(self) except -1:
         # under ownership, before run() hands beam plans to a C backend: room for every row's
@@ -1247,8 +1293,9 @@ cdef class Scheduler:
         return 0
 
     def abort(self, request_id):
-        """Drop a waiting or running request (a running one hands its pages back now; if it is
-        in the pending plan, update() skips it)."""
+        """Drop a waiting or running request.  A running one hands its pages back now, unless it
+        is in the pending plan: update() skips it, and its pages stay pinned until update() or
+        discard_plan() retires the plan (a kernel may be executing it)."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef StepState *st = &self.step
         cdef int rc
@@ -1358,7 +1405,8 @@ cdef class Scheduler:
                               <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1]), NULL,
                               &row)
         if why == TOPK_BAD_LOGPROB:
-            raise ValueError(f"topk_logprobs row {row} holds NaN or +inf")
+            raise ValueError(f"topk_logprobs row {row} holds NaN or a value above 0 (a "
+                             f"log-probability is at most 0)")
         if why == TOPK_UNSORTED:
             raise ValueError(f"topk_logprobs row {row} is not best first (non-increasing)")
         if why:
@@ -1392,7 +1440,8 @@ cdef class Scheduler:
         with beam rows (``num_topk > 0``) also takes each row's ``num_topk`` best token ids and
         their log-probabilities (``[m, num_topk]`` arrays, best first)."""
         cdef uint64_t tok
-        if not self.step.pending:     # fails early (a read); checked again once owned
+        if not self.gil_free and not self.step.pending:
+            # fails early (a read, so not while the loop runs); checked again once owned
             raise StepError.NoPlan(None, "schedule() first")
         values = self._resolve_sampled(sampled_token_ids)
         topk = _resolve_topk(topk_ids, topk_logprobs)
@@ -1427,23 +1476,29 @@ cdef class Scheduler:
     def discard_plan(self):
         """Drop the pending plan after its execution failed: the reserved pages stay with their
         requests and the same tokens are scheduled again; the plan's changed rows and finished
-        ids are reported again by the next plan."""
+        ids are reported again by the next plan.  Requests aborted while it was pending hand
+        their pages back now."""
+        cdef int rc
         cdef uint64_t tok = self._own()
         try:
             if self.step.pending:
                 self._accum_room(<uint64_t>self.step.n_accum + self.step.n_finished)
-            step_discard(&self.step)
+            rc = step_discard(&self.step)
         finally:
             self._unown(tok)
+        if rc:
+            raise _error(E_STEP, rc)
 
     def request_tokens(self, request_id):
         """Prompt plus generated tokens of a queued or running request."""
         cdef uint64_t rid = _u64(request_id, "request_id")
+        own_readable(self.gil_free)
         cdef int32_t e = step_find(&self.step, rid)
         if e >= 0 and self.step.req[e].state == SR_GROUP:
             e = self.step.req[e].parent_beam    # a beam group: its beam with the group's id
         if e < 0 or (self.step.req[e].state != SR_WAITING
-                     and self.step.req[e].state != SR_RUNNING):
+                     and self.step.req[e].state != SR_RUNNING
+                     and self.step.req[e].state != SR_PARKED):
             raise StepError.UnknownRequest(None, f"request {rid}")
         return _array_of(&self.step.arena[<size_t>e * self.step.entry_cap],
                          self.step.req[e].num_tokens)
@@ -1453,72 +1508,139 @@ cdef class Scheduler:
         id, then its children's (what the sampler keys on); for a beam group, its live beams."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef StepState *st = &self.step
+        own_readable(self.gil_free)
         cdef int32_t e = step_find(st, rid), c
+        cdef uint32_t k = 0, j
         if e < 0 or st.req[e].group != e or st.req[e].state == SR_FINISHED:
             raise StepError.UnknownRequest(None, f"no group {rid}")
-        out = []
-        c = st.req[e].next_member if st.req[e].beam else e
-        while c >= 0:
-            out.append(st.req[c].rid)
-            c = st.req[c].next_member
-        return out
+        # the ids into C memory first: building the list runs Python code (see _list_of)
+        cdef uint64_t *ids = <uint64_t *>PyMem_Malloc(st.max_seqs * sizeof(uint64_t))
+        if ids == NULL:
+            raise MemoryError()
+        try:
+            c = st.req[e].next_member if st.req[e].beam else e
+            while c >= 0 and k < st.max_seqs:
+                ids[k] = st.req[c].rid
+                k += 1
+                c = st.req[c].next_member
+            return [ids[j] for j in range(k)]
+        finally:
+            PyMem_Free(ids)
 
     @property
     def forks(self):
         """Children of ``n`` groups forked so far (each shares its parent's pages)."""
+        own_readable(self.gil_free)
         return self.step.forks
 
     @property
     def parked(self):
-        """Beams parked so far: computed beams of a group whose other beam waits, queued again
-        after a step that scheduled nothing (docs/DESIGN.md, "Beam search at the step level")."""
+        """Beams parked so far: computed beams that left the running list with their
+        candidates (after a step that scheduled nothing, or preempted) to wait, holding
+        nothing, for their group's selection (docs/DESIGN.md, "Progress")."""
+        own_readable(self.gil_free)
         return self.step.parked
 
     @property
     def fork_fallbacks(self):
         """Children of ``n`` groups queued for lack of a free slot or row."""
+        own_readable(self.gil_free)
         return self.step.fork_fallbacks
 
     def step_requests(self):
-        """Ids of the queued and running requests, in arrival order."""
+        """Ids of the queued, running and parked requests, in arrival order."""
         cdef StepState *st = &self.step
-        cdef uint32_t e
-        found = []
-        for e in range(st.max_queued):
-            if st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING:
-                found.append((st.req[e].arrival, st.req[e].rid))
-        found.sort()
+        cdef uint32_t e, k = 0, j
+        own_readable(self.gil_free)
+        # (arrival, id) pairs into C memory first: building the list runs Python code
+        cdef size_t size = 2 * <size_t>st.max_queued * sizeof(uint64_t)
+        cdef uint64_t *pairs = <uint64_t *>PyMem_Malloc(size)
+        if pairs == NULL:
+            raise MemoryError()
+        try:
+            for e in range(st.max_queued):
+                if (st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING
+                        or st.req[e].state == SR_PARKED):
+                    pairs[2 * k] = st.req[e].arrival
+                    pairs[2 * k + 1] = st.req[e].rid
+                    k += 1
+            found = sorted([(pairs[2 * j], pairs[2 * j + 1]) for j in range(k)])
+        finally:
+            PyMem_Free(pairs)
         return [rid for _, rid in found]
 
-    def run(self, backend, max_steps=None):
+    cdef int _raise_run_failure(self, int rc, int32_t status) except -1:
+        # the C loop's failed step (discarded by step_run) as its exception
+        if rc == RUN_BACKEND_FAILED:
+            raise RaggedBackendError.Failed(status)
+        if rc == RUN_UNWRITTEN:
+            raise ValueError(f"the step backend returned 0 without writing sampled row {status} "
+                             f"(or wrote 4294967295, which is no token id); the step was "
+                             f"discarded")
+        if rc == RUN_BAD_TOKEN:
+            raise ValueError(f"the step backend sampled token id "
+                             f"{self.step.sampled[status]} (row {status}), outside "
+                             f"[0, {self.step.vocab - 1}]")
+        if rc == RUN_BAD_TOPK:
+            raise ValueError(f"the step backend wrote a candidate token id outside "
+                             f"[0, {self.step.vocab - 1}] (row {status})")
+        if rc == RUN_BAD_TOPK_LOGPROB:
+            raise ValueError(f"the step backend wrote a candidate log-probability that "
+                             f"is NaN or above 0 (a log-probability is at most 0), or left it "
+                             f"unwritten (row {status})")
+        if rc == RUN_REPEATED_TOPK:
+            raise ValueError(f"the step backend repeated a token among a beam's "
+                             f"candidates (row {status})")
+        if rc == RUN_UNSORTED_TOPK:
+            raise ValueError(f"the step backend wrote a beam row's candidates out of "
+                             f"order: not best first (row {status})")
+        if rc == RUN_NO_TOPK:
+            raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
+                            "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
+                            "step was discarded")
+        raise _error(E_STEP, rc)
+
+    def run(self, backend, max_steps=None, *, stats_rows=RUN_STATS_ROWS):
         """schedule -> execute -> update until no request is left or ``max_steps`` steps ran.
-        Returns ``RunResult(stats, finished)``: one STEP_STATS row per step and the finished
-        requests in the order they finished.
+        Returns ``RunResult(stats, finished, steps, totals)``: the STEP_STATS rows of the last
+        ``min(steps, stats_rows)`` steps, oldest first (a ring sized when the call starts, so
+        the call's memory does not grow with its length), the finished requests in the order
+        they finished, the number of steps, and each STEP_TOTALS field summed over all of them.
 
         The scheduler is owned for the whole call: a backend (or a GC callback, or another
-        thread) calling a mutating method meanwhile gets BusyError.  A C step backend
-        (``__qualia_step_backend__``) runs whole stretches of steps in C without the GIL; the
-        stats rows are written into arrays of up to 4096 rows allocated between stretches, and
-        the finished requests are collected between stretches.  A Python backend's
+        thread) calling a mutating method meanwhile gets BusyError; reads work (the state
+        stands still while Python runs).  A C step backend (``__qualia_step_backend__``) runs
+        stretches of steps in C without the GIL; while a stretch runs, every other call on the
+        scheduler and its raw objects raises BusyError, reads included, except
+        drain_events().  Every few milliseconds (5 ms) the stretch ends between two steps, the
+        finished requests are collected and pending signals are serviced with the GIL: a signal
+        handler that raises (KeyboardInterrupt) stops the call there.  A Python backend's
         ``execute_step(plan)`` is called with the GIL, between schedule and update.  If a
-        backend fails, that step is discarded (nothing of it applied) and the error propagates
-        with the requests the earlier steps of this call finished as its ``finished`` attribute
-        (a list of FinishedRequest; they are no longer queued)."""
+        backend fails, or a signal handler raises, the step being run is discarded (nothing of
+        it applied) and the error propagates with the requests the earlier steps of this call
+        finished as its ``finished`` attribute (they are no longer queued)."""
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
+        cdef uint32_t ring_rows = _u32(stats_rows, "stats_rows")
         cdef qualia_step_backend *cb = NULL
         cdef StepStat row
-        cdef StepStat *rows
-        cdef uint32_t steps = 0, want
+        cdef StepStat *ring
+        cdef uint32_t head = 0
+        cdef uint64_t steps = 0, total = 0, want
+        cdef uint64_t totals[STAT_TOTALS]
         cdef int32_t status = 0
         cdef int rc = Q_OK
         cdef uint64_t tok
         handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
-        stats = []
+        if limit is not None and <uint32_t>limit < ring_rows:
+            ring_rows = <uint32_t>limit
+        stats = np.empty(ring_rows, dtype=STEP_STATS)
+        ring = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>stats)
+        memset(totals, 0, sizeof(totals))
         finished = []
         tok = self._own()
         try:
             if cb == NULL:
-                while self.step.count and (limit is None or len(stats) < limit):
+                while self.step.count and (limit is None or total < limit):
                     rc = step_schedule(&self.step)
                     if rc:
                         raise _error(E_STEP, rc)
@@ -1544,58 +1666,37 @@ cdef class Scheduler:
                     done = self._update_loaded(cand)
                     finished.extend(done)
                     step_stat(&self.step, &row, <uint32_t>len(done))
-                    stats.append(row)
-                out = np.empty(len(stats), dtype=STEP_STATS)
-                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>out)
-                for i, r in enumerate(stats):
-                    rows[i] = r
-                return RunResult(out, finished)
-            total = 0
-            if self.step.beam_head >= 0:
-                if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
-                    # refused before any step: nothing is scheduled, admitted or discarded
-                    raise TypeError("a beam group is queued or running and the C step backend "
-                                    "does not declare QUALIA_STEP_WRITES_TOPK (its plans need "
-                                    "candidates); nothing was run")
-                self._topk_buffers()
-            while self.step.count and (limit is None or total < limit):
-                want = 4096 if limit is None else min(4096, limit - total)
-                chunk = np.empty(want, dtype=STEP_STATS)
-                rows = <StepStat *>cnp.PyArray_DATA(<cnp.ndarray>chunk)
-                with nogil:
-                    rc = step_run(&self.step, cb, rows, want, &steps, &status)
-                finished.extend(step_collect(&self.step))
-                stats.append(chunk[:steps])
-                total += steps
-                if rc == RUN_BACKEND_FAILED:
-                    raise RaggedBackendError.Failed(status)
-                if rc == RUN_BAD_TOKEN:
-                    raise ValueError(f"the step backend sampled token id "
-                                     f"{self.step.sampled[status]} (row {status}), outside "
-                                     f"[0, {self.step.vocab - 1}]")
-                if rc == RUN_BAD_TOPK:
-                    raise ValueError(f"the step backend wrote a candidate token id outside "
-                                     f"[0, {self.step.vocab - 1}] (row {status})")
-                if rc == RUN_BAD_TOPK_LOGPROB:
-                    raise ValueError(f"the step backend wrote a candidate log-probability that "
-                                     f"is NaN or +inf, or left it unwritten (row {status})")
-                if rc == RUN_REPEATED_TOPK:
-                    raise ValueError(f"the step backend repeated a token among a beam's "
-                                     f"candidates (row {status})")
-                if rc == RUN_UNSORTED_TOPK:
-                    raise ValueError(f"the step backend wrote a beam row's candidates out of "
-                                     f"order: not best first (row {status})")
-                if rc == RUN_NO_TOPK:
-                    raise TypeError("the plan has beam rows (num_topk > 0) and the C step "
-                                    "backend does not declare QUALIA_STEP_WRITES_TOPK; the "
-                                    "step was discarded")
-                if rc:
-                    raise _error(E_STEP, rc)
-            if len(stats) == 1:
-                out = stats[0]
+                    stats_note(&row, ring, ring_rows, &head, totals)
+                    total += 1
             else:
-                out = np.concatenate(stats) if stats else np.empty(0, dtype=STEP_STATS)
-            return RunResult(out, finished)
+                if self.step.beam_head >= 0:
+                    if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
+                        # refused before any step: nothing is scheduled, admitted or discarded
+                        raise TypeError("a beam group is queued or running and the C step "
+                                        "backend does not declare QUALIA_STEP_WRITES_TOPK (its "
+                                        "plans need candidates); nothing was run")
+                    self._topk_buffers()
+                while self.step.count and (limit is None or total < limit):
+                    want = U64_MAX if limit is None else <uint64_t>limit - total
+                    self._gil_free(1)
+                    with nogil:
+                        rc = step_run(&self.step, cb, want, _coarse_now_ns() + RUN_SLICE_NS, ring,
+                                      ring_rows, &head, totals, &steps, &status)
+                    self._gil_free(0)
+                    finished.extend(step_collect(&self.step))
+                    total += steps
+                    if rc:
+                        self._raise_run_failure(rc, status)
+                    # between two steps, nothing pending: a signal handler that raises stops
+                    # the call here (the steps so far stay applied)
+                    PyErr_CheckSignals()
+            if total > ring_rows:
+                # the ring wrapped: its oldest row is at head
+                stats = np.concatenate((stats[head:], stats[:head]))
+            elif total < ring_rows:
+                stats = stats[:total].copy()
+            return RunResult(stats, finished, total,
+                             {name: totals[k] for k, name in enumerate(STEP_TOTALS)})
         except BaseException as err:
             # the requests earlier steps of this call finished are freed: report them
             _attach_finished(err, finished)

@@ -67,7 +67,7 @@ cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
     dst.has_pending = 0
     if not src.live:
         return
-    c.ns.refs[src.ns] += 1
+    ns_ref(&c.ns, src.ns)
     if src.broken:
         return           # stream_stop counts only live, unbroken streams; nothing is read again
     ss.cacheable += 1

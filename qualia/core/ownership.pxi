@@ -17,7 +17,8 @@
 # weakref finalizer, another thread while a C backend runs without the GIL -- gets BusyError from
 # every mutating call on it and changes nothing.  Read-only calls take no ownership: they copy
 # the state they read into C memory before they build Python objects (an allocation can run a GC
-# callback that mutates), and the core never mutates state without the GIL.
+# callback that mutates).  The core changes state without the GIL in one place, the loop of
+# Scheduler.run() with a C step backend; reads are refused while it runs (own_readable below).
 
 cdef uint64_t _own_seq = 0
 
@@ -54,6 +55,22 @@ cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) ex
     if d != NULL:
         d[0] = token
     return token
+
+
+# A GIL-free section that changes state (Scheduler.run() with a C step backend: the whole
+# schedule -> execute -> update loop runs without the GIL) sets `gil_free` on the facade and on
+# each raw object it holds, with the GIL, before it lets the GIL go, and clears it after it has
+# the GIL back.  While it is set every read of those objects raises BusyError (reads included:
+# the loop changes what they would read); the one exception is the KV event ring, a
+# single-producer, single-consumer ring that drain_events() consumes concurrently
+# (core/pagecache.pxi).  A read calls own_readable() after it has resolved its arguments (user
+# code may run there, and with it another thread) and before it reads any state, with no
+# Python code in between, so the check and the read happen under one holding of the GIL.
+cdef inline int own_readable(uint8_t gil_free) except -1:
+    if gil_free:
+        raise BusyError(None, "a GIL-free section (Scheduler.run() with a C step backend) is "
+                              "changing this object; nothing was read, retry after it")
+    return 0
 
 
 cdef inline void own_release(uint64_t token, uint64_t *a, uint64_t *b, uint64_t *c,

@@ -8,9 +8,13 @@
 # reference on every page it caches, so the block pool is unchanged.
 #
 # A cached page is on exactly one list: "in use" (a request holds it too) or "reclaimable" (only
-# the cache holds it; least recently used first).  Lookups verify tokens, namespace and parent
-# link, so a hash collision can never hand out the wrong page.  Every function is O(1) or O(pages
-# of one call); nothing walks the pool.  All memory is allocated by pc_init.
+# the cache holds it; least recently used first).  A reclaimable page is also on its namespace's
+# list of reclaimable pages (in the same order), and a namespace whose every reference is a
+# reclaimable page is "idle": on the list of idle namespaces, least recently used first, whose
+# head gives up its pages and its id when a new namespace needs one and none is free.  Lookups
+# verify tokens, namespace and parent link, so a hash collision can never hand out the wrong page.
+# Every function is O(1) or O(pages of one call); nothing walks the pool.  All memory is allocated
+# by pc_init.
 
 cdef enum:
     PC_NONE = 0          # record state: the page is not cached
@@ -45,6 +49,8 @@ cdef struct CachePage:
     uint32_t ns
     uint32_t prev         # list links (U32_MAX: none)
     uint32_t next
+    uint32_t ns_prev      # links of its namespace's reclaimable list (U32_MAX: none)
+    uint32_t ns_next
     uint8_t state
     uint8_t has_parent
 
@@ -53,6 +59,14 @@ cdef struct NsTable:
     uint32_t *lens
     uint64_t *hashes
     uint32_t *refs        # live requests + cached pages in the namespace
+    uint32_t *n_rec       # its reclaimable cached pages
+    uint32_t *rec_head    # its reclaimable pages, least recently used first (U32_MAX: none)
+    uint32_t *rec_tail
+    uint32_t *idle_prev   # the idle list: namespaces whose references are all reclaimable
+    uint32_t *idle_next   # pages, least recently used first (U32_MAX: none)
+    uint8_t *idle         # on the idle list
+    uint32_t idle_head
+    uint32_t idle_tail
     int32_t *index        # open addressing by hash
     uint32_t *free_ids    # stack of unused ids, lowest on top
     uint32_t n_free
@@ -61,11 +75,14 @@ cdef struct NsTable:
     uint32_t count
 
 cdef struct EventRing:
+    # a single-producer, single-consumer ring (pc_emit, pc_drain): `tail` counts the events
+    # ever written and is written only by the producer, `head` counts the events ever drained
+    # and is written only by the consumer; record i lives at buf[i % capacity]
     KvEvent *buf
     uint32_t capacity
-    uint32_t head
-    uint32_t count
-    uint64_t dropped
+    uint64_t head
+    uint64_t tail
+    uint64_t dropped      # the producer's: events refused because the ring was full
 
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
@@ -106,6 +123,8 @@ cdef extern from "qualia_cache.h" nogil:
     uint64_t qualia_mix64(uint64_t z)
     uint64_t qualia_page_chain(const uint64_t *k, const uint64_t *K, uint32_t n, uint64_t parent,
                                int has_parent, uint64_t ns_hash, const uint32_t *t)
+    uint64_t qualia_load_acquire(const uint64_t *p)
+    void qualia_store_release(uint64_t *p, uint64_t v)
 
 
 # -- hashing ------------------------------------------------------------------------------------
@@ -176,7 +195,10 @@ cdef uint64_t pc_ns_hash(PageCache *c, const uint8_t *s, uint32_t n) noexcept no
 
 # -- namespaces -----------------------------------------------------------------------------------
 # Interned names, compared byte for byte.  Id 0 is the empty namespace and is never freed; any
-# other id is freed when no live request and no cached page uses it, and may then be reused.
+# other id is freed when no live request and no cached page uses it, and may then be reused.  A
+# namespace other than id 0 whose every reference is a reclaimable cached page is idle (on the
+# idle list, in the order it became idle); pc_intern_ns reclaims the oldest idle namespace's pages
+# to free its id when the table is full.
 
 cdef inline uint32_t _ns_home(NsTable *t, uint64_t h) noexcept nogil:
     return <uint32_t>(h ^ (h >> 29)) & t.mask
@@ -215,6 +237,10 @@ cdef int ns_intern(NsTable *t, uint64_t h, const uint8_t *s, uint32_t n,
     t.hashes[e] = h
     t.lens[e] = n
     t.refs[e] = 0
+    t.n_rec[e] = 0
+    t.rec_head[e] = U32_MAX
+    t.rec_tail[e] = U32_MAX
+    t.idle[e] = 0
     if n:
         memcpy(&t.names[<size_t>e * NS_MAX_BYTES], s, n)
     oa_insert(t.index, t.mask, _ns_home(t, h), <int32_t>e)
@@ -223,7 +249,33 @@ cdef int ns_intern(NsTable *t, uint64_t h, const uint8_t *s, uint32_t n,
     return Q_OK
 
 
+cdef void ns_touch(NsTable *t, uint32_t e) noexcept nogil:
+    # after refs[e] or n_rec[e] changed: e is on the idle list (at the most recent end when it
+    # joins) exactly while it has references and every one is a reclaimable page
+    cdef bint idle = e != 0 and t.refs[e] != 0 and t.refs[e] == t.n_rec[e]
+    if idle and not t.idle[e]:
+        t.idle[e] = 1
+        t.idle_prev[e] = t.idle_tail
+        t.idle_next[e] = U32_MAX
+        if t.idle_tail != U32_MAX:
+            t.idle_next[t.idle_tail] = e
+        else:
+            t.idle_head = e
+        t.idle_tail = e
+    elif not idle and t.idle[e]:
+        t.idle[e] = 0
+        if t.idle_prev[e] != U32_MAX:
+            t.idle_next[t.idle_prev[e]] = t.idle_next[e]
+        else:
+            t.idle_head = t.idle_next[e]
+        if t.idle_next[e] != U32_MAX:
+            t.idle_prev[t.idle_next[e]] = t.idle_prev[e]
+        else:
+            t.idle_tail = t.idle_prev[e]
+
+
 cdef void ns_free_if_unused(NsTable *t, uint32_t e) noexcept nogil:
+    # (an id without references is never on the idle list: ns_touch took it off)
     if e == 0 or t.refs[e] != 0:
         return
     oa_remove(t.index, t.mask, _ns_home(t, t.hashes[e]), <int32_t>e, _ns_home_of, t)
@@ -233,8 +285,14 @@ cdef void ns_free_if_unused(NsTable *t, uint32_t e) noexcept nogil:
     t.count -= 1
 
 
+cdef inline void ns_ref(NsTable *t, uint32_t e) noexcept nogil:
+    t.refs[e] += 1
+    ns_touch(t, e)
+
+
 cdef inline void ns_unref(NsTable *t, uint32_t e) noexcept nogil:
     t.refs[e] -= 1
+    ns_touch(t, e)
     ns_free_if_unused(t, e)
 
 
@@ -242,13 +300,16 @@ cdef inline void ns_unref(NsTable *t, uint32_t e) noexcept nogil:
 
 cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, bint has_parent,
                   uint32_t ns, uint32_t tokens, uint32_t page) noexcept nogil:
-    # the ring never overwrites: a full ring drops the new event and counts it
+    # The producer side of the ring (the core, with or without the GIL).  A full ring drops the
+    # new event and counts it: the producer never waits for a consumer (the loop of run() must
+    # not block on a router thread) and never overwrites a record a consumer may be copying.
     cdef EventRing *r = &c.ev
+    cdef uint64_t t = r.tail                    # only the producer writes it
     cdef KvEvent *e
-    if r.count == r.capacity:
+    if t - qualia_load_acquire(&r.head) >= r.capacity:
         r.dropped += 1
         return
-    e = &r.buf[(r.head + r.count) % r.capacity]
+    e = &r.buf[t % r.capacity]
     e.identity = ident
     e.parent = parent
     e.namespace_id = ns
@@ -257,26 +318,46 @@ cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, b
     e.kind = kind
     e.has_parent = has_parent
     e._reserved = 0
-    r.count += 1
+    qualia_store_release(&r.tail, t + 1)        # the record is complete before it is seen
+
+
+cdef inline uint32_t pc_pending(PageCache *c) noexcept nogil:
+    # events written and not drained yet (at most capacity)
+    return <uint32_t>(qualia_load_acquire(&c.ev.tail) - c.ev.head)
 
 
 cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
+    # The consumer side (drain_events, with the GIL: one consumer at a time).  It may run while
+    # the producer runs without the GIL: it copies only records below the tail it loaded, which
+    # the producer does not touch until the head moves past them.
     cdef EventRing *r = &c.ev
-    cdef uint32_t n = r.count if r.count < cap else cap
+    cdef uint64_t h = r.head                    # only the consumer writes it
+    cdef uint64_t avail = qualia_load_acquire(&r.tail) - h
+    cdef uint32_t n = <uint32_t>(avail if avail < cap else cap)
     cdef uint32_t i
     for i in range(n):
-        out[i] = r.buf[(r.head + i) % r.capacity]
+        out[i] = r.buf[(h + i) % r.capacity]
     if n:
-        r.head = (r.head + n) % r.capacity
-        r.count -= n
+        qualia_store_release(&r.head, h + n)    # the records are copied before they are reused
     return n
 
 
 # -- lists ---------------------------------------------------------------------------------------
 
 cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil:
-    # append at the tail (most recent end) of list `state`
+    # append at the tail (most recent end) of list `state` (and of the namespace's reclaimable
+    # list); the caller then calls ns_touch for the namespace
     cdef CachePage *x = pc_rec(c, p)
+    cdef NsTable *t = &c.ns
+    if state == PC_RECLAIMABLE:
+        x.ns_prev = t.rec_tail[x.ns]
+        x.ns_next = U32_MAX
+        if t.rec_tail[x.ns] != U32_MAX:
+            pc_rec(c, t.rec_tail[x.ns]).ns_next = p
+        else:
+            t.rec_head[x.ns] = p
+        t.rec_tail[x.ns] = p
+        t.n_rec[x.ns] += 1
     x.state = state
     x.prev = c.tail[state]
     x.next = U32_MAX
@@ -289,8 +370,22 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
 
 
 cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
+    # the caller then calls ns_touch for the namespace
     cdef CachePage *x = pc_rec(c, p)
     cdef uint8_t state = x.state
+    cdef NsTable *t = &c.ns
+    if state == PC_RECLAIMABLE:
+        if x.ns_prev != U32_MAX:
+            pc_rec(c, x.ns_prev).ns_next = x.ns_next
+        else:
+            t.rec_head[x.ns] = x.ns_next
+        if x.ns_next != U32_MAX:
+            pc_rec(c, x.ns_next).ns_prev = x.ns_prev
+        else:
+            t.rec_tail[x.ns] = x.ns_prev
+        x.ns_prev = U32_MAX
+        x.ns_next = U32_MAX
+        t.n_rec[x.ns] -= 1
     if x.prev != U32_MAX:
         pc_rec(c, x.prev).next = x.next
     else:
@@ -309,6 +404,7 @@ cdef inline void pc_on_release(PageCache *c, Pool *p, uint32_t page) noexcept no
     if page < c.num_blocks and pc_rec(c, page).state == PC_INUSE and p.refcount[page] == 1:
         pc_unlink(c, page)
         pc_link(c, page, PC_RECLAIMABLE)
+        ns_touch(&c.ns, pc_rec(c, page).ns)
 
 
 cdef inline void pc_on_retain(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
@@ -316,6 +412,7 @@ cdef inline void pc_on_retain(PageCache *c, Pool *p, uint32_t page) noexcept nog
     if pc_rec(c, page).state == PC_RECLAIMABLE and p.refcount[page] >= 2:
         pc_unlink(c, page)
         pc_link(c, page, PC_INUSE)
+        ns_touch(&c.ns, pc_rec(c, page).ns)
 
 
 # -- index, lookup, insert, drop -----------------------------------------------------------------
@@ -377,14 +474,15 @@ cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint ha
     memcpy(pc_tok(c, page), t, c.page_tokens * sizeof(uint32_t))
     oa_insert(c.index, c.index_mask, _pc_home(c, ident), <int32_t>page)
     pc_link(c, page, PC_RECLAIMABLE if p.refcount[page] == 1 else PC_INUSE)
-    c.ns.refs[ns] += 1
+    ns_ref(&c.ns, ns)
     c.stored += 1
     pc_emit(c, KV_STORED, ident, x.parent_ident, has_parent, ns, c.page_tokens, page)
     return Q_OK
 
 
 cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil:
-    # Drop the entry of cached `page` and release the cache's reference.
+    # Drop the entry of cached `page` and release the cache's reference (the page leaves its
+    # lists and its namespace reference together: a drop never moves an idle namespace).
     cdef CachePage *x = pc_rec(c, page)
     oa_remove(c.index, c.index_mask, _pc_home(c, x.ident), <int32_t>page, _pc_home_of, c)
     pc_unlink(c, page)
@@ -413,6 +511,30 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
         if rc:
             return rc
     return Q_OK
+
+
+cdef int pc_intern_ns(PageCache *c, Pool *p, uint64_t h, const uint8_t *s, uint32_t n,
+                      uint32_t *out) noexcept nogil:
+    # The id of the namespace, interning it (with no reference) when new.  When it is new and
+    # every id is in use, the least recently used idle namespace gives its id up: its pages are
+    # reclaimed, least recently used first (each counted in `reclaims` with its `removed`
+    # event), and the last one frees the id.  Q_NAMESPACES_FULL, changing nothing, when no
+    # namespace is idle.  n <= NS_MAX_BYTES is checked by the caller.
+    cdef uint32_t e = ns_find(&c.ns, h, s, n)
+    cdef int rc
+    if e != U32_MAX:
+        out[0] = e
+        return Q_OK
+    if c.ns.n_free == 0:
+        e = c.ns.idle_head
+        if e == U32_MAX:
+            return Q_NAMESPACES_FULL
+        while c.ns.rec_head[e] != U32_MAX:
+            rc = pc_drop(c, p, c.ns.rec_head[e], True)
+            c.reclaims += 1
+            if rc:
+                return rc
+    return ns_intern(&c.ns, h, s, n, out)
 
 
 cdef uint32_t pc_clear(PageCache *c, Pool *p) noexcept nogil:
@@ -454,12 +576,20 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.ns.lens = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
     c.ns.hashes = <uint64_t *>PyMem_Calloc(max_ns, sizeof(uint64_t))
     c.ns.refs = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
+    c.ns.n_rec = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
+    c.ns.rec_head = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
+    c.ns.rec_tail = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
+    c.ns.idle_prev = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
+    c.ns.idle_next = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
+    c.ns.idle = <uint8_t *>PyMem_Calloc(max_ns, sizeof(uint8_t))
     c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
     c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
     c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
     if (c.recs == NULL or c.index == NULL or c.nh == NULL
             or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
             or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
+            or c.ns.n_rec == NULL or c.ns.rec_head == NULL or c.ns.rec_tail == NULL
+            or c.ns.idle_prev == NULL or c.ns.idle_next == NULL or c.ns.idle == NULL
             or c.ev.buf == NULL):
         raise MemoryError(f"cannot allocate a page cache of {num_blocks} x {page_tokens} tokens")
     for i in range(size):
@@ -468,6 +598,8 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     for i in range(num_blocks):
         pc_rec(c, i).prev = U32_MAX
         pc_rec(c, i).next = U32_MAX
+        pc_rec(c, i).ns_prev = U32_MAX
+        pc_rec(c, i).ns_next = U32_MAX
     for i in range(3):
         c.head[i] = U32_MAX
         c.tail[i] = U32_MAX
@@ -481,6 +613,13 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
         c.ns.index[i] = -1
     c.ns.mask = nsize - 1
     c.ns.capacity = max_ns
+    for i in range(max_ns):
+        c.ns.rec_head[i] = U32_MAX
+        c.ns.rec_tail[i] = U32_MAX
+        c.ns.idle_prev[i] = U32_MAX
+        c.ns.idle_next[i] = U32_MAX
+    c.ns.idle_head = U32_MAX
+    c.ns.idle_tail = U32_MAX
     for i in range(max_ns - 1):       # ids 1.. on the stack, lowest on top
         c.ns.free_ids[i] = max_ns - 1 - i
     c.ns.n_free = max_ns - 1
@@ -499,6 +638,12 @@ cdef void pc_free(PageCache *c) noexcept:
     PyMem_Free(c.ns.lens)
     PyMem_Free(c.ns.hashes)
     PyMem_Free(c.ns.refs)
+    PyMem_Free(c.ns.n_rec)
+    PyMem_Free(c.ns.rec_head)
+    PyMem_Free(c.ns.rec_tail)
+    PyMem_Free(c.ns.idle_prev)
+    PyMem_Free(c.ns.idle_next)
+    PyMem_Free(c.ns.idle)
     PyMem_Free(c.ns.index)
     PyMem_Free(c.ns.free_ids)
     PyMem_Free(c.ev.buf)

@@ -63,6 +63,7 @@ cdef class BlockPool:
     id ``InvalidPage``."""
     cdef Pool pool
     cdef uint64_t owner
+    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
 
     def __cinit__(self, num_blocks):
         cdef uint64_t n = _int(num_blocks, "num_blocks", U32_MAX)
@@ -77,6 +78,7 @@ cdef class BlockPool:
 
     @property
     def free_count(self):
+        own_readable(self.gil_free)
         return self.pool.free_top
 
     def allocate(self):
@@ -118,6 +120,7 @@ cdef class BlockPool:
         cdef uint32_t p = _u32(page, "page")
         if p >= self.pool.num_blocks:
             raise PoolError.InvalidPage()
+        own_readable(self.gil_free)
         return self.pool.refcount[p]
 
     def _debug_set_refcount(self, page, count):
@@ -145,9 +148,12 @@ cdef class BlockPool:
 
     def refcounts(self):
         """Every page's reference count, as a fresh numpy array."""
+        own_readable(self.gil_free)
         return _array_of(self.pool.refcount, self.pool.num_blocks)
 
     def __repr__(self):
+        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
+            return f"BlockPool(num_blocks={self.pool.num_blocks}, busy)"
         return f"BlockPool(num_blocks={self.pool.num_blocks}, free_count={self.pool.free_top})"
 
     def __reduce__(self):

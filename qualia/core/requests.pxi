@@ -253,6 +253,7 @@ cdef class RequestScheduler:
     callback, or another thread -- raises ``BusyError`` and changes nothing."""
     cdef Sched s
     cdef uint64_t owner
+    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
     cdef list _receipts
 
     def __cinit__(self, max_requests, logical_pages):
@@ -305,13 +306,16 @@ cdef class RequestScheduler:
         return self.s.logical_pages
 
     def active_count(self):
+        own_readable(self.gil_free)
         return self.s.active
 
     cdef int32_t _find(self, object request_id) except -2:
         # read-only lookups; mutating methods look up under ownership (arguments first, then
         # ownership, then the lookup, so a call made mid-round gets BusyError whatever id it
         # passes)
-        return _slot_of(&self.s, _u64(request_id, "request_id"))
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        own_readable(self.gil_free)
+        return _slot_of(&self.s, rid)
 
     def admit_with_prefix(self, request_id, identity, PrefixKvStore prefixes not None,
                           BlockPool pool not None):
@@ -435,6 +439,7 @@ cdef class RequestScheduler:
         cdef Py_ssize_t written = 0
         cdef _Buffer b = _acquire(out, "out", "request_view", sizeof(qualia_request_view),
                                   QUALIA_ALIGN_VIEW, True)
+        own_readable(self.gil_free)
         cdef int rc = sched_views(&self.s, <qualia_request_view *>b.ptr, b.length, &written)
         if rc:
             raise _error(E_SCHED, rc)
@@ -442,6 +447,7 @@ cdef class RequestScheduler:
 
     def runnable(self):
         """Every active request's view, as a fresh REQUEST_VIEW array."""
+        own_readable(self.gil_free)
         return _views_array(&self.s)
 
     def execute_decode_round(self, backend, item_scratch, block_table_scratch, output_scratch):
@@ -568,5 +574,8 @@ cdef class RequestScheduler:
         return receipt
 
     def __repr__(self):
+        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
+            return (f"RequestScheduler(max_requests={self.s.max_requests}, "
+                    f"logical_pages={self.s.logical_pages}, busy)")
         return (f"RequestScheduler(max_requests={self.s.max_requests}, "
                 f"logical_pages={self.s.logical_pages}, active={self.s.active})")

@@ -27,6 +27,9 @@ cdef enum:
     # a beam group, a hypothesis (its tokens, score and reason)
     SR_MEMBER_DONE = 5
     SR_GROUP = 6        # a beam group's record (no tokens: an entry past max_queued)
+    # SR_PARKED: a live beam with its candidates that holds nothing (no slot, row, pages or
+    # heap position) until its group selects (docs/DESIGN.md, "Progress")
+    SR_PARKED = 7
 
 cdef enum:
     ROW_DEFERRED = -2   # row_owner of a row whose request was aborted in the pending plan
@@ -85,7 +88,7 @@ cdef struct StepReq:
     # n_members = width, n_members_done = hypotheses so far); each live beam and each stored
     # hypothesis holds one of the w entries the group reserved (group == the record)
     uint8_t beam            # record: a beam group
-    uint8_t has_cand        # live beam: its candidates are in the row's candidate buffer
+    uint8_t has_cand        # live beam: its candidates are in its entry's candidate buffer
     uint8_t unindexed       # not in the id index (the parent beam, a hypothesis)
     uint8_t in_sel          # record: queued for selection in this update
     double score            # live beam: cumulative log-probability; hypothesis: its score
@@ -185,6 +188,10 @@ cdef struct StepState:
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
     uint8_t *plan_alive     # max_seqs: 0 once aborted after schedule
+    # slots of requests aborted while in the pending plan, in abort order: their pages stay
+    # held (a kernel may be executing the plan) until update() or discard_plan() retires it
+    int32_t *deferred_slot  # max_seqs
+    uint32_t n_deferred
     uint64_t *request_ids
     int32_t *query_start_loc
     int32_t *seq_lens
@@ -228,8 +235,8 @@ cdef struct StepState:
     int32_t beam_head       # beam group records in add order
     int32_t beam_tail
     uint32_t num_topk       # the pending plan's candidates per row (0: no beam row)
-    uint32_t *cand_ids      # max_seqs x max_seqs, by row: a computed beam's candidates
-    double *cand_lps        # the same rows' log-probabilities (both with the first beam group)
+    uint32_t *cand_ids      # max_queued x max_seqs, by entry: a computed beam's candidates
+    double *cand_lps        # their log-probabilities (both allocated with the first beam group)
     SelCand *sel            # max_seqs: the kept candidates of one selection
     int32_t *sel_groups     # max_seqs: groups with a beam row in the plan being applied
     uint32_t n_sel_groups
@@ -242,6 +249,26 @@ cdef struct StepState:
 cdef inline uint64_t _now_ns() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
+
+
+cdef extern from *:
+    """
+    #include <time.h>
+    #ifdef CLOCK_MONOTONIC_COARSE
+    #define QUALIA_CLOCK_COARSE CLOCK_MONOTONIC_COARSE
+    #else
+    #define QUALIA_CLOCK_COARSE CLOCK_MONOTONIC
+    #endif
+    """
+    int QUALIA_CLOCK_COARSE
+
+
+cdef inline uint64_t _coarse_now_ns() noexcept nogil:
+    # the monotonic clock at the kernel tick's resolution (a few ms) where there is one: a few
+    # ns a read, cheap enough for every step of run()'s C loop
+    cdef timespec ts
+    clock_gettime(QUALIA_CLOCK_COARSE, &ts)
     return <uint64_t>ts.tv_sec * 1000000000 + <uint64_t>ts.tv_nsec
 
 
@@ -452,15 +479,30 @@ cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
         st.n_accum += 1
 
 
-cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
-    # facade finish: release the request's pages (auto mode: into the cache) and free its slot
-    cdef int rc
+cdef inline int slot_finish(StepState *st, int32_t slot) noexcept nogil:
+    # facade finish: release the slot's pages (auto mode: into the cache) and free the slot
     if st.mode == MODE_AUTO:
-        rc = auto_finish(st.s, st.p, st.c, st.ss, st.req[e].slot)
-    else:
-        rc = sched_finish(st.s, st.req[e].slot, st.p)
+        return auto_finish(st.s, st.p, st.c, st.ss, slot)
+    return sched_finish(st.s, slot, st.p)
+
+
+cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
+    cdef int rc = slot_finish(st, st.req[e].slot)
     st.req[e].slot = -1
     return rc
+
+
+cdef int release_deferred(StepState *st) noexcept nogil:
+    # the plan is retired (applied or discarded): the slots of the requests aborted while it
+    # was pending hand their pages back now, in abort order
+    cdef uint32_t k
+    cdef int rc, first = Q_OK
+    for k in range(st.n_deferred):
+        rc = slot_finish(st, st.deferred_slot[k])
+        if rc and first == Q_OK:
+            first = rc
+    st.n_deferred = 0
+    return first
 
 
 cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
@@ -525,9 +567,22 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
 
 cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
     # among running requests not yet scheduled in this step, plus the current one: the highest
-    # priority value, ties -> the most recently admitted
-    cdef int32_t best = cur, e
+    # priority value, ties -> the most recently admitted.  A computed beam waiting for its group
+    # (it keeps its candidates) goes first, before anything that still computes (the twin's
+    # _pick_victim)
+    cdef int32_t best = -1, e
     cdef uint32_t i
+    for i in range(st.n_running):
+        e = st.running[i]
+        if not st.req[e].has_cand:
+            continue
+        if best < 0 or (st.req[e].priority > st.req[best].priority
+                        or (st.req[e].priority == st.req[best].priority
+                            and st.req[e].admitted > st.req[best].admitted)):
+            best = e
+    if best >= 0:
+        return best
+    best = cur
     for i in range(st.n_running):
         e = st.running[i]
         if e != cur and st.req[e].sched_step == st.step_no:
@@ -539,16 +594,32 @@ cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
     return best
 
 
-cdef int preempt(StepState *st, int32_t e) noexcept nogil:
-    # recompute: release the pages (full pages stay cached in auto mode), back to waiting with
-    # its arrival number and outputs
+cdef int leave_running(StepState *st, int32_t e) noexcept nogil:
+    # release the pages (full pages stay cached in auto mode) and the row; forget the computed
+    # tokens
     cdef int rc = slot_release(st, e)
     row_release(st, e)
     running_remove(st, e)
     st.req[e].num_computed = 0
     st.req[e].row_fresh = 0
-    st.req[e].has_cand = 0
-    heap_push(st, e)
+    return rc
+
+
+cdef inline void beam_park(StepState *st, int32_t e) noexcept nogil:
+    # a computed beam out of the running list (leave_running first): it keeps its candidates
+    # and waits for its group's selection outside the queues
+    st.req[e].state = SR_PARKED
+    st.parked += 1
+
+
+cdef int preempt(StepState *st, int32_t e) noexcept nogil:
+    # recompute: back to waiting with its arrival number and outputs; a computed beam is parked
+    # with its candidates instead
+    cdef int rc = leave_running(st, e)
+    if st.req[e].has_cand:
+        beam_park(st, e)
+    else:
+        heap_push(st, e)
     st.preempted_ids[st.n_preempted] = st.req[e].rid
     st.n_preempted += 1
     return rc
@@ -595,6 +666,10 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     row = row_lowest_free(st)
     if row < 0 or st.s.active >= st.s.max_requests:
         return Q_EXHAUSTED      # cannot happen: running < max_num_seqs <= max_requests
+    # what the admission counts, for the undo below
+    cdef uint64_t lookups = st.c.lookups, lookup_tokens = st.c.lookup_tokens
+    cdef uint64_t hit_tokens = st.c.hit_tokens, collisions = st.c.collisions
+    cdef uint64_t hashed = st.c.pages_hashed, admitted = r.admitted
     if st.mode == MODE_AUTO:
         rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
                         r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl, r.nsh, &adm)
@@ -613,13 +688,36 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     st.running[st.n_running] = e
     st.n_running += 1
     rc = step_reserve(st, e, n)
-    if rc == Q_OK:
-        # the row mirrors the whole table: the hit's pages and the chunk's
-        t = &st.s.slots[adm.slot].blocks
-        row_write(st, e, 0, t.len - 1 if t.len else 0)
+    if rc:
+        # The fit test above promised this reservation (its hit is the admission's: one cache
+        # state, read twice in one C stretch that nothing else runs in), so this is a broken
+        # invariant.  Never leave a request half-admitted (running, in no plan, never named
+        # new): undo the admission and report the error.  Its hit's cached pages go back to
+        # the cache (reclaimable ones at the recent end of the reclaim order).
+        slot_release(st, e)
+        running_remove(st, e)
+        st.row_owner[row] = -1
+        r.row = -1
+        r.num_computed = 0
+        st.admissions -= 1
+        r.admitted = admitted
+        r.state = SR_WAITING        # back in the heap under its own (priority, arrival, enq)
+        _heap_set(st, st.n_waiting, e)
+        st.n_waiting += 1
+        _heap_up(st, st.n_waiting - 1)
+        if st.mode == MODE_AUTO:
+            st.c.lookups = lookups
+            st.c.lookup_tokens = lookup_tokens
+            st.c.hit_tokens = hit_tokens
+            st.c.collisions = collisions
+            st.c.pages_hashed = hashed
+        return rc
+    # the row mirrors the whole table: the hit's pages and the chunk's
+    t = &st.s.slots[adm.slot].blocks
+    row_write(st, e, 0, t.len - 1 if t.len else 0)
     chunk[0] = n
     cached[0] = adm.prefix_tokens
-    return rc
+    return Q_OK
 
 
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
@@ -709,7 +807,9 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             if rc == Q_NAMESPACES_FULL and st.n_running:
                 break           # running requests will free namespace ids
             if rc:
-                return rc       # nothing changed: nothing ran before an admission failed
+                # the admission changed nothing (admit_waiting undoes its own); the requests
+                # this step scheduled before it keep their pages, as after discard_plan()
+                return rc
             st.req[e].unseen = 1
             st.new_ids[st.n_new] = st.req[e].rid
             st.n_new += 1
@@ -873,7 +973,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
            <size_t>par.num_tokens * sizeof(uint32_t))
     ch.num_tokens = par.num_tokens
     st.count += 1
-    if row >= 0 and st.s.active < st.s.max_requests:
+    if par.state == SR_RUNNING and row >= 0 and st.s.active < st.s.max_requests:
         ps = &st.s.slots[par.slot]
         if ps.state != QUALIA_STATE_DECODE:
             # fork takes decoding requests only: the parent's prefill is complete
@@ -966,7 +1066,7 @@ cdef int beam_stop(StepState *st, int32_t g, int32_t b) noexcept nogil:
         rc = slot_release(st, b)
         row_release(st, b)
         running_remove(st, b)
-    else:
+    elif st.req[b].state == SR_WAITING:
         heap_remove(st, b)
     st.req[b].has_cand = 0
     st.count -= 1
@@ -986,13 +1086,13 @@ cdef inline bint _sel_before(double s, uint32_t rank, uint32_t tok, SelCand *x) 
 
 
 cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
-    # The twin's _select: when every live beam of group g is running, computed and has its
-    # candidates, the best w - hypotheses candidates are kept; each either finishes a hypothesis
-    # (stored in an entry of the group) or continues a beam (the first continuation of a beam
-    # takes the beam itself, each further one forks a child).  No live continuation: the group
-    # is done (st.done).  Allocates nothing.
+    # The twin's _select: when every live beam of group g has its candidates (running and
+    # computed, or parked), the best w - hypotheses candidates are kept; each either finishes a
+    # hypothesis (stored in an entry of the group) or continues a beam (the first continuation
+    # of a beam takes the beam itself, each further one forks a child).  No live continuation:
+    # the group is done (st.done).  Allocates nothing.
     cdef StepReq *R = &st.req[g]
-    cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0, cap = st.max_seqs
+    cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0
     cdef int32_t b, d, prev, src
     cdef size_t base
     cdef double sc
@@ -1002,14 +1102,14 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
     b = R.next_member
     while b >= 0:
         x = &st.req[b]
-        if x.state != SR_RUNNING or x.num_computed != x.num_tokens or not x.has_cand:
+        if not x.has_cand:
             return Q_OK
         b = x.next_member
     K = w - R.n_members_done
     b = R.next_member
     while b >= 0:
         x = &st.req[b]
-        base = <size_t>x.row * cap
+        base = <size_t>b * st.max_seqs
         for c in range(w):
             sc = x.score + st.cand_lps[base + c]
             tok = st.cand_ids[base + c]
@@ -1154,6 +1254,8 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         if st.mode == MODE_AUTO and x.state == SR_RUNNING:
             auto_note_token(st.s, st.ss, <uint32_t>x.slot, x.num_tokens, st.sel[i].tok)
         x.num_tokens += 1
+        if x.state == SR_PARKED:
+            heap_push(st, d)        # a parked beam continues: it has a token to compute
         x.score = st.sel[i].score
         x.next_member = -1
         if prev < 0:
@@ -1165,33 +1267,20 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
 
 
 cdef void beam_park_blocked(StepState *st) noexcept nogil:
-    # The twin's _park_blocked_beams, after a step that scheduled nothing: a group with a beam
-    # not running parks its computed running beams (preempted without a report, queued again).
+    # The twin's _park_blocked_beams, after a step that scheduled nothing: every running beam
+    # (each is computed and waits for a sibling) is parked with its candidates, not reported
+    # as preempted, groups in add order and beams in member order
     cdef int32_t g = st.beam_head, b
-    cdef bint blocked
     cdef StepReq *x
     while g >= 0:
         if st.req[g].state == SR_GROUP:
-            blocked = False
             b = st.req[g].next_member
             while b >= 0:
-                if st.req[b].state != SR_RUNNING:
-                    blocked = True
-                b = st.req[b].next_member
-            if blocked:
-                b = st.req[g].next_member
-                while b >= 0:
-                    x = &st.req[b]
-                    if x.state == SR_RUNNING and x.num_computed == x.num_tokens:
-                        slot_release(st, b)
-                        row_release(st, b)
-                        running_remove(st, b)
-                        x.num_computed = 0
-                        x.row_fresh = 0
-                        x.has_cand = 0
-                        heap_push(st, b)
-                        st.parked += 1
-                    b = x.next_member
+                x = &st.req[b]
+                if x.state == SR_RUNNING and x.num_computed == x.num_tokens:
+                    leave_running(st, b)
+                    beam_park(st, b)
+                b = x.next_member
         g = st.req[g].next_group
 
 
@@ -1255,7 +1344,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
             g = r.group
             w = st.req[g].n_members
             src = <size_t>st.plan_sample[j] * k
-            dst = <size_t>r.row * st.max_seqs
+            dst = <size_t>e * st.max_seqs
             for c in range(w):
                 st.cand_ids[dst + c] = tk_ids[src + c]
                 st.cand_lps[dst + c] = tk_lps[src + c] if tk_lps != NULL else tk_lps_f[src + c]
@@ -1286,13 +1375,16 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     for j in range(st.n):
         if not st.plan_alive[j]:
             row_clear_deferred(st, st.block_table_rows[j])
+    rc = release_deferred(st)
+    if rc and first == Q_OK:
+        first = rc
     st.pending = False
     return first
 
 
 cdef enum:
     TOPK_OK = 0
-    TOPK_BAD_LOGPROB = 1    # a log-probability that is NaN or +inf
+    TOPK_BAD_LOGPROB = 1    # a log-probability that is NaN or above 0
     TOPK_REPEATED = 2       # a beam row names a token twice among its first w candidates
     TOPK_UNSORTED = 3       # a beam row's log-probabilities are not best first
 
@@ -1300,9 +1392,10 @@ cdef enum:
 cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
                          const float *lps_f, uint32_t *row) noexcept nogil:
     # The pending plan's candidates ([m, num_topk], ids already in the vocabulary), before
-    # anything is applied: every log-probability a number below +inf (-inf is a token of
-    # probability 0; NaN or +inf would make the scores unordered), and each live beam row's
-    # first w ids distinct (w continuations of one beam) and its k log-probabilities best
+    # anything is applied: every log-probability a number at most 0 (-inf is a token of
+    # probability 0; NaN would make the scores unordered, and a value above 0 is no
+    # log-probability: added up, 1e308s overflow to +inf, and +inf + -inf is NaN), each live
+    # beam row's first w ids distinct (w continuations of one beam) and its k log-probabilities best
     # first (a group narrower than num_topk reads the first w as its best).  *row: the first
     # bad row.
     cdef uint32_t k = st.num_topk, j, a, b, w
@@ -1311,7 +1404,7 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
     cdef int32_t g
     for i in range(n):
         v = lps[i] if lps != NULL else lps_f[i]
-        if v != v or v > 1.7976931348623157e308:
+        if not v <= 0:          # NaN compares false
             row[0] = <uint32_t>(i // k)
             return TOPK_BAD_LOGPROB
     for j in range(st.n):
@@ -1335,13 +1428,15 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
     return TOPK_OK
 
 
-cdef void step_discard(StepState *st) noexcept nogil:
+cdef int step_discard(StepState *st) noexcept nogil:
     # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
     # changed rows and finished ids are reported again by the next plan (a backend whose
-    # execution failed may not have applied them); the caller made room in fin_accum.
+    # execution failed may not have applied them); the caller made room in fin_accum.  The
+    # requests aborted while it was pending hand their pages back (a pool error: its code).
     cdef uint32_t j
+    cdef int rc
     if not st.pending:
-        return          # no plan: nothing to drop
+        return Q_OK     # no plan: nothing to drop
     for j in range(st.n):
         if st.plan_alive[j]:
             st.req[st.plan_entry[j]].plan_pos = -1
@@ -1361,7 +1456,9 @@ cdef void step_discard(StepState *st) noexcept nogil:
             st.fork_acc[2 * j + 1] = st.fork_parent_ids[j]
         st.n_fork_acc += st.n_forks
     st.n_forks = 0
+    rc = release_deferred(st)
     st.pending = False
+    return rc
 
 
 # -- requests in and out -------------------------------------------------------------------------
@@ -1380,8 +1477,8 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     cdef uint32_t k
     cdef StepReq *r
     cdef StepReq *ch
-    if st.s.active > st.n_running:
-        return Q_MODE_CONFLICT
+    if st.s.active > st.n_running + st.n_deferred:
+        return Q_MODE_CONFLICT      # requests of the manual verbs are active
     if step_find(st, rid) >= 0:
         return Q_STEP_DUPLICATE
     if total > st.entry_cap:
@@ -1479,17 +1576,21 @@ cdef int step_abort_one(StepState *st, int32_t e) noexcept nogil:
     # a waiting or running entry leaves the queues (its entry is freed by the caller)
     cdef int rc = Q_OK
     if st.req[e].state == SR_RUNNING:
-        rc = slot_release(st, e)
         if st.pending and st.req[e].plan_pos >= 0:
-            # the pending plan may be executing: its block-table row keeps the pages (nobody
-            # allocates before the plan is done) and is cleared by update() or discard_plan()
+            # the pending plan may be executing: its pages stay held by the slot and its
+            # block-table row keeps them, until update() or discard_plan() retires the plan
+            # (release_deferred, row_clear_deferred); nothing allocates them meanwhile
             st.plan_alive[st.req[e].plan_pos] = 0
             st.row_owner[st.req[e].row] = ROW_DEFERRED
             st.req[e].row = -1
+            st.deferred_slot[st.n_deferred] = st.req[e].slot
+            st.n_deferred += 1
+            st.req[e].slot = -1
         else:
+            rc = slot_release(st, e)
             row_release(st, e)
         running_remove(st, e)
-    else:
+    elif st.req[e].state == SR_WAITING:
         heap_remove(st, e)
     st.count -= 1
     accum_finished(st, st.req[e].rid)
@@ -1664,6 +1765,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
     st.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
+    st.deferred_slot = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.done = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.rows_cap = max_queued
     st.next_child = (<uint64_t>1) << 63
@@ -1680,8 +1782,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
             or st.heap == NULL or st.running == NULL or st.row_owner == NULL
             or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
             or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
-            or st.plan_alive == NULL or st.done == NULL or st.sampled == NULL
-            or st.fin_accum == NULL or st.fork_acc == NULL):
+            or st.plan_alive == NULL or st.deferred_slot == NULL or st.done == NULL
+            or st.sampled == NULL or st.fin_accum == NULL or st.fork_acc == NULL):
         raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
                           f"of {entry_cap} tokens")
     for i in range(max_queued):
@@ -1743,6 +1845,7 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.plan_chunk)
     PyMem_Free(st.plan_sample)
     PyMem_Free(st.plan_alive)
+    PyMem_Free(st.deferred_slot)
     PyMem_Free(st.done)
     PyMem_Free(st.sampled)
     PyMem_Free(st.fin_accum)
@@ -1851,6 +1954,33 @@ cdef object _step_output(StepState *st, int32_t e):
     return arr
 
 
+cdef enum:
+    # run() with a C backend: a stretch of steps without the GIL ends at the first step that
+    # ends this long after it began, so signals are serviced every few milliseconds
+    RUN_SLICE_NS = 5000000
+
+cdef enum:
+    # fields of StepStat summed into RunResult.totals: the first STAT_TOTALS (the rest are queue
+    # lengths and free pages after the step, which do not add up)
+    STAT_TOTALS = 9
+
+if STEP_TOTALS != STEP_STATS.names[:STAT_TOTALS]:
+    raise ImportError("qualia._types.STEP_TOTALS is not the first STAT_TOTALS STEP_STATS fields")
+
+
+cdef void stats_note(StepStat *row, StepStat *ring, uint32_t ring_rows, uint32_t *head,
+                     uint64_t *totals) noexcept nogil:
+    # one step's row: into the ring of the last ring_rows steps (head: the next row to write,
+    # the oldest once the ring is full), and added to the running totals
+    cdef const uint32_t *f = <const uint32_t *>row
+    cdef uint32_t k
+    if ring_rows:
+        ring[head[0]] = row[0]
+        head[0] = head[0] + 1 if head[0] + 1 < ring_rows else 0
+    for k in range(STAT_TOTALS):
+        totals[k] += f[k]
+
+
 cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept nogil:
     row.num_seqs = st.n
     row.num_tokens = st.T
@@ -1876,6 +2006,7 @@ cdef enum:
     RUN_BAD_TOPK_LOGPROB = -5   # a candidate log-probability NaN or +inf (in *status: its row)
     RUN_REPEATED_TOPK = -6      # a beam row repeats a candidate id (in *status: its row)
     RUN_UNSORTED_TOPK = -7      # a beam row's candidates are not best first (in *status: its row)
+    RUN_UNWRITTEN = -8          # a sampled row left unwritten (in *status: its row)
 
 
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
@@ -1922,17 +2053,23 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.topk_logprobs_out = st.topk_lps_buf if st.num_topk else NULL
 
 
-cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32_t max_rows,
-                  uint32_t *steps, int32_t *status) noexcept nogil:
-    # schedule -> execute -> update until no request is left or max_rows steps ran.  A failing
-    # step is discarded (nothing of it applied) and ends the loop.
+cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
+                  uint64_t deadline_ns, StepStat *ring, uint32_t ring_rows, uint32_t *head,
+                  uint64_t *totals, uint64_t *steps, int32_t *status) noexcept nogil:
+    # schedule -> execute -> update until no request is left, max_steps steps ran, or a step
+    # ends at or after deadline_ns (_coarse_now_ns; at least one step runs), so the caller
+    # takes the GIL every few milliseconds to service signals.  Each step's statistics go to
+    # the ring and the totals (stats_note).  A failing step is discarded (nothing of it
+    # applied) and ends the loop; the loop never ends with a plan pending.
     cdef qualia_step_plan plan
-    cdef uint32_t k = 0, done, i, row = 0
+    cdef StepStat stat
+    cdef uint64_t k = 0
+    cdef uint32_t done, i, row = 0
     cdef size_t j
     cdef int rc = Q_OK
     cdef int32_t s
     cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
-    while st.count and k < max_rows:
+    while st.count and k < max_steps:
         rc = step_schedule(st)
         if rc:
             break
@@ -1942,6 +2079,12 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
             rc = RUN_NO_TOPK
             break
         step_abi_plan(st, &plan)
+        # the sampled ids are poisoned as the candidates are: a backend that returns 0 without
+        # writing a row fails the step instead of handing the previous step's ids (or, at the
+        # first step, whatever the buffer held) to the update.  U32_MAX is no token id a step
+        # backend may return (qualia.h)
+        for i in range(st.m):
+            st.sampled[i] = U32_MAX
         if st.num_topk:
             # a backend that declares the flag but leaves candidates unwritten fails the step
             # (the check below) instead of handing the previous step's to the selection
@@ -1959,10 +2102,10 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
             rc = RUN_BACKEND_FAILED
             break
         for i in range(st.m):
-            if st.sampled[i] > limit:
+            if st.sampled[i] == U32_MAX or st.sampled[i] > limit:
                 step_discard(st)
                 status[0] = <int32_t>i
-                rc = RUN_BAD_TOKEN
+                rc = RUN_UNWRITTEN if st.sampled[i] == U32_MAX else RUN_BAD_TOKEN
                 break
         if rc:
             break
@@ -1984,9 +2127,10 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, StepStat *rows, uint32
                 break
         done = st.n_done
         rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
-        step_stat(st, &rows[k], st.n_done - done)
+        step_stat(st, &stat, st.n_done - done)
+        stats_note(&stat, ring, ring_rows, head, totals)
         k += 1
-        if rc:
+        if rc or _coarse_now_ns() >= deadline_ns:
             break
     steps[0] = k
     return rc

@@ -137,6 +137,7 @@ cdef class PrefixKvStore:
     (docs/DESIGN.md, "Prefix store")."""
     cdef Store store
     cdef uint64_t owner
+    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
 
     def __cinit__(self, entries, pages):
         cdef uint32_t ne = _u32(entries, "entries")
@@ -180,25 +181,31 @@ cdef class PrefixKvStore:
 
     @property
     def hits(self):
+        own_readable(self.gil_free)
         return self.store.hits
 
     @property
     def misses(self):
+        own_readable(self.gil_free)
         return self.store.misses
 
     def __len__(self):
+        own_readable(self.gil_free)
         return self.store.count
 
     def contains(self, PrefixIdentity identity not None):
+        own_readable(self.gil_free)
         return store_find(&self.store, identity.hi, identity.lo) >= 0
 
     def __contains__(self, identity):
         if not isinstance(identity, PrefixIdentity):
             return False
+        own_readable(self.gil_free)
         return store_find(&self.store, (<PrefixIdentity>identity).hi,
                           (<PrefixIdentity>identity).lo) >= 0
 
     cdef int32_t _entry(self, PrefixIdentity identity) except -2:
+        own_readable(self.gil_free)
         cdef int32_t e = store_find(&self.store, identity.hi, identity.lo)
         if e < 0:
             raise PrefixKvError.Unknown()
@@ -278,8 +285,11 @@ cdef class PrefixKvStore:
     def identities(self):
         """Published identities, least recent first."""
         # snapshot the LRU order into C memory first (see _list_of)
-        cdef uint32_t j, k, n = self.store.count
-        cdef int32_t e = self.store.lru_head
+        cdef uint32_t j, k, n
+        cdef int32_t e
+        own_readable(self.gil_free)
+        n = self.store.count
+        e = self.store.lru_head
         cdef uint64_t *tmp = <uint64_t *>PyMem_Malloc((2 * n if n else 1) * sizeof(uint64_t))
         if tmp == NULL:
             raise MemoryError()
@@ -295,5 +305,8 @@ cdef class PrefixKvStore:
             PyMem_Free(tmp)
 
     def __repr__(self):
+        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
+            return (f"PrefixKvStore(entries={self.store.capacity}, "
+                    f"pages={self.store.max_pages}, busy)")
         return (f"PrefixKvStore(entries={self.store.capacity}, pages={self.store.max_pages}, "
                 f"len={self.store.count}, hits={self.store.hits}, misses={self.store.misses})")

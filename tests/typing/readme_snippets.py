@@ -29,7 +29,7 @@ while s.has_unfinished():
 for rid in range(8, 16):
     s.add_request(rid, np.arange(rid, rid + 40, dtype=np.uint32), max_new_tokens=16)
 result = s.run(backend)  # the whole loop in C without the GIL (a C backend)
-print(len(result.finished), result.stats["num_tokens"].sum(), s.cache_stats().hit_tokens)
+print(len(result.finished), result.totals["num_tokens"], s.cache_stats().hit_tokens)
 
 # -- README "The engine step": parallel sampling and beam search -----------------
 import numpy as np

@@ -1,0 +1,341 @@
+"""What ``qualia simulate`` checks before it runs: one validation for the single engine and for
+``--replicas`` alike.
+
+:func:`check_simulate` takes the parsed arguments and either returns what the run needs (the
+workload, its vocabulary) or raises :class:`Refused` with a one-line message that names the
+option at fault; the command prints ``error: <message>`` and exits 2.  Nothing expensive has
+happened by then: no engine, no Ray, no prompt drawn.  Checks, in order:
+
+* the options that go together (cluster options need ``--replicas``; what ``--replicas`` does
+  not serve: ``--trace``, ``--plot``, ``--step-ms``, ``--prefix-caching off``);
+* ``--end-token`` below the backend's vocabulary;
+* the output paths (``--json``, ``--plot``: the folder exists and is writable, and they are two
+  files; ``--plot``'s format is one matplotlib writes, and matplotlib is installed);
+* ``--metrics-port``: prometheus-client installed, the port free;
+* the workload: a trace is read (bad rows are refused by their line) and must have a row, and
+  every row must be servable by the pool and a request's table (checked on the row's lengths,
+  before any prompt is drawn); a synthetic workload's shortest possible request must be;
+* memory: the run's estimate (:mod:`qualia.resources`, every replica counted) against what the
+  machine has;
+* ``--ray-address``: its form, ``ray[client]`` for ``ray://`` addresses, and that the address
+  answers a TCP connection within :data:`CONNECT_TIMEOUT_S` seconds.
+
+The generated requests themselves are checked by the same rule
+(:func:`qualia.workload.unservable_reason`) as they are submitted, before the first step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Union
+
+from .resources import available_memory, format_bytes, memory_estimate
+from .workload import Trace, TraceError, Workload, unservable_reason
+
+__all__ = ["Refused", "Prepared", "check_simulate", "VOCAB", "CONNECT_TIMEOUT_S",
+           "output_path_problem", "memory_needed", "ray_address_parts", "workload_of"]
+
+#: token ids of the workload, per --backend
+VOCAB = {"model": 512, "c": 32000}
+#: seconds ``--ray-address`` has to accept a TCP connection before the run is refused
+CONNECT_TIMEOUT_S = 5.0
+
+_CLUSTER_ONLY = ("router", "compare", "kill_replica", "rejoin_after", "load_weight",
+                 "metrics_port", "ray_address", "local")
+_CLUSTER_DEFAULTS: Dict[str, Any] = dict(replicas=None, router="prefix", compare=False,
+                                         kill_replica=None, rejoin_after=5, load_weight=0.25,
+                                         metrics_port=None, ray_address=None, local=False)
+
+
+class Refused(ValueError):
+    """A command line that cannot run: ``str(exc)`` is the one-line reason, naming the option."""
+
+
+@dataclass
+class Prepared:
+    """What a checked run needs: its workload and the vocabulary its token ids come from."""
+
+    workload: Union[Workload, Trace]
+    vocab: int
+
+
+def wants_cluster(args) -> bool:
+    """Whether the arguments name any cluster option (then the cluster path runs, and refuses
+    cluster options without ``--replicas``)."""
+    return any(getattr(args, k, v) != v for k, v in _CLUSTER_DEFAULTS.items())
+
+
+# --------------------------------------------------------------------------------------------
+# single checks
+# --------------------------------------------------------------------------------------------
+
+
+def output_path_problem(option: str, path: Optional[str]) -> Optional[str]:
+    """Why ``path`` (the value of ``option``) cannot be written, or None if it can."""
+    if path is None or path == "-":
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory"
+    if not os.path.exists(parent):
+        return f"{option} {path}: directory {parent} does not exist"
+    if not os.path.isdir(parent):
+        return f"{option} {path}: {parent} is not a directory"
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            return f"{option} {path}: not writable"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option} {path}: directory {parent} is not writable"
+    return None
+
+
+def plot_format_problem(path: str) -> Optional[str]:
+    """Why matplotlib cannot write ``path`` (no extension, or a format it does not know), or
+    None.  Needs matplotlib (checked first by the caller)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = os.path.splitext(path)[1][1:].lower()
+    if not ext:
+        return (f"--plot {path}: the file name needs an extension naming the format "
+                f"({', '.join(formats)})")
+    if ext not in formats:
+        return (f"--plot {path}: matplotlib does not write .{ext} files (formats: "
+                f"{', '.join(formats)})")
+    return None
+
+
+def metrics_port_problem(port: int) -> Optional[str]:
+    """Why ``--metrics-port`` cannot serve here (prometheus-client missing, port taken)."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return ("argument --metrics-port: needs prometheus-client, which is not installed: "
+                "pip install 'qualia[cluster]'")
+    if port == 0:
+        return None   # any free port
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # as the metrics server binds: address reuse on, so a port in TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    except OSError as exc:
+        return f"argument --metrics-port: cannot listen on 127.0.0.1:{port}: " \
+               f"{exc.strerror or exc}"
+    finally:
+        s.close()
+    return None
+
+
+def ray_address_parts(address: str) -> Tuple[bool, Optional[str], Optional[int]]:
+    """``(client, host, port)`` of a ``--ray-address``: ``ray://HOST:PORT`` (Ray Client),
+    ``HOST:PORT`` (a cluster's GCS), or ``auto`` (host and port None: the cluster Ray finds
+    itself).  Raises :class:`Refused` for anything else."""
+    text = address.strip()
+    if text == "auto":
+        return False, None, None
+    client = text.startswith("ray://")
+    rest = text[len("ray://"):] if client else text
+    host, sep, port_text = rest.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise Refused(f"argument --ray-address: expected HOST:PORT, ray://HOST:PORT or auto, "
+                      f"got {address!r}")
+    return client, host, int(port_text)
+
+
+def ray_address_problem(address: str) -> Optional[str]:
+    """Why ``--ray-address`` cannot be used: bad form, Ray Client's packages missing for a
+    ``ray://`` address, or nothing answering at it within :data:`CONNECT_TIMEOUT_S`."""
+    import importlib.util
+
+    client, host, port = ray_address_parts(address)
+    if client and importlib.util.find_spec("grpc") is None:
+        return (f"argument --ray-address {address}: a ray:// address needs Ray Client, which is "
+                "not installed: pip install 'qualia[cluster]' (or pip install 'ray[client]')")
+    if host is None or port is None:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        why = (f"no answer within {CONNECT_TIMEOUT_S:g} s" if isinstance(exc, socket.timeout)
+               else exc.strerror or str(exc))
+        return f"argument --ray-address {address}: cannot reach {host}:{port} ({why})"
+    return None
+
+
+_SET_BY = {
+    "model KV": "--num-blocks x --page-tokens",
+    "model weights": "the model's size",
+    "pool": "--num-blocks",
+    "block tables": "--max-requests x --logical-pages",
+    "request slots": "--max-requests",
+    "token arena": "4 x --max-requests x --logical-pages x --page-tokens",
+    "prefix cache": "--num-blocks x --page-tokens",
+    "token streams": "--max-requests x --logical-pages x --page-tokens",
+    "token scratch": "--logical-pages x --page-tokens",
+    "undo log": "--max-requests, --logical-pages",
+    "workload": "--requests x --turns x --prompt-len, --output-len (or the --trace)",
+}
+
+
+def memory_needed(args, workload) -> Dict[str, int]:
+    """Bytes the run needs, by part (see :func:`qualia.resources.memory_estimate`); with
+    ``--replicas N``, every engine part N times (the replicas of a local Ray share the
+    machine)."""
+    parts = memory_estimate(
+        args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
+        page_tokens=args.page_tokens, logical_pages=args.logical_pages,
+        prefix_entries=1, prefix_caching=args.prefix_caching)
+    parts.pop("prefix store", None)  # the engine step keeps no breakpoint store
+    # the step API holds every queued request's tokens (4 x max_requests by default)
+    parts["token arena"] = 4 * args.max_requests * args.logical_pages * args.page_tokens * 4
+    replicas = getattr(args, "replicas", None) or 1
+    parts = {k: v * replicas for k, v in parts.items()}
+    parts["workload"] = workload.memory_estimate()
+    return parts
+
+
+def memory_problem(args, workload) -> Optional[str]:
+    parts = memory_needed(args, workload)
+    total = sum(parts.values())
+    avail = available_memory()
+    if avail is None or total <= avail:
+        return None
+    part = max(parts, key=parts.__getitem__)
+    setter = _SET_BY[part]
+    if (getattr(args, "replicas", None) or 1) > 1 and part != "workload":
+        setter += ", times --replicas"
+    return (f"this run needs about {format_bytes(total)} of memory, more than the "
+            f"{format_bytes(avail)} available; the largest part is the {part} "
+            f"({format_bytes(parts[part])}, set by {setter}): lower those options")
+
+
+def workload_of(args, vocab: int, clock=None) -> Union[Workload, Trace]:
+    """The run's workload: the ``--trace`` read (charged to the workload row of ``clock``), or
+    the synthetic one.  Raises :class:`Refused`."""
+    from .timing import SETUP, WORKLOAD
+
+    try:
+        if args.trace is not None:
+            if clock is not None:
+                clock.switch(WORKLOAD)
+            try:
+                return Trace(args.trace, seed=args.seed, vocab=vocab, end_token=args.end_token)
+            finally:
+                if clock is not None:
+                    clock.switch(SETUP)
+        return Workload(
+            requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
+            prompt_len=args.prompt_len, output_len=args.output_len,
+            system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
+            share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
+            vocab=vocab, end_token=args.end_token, turns=args.turns, user_len=args.user_len)
+    except TraceError as exc:
+        raise Refused(f"--trace {exc}") from None
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
+
+
+def shortest_request(w: Workload) -> Tuple[int, int]:
+    """The shortest prompt and output a synthetic workload can draw: every one of its requests
+    is at least that long."""
+    prompt = w.prompt_len[0]
+    if w.system_prompts and w.share_ratio >= 1.0:  # every prompt starts with a system prompt
+        prompt = max(prompt, w.system_prompt_len + 1)
+    return prompt, w.output_len[0]
+
+
+def servable_problem(args, workload) -> Optional[str]:
+    """Why the workload can never be served by the pool and a request's table: a trace's first
+    unservable row (by its line), or a synthetic workload whose shortest request does not fit."""
+    shape = dict(page_tokens=args.page_tokens, num_blocks=args.num_blocks,
+                 logical_pages=args.logical_pages, beam_width=getattr(args, "beam_width", None))
+    hint = "(raise --num-blocks/--logical-pages/--page-tokens or lower --prompt-len/--output-len)"
+    if isinstance(workload, Trace):
+        bad = workload.unservable_row(**shape)
+        if bad is not None:
+            return f"--trace {bad} (raise --num-blocks/--logical-pages/--page-tokens)"
+        return None
+    prompt, output = shortest_request(workload)
+    why = unservable_reason("even the shortest request of the workload", prompt, output, **shape)
+    return None if why is None else f"{why} {hint}"
+
+
+# --------------------------------------------------------------------------------------------
+# the whole check
+# --------------------------------------------------------------------------------------------
+
+
+def _cluster_option_problem(args) -> Optional[str]:
+    replicas = getattr(args, "replicas", None)
+    if replicas is None:
+        if wants_cluster(args):
+            return ("the cluster options (--router, --compare, --kill-replica, --rejoin-after, "
+                    "--load-weight, --metrics-port, --ray-address, --local) need --replicas N")
+        return None
+    if args.prefix_caching != "auto":
+        return "--replicas routes on automatic prefix caching: use --prefix-caching auto"
+    if args.trace is not None:
+        return "argument --trace: not served on --replicas yet (a synthetic workload only)"
+    if args.plot is not None:
+        return "argument --plot: not with --replicas (the plot draws one engine's timeline)"
+    if args.step_ms is not None:
+        return ("argument --step-ms: not with --replicas (the router counts steps; it has no "
+                "serving clock)")
+    if args.local and args.ray_address is not None:
+        return "argument --ray-address: not with --local (the replicas run in this process)"
+    if args.compare and args.router != "prefix":
+        return "argument --router: not with --compare (which runs every policy)"
+    return None
+
+
+def check_simulate(args, clock=None) -> Prepared:
+    """Every check of a ``simulate`` / ``demo`` command line made before the run (see the module
+    docstring); raises :class:`Refused`.  ``clock`` (a :class:`qualia.timing.Stopwatch`) is
+    charged the trace's reading."""
+    problem = _cluster_option_problem(args)
+    if problem is not None:
+        raise Refused(problem)
+    vocab = VOCAB[args.backend]
+    if args.end_token is not None and args.end_token >= vocab:
+        raise Refused(f"argument --end-token: must be < {vocab} (the vocabulary of --backend "
+                      f"{args.backend}), got {args.end_token}")
+    for option in ("--json", "--plot"):
+        problem = output_path_problem(option, getattr(args, option[2:]))
+        if problem is not None:
+            raise Refused(problem)
+    if args.json not in (None, "-") and args.plot is not None and \
+            os.path.realpath(args.json) == os.path.realpath(args.plot):
+        raise Refused(f"argument --plot: {args.plot} is also the --json file (one would "
+                      "overwrite the other)")
+    if args.plot is not None:
+        from .plot import matplotlib_problem
+
+        problem = matplotlib_problem() or plot_format_problem(args.plot)
+        if problem is not None:
+            raise Refused(problem)
+    if getattr(args, "metrics_port", None) is not None:
+        problem = metrics_port_problem(args.metrics_port)
+        if problem is not None:
+            raise Refused(problem)
+    workload = workload_of(args, vocab, clock)
+    if isinstance(workload, Trace) and len(workload) == 0:
+        raise Refused(f"--trace {args.trace}: no requests to serve (a header and no rows)")
+    for problem in (servable_problem(args, workload), memory_problem(args, workload)):
+        if problem is not None:
+            raise Refused(problem)
+    if getattr(args, "replicas", None) is not None and not args.local:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise Refused("--replicas needs Ray, which is not installed: pip install "
+                          "'qualia[cluster]' (or run the replicas in this process: --local)")
+        if args.ray_address is not None:
+            problem = ray_address_problem(args.ray_address)
+            if problem is not None:
+                raise Refused(problem)
+    return Prepared(workload, vocab)
