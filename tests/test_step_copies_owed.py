@@ -12,8 +12,9 @@ import pytest
 from step_checks import ShadowKV, assert_same_plan
 
 import qualia
-from qualia import twin_fork as TF
-from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
+from qualia.sim.adapters import PlanModelSteps
+from qualia.twin import fork as TF
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]     # 10 tokens: 2 full pages of 4 and a partial one
 KINDS = ["core", "twin"]
@@ -252,7 +253,7 @@ def test_core_and_twin_agree_on_owed_copies_holds_and_drops():
     discarded after a partial execution and aborts in between: every plan (its copies too) and
     every page's reference count agree, and the shadow KV reads every request's tokens.  The
     workloads reach each rule: copies listed again, sources held, copies dropped."""
-    from qualia import twin_step
+    from qualia.twin import step as twin_step
 
     seen = {"relisted": 0, "held": 0, "dropped": 0}
     hold, finish = twin_step.StepScheduler._hold, twin_step.StepScheduler._finish_pages
@@ -352,7 +353,7 @@ HOT = SamplingParams(temperature=1.0, seed=5)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", range(8))
 def test_the_model_gives_the_dense_tokens_when_plans_are_discarded_at_random(kind, seed):
-    """qualia.model's paged backend (its copy_pages really copies) under random discards --
+    """qualia.model's PagedModelBackend (its copy_pages really copies) under random discards --
     after nothing ran, after some copies, after the whole step -- gives every member of the n
     groups, every beam hypothesis and every plain request the dense reference's tokens."""
     rng = np.random.default_rng(seed)
@@ -361,7 +362,7 @@ def test_the_model_gives_the_dense_tokens_when_plans_are_discarded_at_random(kin
     budget = int(rng.choice([3, 8, 64]))
     s = make(kind, 6, nb, pt, 16, max_num_batched_tokens=budget, max_num_seqs=6,
              vocab_size=64)
-    be = TF.StepModelBackend(W, nb, pt, sampling=HOT)
+    be = PlanModelSteps(PagedModelBackend(W, nb, pt, sampling=HOT))
     prompts = {}
     for rid in range(4):
         prompts[rid] = rng.integers(0, 64, size=int(rng.integers(3, 11))).tolist()
@@ -378,7 +379,7 @@ def test_the_model_gives_the_dense_tokens_when_plans_are_discarded_at_random(kin
             discarded += bool(len(plan.copies))
             how = rng.integers(0, 3)
             if how == 1 and len(plan.copies):
-                be.paged.copy_pages(plan.copies[:int(rng.integers(0, len(plan.copies) + 1))])
+                be.model.copy_pages(plan.copies[:int(rng.integers(0, len(plan.copies) + 1))])
             elif how == 2:
                 be.execute_step(plan)           # ran whole, then the backend failed
             s.discard_plan()
