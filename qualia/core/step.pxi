@@ -3,7 +3,7 @@
 # a token budget (schedule), its sampled tokens applied (update), and the plan's kernel-ready
 # metadata written into buffers sized once.
 #
-# Built on the facade's primitives, in the order the pure-Python twin (qualia/twin_step.py)
+# Built on the facade's primitives, in the order the pure-Python twin (qualia/twin/step.py)
 # uses them: admission (auto_admit with its automatic prefix hit, or the seed's plain admit in
 # mode "off"), page reservation (facade_make_room + facade_make_writable: reclaim, then
 # copy-on-write / allocate), advance (token_count += n and auto_fill), noting a sampled token
