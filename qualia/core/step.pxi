@@ -3,7 +3,7 @@
 # a token budget (schedule), its sampled tokens applied (update), and the plan's kernel-ready
 # metadata written into buffers sized once.
 #
-# Built on the facade's primitives, in the order the pure-Python twin (qualia/twin_step.py)
+# Built on the facade's primitives, in the order the pure-Python twin (qualia/twin/step.py)
 # uses them: admission (auto_admit with its automatic prefix hit, or the seed's plain admit in
 # mode "off"), page reservation (facade_make_room + facade_make_writable: reclaim, then
 # copy-on-write / allocate), advance (token_count += n and auto_fill), noting a sampled token
@@ -207,6 +207,13 @@ cdef struct StepState:
     int32_t *kv_indices
     int32_t *kv_last_page_len
     qualia_copy_op *copies
+    # copy-on-write copies owed (docs/DESIGN.md, "Copies owed"): made by a reservation, in no
+    # applied plan yet, in the order they were made (copies_cap entries); each with the facade
+    # slot whose page is its destination, and whether its source page carries a hold
+    qualia_copy_op *owed
+    int32_t *owed_slot
+    uint8_t *owed_held
+    uint32_t n_owed
     uint64_t *new_ids
     uint64_t *preempted_ids
     uint64_t *fork_child_ids  # the plan's forks since the previous plan: children...
@@ -479,11 +486,81 @@ cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
         st.n_accum += 1
 
 
+cdef inline int hold_page(StepState *st, uint32_t page) noexcept nogil:
+    # one more reference to an allocated page (a reclaimable cached page is in use again)
+    cdef int rc = pool_retain(st.p, page)
+    if rc == Q_OK and st.mode == MODE_AUTO:
+        pc_on_retain(st.c, st.p, page)
+    return rc
+
+
+cdef inline int unhold_page(StepState *st, uint32_t page) noexcept nogil:
+    # the reference hold_page took (a cached page only the cache holds is reclaimable)
+    cdef int rc = pool_release(st.p, page)
+    if rc == Q_OK and st.mode == MODE_AUTO:
+        pc_on_release(st.c, st.p, page)
+    return rc
+
+
+cdef int owed_leave(StepState *st, int32_t slot) noexcept nogil:
+    # The request in `slot` is about to let its pages go (docs/DESIGN.md, "Copies owed"): the
+    # copies owed into its pages are moot (dropped, in order, their holds released), then each
+    # copy still owed whose source page is one of its pages, not held yet, holds that page, so
+    # the source outlives its last holder until the copy is applied.
+    cdef Table *t = &st.s.slots[slot].blocks
+    cdef uint32_t k, j = 0, i
+    cdef int rc, first = Q_OK
+    for k in range(st.n_owed):
+        if st.owed_slot[k] == slot:
+            if st.owed_held[k]:
+                rc = unhold_page(st, st.owed[k].src_page)
+                if rc and first == Q_OK:
+                    first = rc
+            continue
+        if j != k:
+            st.owed[j] = st.owed[k]
+            st.owed_slot[j] = st.owed_slot[k]
+            st.owed_held[j] = st.owed_held[k]
+        j += 1
+    st.n_owed = j
+    for k in range(st.n_owed):
+        if st.owed_held[k]:
+            continue
+        for i in range(t.len):
+            if t.entries[i] == st.owed[k].src_page:
+                rc = hold_page(st, st.owed[k].src_page)
+                if rc == Q_OK:
+                    st.owed_held[k] = 1
+                elif first == Q_OK:
+                    first = rc
+                break
+    return first
+
+
+cdef int owed_applied(StepState *st) noexcept nogil:
+    # update(): the pending plan listed every copy owed and was applied: the holds go, in order
+    cdef uint32_t k
+    cdef int rc, first = Q_OK
+    for k in range(st.n_owed):
+        if st.owed_held[k]:
+            rc = unhold_page(st, st.owed[k].src_page)
+            if rc and first == Q_OK:
+                first = rc
+    st.n_owed = 0
+    return first
+
+
 cdef inline int slot_finish(StepState *st, int32_t slot) noexcept nogil:
-    # facade finish: release the slot's pages (auto mode: into the cache) and free the slot
+    # facade finish: release the slot's pages (auto mode: into the cache) and free the slot;
+    # first the copies owed that name its pages (owed_leave)
+    cdef int rc = Q_OK, r2
+    if st.n_owed:
+        rc = owed_leave(st, slot)
     if st.mode == MODE_AUTO:
-        return auto_finish(st.s, st.p, st.c, st.ss, slot)
-    return sched_finish(st.s, slot, st.p)
+        r2 = auto_finish(st.s, st.p, st.c, st.ss, slot)
+    else:
+        r2 = sched_finish(st.s, slot, st.p)
+    return rc if rc else r2
 
 
 cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
@@ -549,14 +626,17 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     if rc == Q_OK:
         rc = facade_make_writable(st.s, st.p, st.undo, st.cow, slot, first, last, &n_undo,
                                   &n_copies)
-    if rc == Q_OK and st.n_copies + n_copies > st.copies_cap:
-        rc = Q_OUTPUT_TOO_SMALL     # cannot happen: copies_cap bounds a step's pages
+    if rc == Q_OK and st.n_owed + n_copies > st.copies_cap:
+        rc = Q_OUTPUT_TOO_SMALL     # cannot happen: at most one copy owed per slot
     if rc:
         _undo(st.s, st.p, st.undo, n_undo)
         return rc
     for k in range(n_copies):
-        st.copies[st.n_copies] = st.cow[k]
-        st.n_copies += 1
+        # owed until a plan listing it is applied (docs/DESIGN.md, "Copies owed")
+        st.owed[st.n_owed] = st.cow[k]
+        st.owed_slot[st.n_owed] = slot
+        st.owed_held[st.n_owed] = 0
+        st.n_owed += 1
     st.pages_copied[0] += n_copies
     st.pages_allocated[0] += n_undo - n_copies
     if st.mode == MODE_AUTO:
@@ -886,6 +966,9 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         st.n_kv += pages
         st.kv_indptr[j + 1] = <int32_t>st.n_kv
         st.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.page_tokens)
+    # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
+    memcpy(st.copies, st.owed, st.n_owed * sizeof(qualia_copy_op))
+    st.n_copies = st.n_owed
     st.n_changed = 0
     for i in range(st.max_seqs):
         if st.row_dirty[i]:
@@ -1322,6 +1405,8 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef uint64_t tc
     if not st.pending:
         return Q_NO_PLAN
+    # the plan listed every copy owed, and it was applied
+    first = owed_applied(st)
     for j in range(st.n):
         e = st.plan_entry[j]
         if not st.plan_alive[j]:
@@ -1431,8 +1516,9 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
 cdef int step_discard(StepState *st) noexcept nogil:
     # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
     # changed rows and finished ids are reported again by the next plan (a backend whose
-    # execution failed may not have applied them); the caller made room in fin_accum.  The
-    # requests aborted while it was pending hand their pages back (a pool error: its code).
+    # execution failed may not have applied them), and its copies stay owed (the next plan lists
+    # them first); the caller made room in fin_accum.  The requests aborted while it was pending
+    # hand their pages back (a pool error: its code).
     cdef uint32_t j
     cdef int rc
     if not st.pending:
@@ -1797,6 +1883,11 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     for i in range(max_seqs):
         st.row_owner[i] = -1
     st.copies_cap = budget // page_tokens + 2 * max_seqs + 1
+    st.owed = <qualia_copy_op *>PyMem_Malloc(st.copies_cap * sizeof(qualia_copy_op))
+    st.owed_slot = <int32_t *>PyMem_Malloc(st.copies_cap * sizeof(int32_t))
+    st.owed_held = <uint8_t *>PyMem_Malloc(st.copies_cap)
+    if st.owed == NULL or st.owed_slot == NULL or st.owed_held == NULL:
+        raise MemoryError(f"cannot allocate the engine step's {st.copies_cap} owed copies")
     st.request_ids = <uint64_t *>bufs.add("request_ids", _DT_PLAN_U64, max_seqs)
     st.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_PLAN_I32, max_seqs + 1)
     st.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_PLAN_I32, max_seqs)
@@ -1857,6 +1948,9 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.cand_lps)
     PyMem_Free(st.topk_ids_buf)
     PyMem_Free(st.topk_lps_buf)
+    PyMem_Free(st.owed)
+    PyMem_Free(st.owed_slot)
+    PyMem_Free(st.owed_held)
     memset(st, 0, sizeof(StepState))
 
 

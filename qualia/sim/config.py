@@ -516,6 +516,9 @@ def _cluster_option_problem(args) -> Optional[str]:
         return "argument --ray-address: not with --local (the replicas run in this process)"
     if args.compare and args.router != "prefix":
         return "argument --router: not with --compare (which runs every policy)"
+    if args.kill_replica is None and args.rejoin_after != _CLUSTER_DEFAULTS["rejoin_after"]:
+        return ("argument --rejoin-after: only with --kill-replica (it is when the killed "
+                "replica restarts)")
     return None
 
 
