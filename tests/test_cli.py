@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -772,13 +773,13 @@ def test_a_trace_runs_with_no_sizing_options(tmp_path, capsys):
     assert main(["simulate", "--trace", trace, "--no-progress"]) == 0
     out = capsys.readouterr().out
     head = out[:out.index("Serving Benchmark Result")]
-    assert "40 requests of the trace azure.csv (azure form)" in head
-    assert "HashBackend (C) on the core scheduler (the default for --trace)" in " ".join(
+    assert "40 requests of the trace azure.csv, azure form" in head
+    assert "HashBackend (C) on the core scheduler, the default for --trace" in " ".join(
         head.split())
     profile = get_profile("llama3.1-8b-h100")
     pages = profile.kv_pages(16)
-    assert f"{pages:,} pages of 16 tokens" in head
-    assert "8,192 tokens and 256 sequences a step (the profile's)" in " ".join(head.split())
+    assert f"{pages:,} pages of 16 tokens: the GPU's KV memory" in head
+    assert "8,192 tokens and 256 sequences a step" in head
     data = _json_run(["--trace", trace], capsys)
     st, config = data["stats"], data["config"]
     assert data["completed"] == 40 and config["backend"] == "c"
@@ -870,3 +871,18 @@ def test_install_hints_name_the_local_checkout():
     help_text = cli.build_parser("qualia")._subparsers._group_actions[0].choices[
         "simulate"].format_help()
     assert "qualia[" not in help_text and '".[plot]"' in " ".join(help_text.split())
+
+
+def test_no_value_of_the_summary_is_split_over_two_lines(tmp_path, capsys):
+    trace = _azure_trace(tmp_path, rows=10)
+    for argv in ([*SMALL_CLI, "--backend", "c"], ["--trace", trace],
+                 [*SMALL_CLI, "--backend", "c", "--clock", "measured"]):
+        assert main(["simulate", "--no-progress", *argv]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert max(len(line) for line in lines) <= 80
+        # a row continued on the next line ends with a separator: the break is between values
+        for line, following in zip(lines, lines[1:]):
+            if re.match(r" {24}\S", following):  # a continued row
+                assert line.rstrip().endswith(","), (line, following)
+        text = "\n".join(lines)
+        assert "e+" not in text and "e-0" not in text  # no scientific notation

@@ -211,7 +211,7 @@ def simulate_cli(args, out=None, err=None) -> int:
 def _run_summary(args, res, clock) -> str:
     """One cluster run's summary: what ran, vLLM's figures (the single engine's table) and the
     cluster's own figures."""
-    from ..sim.report import figures_table, kv_lines, number
+    from ..sim.report import clock_parts, figures_table, kv_lines, number
 
     s = res.summary
     lines = ["qualia simulate --replicas summary"]
@@ -222,7 +222,7 @@ def _run_summary(args, res, clock) -> str:
                                    f"{number(args.requests)} requests (synthetic)"])
     lines += kv_lines("replicas", [f"{res.replicas} behind the {res.policy} router",
                                    "each on a GPU of its own, stepping together"])
-    lines += kv_lines("clock", [clock.describe()])
+    lines += kv_lines("clock", clock_parts(clock.describe()))
     lines.append("")
     lines += figures_table(s, s)
     lines.append("")

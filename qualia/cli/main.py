@@ -40,7 +40,15 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from ..sim import config as preflight
-from ..sim.report import OutputError, emit, format_summary, jsonable, number, write_json
+from ..sim.report import (
+    OutputError,
+    clock_parts,
+    emit,
+    format_summary,
+    jsonable,
+    number,
+    write_json,
+)
 from .options import (
     MIN_ARRIVAL_RATE,
     U32_MAX,
@@ -369,41 +377,40 @@ def _progress_bar(args, err, total: int):
 
 
 def _header(args, workload, clock, backend_label: str) -> List[Tuple[str, List[str]]]:
-    """The summary's first rows: what was served, on which clock and backend, sized how."""
+    """The summary's first rows: what was served, on which clock and backend, sized how (each
+    row a list of parts that fit a line, so that no value is split over two)."""
     from ..sim.trace import Trace
 
     rows: List[Tuple[str, List[str]]] = []
     if isinstance(workload, Trace):
         rows.append(("workload", [f"{number(len(workload))} requests of the trace "
-                                  f"{os.path.basename(args.trace)} ({workload.form} form)",
+                                  f"{os.path.basename(args.trace)}", f"{workload.form} form",
                                   f"arrivals over {number(workload.duration_s, 1)} s"]))
     else:
         rate = ("all at 0 s" if args.arrival_rate == float("inf") else
                 f"Poisson arrivals at {args.arrival_rate:g} requests/s")
         if args.turns > 1:
-            what = (f"{number(args.requests)} conversations x {args.turns} turns = "
-                    f"{number(args.requests * args.turns)} requests (synthetic; a turn "
-                    f"arrives when the previous one completes)")
+            rows.append(("workload", [
+                f"{number(args.requests)} conversations x {args.turns} turns = "
+                f"{number(args.requests * args.turns)} requests", "synthetic", rate,
+                "a later turn when the previous one completes"]))
         else:
-            what = f"{number(args.requests)} requests (synthetic)"
-        rows.append(("workload", [what, rate]))
-    rows.append(("clock", [clock.describe()]))
-    rows.append(("backend", [f"{backend_label} ({args.backend_by})"]))
+            rows.append(("workload", [f"{number(args.requests)} requests", "synthetic", rate]))
+    rows.append(("clock", clock_parts(clock.describe())))
+    rows.append(("backend", [backend_label, args.backend_by]))
     sized = getattr(args, "sized_by", {})
     by_profile = [k for k, v in sized.items() if "profile" in v]
     if by_profile or "logical_pages" in sized and isinstance(workload, Trace):
         parts = []
         if "num_pages" in by_profile:
-            parts.append(f"{number(args.num_pages)} pages of {args.page_tokens} tokens "
-                         f"({number(args.num_pages * args.page_tokens)} tokens: the "
-                         f"{args.profile} GPU's KV memory)")
+            parts.append(f"{number(args.num_pages)} pages of {args.page_tokens} tokens: the "
+                         f"GPU's KV memory")
         if "max_num_batched_tokens" in by_profile or "max_num_seqs" in by_profile:
             parts.append(f"{number(args.max_num_batched_tokens)} tokens and "
-                         f"{number(args.max_num_seqs)} sequences a step (the profile's)")
+                         f"{number(args.max_num_seqs)} sequences a step")
         if sized.get("logical_pages") == "the trace's longest request":
-            parts.append(f"{number(args.logical_pages)} pages a request (the longest "
-                         f"request's)")
-        rows.append(("sized", parts))
+            parts.append(f"{number(args.logical_pages)} pages a request: the longest")
+        rows.append(("sized from the profile", parts))
     return rows
 
 

@@ -236,7 +236,7 @@ def resolve_options(args) -> None:
         args.backend = "c" if trace else "model"
         args.backend_by = "the default for --trace" if trace else "the default"
     elif not hasattr(args, "backend_by"):
-        args.backend_by = "--backend"
+        args.backend_by = "as --backend asks"
     if getattr(args, "page_tokens", None) is None:
         args.page_tokens = SYNTHETIC_SIZES["page_tokens"]
         args.sized_by["page_tokens"] = "the default"

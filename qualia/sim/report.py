@@ -34,7 +34,8 @@ from .figures import METRICS, RequestRecord, prefix_cache_hit_rate, request_rows
 from .timing import ROWS, percentile
 
 __all__ = ["Counters", "Timeline", "EngineResult", "GroupOutput", "backend_label",
-           "collect_stats", "step_figures", "figures_table", "kv_lines", "format_summary",
+           "collect_stats", "step_figures", "figures_table", "kv_lines", "clock_parts",
+           "format_summary",
            "jsonable", "number", "WIDTH", "OutputError", "emit", "write_json"]
 
 #: The summary table fits a terminal this wide.
@@ -359,6 +360,15 @@ _KEY_WIDTH = 22  # the scheduler's figures: key column
 _LABEL_WIDTH = 36  # the time rows: label column
 
 
+def clock_parts(description: str) -> List[str]:
+    """A clock's one-line description (``describe()``) as parts that each fit a line: its name,
+    then each of the details it gives in parentheses."""
+    head, sep, rest = description.partition(" (")
+    if not sep or not rest.endswith(")"):
+        return [description]
+    return [head] + [part.strip() for part in rest[:-1].split(", ")]
+
+
 def kv_lines(key: str, parts: Sequence[str], sep: str = ", ") -> List[str]:
     """``key  part1, part2, ...``: the parts joined by ``sep`` and, when they pass
     :data:`WIDTH`, continued on lines of their own under the first; a part is never split (one
@@ -583,7 +593,7 @@ def format_summary(stats: dict, figures: Optional[Dict[str, Any]] = None,
     lines = ["qualia simulate summary"]
     rows: List[Tuple[str, Sequence[str]]] = list(header)
     if not any(k == "clock" for k, _ in rows):
-        rows.append(("clock", [str(s["clock"])]))
+        rows.append(("clock", clock_parts(str(s["clock"]))))
     if not any(k == "backend" for k, _ in rows):
         rows.append(("backend", [f"{s['backend']} on the {s.get('scheduler', 'core')} "
                                  f"scheduler"]))
