@@ -80,3 +80,21 @@ class ShadowKV:
             self.write(plan, rng.random(len(plan.input_ids)) < 0.5)
         else:
             self.write(plan)
+
+
+def run_steps(sched, backend, max_steps=100000):
+    """Drive ``sched`` to completion one schedule/update at a time (a backend's
+    ``execute_step`` returns the sampled ids, or ``(sampled, topk_ids, topk_logprobs)`` for a
+    plan with beam rows); returns (finished, peak pages held by requests, steps).  Pages are
+    counted after each ``schedule`` (the step's pages are reserved then)."""
+    finished = []
+    peak = 0
+    steps = 0
+    while sched.has_unfinished() and steps < max_steps:
+        plan = sched.schedule()
+        stats = sched.stats()
+        peak = max(peak, stats["used_pages"])
+        out = backend.execute_step(plan)
+        finished.extend(sched.update(*out) if isinstance(out, tuple) else sched.update(out))
+        steps += 1
+    return finished, peak, steps

@@ -14,14 +14,14 @@ from step_checks import ShadowKV, assert_same_plan
 import qualia
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
 from qualia.sim.adapters import PlanModelSteps
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]     # 10 tokens: 2 full pages of 4 and a partial one
 KINDS = ["core", "twin"]
 
 
 def make(kind, *args, **kw):
-    cls = qualia.Scheduler if kind == "core" else TF.ForkStepScheduler
+    cls = qualia.Scheduler if kind == "core" else TwinStepScheduler
     return cls(*args, **kw)
 
 
@@ -32,10 +32,6 @@ def facade(s):
 
 def live_ids(s):
     return s.step_requests() if isinstance(s, qualia.Scheduler) else list(s.requests())
-
-
-def pages_copied(s):
-    return s.stats()["pages_copied"] if isinstance(s, qualia.Scheduler) else s.pages_copied
 
 
 def table(s, rid):
@@ -92,7 +88,7 @@ def test_a_discarded_plans_copies_are_listed_again_until_applied(kind, times):
     s.update(np.full(len(plan.logits_indices), 7, np.uint32))
     plan, _ = step(s, shadow)
     assert copies_of(plan) == []            # applied: owed no more
-    assert pages_copied(s) == 2              # made once, however often listed
+    assert s.stats()["pages_copied"] == 2    # made once, however often listed
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -285,7 +281,7 @@ def _lockstep(seed):
     nb = int(rng.integers(6, 20))
     kw = dict(max_num_batched_tokens=int(rng.integers(2, 24)), max_num_seqs=seqs,
               vocab_size=64, cache_key=b"o" * 16, max_queued=24)
-    c, t = qualia.Scheduler(5, nb, pt, 12, **kw), TF.ForkStepScheduler(5, nb, pt, 12, **kw)
+    c, t = qualia.Scheduler(5, nb, pt, 12, **kw), TwinStepScheduler(5, nb, pt, 12, **kw)
     shadow = ShadowKV(nb, pt)
     nid, relisted, owed = 0, 0, []
     for _ in range(120):

@@ -1,5 +1,5 @@
 """Parallel sampling (``add_request(..., n=k)``) and beam search (``beam_width=w``) in the
-compiled engine step, against their pure-Python statement ``qualia.twin.ForkStepScheduler``
+compiled engine step, against their pure-Python statement ``qualia.twin.StepScheduler``
 (docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
 ``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
@@ -28,7 +28,8 @@ import qualia
 from qualia.errors import StepError
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
 from qualia.sim.adapters import PlanModelSteps
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
+from qualia.twin.groups import CHILD_BASE
 
 
 class ForksVsTwin(StepVsTwin):
@@ -39,7 +40,7 @@ class ForksVsTwin(StepVsTwin):
         kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
                   max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16)
         self.core = qualia.Scheduler(5, num_blocks, page_tokens, 12, **kw)
-        self.twin = TF.ForkStepScheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.twin = TwinStepScheduler(5, num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
         self.plan = None
         self.shadow = ShadowKV(num_blocks, page_tokens)
@@ -188,7 +189,7 @@ def test_every_member_equals_its_dense_run_and_the_twin(page_tokens, prompt_len,
     prompt = PROMPT[:prompt_len]
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs)
     c = qualia.Scheduler(8, 64, page_tokens, 32, **kw)
-    t = TF.ForkStepScheduler(8, 64, page_tokens, 32, **kw)
+    t = TwinStepScheduler(8, 64, page_tokens, 32, **kw)
     for s in (c, t):
         s.add_request(1, prompt, max_new_tokens=6, n=4)
         s.add_request(2, prompt[:3], max_new_tokens=4)
@@ -223,7 +224,7 @@ def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied()
 
 def test_queue_capacity_counts_every_member():
     c = qualia.Scheduler(4, 64, 4, 16, max_queued=5)
-    t = TF.ForkStepScheduler(4, 64, 4, 16, max_queued=5)
+    t = TwinStepScheduler(4, 64, 4, 16, max_queued=5)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, n=4)
         with pytest.raises(StepError.QueueFull):
@@ -266,7 +267,7 @@ def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     hb = qualia.HashBackend()
     kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
     a, b = qualia.Scheduler(8, 14, 4, 16, **kw), qualia.Scheduler(8, 14, 4, 16, **kw)
-    t = TF.ForkStepScheduler(8, 14, 4, 16, **kw)
+    t = TwinStepScheduler(8, 14, 4, 16, **kw)
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, n=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=6, n=4)
@@ -343,7 +344,7 @@ def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budge
     results."""
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs)
     c = qualia.Scheduler(8, 64, 4, 16, **kw)
-    t = TF.ForkStepScheduler(8, 64, 4, 16, **kw)
+    t = TwinStepScheduler(8, 64, 4, 16, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2)
@@ -380,7 +381,7 @@ def test_beams_under_preemption_park_and_match_the_twin():
     twin step for step, and each group equals its dense search."""
     kw = dict(max_num_batched_tokens=6, max_num_seqs=3)
     c = qualia.Scheduler(6, 12, 2, 12, **kw)
-    t = TF.ForkStepScheduler(6, 12, 2, 12, **kw)
+    t = TwinStepScheduler(6, 12, 2, 12, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
@@ -405,7 +406,7 @@ def test_beams_under_preemption_park_and_match_the_twin():
 
 def test_a_beam_group_holds_its_width_of_queue_entries():
     c = qualia.Scheduler(4, 64, 4, 16, max_queued=5)
-    t = TF.ForkStepScheduler(4, 64, 4, 16, max_queued=5)
+    t = TwinStepScheduler(4, 64, 4, 16, max_queued=5)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         with pytest.raises(StepError.QueueFull):
@@ -425,7 +426,7 @@ def test_a_beam_group_holds_its_width_of_queue_entries():
                                     (dict(beam_width=2, n=2), ValueError)])
 def test_bad_beam_width_changes_nothing(kw, exc):
     c = qualia.Scheduler(8, 64, 4, 16)
-    t = TF.ForkStepScheduler(8, 64, 4, 16)
+    t = TwinStepScheduler(8, 64, 4, 16)
     for s in (c, t):
         with pytest.raises(exc):
             s.add_request(1, PROMPT, max_new_tokens=3, **kw)
@@ -435,7 +436,7 @@ def test_bad_beam_width_changes_nothing(kw, exc):
 
 def test_beams_that_cannot_fit_side_by_side_never_fit():
     # 4 beams of a 10-token prompt and 6 new tokens on 4-token pages: 2 shared + 4 x 2 pages
-    for s in (qualia.Scheduler(8, 9, 4, 16), TF.ForkStepScheduler(8, 9, 4, 16)):
+    for s in (qualia.Scheduler(8, 9, 4, 16), TwinStepScheduler(8, 9, 4, 16)):
         with pytest.raises(StepError.NeverFits):
             s.add_request(1, PROMPT, max_new_tokens=6, beam_width=4)
         s.add_request(1, PROMPT, max_new_tokens=6, beam_width=3)
@@ -448,7 +449,7 @@ def test_bad_candidates_change_nothing(bad):
     pending with nothing applied; the same update with good candidates then matches the
     twin."""
     c = qualia.Scheduler(8, 64, 4, 16, vocab_size=64)
-    t = TF.ForkStepScheduler(8, 64, 4, 16, vocab_size=64)
+    t = TwinStepScheduler(8, 64, 4, 16, vocab_size=64)
     b = CoreBeamBackend(64, 4)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
@@ -484,7 +485,7 @@ def test_beams_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     hb = qualia.HashBackend(vocab=64)
     kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
     a, b = qualia.Scheduler(8, 40, 4, 16, **kw), qualia.Scheduler(8, 40, 4, 16, **kw)
-    t = TF.ForkStepScheduler(8, 40, 4, 16, **kw)
+    t = TwinStepScheduler(8, 40, 4, 16, **kw)
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=6, n=2)
@@ -560,7 +561,7 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
     rule."""
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=6)
     a, b, t = (cls(8, blocks, page_tokens, 16, **kw)
-               for cls in (qualia.Scheduler, qualia.Scheduler, TF.ForkStepScheduler))
+               for cls in (qualia.Scheduler, qualia.Scheduler, TwinStepScheduler))
     widths = {1: 3, 3: 2, 4: 1}
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
@@ -591,7 +592,7 @@ def test_plans_name_forks_and_a_discarded_plans_admissions(kind):
     plan's forks and new ids are named again by the next plan; a forked child is not new."""
     kw = dict(max_num_batched_tokens=64)
     s = (qualia.Scheduler(8, 64, 4, 16, **kw) if kind == "core"
-         else TF.ForkStepScheduler(8, 64, 4, 16, **kw))
+         else TwinStepScheduler(8, 64, 4, 16, **kw))
     s.add_request(7, PROMPT, max_new_tokens=4, n=3)
     plan = s.schedule()
     assert plan.new_request_ids.tolist() == [7] and plan.fork_child_ids.tolist() == []
@@ -640,5 +641,5 @@ def test_the_c_abi_plan_carries_the_forks():
     s.run(c_backend(cb))
     kids = sorted(c for step in seen for c, _ in step)
     assert seen[0] == [] and len(seen[1]) == 2 and all(p == 7 for _, p in seen[1])
-    assert len(kids) == 2 and all(k >= TF.CHILD_BASE for k in kids)
+    assert len(kids) == 2 and all(k >= CHILD_BASE for k in kids)
     assert all(step == [] for step in seen[2:])

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
 
 HB = qualia.HashBackend(vocab=64)
 
@@ -42,7 +42,7 @@ def workload(s, n=10, seed=3):
 
 
 def make(twin=False):
-    cls = TF.ForkStepScheduler if twin else qualia.Scheduler
+    cls = TwinStepScheduler if twin else qualia.Scheduler
     s = cls(8, 40, 4, 16, max_num_batched_tokens=16, max_num_seqs=4, vocab_size=64,
             cache_key=b"r" * 16)
     workload(s)
