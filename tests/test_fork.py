@@ -113,6 +113,22 @@ def test_reserve_into_a_shared_page_copies_it(S):
     assert s.block_table(1).tolist()[-1] == last and s.pool.refcount(last) == 1
 
 
+@pytest.mark.parametrize("S,mode", [(qualia.Scheduler, "auto"), (qualia.Scheduler, "explicit"),
+                                    (qualia.Scheduler, "off"), (twin_cache.Scheduler, "auto")],
+                         ids=["core-auto", "core-explicit", "core-off", "twin-auto"])
+def test_page_counters_count_a_copy_as_a_copy_and_a_fresh_page_as_an_allocation(S, mode):
+    s = decoding(S, prefix_caching=mode)             # 10 tokens: pages 0, 1, 2 (2 partly filled)
+    assert (s.stats()["pages_allocated"], s.stats()["pages_copied"]) == (3, 0)
+    s.fork(1, 2)
+    assert len(s.reserve(2, 1)) == 1                  # the shared partial page: one copy
+    assert (s.stats()["pages_allocated"], s.stats()["pages_copied"]) == (3, 1)
+    s.reserve(2, 3)                                   # positions 10..12: one fresh page
+    assert (s.stats()["pages_allocated"], s.stats()["pages_copied"]) == (4, 1)
+    s.decode(CopyingBackend())                        # the parent: page 2 is its own now
+    assert s.stats()["decode_rounds"] == 1
+    assert (s.stats()["pages_allocated"], s.stats()["pages_copied"]) == (4, 1)
+
+
 @pytest.mark.parametrize("S", FACADES)
 def test_finish_releases_only_its_own_references(S):
     s = decoding(S)

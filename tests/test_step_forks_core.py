@@ -6,12 +6,13 @@ compiled engine step, against their pure-Python statement ``qualia.twin.StepSche
 with ``n`` groups and beam groups among the requests: every plan array (repeated logits rows,
 the members' ids, the copies of the shared partial page, rows of forked children, ``num_topk``),
 every result (one ``FinishedGroup`` per group, with the beams' scores), the queues, the pool's
-reference counts, the parked beams and every request's tokens must agree after every call, and
-the shadow KV (plans discarded after a partial execution among them) must read every member's
-own tokens through its pages: the partial page a fork shared is copied before a child reads it,
-however often the plan that copies it is discarded.  The
-dense checks run ``qualia.model``'s seeded per-member sampler and its beam search through the
-core and compare each result with its dense run.
+reference counts, the parked beams, every request's tokens and every counter (``stats()`` with
+the pages copied and allocated, ``cache_stats()``, ``forks``, ``fork_fallbacks``, ``parked``, the
+KV events, ``run()``'s rows and totals) must agree after every call, and the shadow KV (plans
+discarded after a partial execution among them) must read every member's own tokens through its
+pages: the partial page a fork shared is copied before a child reads it, however often the plan
+that copies it is discarded.  The dense checks run ``qualia.model``'s seeded per-member sampler
+and its beam search through the core and compare each result with its dense run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from step_checks import ShadowKV, assert_same_plan
+from step_checks import ShadowKV, assert_same_plan, assert_same_step_counters
 from test_step_abi import example_rule, example_topk_rule
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
@@ -35,10 +36,12 @@ from qualia.twin.groups import CHILD_BASE
 class ForksVsTwin(StepVsTwin):
     @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24),
                 seqs=st.integers(1, 5), chunk=st.sampled_from([None, None, 1, 3, 8]),
-                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]))
-    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens):
+                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]),
+                events=st.sampled_from([4096, 4096, 6, 0]))
+    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens, events):
         kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
-                  max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16)
+                  max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16,
+                  event_capacity=events)
         self.core = qualia.Scheduler(5, num_blocks, page_tokens, 12, **kw)
         self.twin = TwinStepScheduler(5, num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
@@ -157,8 +160,7 @@ class ForksVsTwin(StepVsTwin):
         assert sorted(c.step_requests()) == sorted(t.requests())
         for rid in c.step_requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
-        assert c.forks == t.forks and c.fork_fallbacks == t.fork_fallbacks
-        assert c.parked == t.parked
+        assert_same_step_counters(c, t)
 
 
 TestForksVsTwin = ForksVsTwin.TestCase
