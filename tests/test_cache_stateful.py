@@ -171,6 +171,18 @@ class CacheVsTwin(RuleBasedStateMachine):
         if finish:
             self.finish(rid, True)
 
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), ns=NAMESPACES, cont=st.integers(0, 7),
+          first=TOKENS, rounds=st.integers(1, 3), reserve=st.sampled_from([0, 1, 3]))
+    def serve_and_fork(self, prompt, ns, cont, first, rounds, reserve):
+        """A request served up to its first decode, then forked: the child shares the partly
+        filled last page, which the next reservation or decode round copies."""
+        rid = self.new_rid()
+        self.serve(prompt, ns, cont, first, 0, False)
+        active = self.active()
+        if rid in active:
+            child = next(r for r in (300, 301, 302, 303) if r not in active)
+            self.fork(rid, child, rounds, True, reserve)
+
     @rule(prompt=st.integers(0, len(PROMPTS) - 1), ns=NAMESPACES, cont=st.integers(0, 7))
     def probe(self, prompt, ns, cont):
         tokens = self.history[-1 - cont % len(self.history)] + list(PROMPTS[prompt])

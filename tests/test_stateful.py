@@ -962,8 +962,11 @@ class FacadeInvariants(RuleBasedStateMachine):
         self.guarded("finish", lambda: self.s.finish(rid))
 
     @rule(parent=st.one_of(ACTIVE, ACTIVE, RIDS),
-          child=st.one_of(st.sampled_from([200, 201]), RIDS))
-    def fork(self, parent, child):
+          child=st.one_of(st.sampled_from([200, 201]), RIDS),
+          reserve=st.sampled_from([0, 0, 1, 3]))
+    def fork(self, parent, child, reserve):
+        # a fork, then maybe a reservation of the child's next tokens (it copies the shared
+        # last page when that page is partly filled)
         parent = self.rid(parent)
         child = self.rid(child)
         out = self.guarded("fork", lambda: self.s.fork(parent, child))
@@ -973,6 +976,8 @@ class FacadeInvariants(RuleBasedStateMachine):
             assert s.token_count(child) == s.token_count(parent)
             assert s.requests.pending_token(child) == s.requests.pending_token(parent)
             assert s.requests.request_view(child)[2] == qualia.RequestState.DECODE
+            if reserve:
+                self.counted_reserve(child, reserve)
 
     @rule()
     def evict_unused_lru(self):
