@@ -243,9 +243,9 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
                      pending: int = 0) -> None:
     """Raise ``RuntimeError`` unless every request of ``submitted`` completed exactly once
     (``completions`` maps request id -> times completed), none is ``pending`` or active in
-    ``scheduler`` (a ``qualia.Scheduler``), and the pool holds nothing but the prefix store's
-    pages, each with the refcount of the entries that hold it, and cached pages that only the
-    cache holds."""
+    ``scheduler`` (a ``qualia.StepScheduler`` or ``qualia.Scheduler``), and the pool holds
+    nothing but the prefix store's pages, each with the refcount of the entries that hold it,
+    and cached pages that only the cache holds."""
     s = scheduler
     problems = []
     done = set(completions)
@@ -263,9 +263,9 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
     st = getattr(s, "prefixes", None)  # the twin facade under the step twin has no store
     held = collections.Counter() if st is None else collections.Counter(
         p for ident in st.identities() for p in st.pages_of(ident))
-    if s.free_pages + len(held) != s.num_blocks:
+    if s.free_pages + len(held) != s.num_pages:
         problems.append(
-            f"pool leak: {s.free_pages} free + {len(held)} store pages != {s.num_blocks}")
+            f"pool leak: {s.free_pages} free + {len(held)} store pages != {s.num_pages}")
     cache = s.cache_stats()  # automatic caching: every cached page is the cache's alone
     if cache.cached_pages != cache.reclaimable_pages:
         problems.append(f"{cache.cached_pages - cache.reclaimable_pages} cached pages still "

@@ -65,7 +65,7 @@ def _ray():
 @dataclass
 class ReplicaConfig:
     """What every replica is built with.  ``scheduler``: ``"auto"`` (the compiled core's
-    ``qualia.Scheduler`` when it has the step API, else the pure-Python twin), ``"core"``,
+    ``qualia.StepScheduler`` when it has the step API, else the pure-Python twin), ``"core"``,
     ``"twin"``, or a callable taking the scheduler's keyword arguments.  ``backend``:
     ``"hash"`` (the hash rule, token = hash(request, position, last token)) or ``"model"``
     (the numpy model's own step runner, ``PagedModelBackend.execute_step``: one forward over
@@ -96,20 +96,22 @@ class ReplicaConfig:
 
 def make_scheduler(config: ReplicaConfig):
     """The step scheduler of one replica (see :class:`ReplicaConfig`)."""
-    kw: Dict[str, Any] = dict(max_requests=config.max_requests, num_blocks=config.num_blocks,
-                              page_tokens=config.page_tokens,
-                              logical_pages=config.logical_pages, cache_key=config.cache_key,
-                              event_capacity=config.event_capacity,
+    seqs = config.max_requests if config.max_num_seqs is None else config.max_num_seqs
+    if not 1 <= seqs <= config.max_requests:
+        raise ValueError(f"max_num_seqs must be in [1, max_requests={config.max_requests}], "
+                         f"got {seqs}")
+    kw: Dict[str, Any] = dict(num_pages=config.num_blocks, page_tokens=config.page_tokens,
+                              logical_pages=config.logical_pages, max_num_seqs=seqs,
+                              cache_key=config.cache_key, event_capacity=config.event_capacity,
                               max_num_batched_tokens=config.max_num_batched_tokens,
-                              max_num_seqs=config.max_num_seqs,
                               max_prefill_chunk=config.max_prefill_chunk,
                               max_queued=config.queue_limit, vocab_size=config.vocab)
     kind = config.scheduler
     if callable(kind):
         return kind(**kw)
-    core_has_step = hasattr(qualia.Scheduler, "add_request")
+    core_has_step = hasattr(qualia, "StepScheduler")
     if kind == "core" or (kind == "auto" and core_has_step):
-        return qualia.Scheduler(**kw)
+        return qualia.StepScheduler(**kw)
     if kind in ("twin", "auto"):
         from qualia.twin_step import StepScheduler
         return StepScheduler(**kw)
@@ -158,9 +160,9 @@ class Replica:
         self.config = config
         self.sched = make_scheduler(config)
         self.backend = make_backend(config)
-        # the twin keeps the cache in its facade; the core's Scheduler is its own facade
+        # the twin keeps the cache in its facade; the core's StepScheduler owns its cache
         self.facade = getattr(self.sched, "facade", self.sched)
-        self.implementation = ("core" if isinstance(self.sched, qualia.Scheduler)
+        self.implementation = ("core" if isinstance(self.sched, qualia.StepScheduler)
                                else "twin" if self.facade is not self.sched
                                else type(self.sched).__name__)
         self.steps = 0
@@ -226,7 +228,7 @@ class Replica:
                    sampled=sampled, finished=finished, rejected=rejected, failed=failed,
                    events=f.drain_events(),
                    running=int(self.sched.num_running), waiting=int(self.sched.num_waiting),
-                   free_pages=int(f.free_pages), num_blocks=int(f.num_blocks),
+                   free_pages=int(f.free_pages), num_blocks=int(f.num_pages),
                    step_s=time.perf_counter() - t0)
         return rep
 

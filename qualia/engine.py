@@ -11,7 +11,7 @@ around it and the books:
     ->  finished = update(sampled)  ->  record the finished requests (and submit the next turn
     of their conversation)
 
-The scheduler is ``qualia.Scheduler`` when the compiled core has the step API, else its
+The scheduler is ``qualia.StepScheduler`` when the compiled core has the step API, else its
 pure-Python twin ``qualia.twin_step.StepScheduler`` (``implementation="auto"``); pass
 ``implementation="core"`` or ``"twin"``, or ``scheduler_factory``, to choose.
 
@@ -99,17 +99,17 @@ _now = time.perf_counter
 
 
 def core_has_step_api() -> bool:
-    """True when the compiled ``qualia.Scheduler`` has the engine step API."""
+    """True when the compiled core has the engine step (``qualia.StepScheduler``)."""
     import qualia
 
-    return callable(getattr(qualia.Scheduler, "add_request", None))
+    return callable(getattr(getattr(qualia, "StepScheduler", None), "add_request", None))
 
 
 _CORE_FORKS: Dict[str, bool] = {}
 
 
 def core_supports(feature: str) -> bool:
-    """Whether this build's compiled ``qualia.Scheduler`` takes ``add_request(..., n=k)``
+    """Whether this build's compiled ``qualia.StepScheduler`` takes ``add_request(..., n=k)``
     (``feature="n"``) or ``add_request(..., beam_width=w)`` with the beam plan
     (``plan.num_topk``, ``update(ids, topk_ids, topk_logprobs)``; ``feature="beam"``).  Found
     once by adding a one-token request to a throwaway scheduler of a few pages."""
@@ -126,7 +126,7 @@ def _probe_core(feature: str) -> bool:
     import qualia
 
     try:
-        s: Any = qualia.Scheduler(2, 4, 4, 2, max_num_seqs=2)  # the kw may be unknown to it
+        s: Any = qualia.StepScheduler(4, 4, 2, 2)
         kw = {"n": 2} if feature == "n" else {"beam_width": 2}
         s.add_request(0, [1, 2], max_new_tokens=1, **kw)
         if feature == "beam":
@@ -141,7 +141,7 @@ def _probe_core(feature: str) -> bool:
 
 def make_scheduler_factory(implementation: str = "auto", *, n: int = 1,
                            beam_width: Optional[int] = None) -> Callable[..., Any]:
-    """The class the engine builds its scheduler with: ``"core"`` (``qualia.Scheduler``),
+    """The class the engine builds its scheduler with: ``"core"`` (``qualia.StepScheduler``),
     ``"twin"`` (``qualia.twin_step.StepScheduler``, or ``qualia.twin_fork.ForkStepScheduler``
     for ``n > 1`` or ``beam_width``) or ``"auto"`` (the core when it has the step API and
     supports the forks asked for, else the twin)."""
@@ -156,14 +156,14 @@ def make_scheduler_factory(implementation: str = "auto", *, n: int = 1,
         import qualia
 
         if not core_has_step_api():
-            raise ValueError("implementation='core': this build's qualia.Scheduler has no "
-                             "engine step API (add_request/schedule/update)")
+            raise ValueError("implementation='core': this build's compiled core has no "
+                             "engine step (qualia.StepScheduler)")
         if feature is not None and not core_supports(feature):
             what = "beam search (beam_width)" if feature == "beam" else "parallel sampling (n)"
-            raise ValueError(f"implementation='core': this build's qualia.Scheduler has no "
+            raise ValueError(f"implementation='core': this build's qualia.StepScheduler has no "
                              f"{what}; use implementation='auto' or 'twin' (the pure-Python "
                              f"qualia.twin_fork.ForkStepScheduler)")
-        return qualia.Scheduler
+        return qualia.StepScheduler
     if feature is not None:
         from .twin_fork import ForkStepScheduler
 
@@ -400,6 +400,10 @@ class Engine:
             raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
         self.step_seconds = None if step_seconds is None else float(step_seconds)
         seqs = int(max_requests if max_seqs is None else max_seqs)
+        if not 1 <= seqs <= int(max_requests):
+            # the engine's slots: at most max_requests requests run at once
+            raise ValueError(f"max_num_seqs must be in [1, max_requests={max_requests}], "
+                             f"got {seqs}")
         self.n, self.beam_width = _group_options(n, beam_width, seqs, max_queued)
         #: requests are added as groups (n > 1 or beam search)
         self.forking = self.n > 1 or self.beam_width is not None
@@ -466,30 +470,30 @@ class Engine:
                    else make_scheduler_factory(implementation, n=self.n,
                                                beam_width=self.beam_width))
         if (scheduler_factory is None and implementation == "auto" and self.forking
-                and prefix_caching == "off" and factory is not qualia.Scheduler):
+                and prefix_caching == "off" and factory is not qualia.StepScheduler):
             # "auto" fell back to the twin, which models automatic caching only: say why
             what = "beam search" if self.beam_width is not None else "parallel sampling (n)"
             raise ValueError(f"{what} with prefix_caching='off' needs the compiled core's "
                              f"{what}, which this build lacks; its pure-Python twin "
                              f"(qualia.twin_fork.ForkStepScheduler) models "
                              f"prefix_caching='auto' only")
+        self.max_requests = int(max_requests)
+        self.max_queued = 4 * self.max_requests if max_queued is None else int(max_queued)
         self.scheduler = factory(
-            max_requests, num_blocks, page_tokens, logical_pages,
+            num_blocks, page_tokens, logical_pages, seqs,
             prefix_caching=prefix_caching, max_num_batched_tokens=max_batched_tokens,
-            max_num_seqs=max_seqs, max_queued=max_queued, max_prefill_chunk=max_prefill_chunk,
+            max_queued=self.max_queued, max_prefill_chunk=max_prefill_chunk,
             vocab_size=self.vocab)
         s = self.scheduler
         # the facade under the step API: the scheduler itself (core) or the twin's facade
         self.facade = getattr(s, "facade", s)
         self.implementation = "twin" if s is not self.facade else "core"
         self.caching = self.facade.prefix_caching
-        self.max_requests = int(self.facade.max_requests)
-        self.num_blocks = int(self.facade.num_blocks)
+        self.num_blocks = int(self.facade.num_pages)
         self.logical_pages = int(self.facade.logical_pages)
         self.max_batched_tokens = int(max_batched_tokens)
-        self.max_seqs = self.max_requests if max_seqs is None else int(max_seqs)
+        self.max_seqs = seqs
         self.max_prefill_chunk = max_prefill_chunk
-        self.max_queued = 4 * self.max_requests if max_queued is None else int(max_queued)
         self._events = np.zeros(256, dtype=qualia.KV_EVENT)  # drained each step
         self.on_complete = on_complete
         self._progress: Optional[Callable[[str, int, int], None]] = None

@@ -200,7 +200,7 @@ class _Slot:
 class Scheduler:
     """``qualia.Scheduler(..., prefix_caching="auto")`` in plain Python."""
 
-    def __init__(self, max_requests, num_blocks, page_tokens, logical_pages, prefix_entries=64,
+    def __init__(self, max_requests, num_pages, page_tokens, logical_pages, prefix_entries=64,
                  prefix_pages=None, prefix_caching="auto", cache_key=None, max_namespaces=1024,
                  event_capacity=4096) -> None:
         pt = _u32(page_tokens, "page_tokens")
@@ -216,7 +216,7 @@ class Scheduler:
         if ev_cap > (1 << 26):
             raise ValueError(f"event_capacity must be in [0, 67108864], got {ev_cap}")
         self.page_tokens = pt
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_pages)
         mr = _int(max_requests, "max_requests", 65536, minimum=1)
         self._lp = _u32(logical_pages, "logical_pages")
         self._slots = [_Slot(self._lp) for _ in range(mr)]
@@ -254,7 +254,7 @@ class Scheduler:
         return self._lp
 
     @property
-    def num_blocks(self) -> int:
+    def num_pages(self) -> int:
         return self.pool.num_blocks
 
     @property
@@ -950,5 +950,5 @@ class Scheduler:
 
     def __repr__(self) -> str:
         return (f"twin_cache.Scheduler(max_requests={self.max_requests}, "
-                f"num_blocks={self.num_blocks}, page_tokens={self.page_tokens}, "
+                f"num_pages={self.num_pages}, page_tokens={self.page_tokens}, "
                 f"logical_pages={self._lp}, active={self.active_count})")

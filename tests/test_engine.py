@@ -61,7 +61,7 @@ def assert_clean_end(engine: Engine, n_requests: int) -> None:
     assert len(engine.outputs) == n_requests
     assert all(count == 1 for count in engine._completions.values())
     assert not engine.scheduler.has_unfinished()
-    assert f.active_count == 0 and f.free_pages == f.num_blocks  # every page free or cached
+    assert f.active_count == 0 and f.free_pages == f.num_pages  # every page free or cached
 
 
 # -- workload ---------------------------------------------------------------------------------
@@ -337,8 +337,8 @@ def test_implementation_choice():
     assert make_scheduler_factory("twin") is StepScheduler
     assert isinstance(Engine("c", implementation="twin").scheduler, StepScheduler)
     if core_has_step_api():
-        assert make_scheduler_factory("core") is qualia.Scheduler
-        assert make_scheduler_factory("auto") is qualia.Scheduler
+        assert make_scheduler_factory("core") is qualia.StepScheduler
+        assert make_scheduler_factory("auto") is qualia.StepScheduler
     else:
         with pytest.raises(ValueError, match="no engine step API"):
             make_scheduler_factory("core")

@@ -36,8 +36,19 @@ cdef enum:
     Q_QUEUE_FULL = 28
     Q_PLAN_PENDING = 29
     Q_NO_PLAN = 30
-    Q_MODE_CONFLICT = 31
-    Q_FORK_IN_PREFILL = 32      # fork of a request that is still in its prefill
+    Q_FORK_IN_PREFILL = 31      # fork of a request that is still in its prefill
+    # a C step backend's failed step in StepScheduler.run() (core/step/loop.pxi): no error
+    # variant of the families but RaggedBackendError.Failed(status) and ValueError / TypeError
+    # with the row that failed (core/base/errors.pxi, _PLAIN)
+    Q_RUN_BACKEND_FAILED = 32   # the backend returned nonzero (its status)
+    Q_RUN_UNWRITTEN = 33        # a sampled row left unwritten
+    Q_RUN_BAD_TOKEN = 34        # a sampled id past vocab_size
+    Q_RUN_NO_TOPK = 35          # a plan with beam rows, a backend that writes no candidates
+    Q_RUN_BAD_TOPK = 36         # a candidate id past vocab_size
+    Q_RUN_BAD_TOPK_LOGPROB = 37  # a candidate log-probability NaN, above 0, or unwritten
+    Q_RUN_REPEATED_TOPK = 38    # a beam row repeats a candidate id
+    Q_RUN_UNSORTED_TOPK = 39    # a beam row's candidates are not best first
+    Q_CODES = 40
 
 cdef enum:
     COW_EXCLUSIVE = 0

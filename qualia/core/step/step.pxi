@@ -318,25 +318,16 @@ cdef int facade_make_room(Sched *s, Pool *p, PageCache *c, int32_t index, uint32
 # -- entries, the id index, the waiting heap, rows ----------------------------------------------
 
 cdef inline uint32_t _step_home(StepState *st, uint64_t rid) noexcept nogil:
-    cdef uint64_t h = rid * <uint64_t>0x9E3779B97F4A7C15
-    return <uint32_t>((h >> 32) & st.index_mask)
+    return id_home(rid, st.index_mask)
 
 
 cdef uint32_t _step_home_of(void *ctx, int32_t e) noexcept nogil:
     cdef StepState *st = <StepState *>ctx
-    return _step_home(st, st.req[e].rid)
+    return id_home(st.req[e].rid, st.index_mask)
 
 
-cdef int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
-    cdef uint32_t i = _step_home(st, rid)
-    cdef int32_t e
-    while True:
-        e = st.index[i]
-        if e < 0:
-            return -1
-        if st.req[e].rid == rid:
-            return e
-        i = (i + 1) & st.index_mask
+cdef inline int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
+    return id_find(st.index, st.index_mask, st.req, sizeof(StepReq), rid)
 
 
 cdef inline bint _before(StepState *st, int32_t a, int32_t b) noexcept nogil:
@@ -1477,8 +1468,6 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     cdef uint32_t k
     cdef StepReq *r
     cdef StepReq *ch
-    if st.s.active > st.n_running + st.n_deferred:
-        return Q_MODE_CONFLICT      # requests of the manual verbs are active
     if step_find(st, rid) >= 0:
         return Q_STEP_DUPLICATE
     if total > st.entry_cap:
@@ -1998,17 +1987,6 @@ cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept no
 
 # -- the loop without the GIL, for a C step backend --------------------------------------------
 
-cdef enum:
-    RUN_BACKEND_FAILED = -1     # step_run's status: the backend returned nonzero (in *status)
-    RUN_BAD_TOKEN = -2          # a sampled id past vocab_size (in *status: its row)
-    RUN_NO_TOPK = -3            # a plan with beam rows, a backend that writes no candidates
-    RUN_BAD_TOPK = -4           # a candidate id past vocab_size (in *status: its row)
-    RUN_BAD_TOPK_LOGPROB = -5   # a candidate log-probability NaN or +inf (in *status: its row)
-    RUN_REPEATED_TOPK = -6      # a beam row repeats a candidate id (in *status: its row)
-    RUN_UNSORTED_TOPK = -7      # a beam row's candidates are not best first (in *status: its row)
-    RUN_UNWRITTEN = -8          # a sampled row left unwritten (in *status: its row)
-
-
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     # the pending plan as the ABI struct: pointers into the buffers sized at construction
     p.struct_size = sizeof(qualia_step_plan)
@@ -2055,12 +2033,15 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
 
 cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
                   uint64_t deadline_ns, StepStat *ring, uint32_t ring_rows, uint32_t *head,
-                  uint64_t *totals, uint64_t *steps, int32_t *status) noexcept nogil:
+                  uint64_t *totals, uint64_t *steps, int32_t *status,
+                  uint32_t *token) noexcept nogil:
     # schedule -> execute -> update until no request is left, max_steps steps ran, or a step
     # ends at or after deadline_ns (_coarse_now_ns; at least one step runs), so the caller
     # takes the GIL every few milliseconds to service signals.  Each step's statistics go to
     # the ring and the totals (stats_note).  A failing step is discarded (nothing of it
-    # applied) and ends the loop; the loop never ends with a plan pending.
+    # applied) and ends the loop; the loop never ends with a plan pending.  A failure's code is
+    # a Q_RUN_* status, *status the failing row (or the backend's own status), *token the row's
+    # sampled id.
     cdef qualia_step_plan plan
     cdef StepStat stat
     cdef uint64_t k = 0
@@ -2076,7 +2057,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
         if st.num_topk and (not (cb.flags & QUALIA_STEP_WRITES_TOPK)
                             or <size_t>st.m * st.num_topk > st.topk_cap):
             step_discard(st)
-            rc = RUN_NO_TOPK
+            rc = Q_RUN_NO_TOPK
             break
         step_abi_plan(st, &plan)
         # the sampled ids are poisoned as the candidates are: a backend that returns 0 without
@@ -2099,13 +2080,14 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
         if s != 0:
             step_discard(st)
             status[0] = s
-            rc = RUN_BACKEND_FAILED
+            rc = Q_RUN_BACKEND_FAILED
             break
         for i in range(st.m):
             if st.sampled[i] == U32_MAX or st.sampled[i] > limit:
                 step_discard(st)
                 status[0] = <int32_t>i
-                rc = RUN_UNWRITTEN if st.sampled[i] == U32_MAX else RUN_BAD_TOKEN
+                token[0] = st.sampled[i]
+                rc = Q_RUN_UNWRITTEN if st.sampled[i] == U32_MAX else Q_RUN_BAD_TOKEN
                 break
         if rc:
             break
@@ -2114,7 +2096,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
                 if st.topk_ids_buf[j] > limit:
                     step_discard(st)
                     status[0] = <int32_t>(j // st.num_topk)
-                    rc = RUN_BAD_TOPK
+                    rc = Q_RUN_BAD_TOPK
                     break
             if rc:
                 break
@@ -2122,8 +2104,8 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
             if i:
                 step_discard(st)
                 status[0] = <int32_t>row
-                rc = (RUN_BAD_TOPK_LOGPROB if i == TOPK_BAD_LOGPROB else
-                      RUN_REPEATED_TOPK if i == TOPK_REPEATED else RUN_UNSORTED_TOPK)
+                rc = (Q_RUN_BAD_TOPK_LOGPROB if i == TOPK_BAD_LOGPROB else
+                      Q_RUN_REPEATED_TOPK if i == TOPK_REPEATED else Q_RUN_UNSORTED_TOPK)
                 break
         done = st.n_done
         rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
