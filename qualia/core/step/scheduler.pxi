@@ -186,36 +186,36 @@ cdef class StepScheduler:
     @property
     def num_waiting(self):
         own_readable(self.gil_free)
-        return self.step.n_waiting
+        return self.step.wait.n
 
     @property
     def num_running(self):
         own_readable(self.gil_free)
-        return self.step.n_running
+        return self.step.run.n
 
     @property
     def max_num_batched_tokens(self):
-        return self.step.budget
+        return self.step.lim.budget
 
     @property
     def max_num_seqs(self):
-        return self.step.max_seqs
+        return self.step.lim.max_seqs
 
     @property
     def max_queued(self):
-        return self.step.max_queued
+        return self.step.lim.max_queued
 
     @property
     def max_prefill_chunk(self):
-        return self.step.max_chunk if self.step.max_chunk else None
+        return self.step.lim.max_chunk if self.step.lim.max_chunk else None
 
     @property
     def vocab_size(self):
-        return self.step.vocab if self.step.vocab else None
+        return self.step.lim.vocab if self.step.lim.vocab else None
 
     def has_unfinished(self):
         own_readable(self.gil_free)
-        return self.step.count != 0
+        return self.step.ids.count != 0
 
     def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
                     priority=0, eos_token_id=None, stop_token_ids=(), ignore_eos=False, n=1,
@@ -229,15 +229,15 @@ cdef class StepScheduler:
         ``update`` takes each row's best ids and log-probabilities; one ``FinishedGroup`` with
         the ``w`` hypotheses best first and their scores; the group takes ``w`` entries."""
         cdef uint64_t rid = _u64(request_id, "request_id")
-        n = _group_size(n, "n", self.step.max_seqs)
+        n = _group_size(n, "n", self.step.lim.max_seqs)
         cdef uint32_t bw = 0
         if beam_width is not None:
-            beam_width = _group_size(beam_width, "beam_width", self.step.max_seqs)
+            beam_width = _group_size(beam_width, "beam_width", self.step.lim.max_seqs)
             if n != 1:
                 raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
-            if self.step.vocab and beam_width > self.step.vocab:
+            if self.step.lim.vocab and beam_width > self.step.lim.vocab:
                 # a beam row's w candidates are distinct tokens of the vocabulary
-                raise ValueError(f"beam_width must be at most vocab_size={self.step.vocab}, "
+                raise ValueError(f"beam_width must be at most vocab_size={self.step.lim.vocab}, "
                                  f"got {beam_width}")
             bw = <uint32_t>beam_width
         cdef uint32_t n_members = <uint32_t>n
@@ -319,16 +319,16 @@ cdef class StepScheduler:
         # under ownership: the candidate buffers, allocated with the first beam group (one row
         # of max_num_seqs candidates per entry: a parked beam keeps its candidates)
         cdef StepState *st = &self.step
-        return _alloc_candidates(<void **>&st.cand_ids, <void **>&st.cand_lps,
-                                 <size_t>st.max_queued * st.max_seqs, sizeof(double))
+        return _alloc_candidates(<void **>&st.beams.cand_ids, <void **>&st.beams.cand_lps,
+                                 <size_t>st.lim.max_queued * st.lim.max_seqs, sizeof(double))
 
     cdef int _topk_buffers(self) except -1:
         # under ownership, before run() hands beam plans to a C backend: room for every row's
         # candidates (rows_cap rows of max_num_seqs)
         cdef StepState *st = &self.step
-        cdef size_t n = <size_t>st.rows_cap * st.max_seqs
-        _alloc_candidates(<void **>&st.topk_ids_buf, <void **>&st.topk_lps_buf, n, sizeof(float))
-        st.topk_cap = n
+        cdef size_t n = <size_t>st.plan.rows_cap * st.lim.max_seqs
+        _alloc_candidates(<void **>&st.beams.topk_ids_buf, <void **>&st.beams.topk_lps_buf, n, sizeof(float))
+        st.beams.topk_cap = n
         return 0
 
     def abort(self, request_id):
@@ -343,8 +343,8 @@ cdef class StepScheduler:
         try:
             # room for this abort (a group: its members); update() makes room for its own
             e = step_find(st, rid)
-            self._accum_room(<uint64_t>st.n_accum + (
-                st.req[e].n_members if e >= 0 and st.req[e].group == e else 1))
+            self._accum_room(<uint64_t>st.done.n_accum + (
+                st.ent[e].mem.n_members if e >= 0 and st.ent[e].mem.group == e else 1))
             rc = step_abort(st, rid)
         finally:
             self._unown(tok)
@@ -393,26 +393,26 @@ cdef class StepScheduler:
         cdef StepState *st = &self.step
         cdef const uint32_t *p
         cdef Py_ssize_t n, i
-        cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
-        if not st.pending:
+        cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+        if not st.plan.pending:
             raise StepError.NoPlan(None, "schedule() first")
         if type(values) is list:
             n = len(<list>values)
-            if n != st.m:
-                raise ValueError(f"the plan samples {st.m} rows, got {n} token ids")
+            if n != st.plan.m:
+                raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
             for x in <list>values:
                 if not 0 <= x <= limit:
                     raise ValueError(f"sampled token id {x} is outside [0, {limit}]")
             for i in range(n):
-                st.sampled[i] = <uint32_t>(<list>values)[i]
+                st.plan.sampled[i] = <uint32_t>(<list>values)[i]
             return 0
         _u32_array(values, &p, &n)
-        if n != st.m:
-            raise ValueError(f"the plan samples {st.m} rows, got {n} token ids")
-        memcpy(st.sampled, p, n * sizeof(uint32_t))
+        if n != st.plan.m:
+            raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
+        memcpy(st.plan.sampled, p, n * sizeof(uint32_t))
         for i in range(n):
-            if st.sampled[i] > limit:
-                raise ValueError(f"sampled token id {st.sampled[i]} is outside [0, {limit}]")
+            if st.plan.sampled[i] > limit:
+                raise ValueError(f"sampled token id {st.plan.sampled[i]} is outside [0, {limit}]")
         return 0
 
     cdef object _load_topk(self, tuple topk):
@@ -421,8 +421,8 @@ cdef class StepScheduler:
         # beam row's first w ids distinct); returns them as private contiguous uint32 / float64
         # arrays, or None for a plan without beam rows
         cdef StepState *st = &self.step
-        cdef uint32_t k = st.num_topk, m = st.m, row = 0
-        cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
+        cdef uint32_t k = st.plan.num_topk, m = st.plan.m, row = 0
+        cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
         cdef int why
         if k == 0:
             return None
@@ -467,8 +467,8 @@ cdef class StepScheduler:
             tk_ids = <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0])
             tk_lps = <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1])
         # every sampled member, and every running beam a selection may finish
-        self._accum_room(<uint64_t>self.step.n_accum + self.step.m + self.step.n_running)
-        rc = step_update(&self.step, self.step.sampled, tk_ids, tk_lps, NULL)
+        self._accum_room(<uint64_t>self.step.done.n_accum + self.step.plan.m + self.step.run.n)
+        rc = step_update(&self.step, self.step.plan.sampled, tk_ids, tk_lps, NULL)
         finished = step_collect(&self.step)
         if rc:
             raise _error(E_STEP, rc)
@@ -479,7 +479,7 @@ cdef class StepScheduler:
         with beam rows (``num_topk > 0``) also takes each row's ``num_topk`` best token ids and
         their log-probabilities (``[m, num_topk]`` arrays, best first)."""
         cdef uint64_t tok
-        if not self.gil_free and not self.step.pending:
+        if not self.gil_free and not self.step.plan.pending:
             # fails early (a read, so not while the loop runs); checked again once owned
             raise StepError.NoPlan(None, "schedule() first")
         values = self._resolve_sampled(sampled_token_ids)
@@ -494,22 +494,22 @@ cdef class StepScheduler:
         # under ownership: fin_accum (and the plan's finished-id buffer) hold at least `need` ids
         cdef StepState *st = &self.step
         cdef uint64_t *grown
-        cdef uint32_t cap = st.accum_cap
+        cdef uint32_t cap = st.done.accum_cap
         if need <= cap:
             return 0
         while cap < need:
             cap *= 2
-        grown = <uint64_t *>PyMem_Realloc(st.fin_accum, cap * sizeof(uint64_t))
+        grown = <uint64_t *>PyMem_Realloc(st.done.fin_accum, cap * sizeof(uint64_t))
         if grown == NULL:
             raise MemoryError()
-        st.fin_accum = grown
-        st.accum_cap = cap
-        if cap > st.finished_cap:
+        st.done.fin_accum = grown
+        st.done.accum_cap = cap
+        if cap > st.buf.finished_cap:
             # the pending plan's ids move along: its views keep the old buffer alive
             grown = <uint64_t *>self._step_bufs.add("finished_request_ids", _DT_PLAN_U64, cap)
-            memcpy(grown, st.finished_ids, st.n_finished * sizeof(uint64_t))
-            st.finished_ids = grown
-            st.finished_cap = cap
+            memcpy(grown, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
+            st.buf.finished_ids = grown
+            st.buf.finished_cap = cap
         return 0
 
     def discard_plan(self):
@@ -520,8 +520,8 @@ cdef class StepScheduler:
         cdef int rc
         cdef uint64_t tok = self._own()
         try:
-            if self.step.pending:
-                self._accum_room(<uint64_t>self.step.n_accum + self.step.n_finished)
+            if self.step.plan.pending:
+                self._accum_room(<uint64_t>self.step.done.n_accum + self.step.plan.n_finished)
             rc = step_discard(&self.step)
         finally:
             self._unown(tok)
@@ -533,14 +533,14 @@ cdef class StepScheduler:
         cdef uint64_t rid = _u64(request_id, "request_id")
         own_readable(self.gil_free)
         cdef int32_t e = step_find(&self.step, rid)
-        if e >= 0 and self.step.req[e].state == SR_GROUP:
-            e = self.step.req[e].parent_beam    # a beam group: its beam with the group's id
-        if e < 0 or (self.step.req[e].state != SR_WAITING
-                     and self.step.req[e].state != SR_RUNNING
-                     and self.step.req[e].state != SR_PARKED):
+        if e >= 0 and self.step.ent[e].at.state == SR_GROUP:
+            e = self.step.ent[e].rec.parent_beam    # a beam group: its beam with the group's id
+        if e < 0 or (self.step.ent[e].at.state != SR_WAITING
+                     and self.step.ent[e].at.state != SR_RUNNING
+                     and self.step.ent[e].at.state != SR_PARKED):
             raise StepError.UnknownRequest(None, f"request {rid}")
-        return _array_of(&self.step.arena[<size_t>e * self.step.entry_cap],
-                         self.step.req[e].num_tokens)
+        return _array_of(&self.step.arena.tokens[<size_t>e * self.step.arena.entry_cap],
+                         self.step.ent[e].req.num_tokens)
 
     def group_members(self, request_id):
         """The member ids of a queued or running ``n`` group, in member order: the parent's
@@ -550,18 +550,18 @@ cdef class StepScheduler:
         own_readable(self.gil_free)
         cdef int32_t e = step_find(st, rid), c
         cdef uint32_t k = 0, j
-        if e < 0 or st.req[e].group != e or st.req[e].state == SR_FINISHED:
+        if e < 0 or st.ent[e].mem.group != e or st.ent[e].at.state == SR_FINISHED:
             raise StepError.UnknownRequest(None, f"no group {rid}")
         # the ids into C memory first: building the list runs Python code (see _list_of)
-        cdef uint64_t *ids = <uint64_t *>PyMem_Malloc(st.max_seqs * sizeof(uint64_t))
+        cdef uint64_t *ids = <uint64_t *>PyMem_Malloc(st.lim.max_seqs * sizeof(uint64_t))
         if ids == NULL:
             raise MemoryError()
         try:
-            c = st.req[e].next_member if st.req[e].beam else e
-            while c >= 0 and k < st.max_seqs:
-                ids[k] = st.req[c].rid
+            c = st.ent[e].mem.next_member if st.ent[e].rec.beam else e
+            while c >= 0 and k < st.lim.max_seqs:
+                ids[k] = st.ent[c].req.rid
                 k += 1
-                c = st.req[c].next_member
+                c = st.ent[c].mem.next_member
             return [ids[j] for j in range(k)]
         finally:
             PyMem_Free(ids)
@@ -570,7 +570,7 @@ cdef class StepScheduler:
     def forks(self):
         """Children of ``n`` groups forked so far (each shares its parent's pages)."""
         own_readable(self.gil_free)
-        return self.step.forks
+        return self.step.groups.forks
 
     @property
     def parked(self):
@@ -578,13 +578,13 @@ cdef class StepScheduler:
         candidates (after a step that scheduled nothing, or preempted) to wait, holding
         nothing, for their group's selection (docs/DESIGN.md, "Progress")."""
         own_readable(self.gil_free)
-        return self.step.parked
+        return self.step.beams.parked
 
     @property
     def fork_fallbacks(self):
         """Children of ``n`` groups queued for lack of a free slot or row."""
         own_readable(self.gil_free)
-        return self.step.fork_fallbacks
+        return self.step.groups.fork_fallbacks
 
     def requests(self):
         """Ids of the queued, running and parked requests, in arrival order."""
@@ -592,16 +592,16 @@ cdef class StepScheduler:
         cdef uint32_t e, k = 0, j
         own_readable(self.gil_free)
         # (arrival, id) pairs into C memory first: building the list runs Python code
-        cdef size_t size = 2 * <size_t>st.max_queued * sizeof(uint64_t)
+        cdef size_t size = 2 * <size_t>st.lim.max_queued * sizeof(uint64_t)
         cdef uint64_t *pairs = <uint64_t *>PyMem_Malloc(size)
         if pairs == NULL:
             raise MemoryError()
         try:
-            for e in range(st.max_queued):
-                if (st.req[e].state == SR_WAITING or st.req[e].state == SR_RUNNING
-                        or st.req[e].state == SR_PARKED):
-                    pairs[2 * k] = st.req[e].arrival
-                    pairs[2 * k + 1] = st.req[e].rid
+            for e in range(st.lim.max_queued):
+                if (st.ent[e].at.state == SR_WAITING or st.ent[e].at.state == SR_RUNNING
+                        or st.ent[e].at.state == SR_PARKED):
+                    pairs[2 * k] = st.ent[e].req.arrival
+                    pairs[2 * k + 1] = st.ent[e].req.rid
                     k += 1
             found = sorted([(pairs[2 * j], pairs[2 * j + 1]) for j in range(k)])
         finally:
@@ -649,7 +649,7 @@ cdef class StepScheduler:
         tok = self._own()
         try:
             if cb == NULL:
-                while self.step.count and (limit is None or total < limit):
+                while self.step.ids.count and (limit is None or total < limit):
                     rc = step_schedule(&self.step)
                     if rc:
                         raise _error(E_STEP, rc)
@@ -678,14 +678,14 @@ cdef class StepScheduler:
                     stats_note(&row, ring, ring_rows, &head, totals)
                     total += 1
             else:
-                if self.step.beam_head >= 0:
+                if self.step.beams.beam_head >= 0:
                     if not (cb.flags & QUALIA_STEP_WRITES_TOPK):
                         # refused before any step: nothing is scheduled, admitted or discarded
                         raise TypeError("a beam group is queued or running and the C step "
                                         "backend does not declare QUALIA_STEP_WRITES_TOPK (its "
                                         "plans need candidates); nothing was run")
                     self._topk_buffers()
-                while self.step.count and (limit is None or total < limit):
+                while self.step.ids.count and (limit is None or total < limit):
                     want = U64_MAX if limit is None else <uint64_t>limit - total
                     self._gil_free(1)
                     with nogil:
@@ -696,7 +696,7 @@ cdef class StepScheduler:
                     total += steps
                     if rc:
                         raise _error(E_STEP, rc, status, token,
-                                     self.step.vocab - 1 if self.step.vocab else U32_MAX)
+                                     self.step.lim.vocab - 1 if self.step.lim.vocab else U32_MAX)
                     # between two steps, nothing pending: a signal handler that raises stops
                     # the call here (the steps so far stay applied)
                     PyErr_CheckSignals()
@@ -849,5 +849,5 @@ cdef class StepScheduler:
                     f"prefix_caching={self.prefix_caching!r}, busy)")
         return (f"StepScheduler(num_pages={self.num_pages}, page_tokens={self.page_tokens}, "
                 f"logical_pages={self.logical_pages}, max_num_seqs={self.max_num_seqs}, "
-                f"prefix_caching={self.prefix_caching!r}, waiting={self.step.n_waiting}, "
-                f"running={self.step.n_running}, free_pages={self.free_pages})")
+                f"prefix_caching={self.prefix_caching!r}, waiting={self.step.wait.n}, "
+                f"running={self.step.run.n}, free_pages={self.free_pages})")

@@ -47,57 +47,76 @@ cdef enum:
     STOP_MAX = 16
 
 
-cdef struct StepReq:
-    uint64_t rid
+# A request entry (core/step/requests.pxi): one per queued request, n-group member, live beam
+# or finished hypothesis (max_queued), and past them one per beam group's record.  Its fields
+# by concept: the request as added, where it is now, its group membership, a beam group's
+# record, a beam's score / a hypothesis.
+
+cdef struct StepRequest:
+    uint64_t rid            # first field: the id index reads it (id_find)
     uint64_t arrival        # add_request counter: ties of equal priority, oldest first
-    uint64_t admitted       # admission counter: "most recently admitted" picks victims
     int64_t priority        # lower is served first
     uint64_t nsh            # namespace hash (auto mode)
     uint8_t *nsb            # namespace bytes (malloc'd; NULL when empty)
     uint32_t nsl
+    uint8_t nsb_borrowed    # nsb is the leader's or the record's (freed with it)
     uint32_t num_prompt
-    uint32_t num_tokens     # prompt + outputs
-    uint32_t num_computed   # tokens whose K/V is written
+    uint32_t num_tokens     # prompt + outputs (in the token arena)
     uint32_t max_new
     uint32_t eos
     uint32_t n_stop
     uint32_t stop[STOP_MAX]
-    int32_t slot            # facade slot while running, else -1
+    uint8_t has_eos
+    uint8_t ignore_eos
+    uint8_t reason          # why it finished (FIN_*)
+    uint8_t unindexed       # not in the id index (the parent beam, a hypothesis)
+
+cdef struct StepPlace:
+    uint8_t state           # SR_*
+    uint64_t admitted       # admission counter: "most recently admitted" picks victims
+    uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
+    uint64_t sched_step     # the step that last scheduled it
+    uint32_t num_computed   # tokens whose K/V is written
+    int32_t slot            # slot while running, else -1
     int32_t row             # block-table row while running, else -1
     int32_t heap_pos        # position in the waiting heap while waiting, else -1
     int32_t plan_pos        # position in the pending plan, else -1
-    uint64_t sched_step     # the step that last scheduled it
-    uint8_t has_eos
-    uint8_t ignore_eos
-    uint8_t state
-    uint8_t reason
     uint8_t decode          # scheduled in the pending plan as a decode
-    # n groups (docs/DESIGN.md, "Forks at the step level"): every member's entry is taken from
-    # add_request until the group's result is collected
-    int32_t group           # the leader (parent) entry of its n group, -1 for none
-    int32_t next_member     # the next member in member order, -1 after the last
-    uint32_t n_members      # leader: k
-    uint32_t n_members_done  # leader: members stopped so far
-    uint8_t forked          # leader: the children are forked (or queued)
-    uint8_t row_fresh       # forked child: its row is written whole when next lowered
-    uint8_t nsb_borrowed    # nsb is the leader's (freed with it)
     uint8_t unseen          # admitted or resumed; in no applied plan since
-    uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
-    # beam groups (docs/DESIGN.md, "Beam search at the step level"): the group's record is an
-    # entry past max_queued (state SR_GROUP, its id the group's, group == itself, beam = 1,
-    # n_members = width, n_members_done = hypotheses so far); each live beam and each stored
-    # hypothesis holds one of the w entries the group reserved (group == the record)
-    uint8_t beam            # record: a beam group
-    uint8_t has_cand        # live beam: its candidates are in its entry's candidate buffer
-    uint8_t unindexed       # not in the id index (the parent beam, a hypothesis)
-    uint8_t in_sel          # record: queued for selection in this update
+    uint8_t row_fresh       # forked child: its row is written whole when next lowered
+
+cdef struct GroupMember:
+    # n groups (docs/DESIGN.md, "Forks at the step level"): every member's entry is taken from
+    # add_request until the group's result is collected; beam groups: the record and its beams
+    int32_t group           # the leader (n) or the record (beam) of its group, -1 for none
+    int32_t next_member     # the next member in member order (record: its first beam), -1
+    uint32_t n_members      # leader: n; record: the width w
+    uint32_t n_members_done  # leader: members stopped so far; record: hypotheses so far
+    uint8_t forked          # leader: the children are forked (or queued)
+    uint8_t has_cand        # live beam: its candidates are in its entry's candidate row
+    uint8_t in_sel          # record: queued for selection; beam: its part in the selection
+
+cdef struct BeamRecord:
+    # a beam group's record (docs/DESIGN.md, "Beam search at the step level"): an entry past
+    # max_queued (state SR_GROUP, its id the group's, group == itself); each live beam and each
+    # stored hypothesis holds one of the w entries the group reserved
+    uint8_t beam            # this entry is a beam group's record
+    uint32_t n_spare        # reserved entries not holding a beam or hypothesis
+    int32_t parent_beam     # the entry of the beam with the group's id, -1 once gone
+    int32_t next_group      # beam groups in add order
+    int32_t prev_group
+
+cdef struct Hypothesis:
     double score            # live beam: cumulative log-probability; hypothesis: its score
     uint32_t hyp_seq        # hypothesis: its order of finishing (ties: earlier first)
-    uint32_t n_spare        # record: reserved entries not holding a beam or hypothesis
-    int32_t next_hyp        # record: first hypothesis; hypothesis: the next one
-    int32_t parent_beam     # record: the entry of the beam with the group's id, -1 once gone
-    int32_t next_group      # record: the next beam group in add order
-    int32_t prev_group
+    int32_t next_hyp        # record: its first hypothesis; hypothesis: the next one
+
+cdef struct StepEntry:
+    StepRequest req
+    StepPlace at
+    GroupMember mem
+    BeamRecord rec
+    Hypothesis hyp
 
 
 cdef struct SelCand:
@@ -130,45 +149,61 @@ if STEP_STATS.itemsize != sizeof(StepStat) or any(
     raise ImportError("qualia._types.STEP_STATS does not match the core's StepStat")
 
 
-cdef struct StepState:
-    # limits
+cdef struct StepLimits:
     uint32_t budget         # max_num_batched_tokens
-    uint32_t max_seqs       # max_num_seqs: rows of the block table, requests of a plan
+    uint32_t max_seqs       # max_num_seqs: slots and rows of the block table, requests of a plan
     uint32_t max_chunk      # max_prefill_chunk (0: only the budget limits a chunk)
     uint32_t max_queued
-    uint32_t entry_cap      # tokens of one arena entry = logical_pages * page_tokens
     uint32_t page_tokens
     uint32_t logical_pages
     uint64_t vocab          # 0: any uint32 id
-    int mode
-    # the facade's state
+    int mode                # MODE_AUTO or MODE_OFF
+
+cdef struct StepPages:
+    # the pages, slots and cache the step works on (its StepScheduler's), and the scratch of
+    # one reservation
     Sched *s
     Pool *p
     PageCache *c
     Streams *ss
     Undo *undo
-    qualia_copy_op *cow     # the facade's copies scratch (one reservation)
+    qualia_copy_op *cow
     uint64_t *pages_copied
     uint64_t *pages_allocated
-    # requests
-    StepReq *req            # max_queued
-    uint32_t *arena         # max_queued x entry_cap
-    int32_t *free_ids       # stack of free entries
-    uint32_t n_free
+
+cdef struct StepIds:
+    # the id index over the entries, the free entries and what they are promised to
     int32_t *index          # request id -> entry (open addressing)
     uint32_t index_mask
-    uint64_t arrivals
-    uint64_t admissions
+    int32_t *free_ids       # stack of free entries
+    uint32_t n_free
+    int32_t *rec_free       # stack of free record entries (max_queued .. 2 * max_queued)
+    uint32_t n_rec_free
+    uint32_t reserved       # entries promised to beam groups (spares), not in use
     uint32_t count          # waiting + running
-    int32_t *heap           # waiting, by (priority, arrival)
-    uint32_t n_waiting
-    int32_t *running        # admission order
-    uint32_t n_running
+    uint64_t arrivals       # add_request counter
+    uint64_t next_child     # the next internal child id to try (from 2**63 up)
+
+cdef struct StepArena:
+    uint32_t *tokens        # max_queued x entry_cap: each entry's prompt and outputs
+    uint32_t entry_cap      # tokens of one entry = logical_pages * page_tokens
+
+cdef struct StepQueue:
+    int32_t *heap           # waiting entries, by (priority, arrival, latest enqueue)
+    uint32_t n
+    uint64_t enqueues       # heap_push counter
+
+cdef struct StepRunning:
+    int32_t *ents           # running entries, in admission order
+    uint32_t n
+    uint64_t admissions     # admission counter
+    int32_t *order          # max_seqs: scratch, this step's running order
     int32_t *row_owner      # max_seqs: entry holding each row, -1 when free
     uint8_t *row_dirty      # max_seqs: rewritten since the previous plan
     uint32_t *row_len       # max_seqs: leading entries of the row that may be set
-    int32_t *order          # max_seqs: scratch, this step's running order
-    # the plan
+
+cdef struct PlanState:
+    # the plan being built, then pending until update() or discard_plan() retires it
     uint64_t step_no
     bint pending
     uint32_t n              # scheduled requests
@@ -181,9 +216,11 @@ cdef struct StepState:
     uint32_t n_new
     uint32_t n_preempted
     uint32_t n_finished     # finished ids of the plan (copied from the accumulator)
+    uint32_t n_forks
     uint32_t num_prefill_tokens
     uint32_t num_decode_tokens
     uint32_t num_cached_tokens
+    uint32_t num_topk       # candidates per row (0: no beam row)
     int32_t *plan_entry     # max_seqs
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
@@ -192,6 +229,11 @@ cdef struct StepState:
     # held (a kernel may be executing the plan) until update() or discard_plan() retires it
     int32_t *deferred_slot  # max_seqs
     uint32_t n_deferred
+    uint32_t *sampled       # rows_cap: update()'s validated sampled ids
+    uint32_t rows_cap       # sampled rows a plan may have (max_queued: one per member entry)
+
+cdef struct PlanBuffers:
+    # the plan's arrays (core/step/plan.pxi), sized at construction and viewed by StepPlan
     uint64_t *request_ids
     int32_t *query_start_loc
     int32_t *seq_lens
@@ -211,39 +253,48 @@ cdef struct StepState:
     uint64_t *preempted_ids
     uint64_t *fork_child_ids  # the plan's forks since the previous plan: children...
     uint64_t *fork_parent_ids  # ...and their parents
-    uint32_t n_forks
-    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, accum_cap
-    uint32_t n_fork_acc
-    uint64_t *finished_ids  # the plan's copy
+    uint64_t *finished_ids  # the plan's copy of the accumulator
     uint32_t finished_cap
+
+cdef struct StepDone:
     uint64_t *fin_accum     # finished or aborted since the previous plan
     uint32_t n_accum
     uint32_t accum_cap
-    # finished requests not yet handed to Python (entries in state SR_FINISHED)
-    int32_t *done
-    uint32_t n_done
-    uint32_t *sampled       # max_queued: update()'s validated sampled ids
-    uint32_t rows_cap       # sampled rows a plan may have (max_queued: one per member entry)
-    uint64_t next_child     # the next internal child id to try (from 2**63 up)
-    uint64_t enqueues       # heap_push counter
+    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, accum_cap
+    uint32_t n_fork_acc
+    int32_t *ents           # finished entries (state SR_FINISHED) not yet handed to Python
+    uint32_t n
+
+cdef struct StepGroups:
     uint64_t forks          # children forked
     uint64_t fork_fallbacks  # children queued for lack of a slot or row
-    # beam groups
-    uint32_t reserved       # entries promised to beam groups (spares), not in use
-    int32_t *rec_free       # stack of free record entries (max_queued .. 2 * max_queued)
-    uint32_t n_rec_free
+
+cdef struct StepBeams:
     int32_t beam_head       # beam group records in add order
     int32_t beam_tail
-    uint32_t num_topk       # the pending plan's candidates per row (0: no beam row)
     uint32_t *cand_ids      # max_queued x max_seqs, by entry: a computed beam's candidates
     double *cand_lps        # their log-probabilities (both allocated with the first beam group)
     SelCand *sel            # max_seqs: the kept candidates of one selection
     int32_t *sel_groups     # max_seqs: groups with a beam row in the plan being applied
     uint32_t n_sel_groups
-    uint64_t parked         # beams parked (docs/DESIGN.md)
+    uint64_t parked         # beams parked (docs/DESIGN.md, "Progress")
     uint32_t *topk_ids_buf  # run() with a C backend: the backend's candidates
     float *topk_lps_buf
     size_t topk_cap
+
+cdef struct StepState:
+    StepLimits lim          # sizes fixed at construction
+    StepPages pg            # the owner's pages, slots and cache
+    StepEntry *ent          # request entries (max_queued), then beam-group records (max_queued)
+    StepIds ids             # the id index and the free entries
+    StepArena arena         # token arena
+    StepQueue wait          # waiting heap
+    StepRunning run         # running set and block-table rows
+    PlanState plan          # the plan
+    PlanBuffers buf         # the plan's arrays
+    StepDone done           # what finished, was aborted or forked since the previous plan
+    StepGroups groups       # n groups
+    StepBeams beams         # beam groups
 
 
 cdef inline uint64_t _now_ns() noexcept nogil:
@@ -318,138 +369,138 @@ cdef int facade_make_room(Sched *s, Pool *p, PageCache *c, int32_t index, uint32
 # -- entries, the id index, the waiting heap, rows ----------------------------------------------
 
 cdef inline uint32_t _step_home(StepState *st, uint64_t rid) noexcept nogil:
-    return id_home(rid, st.index_mask)
+    return id_home(rid, st.ids.index_mask)
 
 
 cdef uint32_t _step_home_of(void *ctx, int32_t e) noexcept nogil:
     cdef StepState *st = <StepState *>ctx
-    return id_home(st.req[e].rid, st.index_mask)
+    return id_home(st.ent[e].req.rid, st.ids.index_mask)
 
 
 cdef inline int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
-    return id_find(st.index, st.index_mask, st.req, sizeof(StepReq), rid)
+    return id_find(st.ids.index, st.ids.index_mask, st.ent, sizeof(StepEntry), rid)
 
 
 cdef inline bint _before(StepState *st, int32_t a, int32_t b) noexcept nogil:
     # waiting order: (priority, arrival)
-    if st.req[a].priority != st.req[b].priority:
-        return st.req[a].priority < st.req[b].priority
-    if st.req[a].arrival != st.req[b].arrival:
-        return st.req[a].arrival < st.req[b].arrival
+    if st.ent[a].req.priority != st.ent[b].req.priority:
+        return st.ent[a].req.priority < st.ent[b].req.priority
+    if st.ent[a].req.arrival != st.ent[b].req.arrival:
+        return st.ent[a].req.arrival < st.ent[b].req.arrival
     # members of a group share their arrival: the one enqueued last goes first (the twin
     # inserts before equal keys)
-    return st.req[a].enq > st.req[b].enq
+    return st.ent[a].at.enq > st.ent[b].at.enq
 
 
 cdef inline void _heap_set(StepState *st, uint32_t i, int32_t e) noexcept nogil:
-    st.heap[i] = e
-    st.req[e].heap_pos = <int32_t>i
+    st.wait.heap[i] = e
+    st.ent[e].at.heap_pos = <int32_t>i
 
 
 cdef void _heap_up(StepState *st, uint32_t i) noexcept nogil:
-    cdef int32_t e = st.heap[i]
+    cdef int32_t e = st.wait.heap[i]
     cdef uint32_t parent
     while i > 0:
         parent = (i - 1) >> 1
-        if not _before(st, e, st.heap[parent]):
+        if not _before(st, e, st.wait.heap[parent]):
             break
-        _heap_set(st, i, st.heap[parent])
+        _heap_set(st, i, st.wait.heap[parent])
         i = parent
     _heap_set(st, i, e)
 
 
 cdef void _heap_down(StepState *st, uint32_t i) noexcept nogil:
-    cdef int32_t e = st.heap[i]
+    cdef int32_t e = st.wait.heap[i]
     cdef uint32_t child
     while True:
         child = 2 * i + 1
-        if child >= st.n_waiting:
+        if child >= st.wait.n:
             break
-        if child + 1 < st.n_waiting and _before(st, st.heap[child + 1], st.heap[child]):
+        if child + 1 < st.wait.n and _before(st, st.wait.heap[child + 1], st.wait.heap[child]):
             child += 1
-        if not _before(st, st.heap[child], e):
+        if not _before(st, st.wait.heap[child], e):
             break
-        _heap_set(st, i, st.heap[child])
+        _heap_set(st, i, st.wait.heap[child])
         i = child
     _heap_set(st, i, e)
 
 
 cdef void heap_push(StepState *st, int32_t e) noexcept nogil:
-    st.req[e].state = SR_WAITING
-    st.enqueues += 1
-    st.req[e].enq = st.enqueues
-    _heap_set(st, st.n_waiting, e)
-    st.n_waiting += 1
-    _heap_up(st, st.n_waiting - 1)
+    st.ent[e].at.state = SR_WAITING
+    st.wait.enqueues += 1
+    st.ent[e].at.enq = st.wait.enqueues
+    _heap_set(st, st.wait.n, e)
+    st.wait.n += 1
+    _heap_up(st, st.wait.n - 1)
 
 
 cdef void heap_remove(StepState *st, int32_t e) noexcept nogil:
-    cdef uint32_t i = <uint32_t>st.req[e].heap_pos
+    cdef uint32_t i = <uint32_t>st.ent[e].at.heap_pos
     cdef int32_t last
-    st.n_waiting -= 1
-    st.req[e].heap_pos = -1
-    if i == st.n_waiting:
+    st.wait.n -= 1
+    st.ent[e].at.heap_pos = -1
+    if i == st.wait.n:
         return
-    last = st.heap[st.n_waiting]
+    last = st.wait.heap[st.wait.n]
     _heap_set(st, i, last)
     _heap_up(st, i)
-    _heap_down(st, <uint32_t>st.req[last].heap_pos)
+    _heap_down(st, <uint32_t>st.ent[last].at.heap_pos)
 
 
 cdef void running_remove(StepState *st, int32_t e) noexcept nogil:
     cdef uint32_t i = 0
-    while i < st.n_running and st.running[i] != e:
+    while i < st.run.n and st.run.ents[i] != e:
         i += 1
-    if i == st.n_running:
+    if i == st.run.n:
         return
-    memmove(&st.running[i], &st.running[i + 1], (st.n_running - i - 1) * sizeof(int32_t))
-    st.n_running -= 1
+    memmove(&st.run.ents[i], &st.run.ents[i + 1], (st.run.n - i - 1) * sizeof(int32_t))
+    st.run.n -= 1
 
 
 cdef void row_release(StepState *st, int32_t e) noexcept nogil:
     # the row is cleared to -1 (a change when it held pages) and freed
-    cdef int32_t r = st.req[e].row
+    cdef int32_t r = st.ent[e].at.row
     cdef int32_t *row
     cdef uint32_t k
     if r < 0:
         return
-    row = &st.block_table[<size_t>r * st.logical_pages]
-    if st.row_len[r]:
-        for k in range(st.row_len[r]):
+    row = &st.buf.block_table[<size_t>r * st.lim.logical_pages]
+    if st.run.row_len[r]:
+        for k in range(st.run.row_len[r]):
             row[k] = -1
-        st.row_len[r] = 0
-        st.row_dirty[r] = 1
-    st.row_owner[r] = -1
-    st.req[e].row = -1
+        st.run.row_len[r] = 0
+        st.run.row_dirty[r] = 1
+    st.run.row_owner[r] = -1
+    st.ent[e].at.row = -1
 
 
 cdef inline int32_t row_lowest_free(StepState *st) noexcept nogil:
     cdef uint32_t r
-    for r in range(st.max_seqs):
-        if st.row_owner[r] == -1:
+    for r in range(st.lim.max_seqs):
+        if st.run.row_owner[r] == -1:
             return <int32_t>r
     return -1
 
 
 cdef void row_clear_deferred(StepState *st, int32_t r) noexcept nogil:
     # the row of a request aborted while in the pending plan, now that the plan is done
-    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
+    cdef int32_t *row = &st.buf.block_table[<size_t>r * st.lim.logical_pages]
     cdef uint32_t k
-    if st.row_owner[r] != ROW_DEFERRED:
+    if st.run.row_owner[r] != ROW_DEFERRED:
         return
-    if st.row_len[r]:
-        for k in range(st.row_len[r]):
+    if st.run.row_len[r]:
+        for k in range(st.run.row_len[r]):
             row[k] = -1
-        st.row_len[r] = 0
-        st.row_dirty[r] = 1
-    st.row_owner[r] = -1
+        st.run.row_len[r] = 0
+        st.run.row_dirty[r] = 1
+    st.run.row_owner[r] = -1
 
 
 cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noexcept nogil:
     # the row of entry e mirrors its slot's pages first..last (inclusive); marked when it changed
-    cdef int32_t r = st.req[e].row
-    cdef Table *t = &st.s.slots[st.req[e].slot].blocks
-    cdef int32_t *row = &st.block_table[<size_t>r * st.logical_pages]
+    cdef int32_t r = st.ent[e].at.row
+    cdef Table *t = &st.pg.s.slots[st.ent[e].at.slot].blocks
+    cdef int32_t *row = &st.buf.block_table[<size_t>r * st.lim.logical_pages]
     cdef uint32_t k
     cdef int32_t v
     if last >= t.len:
@@ -459,27 +510,27 @@ cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noe
             v = <int32_t>t.entries[k]
             if row[k] != v:
                 row[k] = v
-                st.row_dirty[r] = 1
-    st.row_len[r] = t.len
+                st.run.row_dirty[r] = 1
+    st.run.row_len[r] = t.len
 
 
 cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
     # the caller made room (abort grows the buffer with the GIL; update needs at most max_seqs)
-    if st.n_accum < st.accum_cap:
-        st.fin_accum[st.n_accum] = rid
-        st.n_accum += 1
+    if st.done.n_accum < st.done.accum_cap:
+        st.done.fin_accum[st.done.n_accum] = rid
+        st.done.n_accum += 1
 
 
 cdef inline int slot_finish(StepState *st, int32_t slot) noexcept nogil:
     # facade finish: release the slot's pages (auto mode: into the cache) and free the slot
-    if st.mode == MODE_AUTO:
-        return auto_finish(st.s, st.p, st.c, st.ss, slot)
-    return sched_finish(st.s, slot, st.p)
+    if st.lim.mode == MODE_AUTO:
+        return auto_finish(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, slot)
+    return sched_finish(st.pg.s, slot, st.pg.p)
 
 
 cdef int slot_release(StepState *st, int32_t e) noexcept nogil:
-    cdef int rc = slot_finish(st, st.req[e].slot)
-    st.req[e].slot = -1
+    cdef int rc = slot_finish(st, st.ent[e].at.slot)
+    st.ent[e].at.slot = -1
     return rc
 
 
@@ -488,30 +539,30 @@ cdef int release_deferred(StepState *st) noexcept nogil:
     # was pending hand their pages back now, in abort order
     cdef uint32_t k
     cdef int rc, first = Q_OK
-    for k in range(st.n_deferred):
-        rc = slot_finish(st, st.deferred_slot[k])
+    for k in range(st.plan.n_deferred):
+        rc = slot_finish(st, st.plan.deferred_slot[k])
         if rc and first == Q_OK:
             first = rc
-    st.n_deferred = 0
+    st.plan.n_deferred = 0
     return first
 
 
 cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
     # forget the entry: id index, namespace reference, stop ids
-    cdef StepReq *r = &st.req[e]
-    if not r.unindexed:
-        oa_remove(st.index, st.index_mask, _step_home(st, r.rid), e, _step_home_of, st)
-    r.unindexed = 0
-    if r.nsb != NULL and not r.nsb_borrowed:
-        free(r.nsb)
-    r.nsb = NULL
-    r.state = SR_FREE
-    if <uint32_t>e >= st.max_queued:
-        st.rec_free[st.n_rec_free] = e
-        st.n_rec_free += 1
+    cdef StepEntry *r = &st.ent[e]
+    if not r.req.unindexed:
+        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, r.req.rid), e, _step_home_of, st)
+    r.req.unindexed = 0
+    if r.req.nsb != NULL and not r.req.nsb_borrowed:
+        free(r.req.nsb)
+    r.req.nsb = NULL
+    r.at.state = SR_FREE
+    if <uint32_t>e >= st.lim.max_queued:
+        st.ids.rec_free[st.ids.n_rec_free] = e
+        st.ids.n_rec_free += 1
         return
-    st.free_ids[st.n_free] = e
-    st.n_free += 1
+    st.ids.free_ids[st.ids.n_free] = e
+    st.ids.n_free += 1
 
 
 # -- schedule --------------------------------------------------------------------------------
@@ -519,39 +570,39 @@ cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
 cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     # the facade's reserve of the next n positions of entry e (reclaim, then make writable);
     # copies go to the plan, the row mirrors the pages.  On failure nothing changed.
-    cdef int32_t slot = st.req[e].slot
-    cdef uint64_t start = st.s.slots[slot].token_count
-    cdef uint32_t first = <uint32_t>(start // st.page_tokens)
-    cdef uint32_t last = <uint32_t>((start + n - 1) // st.page_tokens)
+    cdef int32_t slot = st.ent[e].at.slot
+    cdef uint64_t start = st.pg.s.slots[slot].token_count
+    cdef uint32_t first = <uint32_t>(start // st.lim.page_tokens)
+    cdef uint32_t last = <uint32_t>((start + n - 1) // st.lim.page_tokens)
     cdef Py_ssize_t n_undo = 0, n_copies = 0, k
     cdef int rc = Q_OK
-    cdef Table *t = &st.s.slots[slot].blocks
+    cdef Table *t = &st.pg.s.slots[slot].blocks
     cdef uint32_t page
-    if last >= st.logical_pages:
+    if last >= st.lim.logical_pages:
         return Q_OUT_OF_RANGE
     if first == last and first < t.len:
         # the common decode case: a page the request already holds alone is written in place
         # (what ensure_writable would find); nothing to reclaim, allocate or rewrite
         page = t.entries[first]
-        if page < st.p.num_blocks and st.p.refcount[page] == 1:
+        if page < st.pg.p.num_blocks and st.pg.p.refcount[page] == 1:
             return Q_OK
-    if st.mode == MODE_AUTO:
-        rc = facade_make_room(st.s, st.p, st.c, slot, first, last)
+    if st.lim.mode == MODE_AUTO:
+        rc = facade_make_room(st.pg.s, st.pg.p, st.pg.c, slot, first, last)
     if rc == Q_OK:
-        rc = facade_make_writable(st.s, st.p, st.undo, st.cow, slot, first, last, &n_undo,
+        rc = facade_make_writable(st.pg.s, st.pg.p, st.pg.undo, st.pg.cow, slot, first, last, &n_undo,
                                   &n_copies)
-    if rc == Q_OK and st.n_copies + n_copies > st.copies_cap:
+    if rc == Q_OK and st.plan.n_copies + n_copies > st.plan.copies_cap:
         rc = Q_OUTPUT_TOO_SMALL     # cannot happen: copies_cap bounds a step's pages
     if rc:
-        _undo(st.s, st.p, st.undo, n_undo)
+        _undo(st.pg.s, st.pg.p, st.pg.undo, n_undo)
         return rc
     for k in range(n_copies):
-        st.copies[st.n_copies] = st.cow[k]
-        st.n_copies += 1
-    st.pages_copied[0] += n_copies
-    st.pages_allocated[0] += n_undo - n_copies
-    if st.mode == MODE_AUTO:
-        auto_after_cow(st.c, st.p, st.undo, n_undo)
+        st.buf.copies[st.plan.n_copies] = st.pg.cow[k]
+        st.plan.n_copies += 1
+    st.pg.pages_copied[0] += n_copies
+    st.pg.pages_allocated[0] += n_undo - n_copies
+    if st.lim.mode == MODE_AUTO:
+        auto_after_cow(st.pg.c, st.pg.p, st.pg.undo, n_undo)
     row_write(st, e, first, last)
     return Q_OK
 
@@ -563,24 +614,24 @@ cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
     # _pick_victim)
     cdef int32_t best = -1, e
     cdef uint32_t i
-    for i in range(st.n_running):
-        e = st.running[i]
-        if not st.req[e].has_cand:
+    for i in range(st.run.n):
+        e = st.run.ents[i]
+        if not st.ent[e].mem.has_cand:
             continue
-        if best < 0 or (st.req[e].priority > st.req[best].priority
-                        or (st.req[e].priority == st.req[best].priority
-                            and st.req[e].admitted > st.req[best].admitted)):
+        if best < 0 or (st.ent[e].req.priority > st.ent[best].req.priority
+                        or (st.ent[e].req.priority == st.ent[best].req.priority
+                            and st.ent[e].at.admitted > st.ent[best].at.admitted)):
             best = e
     if best >= 0:
         return best
     best = cur
-    for i in range(st.n_running):
-        e = st.running[i]
-        if e != cur and st.req[e].sched_step == st.step_no:
+    for i in range(st.run.n):
+        e = st.run.ents[i]
+        if e != cur and st.ent[e].at.sched_step == st.plan.step_no:
             continue
-        if (st.req[e].priority > st.req[best].priority
-                or (st.req[e].priority == st.req[best].priority
-                    and st.req[e].admitted > st.req[best].admitted)):
+        if (st.ent[e].req.priority > st.ent[best].req.priority
+                or (st.ent[e].req.priority == st.ent[best].req.priority
+                    and st.ent[e].at.admitted > st.ent[best].at.admitted)):
             best = e
     return best
 
@@ -591,46 +642,46 @@ cdef int leave_running(StepState *st, int32_t e) noexcept nogil:
     cdef int rc = slot_release(st, e)
     row_release(st, e)
     running_remove(st, e)
-    st.req[e].num_computed = 0
-    st.req[e].row_fresh = 0
+    st.ent[e].at.num_computed = 0
+    st.ent[e].at.row_fresh = 0
     return rc
 
 
 cdef inline void beam_park(StepState *st, int32_t e) noexcept nogil:
     # a computed beam out of the running list (leave_running first): it keeps its candidates
     # and waits for its group's selection outside the queues
-    st.req[e].state = SR_PARKED
-    st.parked += 1
+    st.ent[e].at.state = SR_PARKED
+    st.beams.parked += 1
 
 
 cdef int preempt(StepState *st, int32_t e) noexcept nogil:
     # recompute: back to waiting with its arrival number and outputs; a computed beam is parked
     # with its candidates instead
     cdef int rc = leave_running(st, e)
-    if st.req[e].has_cand:
+    if st.ent[e].mem.has_cand:
         beam_park(st, e)
     else:
         heap_push(st, e)
-    st.preempted_ids[st.n_preempted] = st.req[e].rid
-    st.n_preempted += 1
+    st.buf.preempted_ids[st.plan.n_preempted] = st.ent[e].req.rid
+    st.plan.n_preempted += 1
     return rc
 
 
 cdef inline uint32_t _chunk(StepState *st, uint32_t remaining, uint32_t left) noexcept nogil:
     cdef uint32_t n = remaining if remaining < left else left
-    if remaining > 1 and st.max_chunk and n > st.max_chunk:
-        n = st.max_chunk
+    if remaining > 1 and st.lim.max_chunk and n > st.lim.max_chunk:
+        n = st.lim.max_chunk
     return n
 
 
 cdef void plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
-    cdef uint32_t j = st.n
-    st.plan_entry[j] = e
-    st.plan_chunk[j] = n
-    st.plan_alive[j] = 1
-    st.req[e].plan_pos = <int32_t>j
-    st.req[e].sched_step = st.step_no
-    st.n += 1
+    cdef uint32_t j = st.plan.n
+    st.plan.plan_entry[j] = e
+    st.plan.plan_chunk[j] = n
+    st.plan.plan_alive[j] = 1
+    st.ent[e].at.plan_pos = <int32_t>j
+    st.ent[e].at.sched_step = st.plan.step_no
+    st.plan.n += 1
 
 
 cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
@@ -638,46 +689,46 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     # The head of the waiting queue: its cache hit (auto mode), its chunk, whether its pages fit
     # (free + reclaimable, less the reclaimable pages its own hit takes); then admit, reserve,
     # take a row.  Q_EXHAUSTED when it does not fit (nothing changed).
-    cdef StepReq *r = &st.req[e]
-    cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
+    cdef StepEntry *r = &st.ent[e]
+    cdef const uint32_t *tok = &st.arena.tokens[<size_t>e * st.arena.entry_cap]
     cdef uint32_t hit = 0, k, rec = 0, n, need
     cdef int32_t row
     cdef Admission_c adm
     cdef int rc
     cdef uint64_t avail
     cdef Table *t
-    if st.mode == MODE_AUTO:
+    if st.lim.mode == MODE_AUTO:
         k = _probe_hit(st, e, &rec)
-        hit = k * st.page_tokens
-    n = _chunk(st, r.num_tokens - hit, left)
-    need = <uint32_t>((hit + n - 1) // st.page_tokens + 1 - hit // st.page_tokens)
-    avail = <uint64_t>st.p.free_top + st.c.n_state[PC_RECLAIMABLE] - rec
+        hit = k * st.lim.page_tokens
+    n = _chunk(st, r.req.num_tokens - hit, left)
+    need = <uint32_t>((hit + n - 1) // st.lim.page_tokens + 1 - hit // st.lim.page_tokens)
+    avail = <uint64_t>st.pg.p.free_top + st.pg.c.n_state[PC_RECLAIMABLE] - rec
     if need > avail:
         return Q_EXHAUSTED
     row = row_lowest_free(st)
-    if row < 0 or st.s.active >= st.s.max_requests:
+    if row < 0 or st.pg.s.active >= st.pg.s.max_requests:
         return Q_EXHAUSTED      # cannot happen: running < max_num_seqs <= max_requests
     # what the admission counts, for the undo below
-    cdef uint64_t lookups = st.c.lookups, lookup_tokens = st.c.lookup_tokens
-    cdef uint64_t hit_tokens = st.c.hit_tokens, collisions = st.c.collisions
-    cdef uint64_t hashed = st.c.pages_hashed, admitted = r.admitted
-    if st.mode == MODE_AUTO:
-        rc = auto_admit(st.s, st.p, st.c, st.ss, r.rid, tok, r.num_tokens,
-                        r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl, r.nsh, &adm)
+    cdef uint64_t lookups = st.pg.c.lookups, lookup_tokens = st.pg.c.lookup_tokens
+    cdef uint64_t hit_tokens = st.pg.c.hit_tokens, collisions = st.pg.c.collisions
+    cdef uint64_t hashed = st.pg.c.pages_hashed, admitted = r.at.admitted
+    if st.lim.mode == MODE_AUTO:
+        rc = auto_admit(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, r.req.rid, tok, r.req.num_tokens,
+                        r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"", r.req.nsl, r.req.nsh, &adm)
     else:
-        rc = sched_admit(st.s, r.rid, False, 0, 0, NULL, st.p, &adm)
+        rc = sched_admit(st.pg.s, r.req.rid, False, 0, 0, NULL, st.pg.p, &adm)
     if rc:
         return rc
     heap_remove(st, e)
-    r.state = SR_RUNNING
-    r.slot = adm.slot
-    r.num_computed = adm.prefix_tokens
-    r.row = row
-    st.row_owner[row] = e
-    st.admissions += 1
-    r.admitted = st.admissions
-    st.running[st.n_running] = e
-    st.n_running += 1
+    r.at.state = SR_RUNNING
+    r.at.slot = adm.slot
+    r.at.num_computed = adm.prefix_tokens
+    r.at.row = row
+    st.run.row_owner[row] = e
+    st.run.admissions += 1
+    r.at.admitted = st.run.admissions
+    st.run.ents[st.run.n] = e
+    st.run.n += 1
     rc = step_reserve(st, e, n)
     if rc:
         # The fit test above promised this reservation (its hit is the admission's: one cache
@@ -687,24 +738,24 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
         # the cache (reclaimable ones at the recent end of the reclaim order).
         slot_release(st, e)
         running_remove(st, e)
-        st.row_owner[row] = -1
-        r.row = -1
-        r.num_computed = 0
-        st.admissions -= 1
-        r.admitted = admitted
-        r.state = SR_WAITING        # back in the heap under its own (priority, arrival, enq)
-        _heap_set(st, st.n_waiting, e)
-        st.n_waiting += 1
-        _heap_up(st, st.n_waiting - 1)
-        if st.mode == MODE_AUTO:
-            st.c.lookups = lookups
-            st.c.lookup_tokens = lookup_tokens
-            st.c.hit_tokens = hit_tokens
-            st.c.collisions = collisions
-            st.c.pages_hashed = hashed
+        st.run.row_owner[row] = -1
+        r.at.row = -1
+        r.at.num_computed = 0
+        st.run.admissions -= 1
+        r.at.admitted = admitted
+        r.at.state = SR_WAITING        # back in the heap under its own (priority, arrival, enq)
+        _heap_set(st, st.wait.n, e)
+        st.wait.n += 1
+        _heap_up(st, st.wait.n - 1)
+        if st.lim.mode == MODE_AUTO:
+            st.pg.c.lookups = lookups
+            st.pg.c.lookup_tokens = lookup_tokens
+            st.pg.c.hit_tokens = hit_tokens
+            st.pg.c.collisions = collisions
+            st.pg.c.pages_hashed = hashed
         return rc
     # the row mirrors the whole table: the hit's pages and the chunk's
-    t = &st.s.slots[adm.slot].blocks
+    t = &st.pg.s.slots[adm.slot].blocks
     row_write(st, e, 0, t.len - 1 if t.len else 0)
     chunk[0] = n
     cached[0] = adm.prefix_tokens
@@ -714,57 +765,57 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
     # the pages an admission of entry e would take from the cache now, and how many of them are
     # reclaimable (cached_prefix's rule)
-    cdef StepReq *r = &st.req[e]
-    cdef const uint32_t *tok = &st.arena[<size_t>e * st.entry_cap]
-    cdef uint32_t n = r.num_tokens
-    cdef uint32_t hashed = (n - 1) // st.page_tokens if n else 0
+    cdef StepEntry *r = &st.ent[e]
+    cdef const uint32_t *tok = &st.arena.tokens[<size_t>e * st.arena.entry_cap]
+    cdef uint32_t n = r.req.num_tokens
+    cdef uint32_t hashed = (n - 1) // st.lim.page_tokens if n else 0
     cdef uint32_t k, i, ns
     cdef bint collided
     rec[0] = 0
-    ns = ns_find(&st.c.ns, r.nsh, r.nsb if r.nsb != NULL else <const uint8_t *>"", r.nsl)
+    ns = ns_find(&st.pg.c.ns, r.req.nsh, r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"", r.req.nsl)
     if ns == U32_MAX:
         return 0
-    k = auto_match(st.c, tok, n, ns, r.nsh, hashed, st.ss.probe_ident, st.ss.probe_canon,
-                   st.ss.probe_gen, &collided)
+    k = auto_match(st.pg.c, tok, n, ns, r.req.nsh, hashed, st.pg.ss.probe_ident, st.pg.ss.probe_canon,
+                   st.pg.ss.probe_gen, &collided)
     for i in range(k):
-        rec[0] += pc_rec(st.c, st.ss.probe_canon[i]).state == PC_RECLAIMABLE
+        rec[0] += pc_rec(st.pg.c, st.pg.ss.probe_canon[i]).state == PC_RECLAIMABLE
     return k
 
 
 cdef int step_schedule(StepState *st) noexcept nogil:
-    cdef uint32_t i, j, nd = 0, left = st.budget, n, rem, pages, q, pos, t, hit, lp, off, run, k
+    cdef uint32_t i, j, nd = 0, left = st.lim.budget, n, rem, pages, q, pos, t, hit, lp, off, run, k
     cdef int64_t sm
     cdef int32_t e, v, slot
     cdef bint preempted = False
     cdef int rc
-    cdef StepReq *r
+    cdef StepEntry *r
     cdef Table *tb
     cdef size_t base
-    if st.pending:
+    if st.plan.pending:
         return Q_PLAN_PENDING
-    st.step_no += 1
-    st.n = st.T = st.m = st.n_kv = st.n_copies = st.n_new = st.n_preempted = 0
-    st.num_topk = 0
-    st.num_prefill_tokens = st.num_decode_tokens = st.num_cached_tokens = 0
+    st.plan.step_no += 1
+    st.plan.n = st.plan.T = st.plan.m = st.plan.n_kv = st.plan.n_copies = st.plan.n_new = st.plan.n_preempted = 0
+    st.plan.num_topk = 0
+    st.plan.num_prefill_tokens = st.plan.num_decode_tokens = st.plan.num_cached_tokens = 0
     # 1. running requests: decodes, then prefills, each in admission order
-    for i in range(st.n_running):
-        e = st.running[i]
-        if st.req[e].num_tokens - st.req[e].num_computed == 1:
-            st.order[nd] = e
+    for i in range(st.run.n):
+        e = st.run.ents[i]
+        if st.ent[e].req.num_tokens - st.ent[e].at.num_computed == 1:
+            st.run.order[nd] = e
             nd += 1
     j = nd
-    for i in range(st.n_running):
-        e = st.running[i]
-        if st.req[e].num_tokens - st.req[e].num_computed > 1:
-            st.order[j] = e
+    for i in range(st.run.n):
+        e = st.run.ents[i]
+        if st.ent[e].req.num_tokens - st.ent[e].at.num_computed > 1:
+            st.run.order[j] = e
             j += 1
     for i in range(j):
-        e = st.order[i]
+        e = st.run.order[i]
         if left == 0:
             break
-        if st.req[e].state != SR_RUNNING:
+        if st.ent[e].at.state != SR_RUNNING:
             continue            # preempted earlier in this step
-        rem = st.req[e].num_tokens - st.req[e].num_computed
+        rem = st.ent[e].req.num_tokens - st.ent[e].at.num_computed
         n = _chunk(st, rem, left)
         while True:
             rc = step_reserve(st, e, n)
@@ -779,222 +830,222 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             preempted = True
             if v == e:
                 break
-        if st.req[e].state != SR_RUNNING:
+        if st.ent[e].at.state != SR_RUNNING:
             continue
         plan_add(st, e, n)
-        st.req[e].decode = rem == 1
-        if st.req[e].unseen:
+        st.ent[e].at.decode = rem == 1
+        if st.ent[e].at.unseen:
             # admitted by a discarded plan: named until a plan with it is applied
-            st.new_ids[st.n_new] = st.req[e].rid
-            st.n_new += 1
+            st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
+            st.plan.n_new += 1
         left -= n
     # 2. waiting requests by (priority, arrival), unless this step preempted
     if not preempted:
-        while st.n_waiting and left > 0 and st.n_running < st.max_seqs:
-            e = st.heap[0]
+        while st.wait.n and left > 0 and st.run.n < st.lim.max_seqs:
+            e = st.wait.heap[0]
             rc = admit_waiting(st, e, left, &n, &hit)
             if rc == Q_EXHAUSTED:
                 break
-            if rc == Q_NAMESPACES_FULL and st.n_running:
+            if rc == Q_NAMESPACES_FULL and st.run.n:
                 break           # running requests will free namespace ids
             if rc:
                 # the admission changed nothing (admit_waiting undoes its own); the requests
                 # this step scheduled before it keep their pages, as after discard_plan()
                 return rc
-            st.req[e].unseen = 1
-            st.new_ids[st.n_new] = st.req[e].rid
-            st.n_new += 1
-            st.num_cached_tokens += hit
+            st.ent[e].at.unseen = 1
+            st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
+            st.plan.n_new += 1
+            st.plan.num_cached_tokens += hit
             plan_add(st, e, n)
-            st.req[e].decode = 0
+            st.ent[e].at.decode = 0
             left -= n
     # 3. metadata, in plan order
-    st.query_start_loc[0] = 0
-    st.kv_indptr[0] = 0
-    for j in range(st.n):
-        e = st.plan_entry[j]
-        r = &st.req[e]
-        n = st.plan_chunk[j]
-        q = r.num_computed
-        slot = r.slot
-        tb = &st.s.slots[slot].blocks
-        st.request_ids[j] = r.rid
-        st.seq_lens[j] = <int32_t>(q + n)
-        st.block_table_rows[j] = r.row
-        memcpy(&st.input_ids[st.T], &st.arena[<size_t>e * st.entry_cap + q],
+    st.buf.query_start_loc[0] = 0
+    st.buf.kv_indptr[0] = 0
+    for j in range(st.plan.n):
+        e = st.plan.plan_entry[j]
+        r = &st.ent[e]
+        n = st.plan.plan_chunk[j]
+        q = r.at.num_computed
+        slot = r.at.slot
+        tb = &st.pg.s.slots[slot].blocks
+        st.buf.request_ids[j] = r.req.rid
+        st.buf.seq_lens[j] = <int32_t>(q + n)
+        st.buf.block_table_rows[j] = r.at.row
+        memcpy(&st.buf.input_ids[st.plan.T], &st.arena.tokens[<size_t>e * st.arena.entry_cap + q],
                n * sizeof(uint32_t))
         # positions and slot mapping, a page at a time (no division per token)
         pos = q
-        t = st.T
-        lp = q // st.page_tokens
-        off = q - lp * st.page_tokens
+        t = st.plan.T
+        lp = q // st.lim.page_tokens
+        off = q - lp * st.lim.page_tokens
         while pos < q + n:
-            sm = <int64_t>tb.entries[lp] * st.page_tokens
-            run = st.page_tokens - off
+            sm = <int64_t>tb.entries[lp] * st.lim.page_tokens
+            run = st.lim.page_tokens - off
             if run > q + n - pos:
                 run = q + n - pos
             for k in range(run):
-                st.positions[t + k] = <int32_t>(pos + k)
-                st.slot_mapping[t + k] = sm + off + k
+                st.buf.positions[t + k] = <int32_t>(pos + k)
+                st.buf.slot_mapping[t + k] = sm + off + k
             pos += run
             t += run
             lp += 1
             off = 0
-        if r.decode:
-            st.num_decode_tokens += n
+        if r.at.decode:
+            st.plan.num_decode_tokens += n
         else:
-            st.num_prefill_tokens += n
-        st.T += n
-        st.query_start_loc[j + 1] = <int32_t>st.T
-        if r.row_fresh:
+            st.plan.num_prefill_tokens += n
+        st.plan.T += n
+        st.buf.query_start_loc[j + 1] = <int32_t>st.plan.T
+        if r.at.row_fresh:
             # a forked child's first plan: its row takes the whole table (the twin's lowering
             # writes every page of a scheduled request's row)
             row_write(st, e, 0, tb.len - 1 if tb.len else 0)
-            r.row_fresh = 0
-        if q + n == r.num_tokens:
-            st.plan_sample[j] = <int32_t>st.m
-            if r.group == e and not r.forked:
+            r.at.row_fresh = 0
+        if q + n == r.req.num_tokens:
+            st.plan.plan_sample[j] = <int32_t>st.plan.m
+            if r.mem.group == e and not r.mem.forked:
                 # the prompt's last row, once per member of the n group, in member order
                 v = e
                 while v >= 0:
-                    st.logits_indices[st.m] = <int32_t>(st.T - 1)
-                    st.sampled_request_ids[st.m] = st.req[v].rid
-                    st.m += 1
-                    v = st.req[v].next_member
+                    st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
+                    st.buf.sampled_request_ids[st.plan.m] = st.ent[v].req.rid
+                    st.plan.m += 1
+                    v = st.ent[v].mem.next_member
             else:
-                st.logits_indices[st.m] = <int32_t>(st.T - 1)
-                st.sampled_request_ids[st.m] = r.rid
-                st.m += 1
-                if r.group >= 0 and st.req[r.group].beam and \
-                        st.req[r.group].n_members > st.num_topk:
-                    st.num_topk = st.req[r.group].n_members
+                st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
+                st.buf.sampled_request_ids[st.plan.m] = r.req.rid
+                st.plan.m += 1
+                if r.mem.group >= 0 and st.ent[r.mem.group].rec.beam and \
+                        st.ent[r.mem.group].mem.n_members > st.plan.num_topk:
+                    st.plan.num_topk = st.ent[r.mem.group].mem.n_members
         else:
-            st.plan_sample[j] = -1
-        pages = (q + n + st.page_tokens - 1) // st.page_tokens
+            st.plan.plan_sample[j] = -1
+        pages = (q + n + st.lim.page_tokens - 1) // st.lim.page_tokens
         # page ids are < num_blocks <= 2**32-1 and a pool is far smaller than 2**31 pages in
         # practice; the int32 view of the same bits is what kernels take
-        memcpy(&st.kv_indices[st.n_kv], tb.entries, pages * sizeof(int32_t))
-        st.n_kv += pages
-        st.kv_indptr[j + 1] = <int32_t>st.n_kv
-        st.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.page_tokens)
-    st.n_changed = 0
-    for i in range(st.max_seqs):
-        if st.row_dirty[i]:
-            st.row_dirty[i] = 0
-            st.changed_rows[st.n_changed] = <int32_t>i
-            st.n_changed += 1
+        memcpy(&st.buf.kv_indices[st.plan.n_kv], tb.entries, pages * sizeof(int32_t))
+        st.plan.n_kv += pages
+        st.buf.kv_indptr[j + 1] = <int32_t>st.plan.n_kv
+        st.buf.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.lim.page_tokens)
+    st.plan.n_changed = 0
+    for i in range(st.lim.max_seqs):
+        if st.run.row_dirty[i]:
+            st.run.row_dirty[i] = 0
+            st.buf.changed_rows[st.plan.n_changed] = <int32_t>i
+            st.plan.n_changed += 1
     # the plan reports what finished or was aborted, and the forks made, since the previous plan
-    memcpy(st.finished_ids, st.fin_accum, st.n_accum * sizeof(uint64_t))
-    st.n_finished = st.n_accum
-    st.n_accum = 0
-    for i in range(st.n_fork_acc):
-        st.fork_child_ids[i] = st.fork_acc[2 * i]
-        st.fork_parent_ids[i] = st.fork_acc[2 * i + 1]
-    st.n_forks = st.n_fork_acc
-    st.n_fork_acc = 0
-    st.pending = True
+    memcpy(st.buf.finished_ids, st.done.fin_accum, st.done.n_accum * sizeof(uint64_t))
+    st.plan.n_finished = st.done.n_accum
+    st.done.n_accum = 0
+    for i in range(st.done.n_fork_acc):
+        st.buf.fork_child_ids[i] = st.done.fork_acc[2 * i]
+        st.buf.fork_parent_ids[i] = st.done.fork_acc[2 * i + 1]
+    st.plan.n_forks = st.done.n_fork_acc
+    st.done.n_fork_acc = 0
+    st.plan.pending = True
     return Q_OK
 
 
 # -- update ----------------------------------------------------------------------------------
 
-cdef inline bint is_stop_token(StepReq *r, uint32_t tok) noexcept nogil:
+cdef inline bint is_stop_token(StepEntry *r, uint32_t tok) noexcept nogil:
     # eos (unless ignored) or one of the request's stop ids
     cdef uint32_t k
-    if r.has_eos and not r.ignore_eos and tok == r.eos:
+    if r.req.has_eos and not r.req.ignore_eos and tok == r.req.eos:
         return True
-    for k in range(r.n_stop):
-        if r.stop[k] == tok:
+    for k in range(r.req.n_stop):
+        if r.req.stop[k] == tok:
             return True
     return False
 
 
 cdef int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil:
     # one sampled token for entry e (running, or a queued child of an n group): note it, apply
-    # the stop conditions; a stopped plain request goes to st.done (SR_FINISHED), a stopped
-    # member waits for its group (SR_MEMBER_DONE) and the last one puts the leader in st.done
-    cdef StepReq *r = &st.req[e]
-    cdef StepReq *g
-    cdef uint32_t pos = r.num_tokens
+    # the stop conditions; a stopped plain request goes to st.done.ents (SR_FINISHED), a stopped
+    # member waits for its group (SR_MEMBER_DONE) and the last one puts the leader in st.done.ents
+    cdef StepEntry *r = &st.ent[e]
+    cdef StepEntry *g
+    cdef uint32_t pos = r.req.num_tokens
     cdef uint8_t reason = FIN_NONE
     cdef int rc = Q_OK
-    st.arena[<size_t>e * st.entry_cap + pos] = tok
-    if st.mode == MODE_AUTO and r.state == SR_RUNNING:
-        auto_note_token(st.s, st.ss, <uint32_t>r.slot, pos, tok)
-    r.num_tokens += 1
-    if r.num_tokens - r.num_prompt >= r.max_new:
+    st.arena.tokens[<size_t>e * st.arena.entry_cap + pos] = tok
+    if st.lim.mode == MODE_AUTO and r.at.state == SR_RUNNING:
+        auto_note_token(st.pg.s, st.pg.ss, <uint32_t>r.at.slot, pos, tok)
+    r.req.num_tokens += 1
+    if r.req.num_tokens - r.req.num_prompt >= r.req.max_new:
         reason = FIN_LENGTH
     elif is_stop_token(r, tok):
         reason = FIN_STOP
     if reason == FIN_NONE:
         return Q_OK
-    r.reason = reason
-    if r.state == SR_RUNNING:
+    r.req.reason = reason
+    if r.at.state == SR_RUNNING:
         rc = slot_release(st, e)
         row_release(st, e)
         running_remove(st, e)
     else:
         heap_remove(st, e)
-    st.count -= 1
-    accum_finished(st, r.rid)
-    if r.group < 0:
-        r.state = SR_FINISHED
-        st.done[st.n_done] = e
-        st.n_done += 1
+    st.ids.count -= 1
+    accum_finished(st, r.req.rid)
+    if r.mem.group < 0:
+        r.at.state = SR_FINISHED
+        st.done.ents[st.done.n] = e
+        st.done.n += 1
         return rc
-    r.state = SR_MEMBER_DONE
-    g = &st.req[r.group]
-    g.n_members_done += 1
-    if g.n_members_done == g.n_members:
-        g.state = SR_FINISHED
-        st.done[st.n_done] = r.group
-        st.n_done += 1
+    r.at.state = SR_MEMBER_DONE
+    g = &st.ent[r.mem.group]
+    g.mem.n_members_done += 1
+    if g.mem.n_members_done == g.mem.n_members:
+        g.at.state = SR_FINISHED
+        st.done.ents[st.done.n] = r.mem.group
+        st.done.n += 1
     return rc
 
 
 cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
     # child entry ce of the running parent pe, with the parent's tokens so far: forked (a slot
     # and a row are free) or queued as an ordinary request (admitted later through the cache)
-    cdef StepReq *par = &st.req[pe]
-    cdef StepReq *ch = &st.req[ce]
+    cdef StepEntry *par = &st.ent[pe]
+    cdef StepEntry *ch = &st.ent[ce]
     cdef int32_t row = row_lowest_free(st), slot = -1
     cdef Slot *ps
     cdef int rc
-    memcpy(&st.arena[<size_t>ce * st.entry_cap], &st.arena[<size_t>pe * st.entry_cap],
-           <size_t>par.num_tokens * sizeof(uint32_t))
-    ch.num_tokens = par.num_tokens
-    st.count += 1
-    if par.state == SR_RUNNING and row >= 0 and st.s.active < st.s.max_requests:
-        ps = &st.s.slots[par.slot]
+    memcpy(&st.arena.tokens[<size_t>ce * st.arena.entry_cap], &st.arena.tokens[<size_t>pe * st.arena.entry_cap],
+           <size_t>par.req.num_tokens * sizeof(uint32_t))
+    ch.req.num_tokens = par.req.num_tokens
+    st.ids.count += 1
+    if par.at.state == SR_RUNNING and row >= 0 and st.pg.s.active < st.pg.s.max_requests:
+        ps = &st.pg.s.slots[par.at.slot]
         if ps.state != QUALIA_STATE_DECODE:
             # fork takes decoding requests only: the parent's prefill is complete
-            slot_set_decode(st.s, par.slot)
+            slot_set_decode(st.pg.s, par.at.slot)
             ps.next_token_id = 0
             ps.token_ready = 1
-        rc = facade_fork(st.s, st.p, st.c, st.ss, st.mode == MODE_AUTO, par.slot, ch.rid,
+        rc = facade_fork(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, st.lim.mode == MODE_AUTO, par.at.slot, ch.req.rid,
                          &slot)
         if rc:
             return rc       # cannot happen: a slot is free and the pages are held
-        ch.state = SR_RUNNING
-        ch.slot = slot
-        ch.num_computed = par.num_computed
-        st.admissions += 1
-        ch.admitted = st.admissions
-        ch.row = row
-        ch.row_fresh = 1
-        st.row_owner[row] = ce
-        st.running[st.n_running] = ce
-        st.n_running += 1
-        st.forks += 1
+        ch.at.state = SR_RUNNING
+        ch.at.slot = slot
+        ch.at.num_computed = par.at.num_computed
+        st.run.admissions += 1
+        ch.at.admitted = st.run.admissions
+        ch.at.row = row
+        ch.at.row_fresh = 1
+        st.run.row_owner[row] = ce
+        st.run.ents[st.run.n] = ce
+        st.run.n += 1
+        st.groups.forks += 1
         # always: an update forks each n child once (<= max_queued) and beam children that
         # live past it (<= max_seqs); children that finish at once free their rows for more
-        if st.n_fork_acc < st.accum_cap:
-            st.fork_acc[2 * st.n_fork_acc] = ch.rid
-            st.fork_acc[2 * st.n_fork_acc + 1] = par.rid
-            st.n_fork_acc += 1
+        if st.done.n_fork_acc < st.done.accum_cap:
+            st.done.fork_acc[2 * st.done.n_fork_acc] = ch.req.rid
+            st.done.fork_acc[2 * st.done.n_fork_acc + 1] = par.req.rid
+            st.done.n_fork_acc += 1
     else:
         heap_push(st, ce)
-        st.fork_fallbacks += 1
+        st.groups.fork_fallbacks += 1
     return Q_OK
 
 
@@ -1004,21 +1055,21 @@ cdef int step_fork_n(StepState *st, int32_t e, const uint32_t *toks) noexcept no
     cdef int32_t c
     cdef uint32_t j
     cdef int rc, first = Q_OK
-    st.req[e].forked = 1
-    c = st.req[e].next_member
+    st.ent[e].mem.forked = 1
+    c = st.ent[e].mem.next_member
     while c >= 0:
         rc = step_spawn(st, e, c)
         if rc and first == Q_OK:
             first = rc
-        c = st.req[c].next_member
-    c = st.req[e].next_member
+        c = st.ent[c].mem.next_member
+    c = st.ent[e].mem.next_member
     j = 1
     while c >= 0:
         rc = step_take(st, c, toks[j])
         if rc and first == Q_OK:
             first = rc
         j += 1
-        c = st.req[c].next_member
+        c = st.ent[c].mem.next_member
     rc = step_take(st, e, toks[0])
     if rc and first == Q_OK:
         first = rc
@@ -1030,40 +1081,40 @@ cdef int step_fork_n(StepState *st, int32_t e, const uint32_t *toks) noexcept no
 cdef inline int32_t beam_take_entry(StepState *st, int32_t g) noexcept nogil:
     # one of group g's reserved spare entries (the counting guarantees one is there)
     cdef int32_t e
-    st.n_free -= 1
-    e = st.free_ids[st.n_free]
-    st.req[g].n_spare -= 1
-    st.reserved -= 1
+    st.ids.n_free -= 1
+    e = st.ids.free_ids[st.ids.n_free]
+    st.ent[g].rec.n_spare -= 1
+    st.ids.reserved -= 1
     return e
 
 
 cdef inline void beam_give_entry(StepState *st, int32_t g, int32_t e) noexcept nogil:
     # a beam entry of group g is free again: back to the group's spares
     entry_free(st, e)
-    st.req[g].n_spare += 1
-    st.reserved += 1
+    st.ent[g].rec.n_spare += 1
+    st.ids.reserved += 1
 
 
 cdef inline void beam_unindex(StepState *st, int32_t e) noexcept nogil:
-    if not st.req[e].unindexed:
-        oa_remove(st.index, st.index_mask, _step_home(st, st.req[e].rid), e, _step_home_of, st)
-        st.req[e].unindexed = 1
+    if not st.ent[e].req.unindexed:
+        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e, _step_home_of, st)
+        st.ent[e].req.unindexed = 1
 
 
 cdef int beam_stop(StepState *st, int32_t g, int32_t b) noexcept nogil:
     # a live beam without continuation leaves the queues (the twin's _finish_member)
     cdef int rc = Q_OK
-    if st.req[b].state == SR_RUNNING:
+    if st.ent[b].at.state == SR_RUNNING:
         rc = slot_release(st, b)
         row_release(st, b)
         running_remove(st, b)
-    elif st.req[b].state == SR_WAITING:
+    elif st.ent[b].at.state == SR_WAITING:
         heap_remove(st, b)
-    st.req[b].has_cand = 0
-    st.count -= 1
-    accum_finished(st, st.req[b].rid)
-    if st.req[g].parent_beam == b:
-        st.req[g].parent_beam = -1
+    st.ent[b].mem.has_cand = 0
+    st.ids.count -= 1
+    accum_finished(st, st.ent[b].req.rid)
+    if st.ent[g].rec.parent_beam == b:
+        st.ent[g].rec.parent_beam = -1
     return rc
 
 
@@ -1081,31 +1132,31 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
     # computed, or parked), the best w - hypotheses candidates are kept; each either finishes a
     # hypothesis (stored in an entry of the group) or continues a beam (the first continuation
     # of a beam takes the beam itself, each further one forks a child).  No live continuation:
-    # the group is done (st.done).  Allocates nothing.
-    cdef StepReq *R = &st.req[g]
-    cdef uint32_t w = R.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0
+    # the group is done (st.done.ents).  Allocates nothing.
+    cdef StepEntry *R = &st.ent[g]
+    cdef uint32_t w = R.mem.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0
     cdef int32_t b, d, prev, src
     cdef size_t base
     cdef double sc
     cdef uint32_t tok
     cdef int rc = Q_OK, r2
-    cdef StepReq *x
-    b = R.next_member
+    cdef StepEntry *x
+    b = R.mem.next_member
     while b >= 0:
-        x = &st.req[b]
-        if not x.has_cand:
+        x = &st.ent[b]
+        if not x.mem.has_cand:
             return Q_OK
-        b = x.next_member
-    K = w - R.n_members_done
-    b = R.next_member
+        b = x.mem.next_member
+    K = w - R.mem.n_members_done
+    b = R.mem.next_member
     while b >= 0:
-        x = &st.req[b]
-        base = <size_t>b * st.max_seqs
+        x = &st.ent[b]
+        base = <size_t>b * st.lim.max_seqs
         for c in range(w):
-            sc = x.score + st.cand_lps[base + c]
-            tok = st.cand_ids[base + c]
+            sc = x.hyp.score + st.beams.cand_lps[base + c]
+            tok = st.beams.cand_ids[base + c]
             p = nk
-            while p > 0 and _sel_before(sc, rank, tok, &st.sel[p - 1]):
+            while p > 0 and _sel_before(sc, rank, tok, &st.beams.sel[p - 1]):
                 p -= 1
             if p >= K:
                 continue
@@ -1113,146 +1164,146 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
                 nk += 1
             i = nk - 1
             while i > p:
-                st.sel[i] = st.sel[i - 1]
+                st.beams.sel[i] = st.beams.sel[i - 1]
                 i -= 1
-            st.sel[p].score = sc
-            st.sel[p].rank = rank
-            st.sel[p].tok = tok
-            st.sel[p].beam = b
-        x.has_cand = 0
+            st.beams.sel[p].score = sc
+            st.beams.sel[p].rank = rank
+            st.beams.sel[p].tok = tok
+            st.beams.sel[p].beam = b
+        x.mem.has_cand = 0
         rank += 1
-        b = x.next_member
+        b = x.mem.next_member
     # classify; in_sel on a beam: 1 continues, 2 finishes a hypothesis, 4 its entry holds one
     for i in range(nk):
-        x = &st.req[st.sel[i].beam]
-        if is_stop_token(x, st.sel[i].tok):
-            st.sel[i].reason = FIN_STOP
-        elif x.num_tokens - x.num_prompt + 1 >= x.max_new:
-            st.sel[i].reason = FIN_LENGTH
+        x = &st.ent[st.beams.sel[i].beam]
+        if is_stop_token(x, st.beams.sel[i].tok):
+            st.beams.sel[i].reason = FIN_STOP
+        elif x.req.num_tokens - x.req.num_prompt + 1 >= x.req.max_new:
+            st.beams.sel[i].reason = FIN_LENGTH
         else:
-            st.sel[i].reason = FIN_NONE
-        if st.sel[i].reason == FIN_NONE:
-            x.in_sel |= 1
+            st.beams.sel[i].reason = FIN_NONE
+        if st.beams.sel[i].reason == FIN_NONE:
+            x.mem.in_sel |= 1
             n_cont += 1
         else:
-            x.in_sel |= 2
+            x.mem.in_sel |= 2
     # beams with no live continuation leave first (member order: the twin's finish order);
     # those sourcing no hypothesis give their entry back now
     prev = -1
-    b = R.next_member
+    b = R.mem.next_member
     while b >= 0:
-        d = st.req[b].next_member
-        if not (st.req[b].in_sel & 1):
+        d = st.ent[b].mem.next_member
+        if not (st.ent[b].mem.in_sel & 1):
             r2 = beam_stop(st, g, b)
             if r2 and rc == Q_OK:
                 rc = r2
-            if not (st.req[b].in_sel & 2):
-                st.req[b].in_sel = 0
+            if not (st.ent[b].mem.in_sel & 2):
+                st.ent[b].mem.in_sel = 0
                 beam_give_entry(st, g, b)
         b = d
     # hypotheses whose beam continues, or second ones of a beam: copied into a spare entry
     # (read before any beam's own entry takes its hypothesis in place)
     for i in range(nk):
-        if st.sel[i].reason == FIN_NONE:
+        if st.beams.sel[i].reason == FIN_NONE:
             continue
-        src = st.sel[i].beam
-        x = &st.req[src]
-        if not (x.in_sel & 1) and not (x.in_sel & 4):
-            x.in_sel |= 4           # this one goes in place, below
-            st.sel[i].dest = src
+        src = st.beams.sel[i].beam
+        x = &st.ent[src]
+        if not (x.mem.in_sel & 1) and not (x.mem.in_sel & 4):
+            x.mem.in_sel |= 4           # this one goes in place, below
+            st.beams.sel[i].dest = src
             continue
         d = beam_take_entry(st, g)
-        memset(&st.req[d], 0, sizeof(StepReq))
-        memcpy(&st.arena[<size_t>d * st.entry_cap], &st.arena[<size_t>src * st.entry_cap],
-               <size_t>x.num_tokens * sizeof(uint32_t))
-        st.req[d].rid = x.rid
-        st.req[d].num_prompt = x.num_prompt
-        st.req[d].num_tokens = x.num_tokens
-        st.req[d].unindexed = 1
-        st.sel[i].dest = d
+        memset(&st.ent[d], 0, sizeof(StepEntry))
+        memcpy(&st.arena.tokens[<size_t>d * st.arena.entry_cap], &st.arena.tokens[<size_t>src * st.arena.entry_cap],
+               <size_t>x.req.num_tokens * sizeof(uint32_t))
+        st.ent[d].req.rid = x.req.rid
+        st.ent[d].req.num_prompt = x.req.num_prompt
+        st.ent[d].req.num_tokens = x.req.num_tokens
+        st.ent[d].req.unindexed = 1
+        st.beams.sel[i].dest = d
     for i in range(nk):
-        if st.sel[i].reason == FIN_NONE:
+        if st.beams.sel[i].reason == FIN_NONE:
             continue
-        d = st.sel[i].dest
-        x = &st.req[d]
-        if d == st.sel[i].beam:
+        d = st.beams.sel[i].dest
+        x = &st.ent[d]
+        if d == st.beams.sel[i].beam:
             beam_unindex(st, d)
-            x.in_sel = 0
-        st.arena[<size_t>d * st.entry_cap + x.num_tokens] = st.sel[i].tok
-        x.num_tokens += 1
-        x.state = SR_MEMBER_DONE
-        x.group = g
-        x.slot = -1
-        x.row = -1
-        x.heap_pos = -1
-        x.plan_pos = -1
-        x.next_member = -1
-        x.score = st.sel[i].score
-        x.reason = st.sel[i].reason
-        x.hyp_seq = R.n_members_done
-        R.n_members_done += 1
-        x.next_hyp = R.next_hyp
-        R.next_hyp = d
+            x.mem.in_sel = 0
+        st.arena.tokens[<size_t>d * st.arena.entry_cap + x.req.num_tokens] = st.beams.sel[i].tok
+        x.req.num_tokens += 1
+        x.at.state = SR_MEMBER_DONE
+        x.mem.group = g
+        x.at.slot = -1
+        x.at.row = -1
+        x.at.heap_pos = -1
+        x.at.plan_pos = -1
+        x.mem.next_member = -1
+        x.hyp.score = st.beams.sel[i].score
+        x.req.reason = st.beams.sel[i].reason
+        x.hyp.hyp_seq = R.mem.n_members_done
+        R.mem.n_members_done += 1
+        x.hyp.next_hyp = R.hyp.next_hyp
+        R.hyp.next_hyp = d
     if n_cont == 0:
-        R.next_member = -1
-        R.state = SR_FINISHED
-        st.done[st.n_done] = g
-        st.n_done += 1
+        R.mem.next_member = -1
+        R.at.state = SR_FINISHED
+        st.done.ents[st.done.n] = g
+        st.done.n += 1
         return rc
     # continuations in kept order: a beam's first takes the beam, each further one forks
     for i in range(nk):
-        if st.sel[i].reason != FIN_NONE:
+        if st.beams.sel[i].reason != FIN_NONE:
             continue
-        b = st.sel[i].beam
-        if not (st.req[b].in_sel & 8):
-            st.req[b].in_sel |= 8
-            st.sel[i].dest = b
+        b = st.beams.sel[i].beam
+        if not (st.ent[b].mem.in_sel & 8):
+            st.ent[b].mem.in_sel |= 8
+            st.beams.sel[i].dest = b
             continue
         d = beam_take_entry(st, g)
-        st.req[d] = st.req[b]
-        x = &st.req[d]
-        x.rid = st.next_child
-        st.next_child += 1
-        while step_find(st, x.rid) >= 0:
-            x.rid = st.next_child
-            st.next_child += 1
-        x.nsb_borrowed = 1
-        x.unindexed = 0
-        x.heap_pos = -1
-        x.plan_pos = -1
-        x.slot = -1
-        x.row = -1
-        x.num_computed = 0
-        x.has_cand = 0
-        x.in_sel = 0
-        x.decode = 0
-        x.row_fresh = 0
-        x.next_member = -1
-        x.state = SR_RESERVED
-        oa_insert(st.index, st.index_mask, _step_home(st, x.rid), d)
+        st.ent[d] = st.ent[b]
+        x = &st.ent[d]
+        x.req.rid = st.ids.next_child
+        st.ids.next_child += 1
+        while step_find(st, x.req.rid) >= 0:
+            x.req.rid = st.ids.next_child
+            st.ids.next_child += 1
+        x.req.nsb_borrowed = 1
+        x.req.unindexed = 0
+        x.at.heap_pos = -1
+        x.at.plan_pos = -1
+        x.at.slot = -1
+        x.at.row = -1
+        x.at.num_computed = 0
+        x.mem.has_cand = 0
+        x.mem.in_sel = 0
+        x.at.decode = 0
+        x.at.row_fresh = 0
+        x.mem.next_member = -1
+        x.at.state = SR_RESERVED
+        oa_insert(st.ids.index, st.ids.index_mask, _step_home(st, x.req.rid), d)
         r2 = step_spawn(st, b, d)
         if r2 and rc == Q_OK:
             rc = r2
-        st.sel[i].dest = d
+        st.beams.sel[i].dest = d
     prev = -1
     for i in range(nk):
-        if st.sel[i].reason != FIN_NONE:
+        if st.beams.sel[i].reason != FIN_NONE:
             continue
-        d = st.sel[i].dest
-        x = &st.req[d]
-        x.in_sel = 0
-        st.arena[<size_t>d * st.entry_cap + x.num_tokens] = st.sel[i].tok
-        if st.mode == MODE_AUTO and x.state == SR_RUNNING:
-            auto_note_token(st.s, st.ss, <uint32_t>x.slot, x.num_tokens, st.sel[i].tok)
-        x.num_tokens += 1
-        if x.state == SR_PARKED:
+        d = st.beams.sel[i].dest
+        x = &st.ent[d]
+        x.mem.in_sel = 0
+        st.arena.tokens[<size_t>d * st.arena.entry_cap + x.req.num_tokens] = st.beams.sel[i].tok
+        if st.lim.mode == MODE_AUTO and x.at.state == SR_RUNNING:
+            auto_note_token(st.pg.s, st.pg.ss, <uint32_t>x.at.slot, x.req.num_tokens, st.beams.sel[i].tok)
+        x.req.num_tokens += 1
+        if x.at.state == SR_PARKED:
             heap_push(st, d)        # a parked beam continues: it has a token to compute
-        x.score = st.sel[i].score
-        x.next_member = -1
+        x.hyp.score = st.beams.sel[i].score
+        x.mem.next_member = -1
         if prev < 0:
-            R.next_member = d
+            R.mem.next_member = d
         else:
-            st.req[prev].next_member = d
+            st.ent[prev].mem.next_member = d
         prev = d
     return rc
 
@@ -1261,41 +1312,41 @@ cdef void beam_park_blocked(StepState *st) noexcept nogil:
     # The twin's _park_blocked_beams, after a step that scheduled nothing: every running beam
     # (each is computed and waits for a sibling) is parked with its candidates, not reported
     # as preempted, groups in add order and beams in member order
-    cdef int32_t g = st.beam_head, b
-    cdef StepReq *x
+    cdef int32_t g = st.beams.beam_head, b
+    cdef StepEntry *x
     while g >= 0:
-        if st.req[g].state == SR_GROUP:
-            b = st.req[g].next_member
+        if st.ent[g].at.state == SR_GROUP:
+            b = st.ent[g].mem.next_member
             while b >= 0:
-                x = &st.req[b]
-                if x.state == SR_RUNNING and x.num_computed == x.num_tokens:
+                x = &st.ent[b]
+                if x.at.state == SR_RUNNING and x.at.num_computed == x.req.num_tokens:
                     leave_running(st, b)
                     beam_park(st, b)
-                b = x.next_member
-        g = st.req[g].next_group
+                b = x.mem.next_member
+        g = st.ent[g].rec.next_group
 
 
 cdef void beam_group_free(StepState *st, int32_t g) noexcept nogil:
     # the group's result is returned (or it was aborted): every entry it holds is free again
-    cdef int32_t b = st.req[g].next_hyp, nxt
+    cdef int32_t b = st.ent[g].hyp.next_hyp, nxt
     while b >= 0:
-        nxt = st.req[b].next_hyp
+        nxt = st.ent[b].hyp.next_hyp
         entry_free(st, b)
         b = nxt
-    b = st.req[g].next_member
+    b = st.ent[g].mem.next_member
     while b >= 0:
-        nxt = st.req[b].next_member
+        nxt = st.ent[b].mem.next_member
         entry_free(st, b)
         b = nxt
-    st.reserved -= st.req[g].n_spare
-    if st.req[g].prev_group >= 0:
-        st.req[st.req[g].prev_group].next_group = st.req[g].next_group
+    st.ids.reserved -= st.ent[g].rec.n_spare
+    if st.ent[g].rec.prev_group >= 0:
+        st.ent[st.ent[g].rec.prev_group].rec.next_group = st.ent[g].rec.next_group
     else:
-        st.beam_head = st.req[g].next_group
-    if st.req[g].next_group >= 0:
-        st.req[st.req[g].next_group].prev_group = st.req[g].prev_group
+        st.beams.beam_head = st.ent[g].rec.next_group
+    if st.ent[g].rec.next_group >= 0:
+        st.ent[st.ent[g].rec.next_group].rec.prev_group = st.ent[g].rec.prev_group
     else:
-        st.beam_tail = st.req[g].prev_group
+        st.beams.beam_tail = st.ent[g].rec.prev_group
     entry_free(st, g)
 
 
@@ -1303,73 +1354,73 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
                      const double *tk_lps, const float *tk_lps_f) noexcept nogil:
     # sampled[0..m) was validated by the caller, and so were the candidates of a plan with beam
     # rows (tk_ids and tk_lps or tk_lps_f: [m, num_topk], row-major).  Finished entries go to
-    # st.done (state SR_FINISHED) for the caller to report and free.
-    cdef uint32_t j, n, c, w, k = st.num_topk
+    # st.done.ents (state SR_FINISHED) for the caller to report and free.
+    cdef uint32_t j, n, c, w, k = st.plan.num_topk
     cdef size_t src, dst
     cdef int32_t e, g
-    cdef StepReq *r
+    cdef StepEntry *r
     cdef Slot *sl
     cdef int rc, first = Q_OK
     cdef uint64_t tc
-    if not st.pending:
+    if not st.plan.pending:
         return Q_NO_PLAN
-    for j in range(st.n):
-        e = st.plan_entry[j]
-        if not st.plan_alive[j]:
+    for j in range(st.plan.n):
+        e = st.plan.plan_entry[j]
+        if not st.plan.plan_alive[j]:
             continue
-        r = &st.req[e]
-        r.plan_pos = -1
-        r.unseen = 0
-        n = st.plan_chunk[j]
+        r = &st.ent[e]
+        r.at.plan_pos = -1
+        r.at.unseen = 0
+        n = st.plan.plan_chunk[j]
         # advance: the chunk's K/V is written; pages that filled go to the cache
-        sl = &st.s.slots[r.slot]
+        sl = &st.pg.s.slots[r.at.slot]
         tc = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
-        r.num_computed += n
-        if st.mode == MODE_AUTO:
-            auto_fill(st.s, st.p, st.c, st.ss, <uint32_t>r.slot)
-        if st.plan_sample[j] < 0:
+        r.at.num_computed += n
+        if st.lim.mode == MODE_AUTO:
+            auto_fill(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot)
+        if st.plan.plan_sample[j] < 0:
             continue
-        if r.group >= 0 and st.req[r.group].beam:
+        if r.mem.group >= 0 and st.ent[r.mem.group].rec.beam:
             # a beam row: its candidates wait for the group's selection
-            g = r.group
-            w = st.req[g].n_members
-            src = <size_t>st.plan_sample[j] * k
-            dst = <size_t>e * st.max_seqs
+            g = r.mem.group
+            w = st.ent[g].mem.n_members
+            src = <size_t>st.plan.plan_sample[j] * k
+            dst = <size_t>e * st.lim.max_seqs
             for c in range(w):
-                st.cand_ids[dst + c] = tk_ids[src + c]
-                st.cand_lps[dst + c] = tk_lps[src + c] if tk_lps != NULL else tk_lps_f[src + c]
-            r.has_cand = 1
-            if not st.req[g].in_sel:
-                st.req[g].in_sel = 1
-                st.sel_groups[st.n_sel_groups] = g
-                st.n_sel_groups += 1
+                st.beams.cand_ids[dst + c] = tk_ids[src + c]
+                st.beams.cand_lps[dst + c] = tk_lps[src + c] if tk_lps != NULL else tk_lps_f[src + c]
+            r.mem.has_cand = 1
+            if not st.ent[g].mem.in_sel:
+                st.ent[g].mem.in_sel = 1
+                st.beams.sel_groups[st.beams.n_sel_groups] = g
+                st.beams.n_sel_groups += 1
             continue
-        if r.group == e and not r.forked:
-            rc = step_fork_n(st, e, &sampled[st.plan_sample[j]])
+        if r.mem.group == e and not r.mem.forked:
+            rc = step_fork_n(st, e, &sampled[st.plan.plan_sample[j]])
         else:
-            rc = step_take(st, e, sampled[st.plan_sample[j]])
+            rc = step_take(st, e, sampled[st.plan.plan_sample[j]])
         if rc and first == Q_OK:
             first = rc
     # beam groups select in the order their first row appears in the plan
-    for j in range(st.n_sel_groups):
-        g = st.sel_groups[j]
-        st.req[g].in_sel = 0
+    for j in range(st.beams.n_sel_groups):
+        g = st.beams.sel_groups[j]
+        st.ent[g].mem.in_sel = 0
         rc = beam_select(st, g)
         if rc and first == Q_OK:
             first = rc
-    st.n_sel_groups = 0
-    if st.T == 0 and st.beam_head >= 0:
+    st.beams.n_sel_groups = 0
+    if st.plan.T == 0 and st.beams.beam_head >= 0:
         beam_park_blocked(st)
     # the rows of requests aborted in the plan are free again once it is applied (after the
     # forks above: a child never takes a row the executing plan may still read)
-    for j in range(st.n):
-        if not st.plan_alive[j]:
-            row_clear_deferred(st, st.block_table_rows[j])
+    for j in range(st.plan.n):
+        if not st.plan.plan_alive[j]:
+            row_clear_deferred(st, st.buf.block_table_rows[j])
     rc = release_deferred(st)
     if rc and first == Q_OK:
         first = rc
-    st.pending = False
+    st.plan.pending = False
     return first
 
 
@@ -1389,8 +1440,8 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
     # beam row's first w ids distinct (w continuations of one beam) and its k log-probabilities best
     # first (a group narrower than num_topk reads the first w as its best).  *row: the first
     # bad row.
-    cdef uint32_t k = st.num_topk, j, a, b, w
-    cdef size_t i, n = <size_t>st.m * k, base
+    cdef uint32_t k = st.plan.num_topk, j, a, b, w
+    cdef size_t i, n = <size_t>st.plan.m * k, base
     cdef double v
     cdef int32_t g
     for i in range(n):
@@ -1398,23 +1449,23 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
         if not v <= 0:          # NaN compares false
             row[0] = <uint32_t>(i // k)
             return TOPK_BAD_LOGPROB
-    for j in range(st.n):
-        if not st.plan_alive[j] or st.plan_sample[j] < 0:
+    for j in range(st.plan.n):
+        if not st.plan.plan_alive[j] or st.plan.plan_sample[j] < 0:
             continue
-        g = st.req[st.plan_entry[j]].group
-        if g < 0 or not st.req[g].beam:
+        g = st.ent[st.plan.plan_entry[j]].mem.group
+        if g < 0 or not st.ent[g].rec.beam:
             continue
-        w = st.req[g].n_members
-        base = <size_t>st.plan_sample[j] * k
+        w = st.ent[g].mem.n_members
+        base = <size_t>st.plan.plan_sample[j] * k
         for a in range(1, w):
             for b in range(a):
                 if ids[base + a] == ids[base + b]:
-                    row[0] = <uint32_t>st.plan_sample[j]
+                    row[0] = <uint32_t>st.plan.plan_sample[j]
                     return TOPK_REPEATED
         for a in range(1, k):
             if ((lps[base + a] > lps[base + a - 1]) if lps != NULL
                     else (lps_f[base + a] > lps_f[base + a - 1])):
-                row[0] = <uint32_t>st.plan_sample[j]
+                row[0] = <uint32_t>st.plan.plan_sample[j]
                 return TOPK_UNSORTED
     return TOPK_OK
 
@@ -1426,29 +1477,29 @@ cdef int step_discard(StepState *st) noexcept nogil:
     # requests aborted while it was pending hand their pages back (a pool error: its code).
     cdef uint32_t j
     cdef int rc
-    if not st.pending:
+    if not st.plan.pending:
         return Q_OK     # no plan: nothing to drop
-    for j in range(st.n):
-        if st.plan_alive[j]:
-            st.req[st.plan_entry[j]].plan_pos = -1
+    for j in range(st.plan.n):
+        if st.plan.plan_alive[j]:
+            st.ent[st.plan.plan_entry[j]].at.plan_pos = -1
         else:
-            row_clear_deferred(st, st.block_table_rows[j])
-    for j in range(st.n_changed):
-        st.row_dirty[st.changed_rows[j]] = 1
-    if st.n_finished and st.n_accum + st.n_finished <= st.accum_cap:
-        memmove(&st.fin_accum[st.n_finished], st.fin_accum, st.n_accum * sizeof(uint64_t))
-        memcpy(st.fin_accum, st.finished_ids, st.n_finished * sizeof(uint64_t))
-        st.n_accum += st.n_finished
-    if st.n_forks and st.n_fork_acc + st.n_forks <= st.accum_cap:
+            row_clear_deferred(st, st.buf.block_table_rows[j])
+    for j in range(st.plan.n_changed):
+        st.run.row_dirty[st.buf.changed_rows[j]] = 1
+    if st.plan.n_finished and st.done.n_accum + st.plan.n_finished <= st.done.accum_cap:
+        memmove(&st.done.fin_accum[st.plan.n_finished], st.done.fin_accum, st.done.n_accum * sizeof(uint64_t))
+        memcpy(st.done.fin_accum, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
+        st.done.n_accum += st.plan.n_finished
+    if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.accum_cap:
         # no update ran since the plan: nothing forked since, in practice
-        memmove(&st.fork_acc[2 * st.n_forks], st.fork_acc, 2 * st.n_fork_acc * sizeof(uint64_t))
-        for j in range(st.n_forks):
-            st.fork_acc[2 * j] = st.fork_child_ids[j]
-            st.fork_acc[2 * j + 1] = st.fork_parent_ids[j]
-        st.n_fork_acc += st.n_forks
-    st.n_forks = 0
+        memmove(&st.done.fork_acc[2 * st.plan.n_forks], st.done.fork_acc, 2 * st.done.n_fork_acc * sizeof(uint64_t))
+        for j in range(st.plan.n_forks):
+            st.done.fork_acc[2 * j] = st.buf.fork_child_ids[j]
+            st.done.fork_acc[2 * j + 1] = st.buf.fork_parent_ids[j]
+        st.done.n_fork_acc += st.plan.n_forks
+    st.plan.n_forks = 0
     rc = release_deferred(st)
-    st.pending = False
+    st.plan.pending = False
     return rc
 
 
@@ -1466,97 +1517,97 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     cdef uint64_t pages, cid
     cdef int32_t e, c, prev
     cdef uint32_t k
-    cdef StepReq *r
-    cdef StepReq *ch
+    cdef StepEntry *r
+    cdef StepEntry *ch
     if step_find(st, rid) >= 0:
         return Q_STEP_DUPLICATE
-    if total > st.entry_cap:
+    if total > st.arena.entry_cap:
         return Q_NEVER_FITS
-    pages = (total - 1 + st.page_tokens - 1) // st.page_tokens
+    pages = (total - 1 + st.lim.page_tokens - 1) // st.lim.page_tokens
     if pages > num_blocks:
         return Q_NEVER_FITS
-    if st.n_free - st.reserved < (beam_width if beam_width else n_members):
+    if st.ids.n_free - st.ids.reserved < (beam_width if beam_width else n_members):
         return Q_QUEUE_FULL
-    st.n_free -= 1
-    e = st.free_ids[st.n_free]
-    r = &st.req[e]
-    memset(r, 0, sizeof(StepReq))
-    r.rid = rid
-    r.arrival = st.arrivals
-    st.arrivals += 1
-    r.priority = priority
-    r.nsh = nsh
-    r.nsb = nsb
-    r.nsl = nsl
-    r.num_prompt = n
-    r.num_tokens = n
-    r.max_new = max_new
-    r.has_eos = has_eos
-    r.eos = eos
-    r.ignore_eos = ignore_eos
-    r.n_stop = n_stop
+    st.ids.n_free -= 1
+    e = st.ids.free_ids[st.ids.n_free]
+    r = &st.ent[e]
+    memset(r, 0, sizeof(StepEntry))
+    r.req.rid = rid
+    r.req.arrival = st.ids.arrivals
+    st.ids.arrivals += 1
+    r.req.priority = priority
+    r.req.nsh = nsh
+    r.req.nsb = nsb
+    r.req.nsl = nsl
+    r.req.num_prompt = n
+    r.req.num_tokens = n
+    r.req.max_new = max_new
+    r.req.has_eos = has_eos
+    r.req.eos = eos
+    r.req.ignore_eos = ignore_eos
+    r.req.n_stop = n_stop
     if n_stop:
-        memcpy(r.stop, stop, n_stop * sizeof(uint32_t))
-    r.slot = -1
-    r.row = -1
-    r.heap_pos = -1
-    r.plan_pos = -1
-    r.group = -1
-    r.next_member = -1
-    memcpy(&st.arena[<size_t>e * st.entry_cap], tok, <size_t>n * sizeof(uint32_t))
+        memcpy(r.req.stop, stop, n_stop * sizeof(uint32_t))
+    r.at.slot = -1
+    r.at.row = -1
+    r.at.heap_pos = -1
+    r.at.plan_pos = -1
+    r.mem.group = -1
+    r.mem.next_member = -1
+    memcpy(&st.arena.tokens[<size_t>e * st.arena.entry_cap], tok, <size_t>n * sizeof(uint32_t))
     if beam_width:
         # the group's record holds the id (and the namespace); the parent beam is one of the w
         # entries, the other w - 1 are reserved
-        st.n_rec_free -= 1
-        c = st.rec_free[st.n_rec_free]
-        st.req[c] = r[0]
-        ch = &st.req[c]
-        ch.state = SR_GROUP
-        ch.group = c
-        ch.beam = 1
-        ch.n_members = beam_width
-        ch.n_spare = beam_width - 1
-        ch.next_member = e
-        ch.next_hyp = -1
-        ch.parent_beam = e
-        ch.next_group = -1
-        ch.prev_group = st.beam_tail
-        if st.beam_tail >= 0:
-            st.req[st.beam_tail].next_group = c
+        st.ids.n_rec_free -= 1
+        c = st.ids.rec_free[st.ids.n_rec_free]
+        st.ent[c] = r[0]
+        ch = &st.ent[c]
+        ch.at.state = SR_GROUP
+        ch.mem.group = c
+        ch.rec.beam = 1
+        ch.mem.n_members = beam_width
+        ch.rec.n_spare = beam_width - 1
+        ch.mem.next_member = e
+        ch.hyp.next_hyp = -1
+        ch.rec.parent_beam = e
+        ch.rec.next_group = -1
+        ch.rec.prev_group = st.beams.beam_tail
+        if st.beams.beam_tail >= 0:
+            st.ent[st.beams.beam_tail].rec.next_group = c
         else:
-            st.beam_head = c
-        st.beam_tail = c
-        st.reserved += beam_width - 1
-        r.group = c
-        r.nsb_borrowed = r.nsb != NULL
-        r.unindexed = 1
-        oa_insert(st.index, st.index_mask, _step_home(st, rid), c)
+            st.beams.beam_head = c
+        st.beams.beam_tail = c
+        st.ids.reserved += beam_width - 1
+        r.mem.group = c
+        r.req.nsb_borrowed = r.req.nsb != NULL
+        r.req.unindexed = 1
+        oa_insert(st.ids.index, st.ids.index_mask, _step_home(st, rid), c)
     else:
-        oa_insert(st.index, st.index_mask, _step_home(st, rid), e)
-    st.count += 1
+        oa_insert(st.ids.index, st.ids.index_mask, _step_home(st, rid), e)
+    st.ids.count += 1
     heap_push(st, e)
     if n_members > 1:
-        r.group = e
-        r.n_members = n_members
+        r.mem.group = e
+        r.mem.n_members = n_members
         prev = e
         for k in range(1, n_members):
-            cid = st.next_child
-            st.next_child += 1
+            cid = st.ids.next_child
+            st.ids.next_child += 1
             while step_find(st, cid) >= 0:
-                cid = st.next_child
-                st.next_child += 1
-            st.n_free -= 1
-            c = st.free_ids[st.n_free]
-            ch = &st.req[c]
-            ch[0] = st.req[e]
-            ch.rid = cid
-            ch.nsb_borrowed = ch.nsb != NULL
-            ch.heap_pos = -1
-            ch.next_member = -1
-            ch.n_members = 0
-            ch.state = SR_RESERVED
-            oa_insert(st.index, st.index_mask, _step_home(st, cid), c)
-            st.req[prev].next_member = c
+                cid = st.ids.next_child
+                st.ids.next_child += 1
+            st.ids.n_free -= 1
+            c = st.ids.free_ids[st.ids.n_free]
+            ch = &st.ent[c]
+            ch[0] = st.ent[e]
+            ch.req.rid = cid
+            ch.req.nsb_borrowed = ch.req.nsb != NULL
+            ch.at.heap_pos = -1
+            ch.mem.next_member = -1
+            ch.mem.n_members = 0
+            ch.at.state = SR_RESERVED
+            oa_insert(st.ids.index, st.ids.index_mask, _step_home(st, cid), c)
+            st.ent[prev].mem.next_member = c
             prev = c
     return Q_OK
 
@@ -1564,25 +1615,25 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
 cdef int step_abort_one(StepState *st, int32_t e) noexcept nogil:
     # a waiting or running entry leaves the queues (its entry is freed by the caller)
     cdef int rc = Q_OK
-    if st.req[e].state == SR_RUNNING:
-        if st.pending and st.req[e].plan_pos >= 0:
+    if st.ent[e].at.state == SR_RUNNING:
+        if st.plan.pending and st.ent[e].at.plan_pos >= 0:
             # the pending plan may be executing: its pages stay held by the slot and its
             # block-table row keeps them, until update() or discard_plan() retires the plan
             # (release_deferred, row_clear_deferred); nothing allocates them meanwhile
-            st.plan_alive[st.req[e].plan_pos] = 0
-            st.row_owner[st.req[e].row] = ROW_DEFERRED
-            st.req[e].row = -1
-            st.deferred_slot[st.n_deferred] = st.req[e].slot
-            st.n_deferred += 1
-            st.req[e].slot = -1
+            st.plan.plan_alive[st.ent[e].at.plan_pos] = 0
+            st.run.row_owner[st.ent[e].at.row] = ROW_DEFERRED
+            st.ent[e].at.row = -1
+            st.plan.deferred_slot[st.plan.n_deferred] = st.ent[e].at.slot
+            st.plan.n_deferred += 1
+            st.ent[e].at.slot = -1
         else:
             rc = slot_release(st, e)
             row_release(st, e)
         running_remove(st, e)
-    elif st.req[e].state == SR_WAITING:
+    elif st.ent[e].at.state == SR_WAITING:
         heap_remove(st, e)
-    st.count -= 1
-    accum_finished(st, st.req[e].rid)
+    st.ids.count -= 1
+    accum_finished(st, st.ent[e].req.rid)
     return rc
 
 
@@ -1592,34 +1643,34 @@ cdef int step_abort(StepState *st, uint64_t rid) noexcept nogil:
     # in fin_accum.
     cdef int32_t e = step_find(st, rid), c, nxt
     cdef int rc = Q_OK, r2
-    if e < 0 or st.req[e].state == SR_FINISHED:
+    if e < 0 or st.ent[e].at.state == SR_FINISHED:
         return Q_STEP_UNKNOWN
-    if st.req[e].group >= 0 and st.req[e].group != e:
+    if st.ent[e].mem.group >= 0 and st.ent[e].mem.group != e:
         return Q_STEP_UNKNOWN       # a member of a group: abort the group
-    if st.req[e].group != e:
+    if st.ent[e].mem.group != e:
         rc = step_abort_one(st, e)
         entry_free(st, e)
         return rc
-    if st.req[e].beam:
+    if st.ent[e].rec.beam:
         # a beam group: its live beams in member order, then every entry it holds
-        c = st.req[e].next_member
+        c = st.ent[e].mem.next_member
         while c >= 0:
             r2 = step_abort_one(st, c)
             if r2 and rc == Q_OK:
                 rc = r2
-            c = st.req[c].next_member
+            c = st.ent[c].mem.next_member
         beam_group_free(st, e)
         return rc
     c = e
     while c >= 0:
-        if st.req[c].state == SR_RUNNING or st.req[c].state == SR_WAITING:
+        if st.ent[c].at.state == SR_RUNNING or st.ent[c].at.state == SR_WAITING:
             r2 = step_abort_one(st, c)
             if r2 and rc == Q_OK:
                 rc = r2
-        c = st.req[c].next_member
+        c = st.ent[c].mem.next_member
     c = e
     while c >= 0:
-        nxt = st.req[c].next_member
+        nxt = st.ent[c].mem.next_member
         entry_free(st, c)
         c = nxt
     return rc
@@ -1719,140 +1770,140 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     cdef size_t cap = 1
     cdef size_t entry_cap = <size_t>lp * page_tokens
     memset(st, 0, sizeof(StepState))
-    st.budget = budget
-    st.max_seqs = max_seqs
-    st.max_chunk = max_chunk
-    st.max_queued = max_queued
-    st.page_tokens = page_tokens
-    st.logical_pages = lp
-    st.entry_cap = <uint32_t>entry_cap
-    st.vocab = vocab
-    st.mode = mode
-    st.s = s
-    st.p = p
-    st.c = c
-    st.ss = ss
-    st.undo = undo
-    st.cow = cow
-    st.pages_copied = copied
-    st.pages_allocated = allocated
+    st.lim.budget = budget
+    st.lim.max_seqs = max_seqs
+    st.lim.max_chunk = max_chunk
+    st.lim.max_queued = max_queued
+    st.lim.page_tokens = page_tokens
+    st.lim.logical_pages = lp
+    st.arena.entry_cap = <uint32_t>entry_cap
+    st.lim.vocab = vocab
+    st.lim.mode = mode
+    st.pg.s = s
+    st.pg.p = p
+    st.pg.c = c
+    st.pg.ss = ss
+    st.pg.undo = undo
+    st.pg.cow = cow
+    st.pg.pages_copied = copied
+    st.pg.pages_allocated = allocated
     # entries and beam-group records (at most max_queued each) at load <= 1/2
     while cap < 4 * <size_t>max_queued:
         cap <<= 1
-    st.index_mask = <uint32_t>(cap - 1)
-    st.req = <StepReq *>PyMem_Calloc(2 * <size_t>max_queued, sizeof(StepReq))
-    st.arena = <uint32_t *>PyMem_Malloc(max(<size_t>max_queued * entry_cap, 1) * sizeof(uint32_t))
-    st.free_ids = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
-    st.index = <int32_t *>PyMem_Malloc(cap * sizeof(int32_t))
-    st.heap = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
-    st.running = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.row_owner = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.row_dirty = <uint8_t *>PyMem_Calloc(max_seqs, 1)
-    st.row_len = <uint32_t *>PyMem_Calloc(max_seqs, sizeof(uint32_t))
-    st.order = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.plan_entry = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
-    st.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
-    st.deferred_slot = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.done = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
-    st.rows_cap = max_queued
-    st.next_child = (<uint64_t>1) << 63
-    st.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
-    st.accum_cap = max_queued + max_seqs
-    st.fin_accum = <uint64_t *>PyMem_Malloc(st.accum_cap * sizeof(uint64_t))
-    st.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.accum_cap * sizeof(uint64_t))
-    st.rec_free = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
-    st.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
-    st.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.beam_head = st.beam_tail = -1
-    if (st.rec_free == NULL or st.sel == NULL or st.sel_groups == NULL or st.req == NULL
-            or st.arena == NULL or st.free_ids == NULL or st.index == NULL
-            or st.heap == NULL or st.running == NULL or st.row_owner == NULL
-            or st.row_dirty == NULL or st.row_len == NULL or st.order == NULL
-            or st.plan_entry == NULL or st.plan_chunk == NULL or st.plan_sample == NULL
-            or st.plan_alive == NULL or st.deferred_slot == NULL or st.done == NULL
-            or st.sampled == NULL or st.fin_accum == NULL or st.fork_acc == NULL):
+    st.ids.index_mask = <uint32_t>(cap - 1)
+    st.ent = <StepEntry *>PyMem_Calloc(2 * <size_t>max_queued, sizeof(StepEntry))
+    st.arena.tokens = <uint32_t *>PyMem_Malloc(max(<size_t>max_queued * entry_cap, 1) * sizeof(uint32_t))
+    st.ids.free_ids = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.ids.index = <int32_t *>PyMem_Malloc(cap * sizeof(int32_t))
+    st.wait.heap = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.run.ents = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.run.row_owner = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.run.row_dirty = <uint8_t *>PyMem_Calloc(max_seqs, 1)
+    st.run.row_len = <uint32_t *>PyMem_Calloc(max_seqs, sizeof(uint32_t))
+    st.run.order = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan.plan_entry = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
+    st.plan.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.plan.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
+    st.plan.deferred_slot = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.done.ents = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.plan.rows_cap = max_queued
+    st.ids.next_child = (<uint64_t>1) << 63
+    st.plan.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
+    st.done.accum_cap = max_queued + max_seqs
+    st.done.fin_accum = <uint64_t *>PyMem_Malloc(st.done.accum_cap * sizeof(uint64_t))
+    st.done.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.done.accum_cap * sizeof(uint64_t))
+    st.ids.rec_free = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
+    st.beams.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
+    st.beams.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.beams.beam_head = st.beams.beam_tail = -1
+    if (st.ids.rec_free == NULL or st.beams.sel == NULL or st.beams.sel_groups == NULL or st.ent == NULL
+            or st.arena.tokens == NULL or st.ids.free_ids == NULL or st.ids.index == NULL
+            or st.wait.heap == NULL or st.run.ents == NULL or st.run.row_owner == NULL
+            or st.run.row_dirty == NULL or st.run.row_len == NULL or st.run.order == NULL
+            or st.plan.plan_entry == NULL or st.plan.plan_chunk == NULL or st.plan.plan_sample == NULL
+            or st.plan.plan_alive == NULL or st.plan.deferred_slot == NULL or st.done.ents == NULL
+            or st.plan.sampled == NULL or st.done.fin_accum == NULL or st.done.fork_acc == NULL):
         raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
                           f"of {entry_cap} tokens")
     for i in range(max_queued):
-        st.free_ids[i] = <int32_t>(max_queued - 1 - i)   # entry 0 is taken first
-    st.n_free = max_queued
+        st.ids.free_ids[i] = <int32_t>(max_queued - 1 - i)   # entry 0 is taken first
+    st.ids.n_free = max_queued
     for i in range(max_queued):
-        st.rec_free[i] = <int32_t>(2 * max_queued - 1 - i)
-    st.n_rec_free = max_queued
+        st.ids.rec_free[i] = <int32_t>(2 * max_queued - 1 - i)
+    st.ids.n_rec_free = max_queued
     for i in range(cap):
-        st.index[i] = -1
+        st.ids.index[i] = -1
     for i in range(max_seqs):
-        st.row_owner[i] = -1
-    st.copies_cap = budget // page_tokens + 2 * max_seqs + 1
-    st.request_ids = <uint64_t *>bufs.add("request_ids", _DT_PLAN_U64, max_seqs)
-    st.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_PLAN_I32, max_seqs + 1)
-    st.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_PLAN_I32, max_seqs)
-    st.input_ids = <uint32_t *>bufs.add("input_ids", _DT_U32, budget)
-    st.positions = <int32_t *>bufs.add("positions", _DT_PLAN_I32, budget)
-    st.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_PLAN_I64, budget)
-    st.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_PLAN_I32, max_queued)
-    st.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_PLAN_U64,
+        st.run.row_owner[i] = -1
+    st.plan.copies_cap = budget // page_tokens + 2 * max_seqs + 1
+    st.buf.request_ids = <uint64_t *>bufs.add("request_ids", _DT_PLAN_U64, max_seqs)
+    st.buf.query_start_loc = <int32_t *>bufs.add("query_start_loc", _DT_PLAN_I32, max_seqs + 1)
+    st.buf.seq_lens = <int32_t *>bufs.add("seq_lens", _DT_PLAN_I32, max_seqs)
+    st.buf.input_ids = <uint32_t *>bufs.add("input_ids", _DT_U32, budget)
+    st.buf.positions = <int32_t *>bufs.add("positions", _DT_PLAN_I32, budget)
+    st.buf.slot_mapping = <int64_t *>bufs.add("slot_mapping", _DT_PLAN_I64, budget)
+    st.buf.logits_indices = <int32_t *>bufs.add("logits_indices", _DT_PLAN_I32, max_queued)
+    st.buf.sampled_request_ids = <uint64_t *>bufs.add("sampled_request_ids", _DT_PLAN_U64,
                                                   max_queued)
-    st.block_table = <int32_t *>bufs.add("block_table", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
-    st.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_PLAN_I32, max_seqs)
-    st.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_PLAN_I32, max_seqs)
-    st.kv_indptr = <int32_t *>bufs.add("kv_indptr", _DT_PLAN_I32, max_seqs + 1)
-    st.kv_indices = <int32_t *>bufs.add("kv_indices", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
-    st.kv_last_page_len = <int32_t *>bufs.add("kv_last_page_len", _DT_PLAN_I32, max_seqs)
-    st.copies = <qualia_copy_op *>bufs.add("copies", _DT_COPY, st.copies_cap)
-    st.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_PLAN_U64, max_seqs)
-    st.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_PLAN_U64, max_seqs)
-    st.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, st.accum_cap)
-    st.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, st.accum_cap)
-    st.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, st.accum_cap)
-    st.finished_cap = st.accum_cap
+    st.buf.block_table = <int32_t *>bufs.add("block_table", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
+    st.buf.block_table_rows = <int32_t *>bufs.add("block_table_rows", _DT_PLAN_I32, max_seqs)
+    st.buf.changed_rows = <int32_t *>bufs.add("changed_rows", _DT_PLAN_I32, max_seqs)
+    st.buf.kv_indptr = <int32_t *>bufs.add("kv_indptr", _DT_PLAN_I32, max_seqs + 1)
+    st.buf.kv_indices = <int32_t *>bufs.add("kv_indices", _DT_PLAN_I32, <Py_ssize_t>max_seqs * lp)
+    st.buf.kv_last_page_len = <int32_t *>bufs.add("kv_last_page_len", _DT_PLAN_I32, max_seqs)
+    st.buf.copies = <qualia_copy_op *>bufs.add("copies", _DT_COPY, st.plan.copies_cap)
+    st.buf.new_ids = <uint64_t *>bufs.add("new_request_ids", _DT_PLAN_U64, max_seqs)
+    st.buf.preempted_ids = <uint64_t *>bufs.add("preempted_request_ids", _DT_PLAN_U64, max_seqs)
+    st.buf.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, st.done.accum_cap)
+    st.buf.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, st.done.accum_cap)
+    st.buf.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, st.done.accum_cap)
+    st.buf.finished_cap = st.done.accum_cap
     for i in range(<uint32_t>(max_seqs * lp)):
-        st.block_table[i] = -1
+        st.buf.block_table[i] = -1
     bufs.full["block_table"] = bufs.full["block_table"].reshape(max_seqs, lp)
     return 0
 
 
 cdef void step_free(StepState *st) noexcept:
     cdef uint32_t e
-    if st.req != NULL:
-        for e in range(2 * st.max_queued):
-            if st.req[e].nsb != NULL and not st.req[e].nsb_borrowed:
-                free(st.req[e].nsb)
-    PyMem_Free(st.req)
-    PyMem_Free(st.arena)
-    PyMem_Free(st.free_ids)
-    PyMem_Free(st.index)
-    PyMem_Free(st.heap)
-    PyMem_Free(st.running)
-    PyMem_Free(st.row_owner)
-    PyMem_Free(st.row_dirty)
-    PyMem_Free(st.row_len)
-    PyMem_Free(st.order)
-    PyMem_Free(st.plan_entry)
-    PyMem_Free(st.plan_chunk)
-    PyMem_Free(st.plan_sample)
-    PyMem_Free(st.plan_alive)
-    PyMem_Free(st.deferred_slot)
-    PyMem_Free(st.done)
-    PyMem_Free(st.sampled)
-    PyMem_Free(st.fin_accum)
-    PyMem_Free(st.fork_acc)
-    PyMem_Free(st.rec_free)
-    PyMem_Free(st.sel)
-    PyMem_Free(st.sel_groups)
-    PyMem_Free(st.cand_ids)
-    PyMem_Free(st.cand_lps)
-    PyMem_Free(st.topk_ids_buf)
-    PyMem_Free(st.topk_lps_buf)
+    if st.ent != NULL:
+        for e in range(2 * st.lim.max_queued):
+            if st.ent[e].req.nsb != NULL and not st.ent[e].req.nsb_borrowed:
+                free(st.ent[e].req.nsb)
+    PyMem_Free(st.ent)
+    PyMem_Free(st.arena.tokens)
+    PyMem_Free(st.ids.free_ids)
+    PyMem_Free(st.ids.index)
+    PyMem_Free(st.wait.heap)
+    PyMem_Free(st.run.ents)
+    PyMem_Free(st.run.row_owner)
+    PyMem_Free(st.run.row_dirty)
+    PyMem_Free(st.run.row_len)
+    PyMem_Free(st.run.order)
+    PyMem_Free(st.plan.plan_entry)
+    PyMem_Free(st.plan.plan_chunk)
+    PyMem_Free(st.plan.plan_sample)
+    PyMem_Free(st.plan.plan_alive)
+    PyMem_Free(st.plan.deferred_slot)
+    PyMem_Free(st.done.ents)
+    PyMem_Free(st.plan.sampled)
+    PyMem_Free(st.done.fin_accum)
+    PyMem_Free(st.done.fork_acc)
+    PyMem_Free(st.ids.rec_free)
+    PyMem_Free(st.beams.sel)
+    PyMem_Free(st.beams.sel_groups)
+    PyMem_Free(st.beams.cand_ids)
+    PyMem_Free(st.beams.cand_lps)
+    PyMem_Free(st.beams.topk_ids_buf)
+    PyMem_Free(st.beams.topk_lps_buf)
     memset(st, 0, sizeof(StepState))
 
 
 cdef object step_plan(StepState *st, _StepBuffers bufs):
     """The pending plan as a StepPlan of slices of the buffers' views."""
     cdef StepPlan plan = StepPlan.__new__(StepPlan)
-    cdef Py_ssize_t n = st.n, T = st.T, m = st.m
+    cdef Py_ssize_t n = st.plan.n, T = st.plan.T, m = st.plan.m
     plan.request_ids = bufs.view("request_ids", n)
     plan.query_start_loc = bufs.view("query_start_loc", n + 1)
     plan.seq_lens = bufs.view("seq_lens", n)
@@ -1863,83 +1914,83 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     plan.sampled_request_ids = bufs.view("sampled_request_ids", m)
     plan.block_table = bufs.full["block_table"]
     plan.block_table_rows = bufs.view("block_table_rows", n)
-    plan.changed_rows = bufs.view("changed_rows", st.n_changed)
+    plan.changed_rows = bufs.view("changed_rows", st.plan.n_changed)
     plan.kv_indptr = bufs.view("kv_indptr", n + 1)
-    plan.kv_indices = bufs.view("kv_indices", st.n_kv)
+    plan.kv_indices = bufs.view("kv_indices", st.plan.n_kv)
     plan.kv_last_page_len = bufs.view("kv_last_page_len", n)
-    plan.copies = bufs.view("copies", st.n_copies)
-    plan.new_request_ids = bufs.view("new_request_ids", st.n_new)
-    plan.preempted_request_ids = bufs.view("preempted_request_ids", st.n_preempted)
-    plan.finished_request_ids = bufs.view("finished_request_ids", st.n_finished)
-    plan.fork_child_ids = bufs.view("fork_child_ids", st.n_forks)
-    plan.fork_parent_ids = bufs.view("fork_parent_ids", st.n_forks)
-    plan.num_prefill_tokens = st.num_prefill_tokens
-    plan.num_decode_tokens = st.num_decode_tokens
-    plan.num_cached_tokens = st.num_cached_tokens
-    plan.page_tokens = st.page_tokens
-    plan.num_topk = st.num_topk
+    plan.copies = bufs.view("copies", st.plan.n_copies)
+    plan.new_request_ids = bufs.view("new_request_ids", st.plan.n_new)
+    plan.preempted_request_ids = bufs.view("preempted_request_ids", st.plan.n_preempted)
+    plan.finished_request_ids = bufs.view("finished_request_ids", st.plan.n_finished)
+    plan.fork_child_ids = bufs.view("fork_child_ids", st.plan.n_forks)
+    plan.fork_parent_ids = bufs.view("fork_parent_ids", st.plan.n_forks)
+    plan.num_prefill_tokens = st.plan.num_prefill_tokens
+    plan.num_decode_tokens = st.plan.num_decode_tokens
+    plan.num_cached_tokens = st.plan.num_cached_tokens
+    plan.page_tokens = st.lim.page_tokens
+    plan.num_topk = st.plan.num_topk
     return plan
 
 
 cdef list step_collect(StepState *st):
-    """FinishedRequest (FinishedGroup for an n group) for every entry in st.done, in order;
+    """FinishedRequest (FinishedGroup for an n group) for every entry in st.done.ents, in order;
     the entries are freed."""
     cdef list out = []
     cdef uint32_t k
     cdef int32_t e
-    cdef StepReq *r
+    cdef StepEntry *r
     cdef int32_t c, nxt
-    for k in range(st.n_done):
-        e = st.done[k]
-        r = &st.req[e]
-        if r.beam:
+    for k in range(st.done.n):
+        e = st.done.ents[k]
+        r = &st.ent[e]
+        if r.rec.beam:
             # a beam group: the hypotheses best first (ties: finished first first)
             hyps = []
-            c = r.next_hyp
+            c = r.hyp.next_hyp
             while c >= 0:
-                hyps.append((-st.req[c].score, st.req[c].hyp_seq, c))
-                c = st.req[c].next_hyp
+                hyps.append((-st.ent[c].hyp.score, st.ent[c].hyp.hyp_seq, c))
+                c = st.ent[c].hyp.next_hyp
             hyps.sort()
             out.append(FinishedGroup(
-                r.rid, [_step_output(st, h[2]) for h in hyps],
-                [_FINISH_REASONS[st.req[h[2]].reason] for h in hyps],
-                [st.req[h[2]].score for h in hyps], []))
-        elif r.group == e:
+                r.req.rid, [_step_output(st, h[2]) for h in hyps],
+                [_FINISH_REASONS[st.ent[h[2]].req.reason] for h in hyps],
+                [st.ent[h[2]].hyp.score for h in hyps], []))
+        elif r.mem.group == e:
             # an n group: the members' outputs in member order
             outs, reasons, ids = [], [], []
             c = e
             while c >= 0:
                 outs.append(_step_output(st, c))
-                reasons.append(_FINISH_REASONS[st.req[c].reason])
-                ids.append(st.req[c].rid)
-                c = st.req[c].next_member
-            out.append(FinishedGroup(r.rid, outs, reasons, None, ids))
+                reasons.append(_FINISH_REASONS[st.ent[c].req.reason])
+                ids.append(st.ent[c].req.rid)
+                c = st.ent[c].mem.next_member
+            out.append(FinishedGroup(r.req.rid, outs, reasons, None, ids))
         else:
-            out.append(FinishedRequest(r.rid, _step_output(st, e), _FINISH_REASONS[r.reason]))
-    for k in range(st.n_done):
-        e = st.done[k]
-        if st.req[e].beam:
+            out.append(FinishedRequest(r.req.rid, _step_output(st, e), _FINISH_REASONS[r.req.reason]))
+    for k in range(st.done.n):
+        e = st.done.ents[k]
+        if st.ent[e].rec.beam:
             beam_group_free(st, e)
-        elif st.req[e].group == e:
+        elif st.ent[e].mem.group == e:
             c = e
             while c >= 0:
-                nxt = st.req[c].next_member
+                nxt = st.ent[c].mem.next_member
                 entry_free(st, c)
                 c = nxt
         else:
             entry_free(st, e)
-    st.n_done = 0
+    st.done.n = 0
     return out
 
 
 cdef object _step_output(StepState *st, int32_t e):
-    cdef StepReq *r = &st.req[e]
+    cdef StepEntry *r = &st.ent[e]
     cdef uint32_t[::1] v
-    arr = np.empty(r.num_tokens - r.num_prompt, dtype=np.uint32)
+    arr = np.empty(r.req.num_tokens - r.req.num_prompt, dtype=np.uint32)
     v = arr
-    if r.num_tokens > r.num_prompt:
-        memcpy(&v[0], &st.arena[<size_t>e * st.entry_cap + r.num_prompt],
-               (r.num_tokens - r.num_prompt) * sizeof(uint32_t))
+    if r.req.num_tokens > r.req.num_prompt:
+        memcpy(&v[0], &st.arena.tokens[<size_t>e * st.arena.entry_cap + r.req.num_prompt],
+               (r.req.num_tokens - r.req.num_prompt) * sizeof(uint32_t))
     return arr
 
 
@@ -1971,18 +2022,18 @@ cdef void stats_note(StepStat *row, StepStat *ring, uint32_t ring_rows, uint32_t
 
 
 cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept nogil:
-    row.num_seqs = st.n
-    row.num_tokens = st.T
-    row.num_prefill_tokens = st.num_prefill_tokens
-    row.num_decode_tokens = st.num_decode_tokens
-    row.num_sampled = st.m
-    row.num_new = st.n_new
-    row.num_preempted = st.n_preempted
-    row.num_cached_tokens = st.num_cached_tokens
+    row.num_seqs = st.plan.n
+    row.num_tokens = st.plan.T
+    row.num_prefill_tokens = st.plan.num_prefill_tokens
+    row.num_decode_tokens = st.plan.num_decode_tokens
+    row.num_sampled = st.plan.m
+    row.num_new = st.plan.n_new
+    row.num_preempted = st.plan.n_preempted
+    row.num_cached_tokens = st.plan.num_cached_tokens
     row.num_finished = finished
-    row.num_waiting = st.n_waiting
-    row.num_running = st.n_running
-    row.free_pages = st.p.free_top + st.c.n_state[PC_RECLAIMABLE]
+    row.num_waiting = st.wait.n
+    row.num_running = st.run.n
+    row.free_pages = st.pg.p.free_top + st.pg.c.n_state[PC_RECLAIMABLE]
 
 
 # -- the loop without the GIL, for a C step backend --------------------------------------------
@@ -1990,45 +2041,45 @@ cdef void step_stat(StepState *st, StepStat *row, uint32_t finished) noexcept no
 cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     # the pending plan as the ABI struct: pointers into the buffers sized at construction
     p.struct_size = sizeof(qualia_step_plan)
-    p.page_tokens = st.page_tokens
-    p.num_requests = st.n
-    p.num_tokens = st.T
-    p.num_sampled = st.m
-    p.num_prefill_tokens = st.num_prefill_tokens
-    p.num_decode_tokens = st.num_decode_tokens
-    p.num_kv_indices = st.n_kv
-    p.block_table_num_rows = st.max_seqs
-    p.block_table_num_cols = st.logical_pages
-    p.block_table_row_stride = st.logical_pages
-    p.num_changed_rows = st.n_changed
-    p.num_copies = st.n_copies
-    p.num_new = st.n_new
-    p.num_preempted = st.n_preempted
-    p.num_finished = st.n_finished
-    p.request_ids = st.request_ids
-    p.query_start_loc = st.query_start_loc
-    p.seq_lens = st.seq_lens
-    p.input_ids = st.input_ids
-    p.positions = st.positions
-    p.slot_mapping = st.slot_mapping
-    p.logits_indices = st.logits_indices
-    p.sampled_request_ids = st.sampled_request_ids
-    p.block_table = st.block_table
-    p.block_table_rows = st.block_table_rows
-    p.changed_rows = st.changed_rows
-    p.kv_indptr = st.kv_indptr
-    p.kv_indices = st.kv_indices
-    p.kv_last_page_len = st.kv_last_page_len
-    p.copies = st.copies
-    p.new_request_ids = st.new_ids
-    p.preempted_request_ids = st.preempted_ids
-    p.finished_request_ids = st.finished_ids
-    p.num_topk = st.num_topk
-    p.num_forks = st.n_forks
-    p.fork_child_ids = st.fork_child_ids
-    p.fork_parent_ids = st.fork_parent_ids
-    p.topk_ids_out = st.topk_ids_buf if st.num_topk else NULL
-    p.topk_logprobs_out = st.topk_lps_buf if st.num_topk else NULL
+    p.page_tokens = st.lim.page_tokens
+    p.num_requests = st.plan.n
+    p.num_tokens = st.plan.T
+    p.num_sampled = st.plan.m
+    p.num_prefill_tokens = st.plan.num_prefill_tokens
+    p.num_decode_tokens = st.plan.num_decode_tokens
+    p.num_kv_indices = st.plan.n_kv
+    p.block_table_num_rows = st.lim.max_seqs
+    p.block_table_num_cols = st.lim.logical_pages
+    p.block_table_row_stride = st.lim.logical_pages
+    p.num_changed_rows = st.plan.n_changed
+    p.num_copies = st.plan.n_copies
+    p.num_new = st.plan.n_new
+    p.num_preempted = st.plan.n_preempted
+    p.num_finished = st.plan.n_finished
+    p.request_ids = st.buf.request_ids
+    p.query_start_loc = st.buf.query_start_loc
+    p.seq_lens = st.buf.seq_lens
+    p.input_ids = st.buf.input_ids
+    p.positions = st.buf.positions
+    p.slot_mapping = st.buf.slot_mapping
+    p.logits_indices = st.buf.logits_indices
+    p.sampled_request_ids = st.buf.sampled_request_ids
+    p.block_table = st.buf.block_table
+    p.block_table_rows = st.buf.block_table_rows
+    p.changed_rows = st.buf.changed_rows
+    p.kv_indptr = st.buf.kv_indptr
+    p.kv_indices = st.buf.kv_indices
+    p.kv_last_page_len = st.buf.kv_last_page_len
+    p.copies = st.buf.copies
+    p.new_request_ids = st.buf.new_ids
+    p.preempted_request_ids = st.buf.preempted_ids
+    p.finished_request_ids = st.buf.finished_ids
+    p.num_topk = st.plan.num_topk
+    p.num_forks = st.plan.n_forks
+    p.fork_child_ids = st.buf.fork_child_ids
+    p.fork_parent_ids = st.buf.fork_parent_ids
+    p.topk_ids_out = st.beams.topk_ids_buf if st.plan.num_topk else NULL
+    p.topk_logprobs_out = st.beams.topk_lps_buf if st.plan.num_topk else NULL
 
 
 cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
@@ -2049,13 +2100,13 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
     cdef size_t j
     cdef int rc = Q_OK
     cdef int32_t s
-    cdef uint64_t limit = st.vocab - 1 if st.vocab else U32_MAX
-    while st.count and k < max_steps:
+    cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+    while st.ids.count and k < max_steps:
         rc = step_schedule(st)
         if rc:
             break
-        if st.num_topk and (not (cb.flags & QUALIA_STEP_WRITES_TOPK)
-                            or <size_t>st.m * st.num_topk > st.topk_cap):
+        if st.plan.num_topk and (not (cb.flags & QUALIA_STEP_WRITES_TOPK)
+                            or <size_t>st.plan.m * st.plan.num_topk > st.beams.topk_cap):
             step_discard(st)
             rc = Q_RUN_NO_TOPK
             break
@@ -2064,52 +2115,52 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
         # writing a row fails the step instead of handing the previous step's ids (or, at the
         # first step, whatever the buffer held) to the update.  U32_MAX is no token id a step
         # backend may return (qualia.h)
-        for i in range(st.m):
-            st.sampled[i] = U32_MAX
-        if st.num_topk:
+        for i in range(st.plan.m):
+            st.plan.sampled[i] = U32_MAX
+        if st.plan.num_topk:
             # a backend that declares the flag but leaves candidates unwritten fails the step
             # (the check below) instead of handing the previous step's to the selection
-            for j in range(<size_t>st.m * st.num_topk):
-                st.topk_ids_buf[j] = 0
-                st.topk_lps_buf[j] = <float>NAN
+            for j in range(<size_t>st.plan.m * st.plan.num_topk):
+                st.beams.topk_ids_buf[j] = 0
+                st.beams.topk_lps_buf[j] = <float>NAN
         s = 0
-        if cb.copy_pages != NULL and st.n_copies:
-            s = cb.copy_pages(cb.ctx, st.copies, st.n_copies)
+        if cb.copy_pages != NULL and st.plan.n_copies:
+            s = cb.copy_pages(cb.ctx, st.buf.copies, st.plan.n_copies)
         if s == 0:
-            s = cb.execute_step(cb.ctx, &plan, st.sampled, NULL)
+            s = cb.execute_step(cb.ctx, &plan, st.plan.sampled, NULL)
         if s != 0:
             step_discard(st)
             status[0] = s
             rc = Q_RUN_BACKEND_FAILED
             break
-        for i in range(st.m):
-            if st.sampled[i] == U32_MAX or st.sampled[i] > limit:
+        for i in range(st.plan.m):
+            if st.plan.sampled[i] == U32_MAX or st.plan.sampled[i] > limit:
                 step_discard(st)
                 status[0] = <int32_t>i
-                token[0] = st.sampled[i]
-                rc = Q_RUN_UNWRITTEN if st.sampled[i] == U32_MAX else Q_RUN_BAD_TOKEN
+                token[0] = st.plan.sampled[i]
+                rc = Q_RUN_UNWRITTEN if st.plan.sampled[i] == U32_MAX else Q_RUN_BAD_TOKEN
                 break
         if rc:
             break
-        if st.num_topk:
-            for j in range(<size_t>st.m * st.num_topk):
-                if st.topk_ids_buf[j] > limit:
+        if st.plan.num_topk:
+            for j in range(<size_t>st.plan.m * st.plan.num_topk):
+                if st.beams.topk_ids_buf[j] > limit:
                     step_discard(st)
-                    status[0] = <int32_t>(j // st.num_topk)
+                    status[0] = <int32_t>(j // st.plan.num_topk)
                     rc = Q_RUN_BAD_TOPK
                     break
             if rc:
                 break
-            i = <uint32_t>step_check_topk(st, st.topk_ids_buf, NULL, st.topk_lps_buf, &row)
+            i = <uint32_t>step_check_topk(st, st.beams.topk_ids_buf, NULL, st.beams.topk_lps_buf, &row)
             if i:
                 step_discard(st)
                 status[0] = <int32_t>row
                 rc = (Q_RUN_BAD_TOPK_LOGPROB if i == TOPK_BAD_LOGPROB else
                       Q_RUN_REPEATED_TOPK if i == TOPK_REPEATED else Q_RUN_UNSORTED_TOPK)
                 break
-        done = st.n_done
-        rc = step_update(st, st.sampled, st.topk_ids_buf, NULL, st.topk_lps_buf)
-        step_stat(st, &stat, st.n_done - done)
+        done = st.done.n
+        rc = step_update(st, st.plan.sampled, st.beams.topk_ids_buf, NULL, st.beams.topk_lps_buf)
+        step_stat(st, &stat, st.done.n - done)
         stats_note(&stat, ring, ring_rows, head, totals)
         k += 1
         if rc or _coarse_now_ns() >= deadline_ns:
