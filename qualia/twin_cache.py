@@ -8,7 +8,7 @@ order, every event and counter, every page id the pool hands out), so the statef
 compare the two after every step.  It takes Python decode backends only (``execute_ragged``).
 
 It is a model, not a fast path.  It stays one file past 600 lines on purpose: it is read beside
-core/pagecache.pxi, core/autoprefix.pxi and the facade's automatic mode, function by function.
+core/cache/pagecache.pxi, core/cache/autoprefix.pxi and the facade's automatic mode, function by function.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _cache_key(cache_key) -> bytes:
 # -- the cache -------------------------------------------------------------------------------------
 
 class _Entry:
-    """One cached page (a record of core/pagecache.pxi)."""
+    """One cached page (a record of core/cache/pagecache.pxi)."""
 
     __slots__ = ("ident", "parent_ident", "has_parent", "parent", "parent_gen", "gen", "ns",
                  "tokens")
@@ -161,7 +161,7 @@ class _Entry:
 
 
 class _Stream:
-    """One slot's token stream (core/autoprefix.pxi): known tokens, chain values (``ids``),
+    """One slot's token stream (core/cache/autoprefix.pxi): known tokens, chain values (``ids``),
     and the entry standing for each handed-over page (``canon``: (page, generation))."""
 
     __slots__ = ("known", "hashed", "done", "ns", "live", "broken", "tokens", "ids", "canon",
@@ -794,7 +794,7 @@ class Scheduler:
 
     def fork(self, parent_id, child_id) -> int:
         """``qualia.Scheduler.fork``: the child shares every page of the decoding parent and
-        continues its token stream (core/fork.pxi)."""
+        continues its token stream (core/pages/fork.pxi)."""
         prid = _u64(parent_id, "parent_id")
         crid = _u64(child_id, "child_id")
         parent = self._slots[self._find(prid)]

@@ -1,6 +1,6 @@
 # Status codes -> exception classes: one table, built and checked when the module is imported.
 #
-# A nogil operation returns Q_OK or the code of one variant (core/structs.pxi).  The same code
+# A nogil operation returns Q_OK or the code of one variant (core/base/structs.pxi).  The same code
 # surfaces differently depending on the layer that called: a pool's Exhausted is
 # PoolError.Exhausted from BlockPool.allocate, TableError.Exhausted from ensure_writable (pool
 # errors met by a table are flattened into it), SchedulerError.Table(TableError.Exhausted) from

@@ -54,7 +54,7 @@ cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) ex
 # the GIL back.  While it is set every read of those objects raises BusyError (reads included:
 # the loop changes what they would read); the one exception is the KV event ring, a
 # single-producer, single-consumer ring that drain_events() consumes concurrently
-# (core/pagecache.pxi).  A read calls own_readable() after it has resolved its arguments (user
+# (core/cache/pagecache.pxi).  A read calls own_readable() after it has resolved its arguments (user
 # code may run there, and with it another thread) and before it reads any state, with no
 # Python code in between, so the check and the read happen under one holding of the GIL.
 cdef inline int own_readable(uint8_t gil_free) except -1:

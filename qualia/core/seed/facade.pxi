@@ -3,22 +3,6 @@
 # The engine step is another class, StepScheduler (core/step/scheduler.pxi): the two share the
 # C functions below them, never an object.
 
-cdef void _undo(Sched *s, Pool *p, Undo *log, Py_ssize_t n) noexcept nogil:
-    # Reverse every ensure_writable of the log, newest first, so the free stack is restored
-    # exactly: a page popped by an allocation is pushed back on top.
-    cdef Py_ssize_t k
-    cdef Table *t
-    for k in range(n - 1, -1, -1):
-        t = &s.slots[log[k].slot].blocks
-        if log[k].kind == COW_ALLOCATED:
-            t.len -= 1
-            pool_release(p, log[k].dst)
-        elif log[k].kind == COW_COPY:
-            t.entries[log[k].logical_page] = log[k].src
-            pool_retain(p, log[k].src)
-            pool_release(p, log[k].dst)
-
-
 cdef class Scheduler:
     """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
 
@@ -246,8 +230,8 @@ cdef class Scheduler:
     cdef int _make_writable(self, int32_t index, uint64_t first, uint64_t last,
                             Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept:
         # ensure_writable for logical pages first..last of one request, logging for undo
-        # (facade_make_writable, core/step.pxi: the engine step reserves through it too)
-        return facade_make_writable(&self.requests.s, &self.pool.pool, self.undo, self.copies_p,
+        # (reserve_writable, core/seed/reserve.pxi: the engine step reserves through it too)
+        return reserve_writable(&self.requests.s, &self.pool.pool, self.undo, self.copies_p,
                                     index, first, last, n_undo, n_copies)
 
     def reserve(self, request_id, num_tokens):
@@ -282,14 +266,14 @@ cdef class Scheduler:
                         memcpy(<void *>cnp.PyArray_DATA(<cnp.ndarray>copies), self.copies_p,
                                n_copies * sizeof(qualia_copy_op))
                 except BaseException:
-                    _undo(s, &self.pool.pool, self.undo, n_undo)
+                    reserve_undo(s, &self.pool.pool, self.undo, n_undo)
                     raise
                 self.pages_copied += n_copies
                 self.pages_allocated += n_undo
                 if self.mode == MODE_AUTO:
                     auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
             else:
-                _undo(s, &self.pool.pool, self.undo, n_undo)
+                reserve_undo(s, &self.pool.pool, self.undo, n_undo)
         finally:
             self._unown(tok)
         if rc:
@@ -428,7 +412,7 @@ cdef class Scheduler:
                                          s.slots[i].token_count // self.page_tokens,
                                          &n_undo, &n_copies)
                 if rc:
-                    _undo(s, &self.pool.pool, self.undo, n_undo)
+                    reserve_undo(s, &self.pool.pool, self.undo, n_undo)
                     rc_out[0] = rc
                     return None
         try:
@@ -472,10 +456,10 @@ cdef class Scheduler:
                               _np_view(self._results_r, _DT_OUTPUT, n, False))
                     self._results[n] = result
         except BaseException:
-            _undo(s, &self.pool.pool, self.undo, n_undo)
+            reserve_undo(s, &self.pool.pool, self.undo, n_undo)
             raise
         if rc:
-            _undo(s, &self.pool.pool, self.undo, n_undo)
+            reserve_undo(s, &self.pool.pool, self.undo, n_undo)
             rc_out[0] = rc
             return None
         # commit: from here nothing can fail or run Python code
@@ -684,8 +668,8 @@ cdef class Scheduler:
 
     cdef int _auto_make_room(self, int32_t index, uint32_t first, uint32_t last) noexcept:
         # reserve: reclaim what the call will allocate, or fail before changing anything
-        # (facade_make_room, core/step.pxi: the engine step reserves through it too)
-        return facade_make_room(&self.requests.s, &self.pool.pool, &self.cache, index, first,
+        # (reserve_room, core/seed/reserve.pxi: the engine step reserves through it too)
+        return reserve_room(&self.requests.s, &self.pool.pool, &self.cache, index, first,
                                 last)
 
     cdef int _auto_decode_prepare(self) noexcept:

@@ -1,6 +1,30 @@
 # The seed's request scheduler.  Request lookup goes through an open-addressing index keyed by
 # request id (the seed scans; results are identical because ids of active requests are unique).
 
+cdef struct Slot:
+    uint64_t request_id
+    uint32_t token_count
+    uint32_t prefix_tokens
+    uint32_t next_token_id
+    uint8_t state
+    uint8_t token_ready
+    Table blocks
+
+cdef struct Sched:
+    Slot *slots
+    uint32_t *table_storage
+    int32_t *index
+    uint32_t index_mask
+    uint64_t *free_bits
+    uint64_t *decode_bits
+    uint32_t n_decode
+    uint32_t n_words
+    uint32_t max_requests
+    uint32_t logical_pages
+    uint32_t active
+    uint32_t *lowered
+
+
 cdef inline int32_t sched_find(Sched *s, uint64_t rid) noexcept nogil:
     return id_find(s.index, s.index_mask, s.slots, sizeof(Slot), rid)
 
@@ -278,7 +302,6 @@ cdef class RequestScheduler:
     callback, or another thread -- raises ``BusyError`` and changes nothing."""
     cdef Sched s
     cdef uint64_t owner
-    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
     cdef list _receipts
 
     def __cinit__(self, max_requests, logical_pages):
@@ -303,7 +326,6 @@ cdef class RequestScheduler:
         return self.s.logical_pages
 
     def active_count(self):
-        own_readable(self.gil_free)
         return self.s.active
 
     cdef int32_t _find(self, object request_id) except -2:
@@ -311,7 +333,6 @@ cdef class RequestScheduler:
         # ownership, then the lookup, so a call made mid-round gets BusyError whatever id it
         # passes)
         cdef uint64_t rid = _u64(request_id, "request_id")
-        own_readable(self.gil_free)
         return _slot_of(&self.s, rid)
 
     def admit_with_prefix(self, request_id, identity, PrefixKvStore prefixes not None,
@@ -436,7 +457,6 @@ cdef class RequestScheduler:
         cdef Py_ssize_t written = 0
         cdef _Buffer b = _acquire(out, "out", "request_view", sizeof(qualia_request_view),
                                   QUALIA_ALIGN_VIEW, True)
-        own_readable(self.gil_free)
         cdef int rc = sched_views(&self.s, <qualia_request_view *>b.ptr, b.length, &written)
         if rc:
             raise _error(E_SCHED, rc)
@@ -444,7 +464,6 @@ cdef class RequestScheduler:
 
     def runnable(self):
         """Every active request's view, as a fresh REQUEST_VIEW array."""
-        own_readable(self.gil_free)
         return _views_array(&self.s)
 
     def execute_decode_round(self, backend, item_scratch, block_table_scratch, output_scratch):
@@ -571,8 +590,5 @@ cdef class RequestScheduler:
         return receipt
 
     def __repr__(self):
-        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
-            return (f"RequestScheduler(max_requests={self.s.max_requests}, "
-                    f"logical_pages={self.s.logical_pages}, busy)")
         return (f"RequestScheduler(max_requests={self.s.max_requests}, "
                 f"logical_pages={self.s.logical_pages}, active={self.s.active})")

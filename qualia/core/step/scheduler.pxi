@@ -539,7 +539,7 @@ cdef class StepScheduler:
                      and self.step.ent[e].at.state != SR_RUNNING
                      and self.step.ent[e].at.state != SR_PARKED):
             raise StepError.UnknownRequest(None, f"request {rid}")
-        return _array_of(&self.step.arena.tokens[<size_t>e * self.step.arena.entry_cap],
+        return _array_of(arena_at(&self.step, e),
                          self.step.ent[e].req.num_tokens)
 
     def group_members(self, request_id):
