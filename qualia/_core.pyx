@@ -8,13 +8,13 @@
 #
 # Every operation is a `noexcept nogil` C function returning a status code (Q_OK or the code of
 # one error variant), wrapped by a thin `def` that resolves every Python argument first (anything
-# that can run user code), then takes ownership of every object it touches (core/base/ownership.pxi),
-# mutates, releases, and maps a failing code to an exception through the one table in
-# core/base/errors.pxi.  State memory is allocated in __cinit__; the steady-state operations allocate
-# nothing.  The GIL is released around calls into C backends, while the core's state is owned and
-# the core does not touch it, and around the loop of StepScheduler.run() with a C step backend, which
-# owns the state and changes it: every other call, reads included, is refused meanwhile, except
-# draining the KV event ring (a single-producer, single-consumer ring).
+# that can run user code), then takes ownership of every object it touches
+# (core/base/ownership.pxi), mutates, releases, and maps a failing code to an exception through the
+# one table in core/base/errors.pxi.  State memory is allocated in __cinit__; the steady-state
+# operations allocate nothing.  The GIL is released around calls into C backends, while the core's
+# state is owned and the core does not touch it, and around the loop of StepScheduler.run() with a
+# C step backend, which owns the state and changes it: every other call, reads included, is
+# refused meanwhile, except draining the KV event ring (a single-producer, single-consumer ring).
 #
 # Where each concept lives (one folder per family, each file with its declarations):
 #   core/base/      structs.pxi (status codes, C declarations), abi.pxi (numpy dtypes from the

@@ -8,7 +8,8 @@ order, every event and counter, every page id the pool hands out), so the statef
 compare the two after every step.  It takes Python decode backends only (``execute_ragged``).
 
 It is a model, not a fast path.  It stays one file past 600 lines on purpose: it is read beside
-core/cache/pagecache.pxi, core/cache/autoprefix.pxi and the facade's automatic mode, function by function.
+core/cache/pagecache.pxi, core/cache/autoprefix.pxi and the facade's automatic mode, function by
+function.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ cdef class Scheduler:
         # ensure_writable for logical pages first..last of one request, logging for undo
         # (reserve_writable, core/seed/reserve.pxi: the engine step reserves through it too)
         return reserve_writable(&self.requests.s, &self.pool.pool, self.undo, self.copies_p,
-                                    index, first, last, n_undo, n_copies)
+                                index, first, last, n_undo, n_copies)
 
     def reserve(self, request_id, num_tokens):
         """Make writable every page of the next ``num_tokens`` positions; return the copies."""
@@ -399,7 +399,8 @@ cdef class Scheduler:
         result = None
         if self.mode == MODE_AUTO:
             # reclaim what the make-writable steps below allocate, or fail changing nothing
-            rc = self._auto_decode_prepare()
+            rc = auto_decode_prepare(&self.requests.s, &self.pool.pool, &self.cache,
+                                     &self.streams, self.undo, self.page_tokens)
             if rc:
                 rc_out[0] = rc
                 return None
@@ -467,7 +468,7 @@ cdef class Scheduler:
             memcpy(self.results_p, self.bout_p, n * sizeof(qualia_batch_output))
             round_commit(s, self.bout_p, n)
         if self.mode == MODE_AUTO:
-            self._auto_after_round(n)
+            auto_after_round(&self.requests.s, &self.pool.pool, &self.cache, &self.streams, n)
             auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
         self.pages_copied += n_copies
         self.pages_allocated += n_undo - n_copies
@@ -669,81 +670,7 @@ cdef class Scheduler:
     cdef int _auto_make_room(self, int32_t index, uint32_t first, uint32_t last) noexcept:
         # reserve: reclaim what the call will allocate, or fail before changing anything
         # (reserve_room, core/seed/reserve.pxi: the engine step reserves through it too)
-        return reserve_room(&self.requests.s, &self.pool.pool, &self.cache, index, first,
-                                last)
-
-    cdef int _auto_decode_prepare(self) noexcept:
-        # decode: note each decoding slot's input token and position (streams still cached);
-        # reclaim what the round's make-writable will allocate, or fail before changing anything.
-        # With no reclaimable page there is nothing to reclaim, and the make-writable loop fails
-        # with the same first error, changing nothing, so the count is skipped.  A page several
-        # decoding forks share is counted as the round will find it: each writer but the last
-        # holder copies it (fork_writer_seen, undone before returning).
-        cdef Sched *s = &self.requests.s
-        cdef Pool *p = &self.pool.pool
-        cdef uint64_t need = 0
-        cdef uint64_t avail = <uint64_t>p.free_top + self.cache.n_state[PC_RECLAIMABLE]
-        cdef bint count = self.cache.n_state[PC_RECLAIMABLE] != 0
-        cdef bint note = self.streams.cacheable != 0
-        cdef uint32_t i, w, lp
-        cdef uint64_t bits
-        cdef int rc = Q_OK
-        cdef Py_ssize_t n_seen = 0
-        cdef Slot *sl
-        cdef Stream *st
-        if not count and not note:
-            return Q_OK
-        for w in range(s.n_words):
-            bits = s.decode_bits[w]
-            while bits:
-                i = w * 64 + __builtin_ctzll(bits)
-                bits &= bits - 1
-                sl = &s.slots[i]
-                if note:
-                    st = &self.streams.st[i]
-                    st.has_pending = st.live and not st.broken and sl.token_ready
-                    st.pending = sl.next_token_id
-                    st.pending_pos = sl.token_count
-                if not count:
-                    continue
-                lp = sl.token_count // self.page_tokens
-                if lp == sl.blocks.len and lp < sl.blocks.capacity:
-                    need += 1                      # the usual cases, inline
-                    if need > avail:
-                        rc = Q_EXHAUSTED
-                        break
-                elif lp < sl.blocks.len and sl.blocks.entries[lp] < p.num_blocks \
-                        and p.refcount[sl.blocks.entries[lp]] == 1:
-                    pass
-                else:
-                    rc = auto_need_pages(&sl.blocks, lp, lp, p, &self.cache, &need)
-                    if rc:
-                        break
-                    fork_writer_seen(p, &sl.blocks, lp, self.undo, &n_seen)
-            if rc:
-                break
-        fork_writers_restore(p, self.undo, n_seen)
-        if rc:
-            return rc
-        if count:
-            return pc_make_room(&self.cache, p, need)
-        return Q_OK
-
-    cdef void _auto_after_round(self, uint32_t n) noexcept:
-        # the round computed each item's input token at its position: record it, cache what
-        # filled
-        cdef Sched *s = &self.requests.s
-        cdef uint32_t j, i
-        cdef Stream *st
-        if self.streams.cacheable == 0:
-            return
-        for j in range(n):
-            i = s.lowered[j]
-            st = &self.streams.st[i]
-            if st.has_pending:
-                auto_note_token(s, &self.streams, i, st.pending_pos, st.pending)
-                st.has_pending = 0
-            auto_fill(s, &self.pool.pool, &self.cache, &self.streams, i)
+        return reserve_room(&self.requests.s, &self.pool.pool, &self.cache, index, first, last)
 
     def cached_prefix_tokens(self, prompt_tokens, namespace=b""):
         """How many tokens of ``prompt_tokens`` an admission in ``namespace`` would take from

@@ -20,8 +20,8 @@ cdef void reserve_undo(Sched *s, Pool *p, Undo *log, Py_ssize_t n) noexcept nogi
 
 
 cdef int reserve_writable(Sched *s, Pool *p, Undo *undo, qualia_copy_op *copies,
-                              int32_t index, uint64_t first, uint64_t last,
-                              Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept nogil:
+                          int32_t index, uint64_t first, uint64_t last,
+                          Py_ssize_t *n_undo, Py_ssize_t *n_copies) noexcept nogil:
     # ensure_writable for logical pages first..last of one request, logging for undo.  The
     # loop runs in 64 bits: `last` may be 2**32-1, where a u32 `last + 1` would wrap and skip
     # the check.
@@ -50,7 +50,7 @@ cdef int reserve_writable(Sched *s, Pool *p, Undo *undo, qualia_copy_op *copies,
 
 
 cdef int reserve_room(Sched *s, Pool *p, PageCache *c, int32_t index, uint32_t first,
-                          uint32_t last) noexcept nogil:
+                      uint32_t last) noexcept nogil:
     # reserve (automatic mode): reclaim what the call will allocate, or fail before changing
     # anything
     cdef uint64_t need = 0

@@ -51,7 +51,8 @@ cdef inline void beam_give_entry(StepState *st, int32_t g, int32_t e) noexcept n
 
 cdef inline void beam_unindex(StepState *st, int32_t e) noexcept nogil:
     if not st.ent[e].req.unindexed:
-        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e, _step_home_of, st)
+        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e,
+                  _step_home_of, st)
         st.ent[e].req.unindexed = 1
 
 
@@ -248,7 +249,8 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         x.mem.in_sel = 0
         arena_at(st, d)[x.req.num_tokens] = st.beams.sel[i].tok
         if st.lim.mode == MODE_AUTO and x.at.state == SR_RUNNING:
-            auto_note_token(st.pg.s, st.pg.ss, <uint32_t>x.at.slot, x.req.num_tokens, st.beams.sel[i].tok)
+            auto_note_token(st.pg.s, st.pg.ss, <uint32_t>x.at.slot, x.req.num_tokens,
+                            st.beams.sel[i].tok)
         x.req.num_tokens += 1
         if x.at.state == SR_PARKED:
             heap_push(st, d)        # a parked beam continues: it has a token to compute
@@ -348,3 +350,19 @@ cdef int step_check_topk(StepState *st, const uint32_t *ids, const double *lps,
                 row[0] = <uint32_t>st.plan.plan_sample[j]
                 return TOPK_UNSORTED
     return TOPK_OK
+
+
+cdef int _alloc_candidates(void **ids, void **lps, size_t n, size_t lp_size) except -1:
+    # a pair of candidate buffers of n entries (uint32 ids; log-probabilities of lp_size bytes),
+    # allocated once: both, or neither and MemoryError
+    if ids[0] != NULL:
+        return 0
+    ids[0] = PyMem_Malloc(n * sizeof(uint32_t))
+    lps[0] = PyMem_Malloc(n * lp_size)
+    if ids[0] == NULL or lps[0] == NULL:
+        PyMem_Free(ids[0])
+        PyMem_Free(lps[0])
+        ids[0] = NULL
+        lps[0] = NULL
+        raise MemoryError()
+    return 0

@@ -118,7 +118,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
         if rc:
             break
         if st.plan.num_topk and (not (cb.flags & QUALIA_STEP_WRITES_TOPK)
-                            or <size_t>st.plan.m * st.plan.num_topk > st.beams.topk_cap):
+                                 or <size_t>st.plan.m * st.plan.num_topk > st.beams.topk_cap):
             step_discard(st)
             rc = Q_RUN_NO_TOPK
             break
@@ -163,7 +163,8 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
                     break
             if rc:
                 break
-            i = <uint32_t>step_check_topk(st, st.beams.topk_ids_buf, NULL, st.beams.topk_lps_buf, &row)
+            i = <uint32_t>step_check_topk(st, st.beams.topk_ids_buf, NULL, st.beams.topk_lps_buf,
+                                          &row)
             if i:
                 step_discard(st)
                 status[0] = <int32_t>row
@@ -179,3 +180,13 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
             break
     steps[0] = k
     return rc
+
+
+cdef int _attach_finished(object err, list finished) except -1:
+    # run()'s failure carries the requests its earlier steps finished: they are no longer
+    # queued, so this is the only place they are reported (docs/DESIGN.md, "The loop")
+    try:
+        err.finished = finished
+    except Exception:
+        pass    # an exception that takes no attributes: nothing more can be done
+    return 0

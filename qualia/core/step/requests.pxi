@@ -368,7 +368,8 @@ cdef list step_collect(StepState *st):
                 c = st.ent[c].mem.next_member
             out.append(FinishedGroup(r.req.rid, outs, reasons, None, ids))
         else:
-            out.append(FinishedRequest(r.req.rid, _step_output(st, e), _FINISH_REASONS[r.req.reason]))
+            out.append(FinishedRequest(r.req.rid, _step_output(st, e),
+                                       _FINISH_REASONS[r.req.reason]))
     for k in range(st.done.n):
         e = st.done.ents[k]
         if st.ent[e].rec.beam:

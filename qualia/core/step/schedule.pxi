@@ -28,8 +28,8 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     if st.lim.mode == MODE_AUTO:
         rc = reserve_room(st.pg.s, st.pg.p, st.pg.c, slot, first, last)
     if rc == Q_OK:
-        rc = reserve_writable(st.pg.s, st.pg.p, st.pg.undo, st.pg.cow, slot, first, last, &n_undo,
-                                  &n_copies)
+        rc = reserve_writable(st.pg.s, st.pg.p, st.pg.undo, st.pg.cow, slot, first, last,
+                              &n_undo, &n_copies)
     if rc == Q_OK and st.plan.n_copies + n_copies > st.plan.copies_cap:
         rc = Q_OUTPUT_TOO_SMALL     # cannot happen: copies_cap bounds a step's pages
     if rc:
@@ -83,7 +83,8 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     cdef uint64_t hashed = st.pg.c.pages_hashed, admitted = r.at.admitted
     if st.lim.mode == MODE_AUTO:
         rc = auto_admit(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, r.req.rid, tok, r.req.num_tokens,
-                        r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"", r.req.nsl, r.req.nsh, &adm)
+                        r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"", r.req.nsl,
+                        r.req.nsh, &adm)
     else:
         rc = sched_admit(st.pg.s, r.req.rid, False, 0, 0, NULL, st.pg.p, &adm)
     if rc:
@@ -141,11 +142,12 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil
     cdef uint32_t k, i, ns
     cdef bint collided
     rec[0] = 0
-    ns = ns_find(&st.pg.c.ns, r.req.nsh, r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"", r.req.nsl)
+    ns = ns_find(&st.pg.c.ns, r.req.nsh, r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"",
+                 r.req.nsl)
     if ns == U32_MAX:
         return 0
-    k = auto_match(st.pg.c, tok, n, ns, r.req.nsh, hashed, st.pg.ss.probe_ident, st.pg.ss.probe_canon,
-                   st.pg.ss.probe_gen, &collided)
+    k = auto_match(st.pg.c, tok, n, ns, r.req.nsh, hashed, st.pg.ss.probe_ident,
+                   st.pg.ss.probe_canon, st.pg.ss.probe_gen, &collided)
     for i in range(k):
         rec[0] += pc_rec(st.pg.c, st.pg.ss.probe_canon[i]).state == PC_RECLAIMABLE
     return k

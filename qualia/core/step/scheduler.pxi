@@ -6,44 +6,6 @@
 cdef uint64_t I32_LIMIT = 2147483647   # the largest value of the plan's int32 arrays
 
 
-cdef int _attach_finished(object err, list finished) except -1:
-    # run()'s failure carries the requests its earlier steps finished: they are no longer
-    # queued, so this is the only place they are reported (docs/DESIGN.md, "The loop")
-    try:
-        err.finished = finished
-    except Exception:
-        pass    # an exception that takes no attributes: nothing more can be done
-    return 0
-
-
-cdef tuple _resolve_topk(object topk_ids, object topk_logprobs):
-    # RESOLVE update()'s candidates, reading no scheduler state: private copies (user code runs
-    # here only), or the conversion's error, raised by _load_topk only when the plan has beam
-    # rows (a plan without them ignores the arguments)
-    if topk_ids is None or topk_logprobs is None:
-        return (None, None, None)
-    try:
-        return (np.array(topk_ids), np.array(topk_logprobs), None)
-    except Exception as exc:
-        return (None, None, exc)
-
-
-cdef int _alloc_candidates(void **ids, void **lps, size_t n, size_t lp_size) except -1:
-    # a pair of candidate buffers of n entries (uint32 ids; log-probabilities of lp_size bytes),
-    # allocated once: both, or neither and MemoryError
-    if ids[0] != NULL:
-        return 0
-    ids[0] = PyMem_Malloc(n * sizeof(uint32_t))
-    lps[0] = PyMem_Malloc(n * lp_size)
-    if ids[0] == NULL or lps[0] == NULL:
-        PyMem_Free(ids[0])
-        PyMem_Free(lps[0])
-        ids[0] = NULL
-        lps[0] = NULL
-        raise MemoryError()
-    return 0
-
-
 cdef class StepScheduler:
     """The engine step: add_request / abort / schedule / update / discard_plan / run over an
     owned pool, slot table and page cache (docs/DESIGN.md, "The engine step").
@@ -327,7 +289,8 @@ cdef class StepScheduler:
         # candidates (rows_cap rows of max_num_seqs)
         cdef StepState *st = &self.step
         cdef size_t n = <size_t>st.plan.rows_cap * st.lim.max_seqs
-        _alloc_candidates(<void **>&st.beams.topk_ids_buf, <void **>&st.beams.topk_lps_buf, n, sizeof(float))
+        _alloc_candidates(<void **>&st.beams.topk_ids_buf, <void **>&st.beams.topk_lps_buf, n,
+                          sizeof(float))
         st.beams.topk_cap = n
         return 0
 
@@ -367,98 +330,14 @@ cdef class StepScheduler:
             raise _error(E_STEP, rc)
         return plan
 
-    cdef object _resolve_sampled(self, object ids):
-        # RESOLVE update()'s sampled ids, reading no scheduler state: an exact 1-D native uint32
-        # ndarray is returned as it is (read in place, under ownership); anything else becomes
-        # a private list of exact ints (user code -- __index__, iterators -- runs here only).
-        cdef const uint32_t *p
-        cdef Py_ssize_t n
-        if _u32_array(ids, &p, &n):
-            return ids
-        if isinstance(ids, np.ndarray):
-            if ids.ndim != 1:
-                raise ValueError(f"sampled_token_ids must be 1-D, got {ids.ndim} dimensions")
-            if ids.dtype.kind not in "iu":
-                raise TypeError(f"sampled_token_ids must be integers, got dtype {ids.dtype}")
-            return ids.tolist()
-        if isinstance(ids, (str, bytes, bytearray, memoryview)):
-            raise TypeError("sampled_token_ids must be a sequence of token ids")
-        return [_u32(x, "sampled token id") for x in ids]
-
-    cdef int _load_sampled(self, object values) except -1:
-        # under ownership: the pending plan's length and the vocabulary checked, the ids copied
-        # into step.sampled.  No user code runs: values is an exact uint32 ndarray (copied
-        # first, then checked, so a thread writing the caller's array cannot slip an id past
-        # the check) or a private list of exact ints.
-        cdef StepState *st = &self.step
-        cdef const uint32_t *p
-        cdef Py_ssize_t n, i
-        cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
-        if not st.plan.pending:
-            raise StepError.NoPlan(None, "schedule() first")
-        if type(values) is list:
-            n = len(<list>values)
-            if n != st.plan.m:
-                raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
-            for x in <list>values:
-                if not 0 <= x <= limit:
-                    raise ValueError(f"sampled token id {x} is outside [0, {limit}]")
-            for i in range(n):
-                st.plan.sampled[i] = <uint32_t>(<list>values)[i]
-            return 0
-        _u32_array(values, &p, &n)
-        if n != st.plan.m:
-            raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
-        memcpy(st.plan.sampled, p, n * sizeof(uint32_t))
-        for i in range(n):
-            if st.plan.sampled[i] > limit:
-                raise ValueError(f"sampled token id {st.plan.sampled[i]} is outside [0, {limit}]")
-        return 0
-
-    cdef object _load_topk(self, tuple topk):
-        # under ownership, after _load_sampled: a plan with beam rows takes [m, num_topk]
-        # candidates (ids in the vocabulary, real log-probabilities, neither NaN nor +inf, a
-        # beam row's first w ids distinct); returns them as private contiguous uint32 / float64
-        # arrays, or None for a plan without beam rows
-        cdef StepState *st = &self.step
-        cdef uint32_t k = st.plan.num_topk, m = st.plan.m, row = 0
-        cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
-        cdef int why
-        if k == 0:
-            return None
-        tids, tlps, err = topk
-        if tids is None and err is None:
-            raise ValueError(f"this plan has beam rows: pass topk_ids and topk_logprobs of shape "
-                             f"({m}, {k})")
-        if err is not None:
-            raise err
-        if (tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu"
-                or tlps.dtype.kind not in "fiu"):
-            raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
-                             f"arrays")
-        if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
-            raise ValueError(f"a topk token id is outside [0, {limit}]")
-        cand = (np.ascontiguousarray(tids, dtype=np.uint32),
-                np.ascontiguousarray(tlps, dtype=np.float64))
-        why = step_check_topk(st, <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0]),
-                              <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1]), NULL,
-                              &row)
-        if why == TOPK_BAD_LOGPROB:
-            raise ValueError(f"topk_logprobs row {row} holds NaN or a value above 0 (a "
-                             f"log-probability is at most 0)")
-        if why == TOPK_UNSORTED:
-            raise ValueError(f"topk_logprobs row {row} is not best first (non-increasing)")
-        if why:
-            raise ValueError(f"topk_ids row {row} repeats a token among its beam's candidates")
-        return cand
-
     cdef list _update_owned(self, object values, tuple topk):
         # update() with the scheduler owned by the caller
-        self._load_sampled(values)
-        return self._update_loaded(self._load_topk(topk))
+        update_load_sampled(&self.step, values)
+        return self._update_loaded(update_load_topk(&self.step, topk))
 
     cdef list _update_loaded(self, object cand):
-        # the rest of update(), owned, once _load_sampled and _load_topk (its result: cand)
+        # the rest of update(), owned, once update_load_sampled and update_load_topk (its result:
+        # cand)
         # have checked the plan's tokens back
         cdef int rc
         cdef const uint32_t *tk_ids = NULL
@@ -482,7 +361,7 @@ cdef class StepScheduler:
         if not self.gil_free and not self.step.plan.pending:
             # fails early (a read, so not while the loop runs); checked again once owned
             raise StepError.NoPlan(None, "schedule() first")
-        values = self._resolve_sampled(sampled_token_ids)
+        values = update_resolve_sampled(sampled_token_ids)
         topk = _resolve_topk(topk_ids, topk_logprobs)
         tok = self._own()
         try:
@@ -665,10 +544,10 @@ cdef class StepScheduler:
                             ids, tk, tl = out
                         else:
                             ids, tk, tl = out, None, None
-                        values = self._resolve_sampled(ids)
+                        values = update_resolve_sampled(ids)
                         topk = _resolve_topk(tk, tl)
-                        self._load_sampled(values)
-                        cand = self._load_topk(topk)
+                        update_load_sampled(&self.step, values)
+                        cand = update_load_topk(&self.step, topk)
                     except BaseException:
                         step_discard(&self.step)
                         raise

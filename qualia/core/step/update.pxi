@@ -113,7 +113,8 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
             dst = <size_t>e * st.lim.max_seqs
             for c in range(w):
                 st.beams.cand_ids[dst + c] = tk_ids[src + c]
-                st.beams.cand_lps[dst + c] = tk_lps[src + c] if tk_lps != NULL else tk_lps_f[src + c]
+                st.beams.cand_lps[dst + c] = (tk_lps[src + c] if tk_lps != NULL
+                                              else tk_lps_f[src + c])
             r.mem.has_cand = 1
             if not st.ent[g].mem.in_sel:
                 st.ent[g].mem.in_sel = 1
@@ -165,12 +166,14 @@ cdef int step_discard(StepState *st) noexcept nogil:
     for j in range(st.plan.n_changed):
         st.run.row_dirty[st.buf.changed_rows[j]] = 1
     if st.plan.n_finished and st.done.n_accum + st.plan.n_finished <= st.done.accum_cap:
-        memmove(&st.done.fin_accum[st.plan.n_finished], st.done.fin_accum, st.done.n_accum * sizeof(uint64_t))
+        memmove(&st.done.fin_accum[st.plan.n_finished], st.done.fin_accum,
+                st.done.n_accum * sizeof(uint64_t))
         memcpy(st.done.fin_accum, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
         st.done.n_accum += st.plan.n_finished
     if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.accum_cap:
         # no update ran since the plan: nothing forked since, in practice
-        memmove(&st.done.fork_acc[2 * st.plan.n_forks], st.done.fork_acc, 2 * st.done.n_fork_acc * sizeof(uint64_t))
+        memmove(&st.done.fork_acc[2 * st.plan.n_forks], st.done.fork_acc,
+                2 * st.done.n_fork_acc * sizeof(uint64_t))
         for j in range(st.plan.n_forks):
             st.done.fork_acc[2 * j] = st.buf.fork_child_ids[j]
             st.done.fork_acc[2 * j + 1] = st.buf.fork_parent_ids[j]
@@ -179,3 +182,103 @@ cdef int step_discard(StepState *st) noexcept nogil:
     rc = release_deferred(st)
     st.plan.pending = False
     return rc
+
+
+# -- update()'s arguments: resolved with no state read, then loaded and checked under ownership
+
+cdef tuple _resolve_topk(object topk_ids, object topk_logprobs):
+    # RESOLVE update()'s candidates, reading no scheduler state: private copies (user code runs
+    # here only), or the conversion's error, raised by update_load_topk only when the plan has beam
+    # rows (a plan without them ignores the arguments)
+    if topk_ids is None or topk_logprobs is None:
+        return (None, None, None)
+    try:
+        return (np.array(topk_ids), np.array(topk_logprobs), None)
+    except Exception as exc:
+        return (None, None, exc)
+
+
+cdef object update_resolve_sampled(object ids):
+    # RESOLVE update()'s sampled ids, reading no scheduler state: an exact 1-D native uint32
+    # ndarray is returned as it is (read in place, under ownership); anything else becomes
+    # a private list of exact ints (user code -- __index__, iterators -- runs here only).
+    cdef const uint32_t *p
+    cdef Py_ssize_t n
+    if _u32_array(ids, &p, &n):
+        return ids
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise ValueError(f"sampled_token_ids must be 1-D, got {ids.ndim} dimensions")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"sampled_token_ids must be integers, got dtype {ids.dtype}")
+        return ids.tolist()
+    if isinstance(ids, (str, bytes, bytearray, memoryview)):
+        raise TypeError("sampled_token_ids must be a sequence of token ids")
+    return [_u32(x, "sampled token id") for x in ids]
+
+
+cdef int update_load_sampled(StepState *st, object values) except -1:
+    # under ownership: the pending plan's length and the vocabulary checked, the ids copied
+    # into step.sampled.  No user code runs: values is an exact uint32 ndarray (copied
+    # first, then checked, so a thread writing the caller's array cannot slip an id past
+    # the check) or a private list of exact ints.
+    cdef const uint32_t *p
+    cdef Py_ssize_t n, i
+    cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+    if not st.plan.pending:
+        raise StepError.NoPlan(None, "schedule() first")
+    if type(values) is list:
+        n = len(<list>values)
+        if n != st.plan.m:
+            raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
+        for x in <list>values:
+            if not 0 <= x <= limit:
+                raise ValueError(f"sampled token id {x} is outside [0, {limit}]")
+        for i in range(n):
+            st.plan.sampled[i] = <uint32_t>(<list>values)[i]
+        return 0
+    _u32_array(values, &p, &n)
+    if n != st.plan.m:
+        raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
+    memcpy(st.plan.sampled, p, n * sizeof(uint32_t))
+    for i in range(n):
+        if st.plan.sampled[i] > limit:
+            raise ValueError(f"sampled token id {st.plan.sampled[i]} is outside [0, {limit}]")
+    return 0
+
+
+cdef object update_load_topk(StepState *st, tuple topk):
+    # under ownership, after update_load_sampled: a plan with beam rows takes [m, num_topk]
+    # candidates (ids in the vocabulary, real log-probabilities, neither NaN nor +inf, a
+    # beam row's first w ids distinct); returns them as private contiguous uint32 / float64
+    # arrays, or None for a plan without beam rows
+    cdef uint32_t k = st.plan.num_topk, m = st.plan.m, row = 0
+    cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+    cdef int why
+    if k == 0:
+        return None
+    tids, tlps, err = topk
+    if tids is None and err is None:
+        raise ValueError(f"this plan has beam rows: pass topk_ids and topk_logprobs of shape "
+                         f"({m}, {k})")
+    if err is not None:
+        raise err
+    if (tids.shape != (m, k) or tlps.shape != (m, k) or tids.dtype.kind not in "iu"
+            or tlps.dtype.kind not in "fiu"):
+        raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
+                         f"arrays")
+    if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
+        raise ValueError(f"a topk token id is outside [0, {limit}]")
+    cand = (np.ascontiguousarray(tids, dtype=np.uint32),
+            np.ascontiguousarray(tlps, dtype=np.float64))
+    why = step_check_topk(st, <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0]),
+                          <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1]), NULL,
+                          &row)
+    if why == TOPK_BAD_LOGPROB:
+        raise ValueError(f"topk_logprobs row {row} holds NaN or a value above 0 (a "
+                         f"log-probability is at most 0)")
+    if why == TOPK_UNSORTED:
+        raise ValueError(f"topk_logprobs row {row} is not best first (non-increasing)")
+    if why:
+        raise ValueError(f"topk_ids row {row} repeats a token among its beam's candidates")
+    return cand
