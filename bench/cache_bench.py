@@ -28,7 +28,7 @@ import tracemalloc
 import numpy as np
 
 import qualia
-from qualia import twin_cache
+from qualia.twin import cache as twin_cache
 
 pc = time.perf_counter_ns
 PT = 16

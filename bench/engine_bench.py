@@ -2,7 +2,7 @@
 three ways, in one run, on the compiled core's engine step (issue 14, "run() with the built-in C
 backend ... reported against the Python-loop engine"):
 
-  engine   qualia.engine.Engine("c"): what ``qualia simulate --backend c`` runs -- the Python
+  engine   qualia.sim.engine.Engine("c"): what ``qualia simulate --backend c`` runs -- the Python
            serving loop (arrivals, books, timeline, first tokens) around add_request /
            schedule / execute_step / update
   loop     the bare Python loop: every request added up front, then schedule() ->
@@ -33,10 +33,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 import qualia  # noqa: E402
-from qualia.engine import Engine  # noqa: E402
-from qualia.workload import Workload  # noqa: E402
+from qualia.sim.engine import Engine  # noqa: E402
+from qualia.sim.workload import Workload  # noqa: E402
 
-CFG = dict(max_requests=24, num_blocks=96, page_tokens=16, logical_pages=16)
+CFG = dict(max_num_seqs=24, num_pages=96, page_tokens=16, logical_pages=16)
 BUDGET = 2048
 
 
@@ -47,7 +47,7 @@ def requests(n, seed):
 
 def by_engine(reqs):
     try:
-        eng = Engine("c", max_batched_tokens=BUDGET, **CFG)
+        eng = Engine("c", max_num_batched_tokens=BUDGET, **CFG)
     except TypeError:   # the engine before the step API: decode rounds, no token budget
         eng = Engine("c", **CFG)
     t0 = time.perf_counter()

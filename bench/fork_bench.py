@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from steptime import KEY, PT, decode_cost, median, pc  # noqa: E402
 
 import qualia  # noqa: E402
-from qualia import twin_cache  # noqa: E402
+from qualia.twin import cache as twin_cache  # noqa: E402
 
 K = 32
 N = 8       # members per group in f4 / f5

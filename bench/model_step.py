@@ -18,7 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from qualia import COPY_OP, RAGGED_BATCH_ITEM, RAGGED_BATCH_OUTPUT
-from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, _PagedKv
+from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend
+from qualia.model.paged import _PagedKv
 
 
 def best(fn, repeat: int) -> float:

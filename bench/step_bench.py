@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from steptime import KEY, PT, decode_cost, median, pc, time_steps  # noqa: E402
 
 import qualia  # noqa: E402
-from qualia.twin_step import StepScheduler  # noqa: E402
+from qualia.twin import StepScheduler  # noqa: E402
 
 
 def s1(quick):

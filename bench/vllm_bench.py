@@ -1,6 +1,7 @@
 """qualia.vllm.Scheduler against vLLM's own scheduler, side by side in one run.
 
-    python bench/vllm_bench.py [--steps 60] [--sizes 64,256,1024] [--generate 256] [--json F]
+    python bench/vllm_bench.py [--steps 60] [--sizes 64,256,1024] [--repeat 3] [--generate 256]
+                               [--json F] [--extra NAME=FILE.py:CLASS ...]
 
 Needs vLLM (tools/vllm_env.sh).  Two measurements:
 
@@ -12,8 +13,12 @@ Needs vLLM (tools/vllm_env.sh).  Two measurements:
    beside the decodes).  Both schedulers see the same requests, the same sampled tokens and the
    same budget; prefix caching is on (vLLM's default).  For qualia's class the time inside the
    compiled core (its `schedule` / `update`) is measured apart, so the rest is the adapter and
-   vLLM's Python objects it must build.
-2. Whole `generate` wall time on a tiny random Llama in vLLM's CPU engine, in-process.
+   vLLM's Python objects it must build.  Each configuration is measured `--repeat` times, the
+   schedulers alternating, and the fastest run of each is kept (the machine's other load only
+   ever adds time).  `--extra` measures more scheduler classes beside them, loaded from a file
+   (another version of the adapter, say), in the same alternation.
+2. Whole `generate` wall time on a tiny random Llama in vLLM's CPU engine, in-process, and the
+   live scheduler's own time inside it (`schedule` + `update_from_output` over the run).
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ def measure(cls, model_dir, kind, n, steps, seed=0):
     budget = max(budget, 2048) if kind == "decode" else budget
     sched = make_scheduler(cls, model_dir, n, num_blocks=n * 48 + 64, budget=budget)
     timer = None
-    if isinstance(sched, qualia.vllm.Scheduler):
+    if hasattr(sched, "_core"):
         timer = CoreTimer(sched._core)
         sched._core = timer
     rng = random.Random(seed + 1)
@@ -183,16 +188,34 @@ def measure(cls, model_dir, kind, n, steps, seed=0):
 
 
 def generate_wall(model_dir, cls, count, max_tokens):
+    """Wall time of one generate() and, inside it, the live scheduler's time (its schedule and
+    update_from_output) and its step count; and the tokens."""
     from vllm import LLM
 
     kw = dict(scheduler_cls=cls) if cls else {}
     llm = LLM(model=model_dir, block_size=32, max_model_len=1024, max_num_seqs=64,
               num_gpu_blocks_override=1024, enable_prefix_caching=True, **tiny.LLM_ARGS, **kw)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    spent = {"s": 0.0, "steps": 0}
+
+    def timed(fn, count_step):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent["s"] += time.perf_counter() - t
+                spent["steps"] += count_step
+        return wrapper
+
+    sched.schedule = timed(sched.schedule, 1)
+    sched.update_from_output = timed(sched.update_from_output, 0)
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(16, 128))]}
                for _ in range(count)]
     sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
     llm.generate(prompts[:4], sp, use_tqdm=False)  # warm
+    spent.update(s=0.0, steps=0)
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -200,12 +223,34 @@ def generate_wall(model_dir, cls, count, max_tokens):
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    return wall, toks
+    return wall, spent["s"], spent["steps"], toks
+
+
+def load_class(spec):
+    """NAME=FILE.py:CLASS -> (NAME, the class), the file imported as a module of its own."""
+    import importlib.util
+
+    name, _, where = spec.partition("=")
+    path, _, cls = where.rpartition(":")
+    mod_spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return name, getattr(mod, cls)
+
+
+def fastest(cls, model_dir, kind, n, steps, runs):
+    """The fastest of ``runs`` measurements (``runs`` is a list this one is appended to)."""
+    r = measure(cls, model_dir, kind, n, steps)
+    runs.append(r)
+    return min(runs, key=lambda x: x["us_per_step"])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--extra", action="append", default=[],
+                    help="NAME=FILE.py:CLASS, another scheduler class to measure")
     ap.add_argument("--sizes", default="64,256,1024")
     ap.add_argument("--generate", type=int, default=256, help="prompts for the generate run "
                     "(0: skip it)")
@@ -214,26 +259,49 @@ def main():
     results = {"scheduler": [], "generate": None}
     with tempfile.TemporaryDirectory() as d:
         model_dir = tiny.make_tiny_llama(os.path.join(d, "tiny"), max_positions=MAX_MODEL_LEN)
+        extras = [load_class(e) for e in args.extra]
         print(f"{'workload':8} {'running':>7} {'vLLM us/step':>13} {'qualia us/step':>15} "
-              f"{'(core)':>8} {'speedup':>8} {'tokens/step':>11}")
+              f"{'(core)':>8} {'speedup':>8} {'tokens/step':>11}"
+              + "".join(f" {name + ' us/step':>16} {'speedup':>8}" for name, _ in extras))
         for kind in ("decode", "mixed"):
             for n in [int(x) for x in args.sizes.split(",")]:
-                v = measure(VllmScheduler, model_dir, kind, n, args.steps)
-                q = measure(qualia.vllm.Scheduler, model_dir, kind, n, args.steps)
+                vr, qr = [], []
+                er = [[] for _ in extras]
+                for _ in range(args.repeat):
+                    v = fastest(VllmScheduler, model_dir, kind, n, args.steps, vr)
+                    q = fastest(qualia.vllm.Scheduler, model_dir, kind, n, args.steps, qr)
+                    es = [fastest(cls, model_dir, kind, n, args.steps, runs)
+                          for (_, cls), runs in zip(extras, er)]
                 row = dict(workload=kind, running=n, vllm=v, qualia=q,
                            speedup=v["us_per_step"] / q["us_per_step"])
+                for (name, _), e in zip(extras, es):
+                    row[name] = dict(e, speedup=v["us_per_step"] / e["us_per_step"])
                 results["scheduler"].append(row)
                 print(f"{kind:8} {n:7d} {v['us_per_step']:13.0f} {q['us_per_step']:15.0f} "
                       f"{q['core_us_per_step']:8.0f} {row['speedup']:7.1f}x "
-                      f"{v['tokens_per_step']:6.0f}/{q['tokens_per_step']:.0f}")
+                      f"{v['tokens_per_step']:6.0f}/{q['tokens_per_step']:.0f}"
+                      + "".join(f" {e['us_per_step']:16.0f} {row[name]['speedup']:7.1f}x"
+                                for (name, _), e in zip(extras, es)))
                 sys.stdout.flush()
         if args.generate:
-            wv, tv = generate_wall(model_dir, None, args.generate, 64)
-            wq, tq = generate_wall(model_dir, "qualia.vllm.Scheduler", args.generate, 64)
-            results["generate"] = dict(prompts=args.generate, max_tokens=64, vllm_s=wv,
-                                       qualia_s=wq, same_tokens=tv == tq)
-            print(f"generate {args.generate} prompts x 64 tokens: vLLM {wv:.2f} s, "
-                  f"qualia {wq:.2f} s, same tokens: {tv == tq}")
+            # the forward passes dominate and vary with the machine's load: the runs alternate
+            # and the fastest of each is kept, the scheduler's own time is reported beside it
+            runs = {"vllm": [], "qualia": []}
+            toks = {}
+            for _ in range(args.repeat):
+                for name, cls in (("vllm", None), ("qualia", "qualia.vllm.Scheduler")):
+                    wall, sched_s, steps, toks[name] = generate_wall(model_dir, cls,
+                                                                     args.generate, 64)
+                    runs[name].append(dict(wall_s=wall, scheduler_s=sched_s, steps=steps))
+            best = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}
+            least = {k: min(r["scheduler_s"] for r in v) for k, v in runs.items()}
+            results["generate"] = dict(prompts=args.generate, max_tokens=64, runs=runs,
+                                       same_tokens=toks["vllm"] == toks["qualia"])
+            print(f"generate {args.generate} prompts x 64 tokens (fastest of {args.repeat}): "
+                  f"vLLM {best['vllm']['wall_s']:.2f} s, qualia {best['qualia']['wall_s']:.2f} s;"
+                  f" scheduler inside it: vLLM {least['vllm'] * 1e3:.0f} ms, qualia "
+                  f"{least['qualia'] * 1e3:.0f} ms over {best['qualia']['steps']} steps; same "
+                  f"tokens: {toks['vllm'] == toks['qualia']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,6 +1,6 @@
 """Automatic prefix caching, one test per rule (docs/DESIGN.md, "Automatic prefix caching").
 
-Every test runs against the compiled core and the pure-Python twin (``qualia.twin_cache``).
+Every test runs against the compiled core and the pure-Python twin (``qualia.twin.cache``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia import twin_cache
 from qualia.errors import PrefixCacheError, SchedulerError, TableError
 from qualia.twin import PyHashBackend
+from qualia.twin import cache as twin_cache
 
 KEY = bytes(range(16))
 PT = 4
@@ -471,7 +471,7 @@ def test_the_least_recently_used_idle_namespace_goes_first(make):
 
 @pytest.mark.parametrize("kind", ["core", "twin"])
 def test_the_engine_step_serves_more_tenants_than_namespace_ids(kind):
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
     cls = qualia.StepScheduler if kind == "core" else StepScheduler
     s = cls(64, PT, 16, 2, cache_key=KEY, max_namespaces=3, max_queued=12)
     finished = []

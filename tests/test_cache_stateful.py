@@ -1,7 +1,7 @@
 """Automatic prefix caching: the compiled core and its pure-Python twin, step by step.
 
 ``CacheVsTwin`` drives ``qualia.Scheduler(prefix_caching="auto")`` and
-``qualia.twin_cache.Scheduler`` with the same random operations, valid and invalid: admissions
+``qualia.twin.cache.Scheduler`` with the same random operations, valid and invalid: admissions
 of prompts that share prefixes (system prompts, multi-turn conversations that extend a finished
 request's whole token stream, other namespaces), reserve / advance / complete_prefill, decode
 rounds with backend faults, finish, cache clears, event drains into buffers of every size,
@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import qualia
-from qualia import twin_cache as T
 from qualia.errors import PrefixCacheError, QualiaError
 from qualia.twin import PyHashBackend
+from qualia.twin import cache as T
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
 SETTINGS = settings(

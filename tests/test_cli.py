@@ -14,21 +14,21 @@ import time
 import pytest
 
 import qualia
-from qualia import __main__ as cli
-from qualia import preflight
-from qualia.__main__ import main
-from qualia.timing import ROWS
+import qualia.cli.main as cli
+from qualia.cli.main import main
+from qualia.sim import config as preflight
+from qualia.sim.timing import ROWS
 
 SMALL_CLI = ["--requests", "16", "--prompt-len", "16,40", "--output-len", "6,16",
              "--system-prompts", "2", "--system-prompt-len", "20", "--share-ratio", "0.8",
-             "--arrival-rate", "2", "--num-blocks", "32", "--max-requests", "10",
+             "--arrival-rate", "2", "--num-pages", "32", "--max-num-seqs", "10",
              "--page-tokens", "8", "--logical-pages", "8",
              "--turns", "1", "--no-progress"]
 
 
 def _no_run(monkeypatch):
     """Make any attempt to build or run an engine fail the test."""
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started")
@@ -56,12 +56,12 @@ def test_cli_simulate_check_json(tmp_path, capsys):
     assert st["requests_completed"] == 16 and st["check_ok"] is True
     assert data["check"]["ok"] is True and data["check"]["checked"] == 16
     assert data["check"]["message"] == "all 16 requests match the dense model"
-    assert data["config"]["num_blocks"] == 32 and data["config"]["prompt_len"] == [16, 40]
+    assert data["config"]["num_pages"] == 32 and data["config"]["prompt_len"] == [16, 40]
     assert data["config"]["backend"] == "model"
     for key in ("tokens_generated", "steps", "prefix_hit_rate", "pages_copied",
-                "preemptions", "peak_pool_use", "sched_us_per_round_p50",
-                "sched_us_per_round_p99", "backend_us_per_round_p50",
-                "backend_us_per_round_p99", "wall_s", "time_s", "throughput_tokens_per_s",
+                "preemptions", "peak_pool_use", "sched_us_per_step_p50",
+                "sched_us_per_step_p99", "backend_us_per_step_p50",
+                "backend_us_per_step_p99", "wall_s", "time_s", "throughput_tokens_per_s",
                 "serve_s", *(f"{m}_p{q}" for m in ("ttft_steps", "ttft_s", "tpot_steps",
                                                    "tpot_s") for q in (50, 90, 99))):
         assert key in st
@@ -105,8 +105,8 @@ def test_cli_quiet_and_demo(capsys):
 
 
 def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
-    from qualia import engine as engine_mod
-    from qualia.check import CheckResult
+    from qualia.sim import engine as engine_mod
+    from qualia.sim.check import CheckResult
 
     def bad_check(self, on_checked=None):
         return CheckResult(False, len(self.outputs), [0], "pure-Python hash rule")
@@ -123,7 +123,7 @@ def test_cli_exit_status_on_failed_check(monkeypatch, capsys):
 
 def test_cli_rows_add_up_to_a_wall_time_that_includes_the_workload(monkeypatch, tmp_path,
                                                                    capsys):
-    from qualia.workload import Workload
+    from qualia.sim.workload import Workload
 
     slept = [0.0]
     generate = Workload.generate
@@ -162,14 +162,13 @@ INT_OPTIONS = {  # option: (below its minimum, above its maximum)
     "--system-prompts": ("-1", str(2**32)),
     "--system-prompt-len": ("0", str(2**32)),
     "--tenants": ("0", str(2**32)),
-    "--end-token": ("-1", str(2**32)),
-    "--num-blocks": ("0", str(2**32)),
-    "--max-requests": ("0", "65537"),
+    "--eos-token-id": ("-1", str(2**32)),
+    "--num-pages": ("0", str(2**32)),
+    "--max-num-seqs": ("0", "65537"),
     "--page-tokens": ("0", str(2**32)),
     "--logical-pages": ("0", str(2**32)),
-    "--max-batched-tokens": ("0", str(2**32)),
-    "--max-seqs": ("0", "65537"),
-    "--chunk": ("0", str(2**32)),
+    "--max-num-batched-tokens": ("0", str(2**32)),
+    "--max-prefill-chunk": ("0", str(2**32)),
 }
 
 
@@ -190,13 +189,13 @@ def test_seed_minus_one_names_seed(capsys):
         main(["simulate", "--seed", "-1"])
     err = capsys.readouterr().err
     message = err.split("error:")[-1]
-    assert "argument --seed: must be >= 0, got -1" in message and "--num-blocks" not in message
+    assert "argument --seed: must be >= 0, got -1" in message and "--num-pages" not in message
 
 
 def test_end_token_outside_the_vocabulary(capsys):
-    assert main(["simulate", "--end-token", "512", "--no-progress"]) == 2
-    assert "--end-token" in capsys.readouterr().err
-    assert main(["simulate", "--end-token", "511", "--requests", "2", "--no-progress",
+    assert main(["simulate", "--eos-token-id", "512", "--no-progress"]) == 2
+    assert "--eos-token-id" in capsys.readouterr().err
+    assert main(["simulate", "--eos-token-id", "511", "--requests", "2", "--no-progress",
                  "-q"]) == 0
 
 
@@ -256,29 +255,29 @@ def test_json_path_in_a_read_only_directory(tmp_path, monkeypatch, capsys):
 def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
     _no_run(monkeypatch)
     # a model pool of 2**32 - 1 pages needs ~128 TiB of KV: no machine holds it
-    assert main(["simulate", "--num-blocks", "4294967295", "--no-progress"]) == 2
+    assert main(["simulate", "--num-pages", "4294967295", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "memory" in err and "--num-blocks" in err and err.count("\n") == 1
+    assert "memory" in err and "--num-pages" in err and err.count("\n") == 1
     # page tokens x logical pages sizes the token scratch: 2**64 tokens
     assert main(["simulate", "--backend", "c", "--page-tokens", "4294967295",
                  "--logical-pages", "4294967295"]) == 2
     assert "--logical-pages x --page-tokens" in capsys.readouterr().err
     # the C backend's pool of 2**32 - 1 pages is 32 GiB: refused on a machine with 8 GiB free
     monkeypatch.setattr(preflight, "available_memory", lambda: 8 * 2**30)
-    assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295",
+    assert main(["simulate", "--backend", "c", "--num-pages", "4294967295",
                  "--prefix-caching", "off"]) == 2
     err = capsys.readouterr().err
-    assert "32.0 GiB" in err and "8.0 GiB available" in err and "--num-blocks" in err
+    assert "32.0 GiB" in err and "8.0 GiB available" in err and "--num-pages" in err
     # with automatic caching, the cache's page records are the largest part
-    assert main(["simulate", "--backend", "c", "--num-blocks", "4294967295"]) == 2
+    assert main(["simulate", "--backend", "c", "--num-pages", "4294967295"]) == 2
     err = capsys.readouterr().err
-    assert "prefix cache" in err and "--num-blocks x --page-tokens" in err
+    assert "prefix cache" in err and "--num-pages x --page-tokens" in err
     assert main(["simulate", "--backend", "c", "--requests", str(10**9)]) == 2
     assert "--requests" in capsys.readouterr().err
 
 
 def test_memory_error_is_a_clean_exit_2(monkeypatch, capsys):
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     def oom(*args, **kwargs):
         raise MemoryError()
@@ -291,12 +290,12 @@ def test_memory_error_is_a_clean_exit_2(monkeypatch, capsys):
 
 def test_the_estimate_counts_the_model_kv():
     from qualia.model import ModelConfig
-    from qualia.resources import memory_estimate
+    from qualia.sim.resources import memory_estimate
 
     c = ModelConfig()
-    parts = memory_estimate("model", num_blocks=1000, page_tokens=16)
+    parts = memory_estimate("model", num_pages=1000, page_tokens=16)
     assert parts["model KV"] == 1000 * 16 * c.layers * 2 * c.heads * c.head_dim * 8
-    assert "model KV" not in memory_estimate("c", num_blocks=1000)
+    assert "model KV" not in memory_estimate("c", num_pages=1000)
     assert preflight.available_memory() is None or preflight.available_memory() > 0
 
 
@@ -338,8 +337,8 @@ def _cpu_seconds(pid):
 def test_ctrl_c_stops_cleanly(tmp_path):
     # a long run: one slot, long outputs, so that the interrupt lands in the middle of it
     args = [sys.executable, "-m", "qualia", "simulate", "--backend", "c", "--requests", "50",
-            "--prompt-len", "4,8", "--output-len", "20000,40000", "--max-requests", "1",
-            "--num-blocks", "4096", "--logical-pages", "4096", "--no-progress"]
+            "--prompt-len", "4,8", "--output-len", "20000,40000", "--max-num-seqs", "1",
+            "--num-pages", "4096", "--logical-pages", "4096", "--no-progress"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -381,10 +380,6 @@ def test_cli_multi_turn_auto_caching_check(tmp_path, capsys):
 
 
 def test_cli_prefix_caching_off(capsys):
-    from qualia.engine import core_has_step_api
-
-    if not core_has_step_api():
-        pytest.skip("the pure-Python step twin serves prefix_caching='auto' only")
     assert main(["simulate", *SMALL_CLI, "--prefix-caching", "off", "--check"]) == 0
     out = capsys.readouterr().out
     assert "prefix caching          off" in out and "cached tokens" not in out
@@ -394,23 +389,35 @@ def test_cli_prefix_caching_off(capsys):
 
 
 def test_cli_step_budget_and_chunk(capsys):
-    rc = main(["simulate", *SMALL_CLI, "--backend", "c", "--max-batched-tokens", "24",
-               "--max-seqs", "6", "--chunk", "8", "--check", "--json", "-"])
+    rc = main(["simulate", *SMALL_CLI, "--backend", "c", "--max-num-batched-tokens", "24",
+               "--max-num-seqs", "6", "--max-prefill-chunk", "8", "--check", "--json", "-"])
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     st = data["stats"]
     assert data["check"]["ok"]
-    assert st["max_batched_tokens"] == 24 and st["max_seqs"] == 6
+    assert st["max_num_batched_tokens"] == 24 and st["max_num_seqs"] == 6
     assert st["max_prefill_chunk"] == 8
     assert 0 < st["max_step_tokens"] <= 24 and st["max_step_seqs"] <= 6
     assert st["mixed_steps"] > 0  # decodes and prefill chunks in one step
-    assert data["config"]["chunk"] == 8 and data["config"]["max_batched_tokens"] == 24
+    assert data["config"]["max_prefill_chunk"] == 8
+    assert data["config"]["max_num_batched_tokens"] == 24
 
 
-def test_cli_max_seqs_above_max_requests_is_exit_2(capsys):
-    assert main(["simulate", *SMALL_CLI, "--backend", "c", "--max-seqs", "11"]) == 2
-    err = capsys.readouterr().err
-    assert "max_num_seqs" in err and "Traceback" not in err
+@pytest.mark.parametrize("new, old", [
+    ("--max-num-seqs", "--max-seqs"), ("--max-num-seqs", "--max-requests"),
+    ("--max-num-batched-tokens", "--max-batched-tokens"), ("--max-prefill-chunk", "--chunk"),
+    ("--num-pages", "--num-blocks"), ("--eos-token-id", "--end-token")])
+def test_older_option_spellings_are_hidden_aliases(new, old, capsys):
+    parser = cli.build_parser("qualia")
+    dest = new[2:].replace("-", "_")
+    assert getattr(parser.parse_args(["simulate", old, "7"]), dest) == 7
+    assert getattr(parser.parse_args(["simulate", new, "7"]), dest) == 7
+    sim = parser._subparsers._group_actions[0].choices["simulate"]
+    text = sim.format_help()
+    assert new in text and old not in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["simulate", old, "0" if new != "--eos-token-id" else "-1"])
+    assert f"argument {old}: must be >= " in capsys.readouterr().err
 
 
 def test_cli_prefix_caching_explicit_is_gone(capsys):
@@ -503,7 +510,7 @@ def _refused(argv, capsys):
 
 def test_a_trace_row_is_refused_by_its_line_before_its_prompt_is_drawn(tmp_path, monkeypatch,
                                                                         capsys):
-    from qualia.workload import Trace
+    from qualia.sim.trace import Trace
 
     _no_run(monkeypatch)
 
@@ -516,7 +523,7 @@ def test_a_trace_row_is_refused_by_its_line_before_its_prompt_is_drawn(tmp_path,
     rc, err = _refused(["--trace", trace, "--backend", "c"], capsys)
     assert rc == 2 and err.count("\n") == 1
     assert f"--trace {trace}:4: request 1 can never be served" in err
-    assert "4294967295 tokens" in err and "--num-blocks" in err
+    assert "4294967295 tokens" in err and "--num-pages" in err
 
 
 def test_a_header_only_trace_is_refused(tmp_path, monkeypatch, capsys):
@@ -550,7 +557,7 @@ def test_a_trace_of_more_tenants_than_namespace_ids_runs(tmp_path, capsys):
     rows = ["arrival_s,prompt_tokens,output_tokens,tenant"]
     rows += [f"{i * 0.001:.3f},{20 + i % 30},{2 + i % 3},{i}" for i in range(1100)]
     trace = _write(tmp_path / "t.csv", "\n".join(rows) + "\n")
-    rc = main(["simulate", "--backend", "c", "--trace", trace, "--num-blocks", "4096",
+    rc = main(["simulate", "--backend", "c", "--trace", trace, "--num-pages", "4096",
                "--step-ms", "1", "--check", "--json", "-", "--no-progress"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
@@ -582,7 +589,7 @@ def test_output_into_a_closed_pipe_ends_quietly(extra, tmp_path):
 
 
 def test_both_paths_share_one_validation(monkeypatch, capsys):
-    from qualia import preflight
+    from qualia.sim import config as preflight
 
     def refuse(args, clock=None):
         raise preflight.Refused("checked once, here")
@@ -620,8 +627,8 @@ def test_output_that_cannot_be_written_is_one_error_line(extra):
 
 
 def test_a_failed_run_is_one_error_line_and_exit_1(monkeypatch, capsys):
-    from qualia import engine as engine_mod
     from qualia.errors import PrefixCacheError
+    from qualia.sim import engine as engine_mod
 
     for exc, says in ((RuntimeError("engine stuck: 65 steps"), "engine stuck: 65 steps"),
                       (PrefixCacheError.NamespaceTableFull(None, "x"), "NamespaceTableFull")):

@@ -15,11 +15,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from qualia.check import check_outputs
 from qualia.cluster import POLICIES, Cluster, ReplicaConfig, compare_policies, format_comparison
-from qualia.workload import Workload
+from qualia.sim.check import check_outputs
+from qualia.sim.workload import Workload
 
-CFG = ReplicaConfig(max_requests=6, num_blocks=40, page_tokens=8, logical_pages=24,
+CFG = ReplicaConfig(max_num_seqs=6, num_pages=40, page_tokens=8, logical_pages=24,
                     max_num_batched_tokens=256)
 
 
@@ -39,8 +39,8 @@ def assert_exactly_once(res):
 
 
 def test_the_core_package_does_not_import_ray(tmp_path):
-    code = ("import sys, qualia, qualia.cluster, qualia.__main__; "
-            "qualia.__main__.build_parser(); assert 'ray' not in sys.modules")
+    code = ("import sys, qualia, qualia.cluster, qualia.cli.main; "
+            "qualia.cli.main.build_parser(); assert 'ray' not in sys.modules")
     # from an empty folder: `python -c` puts the working directory first on sys.path
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)
 
@@ -78,7 +78,7 @@ def test_round_robin_cycles_and_least_loaded_picks_the_lightest():
 def test_prefix_router_follows_the_events():
     cl = Cluster(3, "prefix", CFG, local=True)
     prompt = list(range(100, 100 + 5 * CFG.page_tokens + 1))
-    ids = cl._ident.page_identities(np.array(prompt, dtype=np.uint32))
+    ids = cl.router.page_identities(prompt)
     ev = np.zeros(len(ids), dtype=__import__("qualia").KV_EVENT)
     ev["kind"] = 1
     ev["identity"] = ids
@@ -151,11 +151,11 @@ def test_a_request_that_kills_every_replica_is_given_up_not_resubmitted_forever(
 
 
 def test_simulate_cli_local():
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--local", "--requests", "8", "--backend", "c",
-                   "--check", "--num-blocks", "64", "--compare", "--no-progress"])
+                   "--check", "--num-pages", "64", "--compare", "--no-progress"])
     text = out.getvalue()
     assert rc == 0, text
     for name in POLICIES + ("single replica",):
@@ -164,7 +164,7 @@ def test_simulate_cli_local():
 
 
 def test_simulate_cli_refuses_explicit_mode():
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     # the step engine has no explicit mode: --prefix-caching takes 'auto' or 'off' (exit 2)
     with pytest.raises(SystemExit) as exc:
         main(["simulate", "--replicas", "2", "--local", "--prefix-caching", "explicit"])
@@ -174,14 +174,14 @@ def test_simulate_cli_refuses_explicit_mode():
 @pytest.mark.parametrize("option", [["--router", "round-robin"], ["--kill-replica", "3"],
                                     ["--local"], ["--compare"]])
 def test_cluster_options_need_replicas(option):
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     assert main(["simulate", *option]) == 2
 
 
 def _cli(argv, monkeypatch=None):
     """``qualia simulate --replicas 2 --local argv`` (argparse's refusals included): the exit
     status, stdout and stderr; with ``monkeypatch``, a run that starts fails the test."""
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     if monkeypatch is not None:
         def refuse(*args, **kwargs):
             raise AssertionError("the run started")
@@ -199,7 +199,7 @@ def _cli(argv, monkeypatch=None):
 
 @pytest.mark.parametrize("argv, says", [
     (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: directory"),
-    (["--num-blocks", "1"], "can never be served"),
+    (["--num-pages", "1"], "can never be served"),
     (["--plot", "x.png"], "argument --plot: not with --replicas"),
     (["--step-ms", "1"], "argument --step-ms: not with --replicas"),
     (["--ray-address", "127.0.0.1:1"], "argument --ray-address: not with --local"),
@@ -281,7 +281,7 @@ def test_a_stuck_cluster_is_an_error_not_a_hang(monkeypatch):
     class Never:
         """A scheduler that takes requests and never schedules any."""
 
-        def __init__(self, **kw):
+        def __init__(self, *args, **kw):
             self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
             self.facade = self.inner.facade
 
@@ -344,7 +344,7 @@ def test_hit_tokens_without_a_plan_count():
     from qualia.cluster import make_scheduler
 
     class Plain:
-        def __init__(self, **kw):
+        def __init__(self, *args, **kw):
             self.inner = make_scheduler(dataclasses.replace(CFG, scheduler="twin"))
             self.facade = self.inner.facade
 
@@ -421,11 +421,11 @@ def test_ray_metrics_endpoint_is_scraped(ray_cluster):
 
 
 def test_ray_simulate_cli_with_a_kill(ray_cluster):
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--router", "prefix", "--requests", "8",
-                   "--backend", "c", "--check", "--kill-replica", "3", "--num-blocks", "64",
+                   "--backend", "c", "--check", "--kill-replica", "3", "--num-pages", "64",
                    "--no-progress"])
     assert rc == 0, out.getvalue()
     assert "| prefix | 2 |" in out.getvalue()
@@ -438,13 +438,13 @@ def test_replicas_run_on_the_compiled_core_by_default():
     assert Replica(0, CFG).describe()["implementation"] == "core"
     twin = Replica(1, dataclasses.replace(CFG, scheduler="twin"))
     assert twin.describe()["implementation"] == "twin"
-    model = Replica(2, dataclasses.replace(CFG, backend="model", vocab=512))
+    model = Replica(2, dataclasses.replace(CFG, backend="model", vocab_size=512))
     assert model.describe() == dict(replica=2, implementation="core",
                                     backend="PagedModelBackend")
 
 
 # the numpy model is slow: small pools, short prompts and outputs
-MODEL_CFG = dataclasses.replace(CFG, backend="model", vocab=512, max_requests=4, num_blocks=32,
+MODEL_CFG = dataclasses.replace(CFG, backend="model", vocab_size=512, max_num_seqs=4, num_pages=32,
                                 max_num_batched_tokens=96, max_prefill_chunk=40)
 
 
@@ -484,13 +484,14 @@ def test_model_backend_check_catches_a_wrong_token():
 
 
 def test_simulate_cli_local_model_backend_checked():
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--local", "--requests", "4", "--check",
                    "--prompt-len", "16,32", "--output-len", "3,6", "--system-prompt-len", "16",
-                   "--user-len", "3,6", "--num-blocks", "32", "--max-requests", "4",
-                   "--max-batched-tokens", "64", "--chunk", "32", "--kill-replica", "2",
+                   "--user-len", "3,6", "--num-pages", "32", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "64", "--max-prefill-chunk", "32",
+                   "--kill-replica", "2",
                    "--no-progress"])
     text = out.getvalue()
     assert rc == 0, text
@@ -498,10 +499,10 @@ def test_simulate_cli_local_model_backend_checked():
     assert "| prefix | 2 |" in text and "NOT" not in text
 
 
-@pytest.mark.parametrize("argv", [["--end-token", "512"], ["--max-batched-tokens", "0"],
+@pytest.mark.parametrize("argv", [["--eos-token-id", "512"], ["--max-num-batched-tokens", "0"],
                                   ["--trace", "x.csv"]])
 def test_simulate_cli_cluster_refuses_bad_options(argv):
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -514,13 +515,13 @@ def test_simulate_cli_cluster_refuses_bad_options(argv):
 def test_ray_simulate_cli_model_backend_with_a_kill(ray_cluster):
     """On Ray actors, the default backend (the numpy model): a replica killed mid-run, every
     request completes once and every token equals the dense model's."""
-    from qualia.__main__ import main
+    from qualia.cli.main import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["simulate", "--replicas", "2", "--requests", "4", "--check",
                    "--prompt-len", "16,32", "--output-len", "3,6", "--system-prompt-len", "16",
-                   "--user-len", "3,6", "--num-blocks", "32", "--max-requests", "4",
-                   "--max-batched-tokens", "64", "--kill-replica", "2", "--no-progress"])
+                   "--user-len", "3,6", "--num-pages", "32", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "64", "--kill-replica", "2", "--no-progress"])
     text = out.getvalue()
     assert rc == 0, text
     assert "match the dense model" in text and "scheduler: core, backend: model" in text

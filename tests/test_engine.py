@@ -10,30 +10,22 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia.check import hash_generate, hash_next_token
-from qualia.engine import (
-    Counters,
-    DecodeRuleSteps,
-    Engine,
-    ModelSteps,
-    Timeline,
-    UnservableRequest,
-    core_has_step_api,
-    make_scheduler_factory,
-)
-from qualia.report import WIDTH, format_summary
-from qualia.timing import ROWS, Stopwatch
-from qualia.twin import PyHashBackend
-from qualia.twin_step import StepScheduler
-from qualia.workload import Request, Workload
+from qualia.sim.adapters import DecodeRuleSteps, ModelSteps
+from qualia.sim.check import hash_generate, hash_next_token
+from qualia.sim.config import step_scheduler_class
+from qualia.sim.engine import Counters, Engine, Timeline, UnservableRequest
+from qualia.sim.report import WIDTH, format_summary
+from qualia.sim.timing import ROWS, Stopwatch
+from qualia.sim.workload import Request, Workload
+from qualia.twin import PyHashBackend, StepScheduler
 
 # A pool small enough that reclaim and preemption happen, and a step budget small enough that
 # prompts are prefilled in chunks beside decodes.
 SMALL_WORKLOAD = dict(requests=24, seed=1, prompt_len=(16, 48), output_len=(8, 24),
                       system_prompts=3, system_prompt_len=20, share_ratio=0.8, tenants=2,
                       arrival_rate=2.0)
-SMALL_ENGINE = dict(num_blocks=40, max_requests=12, page_tokens=8, logical_pages=12,
-                    max_batched_tokens=48, max_prefill_chunk=16)
+SMALL_ENGINE = dict(num_pages=40, max_num_seqs=12, page_tokens=8, logical_pages=12,
+                    max_num_batched_tokens=48, max_prefill_chunk=16)
 
 
 class HashSteps:
@@ -92,7 +84,7 @@ def test_workload_is_seeded_and_well_formed():
     assert {r.tenant for r in a} == {0, 1, 2, 3}
     lognormal = Workload(requests=300, length_dist="lognormal", prompt_len=(10, 90)).generate()
     assert all(10 <= len(r.prompt) <= 90 for r in lognormal if r.system_prompt is None)
-    no_end = Workload(requests=50, vocab=8, end_token=5, system_prompts=2, system_prompt_len=6)
+    no_end = Workload(requests=50, vocab=8, eos_token_id=5, system_prompts=2, system_prompt_len=6)
     assert all(5 not in r.prompt for r in no_end.generate())
     assert any(5 in r.prompt for r in Workload(requests=50, vocab=8).generate())
     with pytest.raises(ValueError):
@@ -152,7 +144,7 @@ def test_stopwatch_charges_every_second_to_one_row():
 
 
 def test_next_turn_continues_the_conversation():
-    w = Workload(requests=5, seed=4, turns=3, user_len=(3, 6), end_token=7, vocab=50,
+    w = Workload(requests=5, seed=4, turns=3, user_len=(3, 6), eos_token_id=7, vocab=50,
                  system_prompts=1, system_prompt_len=6)
     first = w.generate()
     assert [(r.conversation, r.turn) for r in first] == [(i, 0) for i in range(5)]
@@ -205,12 +197,12 @@ def test_model_engine_end_token_stops_requests():
     requests = Workload(requests=10, seed=3, prompt_len=(10, 30), output_len=(12, 20),
                         system_prompts=1, system_prompt_len=9, share_ratio=1.0, tenants=1,
                         arrival_rate=float("inf")).generate()
-    free_run = Engine("model", num_blocks=64, max_requests=10, page_tokens=4, logical_pages=16)
+    free_run = Engine("model", num_pages=64, max_num_seqs=10, page_tokens=4, logical_pages=16)
     free_run.run(requests)
     counts = collections.Counter(t for out in free_run.outputs.values() for t in out[:-1])
     end = counts.most_common(1)[0][0]
-    engine = Engine("model", num_blocks=64, max_requests=10, page_tokens=4, logical_pages=16,
-                    end_token=end)
+    engine = Engine("model", num_pages=64, max_num_seqs=10, page_tokens=4, logical_pages=16,
+                    eos_token_id=end)
     result = engine.run(requests, check=True)
     assert result.check.ok, result.check.describe()
     stopped = [rid for rid, out in engine.outputs.items()
@@ -228,8 +220,8 @@ def test_c_backend_engine_matches_the_hash_rule():
     requests = Workload(requests=200, seed=5, prompt_len=(8, 80), output_len=(4, 40),
                         system_prompts=5, system_prompt_len=24, share_ratio=0.7, tenants=3,
                         arrival_rate=4.0, vocab=32000).generate()
-    engine = Engine("c", num_blocks=120, max_requests=32, page_tokens=16, logical_pages=8,
-                    max_batched_tokens=256, max_prefill_chunk=64)
+    engine = Engine("c", num_pages=120, max_num_seqs=32, page_tokens=16, logical_pages=8,
+                    max_num_batched_tokens=256, max_prefill_chunk=64)
     result = engine.run(requests, check=True)
     st = result.stats
     assert result.check.ok, result.check.describe()
@@ -247,9 +239,10 @@ def test_c_backend_small_vocab_end_token_and_tiny_pool():
     requests = Workload(requests=60, seed=2, prompt_len=(1, 12), output_len=(1, 10),
                         system_prompts=2, system_prompt_len=3, share_ratio=0.9, tenants=2,
                         arrival_rate=3.0, vocab=8).generate()
-    for max_requests in (1, 5):
-        engine = Engine("c", num_blocks=24, max_requests=max_requests, page_tokens=1,
-                        logical_pages=24, vocab=8, end_token=3, max_batched_tokens=6)
+    for max_num_seqs in (1, 5):
+        engine = Engine("c", num_pages=24, max_num_seqs=max_num_seqs, page_tokens=1,
+                        logical_pages=24, vocab_size=8, eos_token_id=3,
+                        max_num_batched_tokens=6)
         result = engine.run(requests, check=True)
         assert result.check.ok, result.check.describe()
         assert_clean_end(engine, 60)
@@ -279,7 +272,7 @@ def test_python_decode_rule_backend(backend):
 def test_a_step_backend_is_used_as_it_is_and_plans_keep_the_budget():
     backend = HashSteps(vocab=32000)
     requests = Workload(**{**SMALL_WORKLOAD, "vocab": 32000}).generate()
-    engine = Engine(backend, **dict(SMALL_ENGINE, max_seqs=6))
+    engine = Engine(backend, **dict(SMALL_ENGINE, max_num_seqs=6))
     result = engine.run(requests, check=True)
     assert result.check.ok, result.check.describe()
     assert engine.backend.inner is backend
@@ -323,7 +316,7 @@ def test_the_scheduler_factory_and_the_step_loop():
             calls.append("update")
             return super().update(sampled)
 
-    engine = Engine(HashSteps(), scheduler_factory=Recording, max_batched_tokens=32,
+    engine = Engine(HashSteps(), scheduler=Recording, max_num_batched_tokens=32,
                     max_prefill_chunk=8)
     engine.run(Workload(requests=5, seed=1, vocab=32000, arrival_rate=float("inf")))
     assert calls[0] == ("init", 32, 8)
@@ -333,18 +326,16 @@ def test_the_scheduler_factory_and_the_step_loop():
     assert engine.implementation == "twin"
 
 
-def test_implementation_choice():
-    assert make_scheduler_factory("twin") is StepScheduler
-    assert isinstance(Engine("c", implementation="twin").scheduler, StepScheduler)
-    if core_has_step_api():
-        assert make_scheduler_factory("core") is qualia.StepScheduler
-        assert make_scheduler_factory("auto") is qualia.StepScheduler
-    else:
-        with pytest.raises(ValueError, match="no engine step API"):
-            make_scheduler_factory("core")
-        assert make_scheduler_factory("auto") is StepScheduler
-    with pytest.raises(ValueError, match="implementation"):
-        make_scheduler_factory("gpu")
+def test_scheduler_choice():
+    assert issubclass(step_scheduler_class("twin"), StepScheduler)
+    assert isinstance(Engine("c", scheduler="twin").scheduler, StepScheduler)
+    assert step_scheduler_class("core") is qualia.StepScheduler
+    assert step_scheduler_class("auto") is qualia.StepScheduler
+    assert Engine("c").implementation == "core"
+    with pytest.raises(ValueError, match="scheduler"):
+        step_scheduler_class("gpu")
+    with pytest.raises(ValueError, match="scheduler"):
+        Engine("c", scheduler="gpu")
 
 
 def test_prefix_caching_modes():
@@ -352,8 +343,6 @@ def test_prefix_caching_modes():
         Engine("c", prefix_caching="explicit")
     with pytest.raises(ValueError):
         Engine("c", prefix_caching="sometimes")
-    if not core_has_step_api():
-        pytest.skip("the pure-Python step twin serves prefix_caching='auto' only")
     engine = Engine("c", **dict(SMALL_ENGINE, prefix_caching="off"))
     result = engine.run(Workload(**{**SMALL_WORKLOAD, "vocab": 32000}), check=True)
     assert result.check.ok and result.stats["prefix_hits"] == 0
@@ -394,7 +383,7 @@ def test_arrivals_in_seconds_wait_for_the_clock():
 
 
 def test_arrivals_beyond_the_queue_wait_in_the_engine():
-    engine = Engine(HashSteps(), max_requests=2, max_queued=3, page_tokens=4)
+    engine = Engine(HashSteps(), max_num_seqs=2, max_queued=3, page_tokens=4)
     reqs = Workload(requests=12, seed=3, vocab=32000, arrival_rate=float("inf"),
                     prompt_len=(4, 10), output_len=(2, 4)).generate()
     result = engine.run(reqs, check=True)
@@ -406,13 +395,13 @@ def test_arrivals_beyond_the_queue_wait_in_the_engine():
 
 
 def test_oversize_request_is_rejected_at_submission():
-    engine = Engine("c", num_blocks=8, max_requests=2, page_tokens=4, logical_pages=16)
+    engine = Engine("c", num_pages=8, max_num_seqs=2, page_tokens=4, logical_pages=16)
     engine.submit(Request(0, 0, list(range(30)), 0, 3))  # 32 positions = 8 pages: fits
     with pytest.raises(UnservableRequest, match="whole pool has only 8 pages"):
         engine.submit(Request(1, 0, list(range(30)), 0, 4))
     with pytest.raises(UnservableRequest, match="logical_pages=16"):
         engine.submit(Request(2, 0, list(range(60)), 0, 10))
-    table = Engine("c", num_blocks=64, max_requests=2, page_tokens=4, logical_pages=4)
+    table = Engine("c", num_pages=64, max_num_seqs=2, page_tokens=4, logical_pages=4)
     with pytest.raises(UnservableRequest, match="16 tokens a request may hold"):
         table.submit(Request(0, 0, list(range(14)), 0, 3))  # 17 tokens: one past the table
     table.submit(Request(1, 0, list(range(14)), 0, 2))
@@ -429,13 +418,13 @@ def test_oversize_request_is_rejected_at_submission():
     result = engine.run()  # the accepted request is still served
     assert result.stats["requests_completed"] == 1
     assert table.run().stats["requests_completed"] == 1
-    model = Engine("model", num_blocks=8, max_requests=2, page_tokens=4, logical_pages=8)
+    model = Engine("model", num_pages=8, max_num_seqs=2, page_tokens=4, logical_pages=8)
     with pytest.raises(ValueError, match="token ids"):
         model.submit(Request(0, 0, [1, 512], 0, 1))
     with pytest.raises(ValueError, match="token ids"):
         model.submit(Request(1, 0, np.array([1, 512], dtype=np.uint32), 0, 1))
     with pytest.raises(ValueError, match="max_num_seqs"):
-        Engine("c", max_requests=4, max_seqs=5)
+        Engine("c", max_num_seqs=0)
     with pytest.raises(ValueError, match="step_seconds"):
         Engine("c", step_seconds=-1.0)
 
@@ -454,7 +443,7 @@ class _OffByOne(HashSteps):
 def test_check_reports_a_mismatch():
     requests = Workload(requests=6, prompt_len=(4, 8), output_len=(3, 5),
                         system_prompts=0, vocab=32000).generate()
-    engine = Engine(_OffByOne(), num_blocks=16, max_requests=4, page_tokens=4, logical_pages=4)
+    engine = Engine(_OffByOne(), num_pages=16, max_num_seqs=4, page_tokens=4, logical_pages=4)
     result = engine.run(requests, check=True)
     assert not result.check.ok and result.check.mismatched == [3]
     assert "1 of 6 requests DIFFER" in result.check.describe()
@@ -525,8 +514,8 @@ def test_python_backend_time_lands_in_the_backend_row():
     elapsed = time.perf_counter() - t0
     t = st["time_s"]
     assert t["backend"] >= backend.slept > 0
-    assert sum(engine.round_backend_s) >= backend.slept
-    assert t["scheduler"] > 0 and t["decode_round"] == 0.0
+    assert sum(engine.step_backend_s) >= backend.slept
+    assert t["scheduler"] > 0
     # measured serving time: the steps, the backend's sleeps inside them
     assert st["serve_s"] >= backend.slept
     assert _sum_rows(st) <= elapsed
@@ -601,7 +590,7 @@ def test_summary_rows_add_up_and_fit_80_columns(backend):
 
 def test_summary_fits_80_columns_with_huge_figures():
     requests = Workload(requests=6, vocab=32000).generate()
-    engine = Engine(_OffByOne(vocab=32000), num_blocks=64, logical_pages=16)
+    engine = Engine(_OffByOne(vocab=32000), num_pages=64, logical_pages=16)
     result = engine.run(requests, check=True)
     stats = {k: (10**15 + 7 if isinstance(v, int) and not isinstance(v, bool) else v)
              for k, v in result.stats.items()}
@@ -626,7 +615,7 @@ def test_summary_fits_80_columns_with_huge_figures():
 def test_a_later_turn_reuses_the_previous_answer():
     w = Workload(requests=1, seed=2, turns=2, system_prompts=0, prompt_len=(40, 40),
                  output_len=(20, 20), user_len=(5, 5), vocab=32000)
-    engine = Engine("c", num_blocks=64, max_requests=2, page_tokens=4, logical_pages=32)
+    engine = Engine("c", num_pages=64, max_num_seqs=2, page_tokens=4, logical_pages=32)
     result = engine.run(w, check=True)
     assert result.check.ok
     st = result.stats
@@ -639,7 +628,7 @@ def test_auto_tenants_never_share_pages():
     prompt = list(range(1, 40))
     reqs = [Request(i, tenant, prompt, 0, 4, arrival_step=2 * i)
             for i, tenant in enumerate([0, 1, 0, 2])]
-    engine = Engine("c", num_blocks=64, max_requests=4, page_tokens=8, logical_pages=8)
+    engine = Engine("c", num_pages=64, max_num_seqs=4, page_tokens=8, logical_pages=8)
     result = engine.run(reqs, check=True)
     assert result.check.ok
     assert result.stats["prefix_hits"] == 1  # request 2, tenant 0 again
@@ -665,7 +654,7 @@ def test_timeline_follows_the_run():
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from qualia.plot import plot_timeline
+    from qualia.sim.plot import plot_timeline
 
     result = Engine("c", **SMALL_ENGINE).run(Workload(**{**SMALL_WORKLOAD, "vocab": 32000}))
     path = tmp_path / "run.png"
@@ -681,7 +670,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_without_matplotlib(monkeypatch, tmp_path):
     import sys
 
-    from qualia.plot import matplotlib_problem, plot_timeline
+    from qualia.sim.plot import matplotlib_problem, plot_timeline
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert "qualia[plot]" in matplotlib_problem()
@@ -699,7 +688,7 @@ def test_a_scheduler_that_schedules_nothing_is_reported_not_looped_on():
             finally:
                 self._waiting[:] = self._waiting_backup
 
-    engine = Engine(HashSteps(), scheduler_factory=Idle, page_tokens=4)
+    engine = Engine(HashSteps(), scheduler=Idle, page_tokens=4)
     with pytest.raises(RuntimeError, match="engine stuck"):
         engine.run([Request(0, 0, [1, 2, 3], 0, 2)])
 
@@ -708,7 +697,7 @@ def test_recomputed_tokens_are_what_a_preempted_request_computes_again():
     # two requests in a pool that holds one of them at its peak: the later admitted one is
     # preempted when the first needs pages, and recomputes what the cache did not keep
     reqs = [Request(0, 0, list(range(1, 9)), 0, 8), Request(1, 0, list(range(11, 19)), 0, 8)]
-    engine = Engine(HashSteps(), num_blocks=5, max_requests=2, page_tokens=4, logical_pages=4)
+    engine = Engine(HashSteps(), num_pages=5, max_num_seqs=2, page_tokens=4, logical_pages=4)
     result = engine.run(reqs, check=True)
     st = result.stats
     assert result.check.ok and st["preemptions"] >= 1 and st["recomputes"] >= 1

@@ -10,24 +10,24 @@ import json
 import numpy as np
 import pytest
 
-from qualia.__main__ import main
-from qualia.engine import Engine, core_supports
+from qualia.cli.main import main
 from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
-from qualia.report import WIDTH, format_summary
-from qualia.workload import Request, Workload
+from qualia.sim.engine import Engine
+from qualia.sim.report import WIDTH, format_summary
+from qualia.sim.workload import Request, Workload
 
 HOT = SamplingParams(temperature=1.0, seed=5)
 CONFIG = ModelConfig(vocab=64, layers=1)
 
 SMALL_CLI = ["--requests", "6", "--prompt-len", "12,40", "--output-len", "4,10",
              "--system-prompts", "1", "--system-prompt-len", "9", "--share-ratio", "0.5",
-             "--arrival-rate", "3", "--num-blocks", "96", "--max-requests", "12",
+             "--arrival-rate", "3", "--num-pages", "96", "--max-num-seqs", "12",
              "--page-tokens", "8", "--logical-pages", "8", "--turns", "2",
              "--no-progress"]
 
 
 def _no_run(monkeypatch):
-    from qualia import engine as engine_mod
+    from qualia.sim import engine as engine_mod
 
     def refuse(*args, **kwargs):
         raise AssertionError("the run started")
@@ -77,9 +77,9 @@ def test_simulate_n_on_the_c_backend_checks_every_member_against_the_hash_rule(c
     (["--n", "0"], "argument --n: must be >= 1"),
     (["--beam-width", "0"], "argument --beam-width: must be >= 1"),
     (["--n", "2", "--beam-width", "2"], "argument --beam-width: not allowed with --n > 1"),
-    (["--max-requests", "4", "--beam-width", "5"], "argument --beam-width: must be <= "
-                                                   "--max-requests (4)"),
-    (["--max-seqs", "3", "--n", "4"], "argument --n: must be <= --max-seqs (3)"),
+    (["--max-num-seqs", "4", "--beam-width", "5"], "argument --beam-width: must be <= "
+                                                   "--max-num-seqs (4)"),
+    (["--max-num-seqs", "3", "--n", "4"], "argument --n: must be <= --max-num-seqs (3)"),
     (["--backend", "c", "--beam-width", "2"], "argument --beam-width: needs --backend model"),
     (["--backend", "c", "--temperature", "1"], "argument --temperature: needs --backend model"),
     (["--beam-width", "2", "--temperature", "1"], "argument --temperature: not allowed with "
@@ -100,7 +100,7 @@ def test_bad_fork_options_are_argparse_errors(argv, message, monkeypatch, capsys
 
 def test_a_beam_group_that_never_fits_the_pool_is_refused_before_the_run(capsys):
     rc = main(["simulate", "--requests", "2", "--prompt-len", "60,60", "--output-len", "40,40",
-               "--num-blocks", "16", "--page-tokens", "8", "--logical-pages", "16",
+               "--num-pages", "16", "--page-tokens", "8", "--logical-pages", "16",
                "--beam-width", "4", "--no-progress", "--turns", "1"])
     assert rc == 2
     assert "beams need" in capsys.readouterr().err
@@ -114,8 +114,8 @@ def test_twin_engine_n_groups_equal_their_dense_runs():
     from qualia.model import PagedModelBackend
 
     backend = PagedModelBackend(weights, 64, 4, sampling=HOT)
-    engine = Engine(backend, num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8,
-                    n=3, implementation="twin")
+    engine = Engine(backend, num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8,
+                    n=3, scheduler="twin")
     reqs = _requests([10, 7, 13], 6)
     result = engine.run(reqs, check=True)
     assert engine.implementation == "twin" and result.check.ok, result.check.describe()
@@ -134,43 +134,31 @@ def test_twin_engine_n_groups_equal_their_dense_runs():
 
 @pytest.mark.parametrize("implementation", ["auto", "twin"])
 def test_beam_groups_equal_the_dense_beam_search(implementation):
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, beam_width=3,
-                    implementation=implementation, end_token=9)
+                    scheduler=implementation, eos_token_id=9)
     reqs = _requests([10, 6], 7, seed=3)
     result = engine.run(reqs, check=True)
     assert result.check.ok, result.check.describe()
     dense = DenseModel(engine.weights)
     for r in reqs:
         g = result.groups[r.request_id]
-        ref = dense.beam_search(r.prompt, 3, 7, end_token=9)
+        ref = dense.beam_search(r.prompt, 3, 7, eos_token_id=9)
         assert g.kind == "beam" and g.outputs == [h.tokens for h in ref]
         assert g.scores == pytest.approx([h.logprob for h in ref], rel=1e-9)
     assert result.stats["forks"] > 0
 
 
-def test_this_build_s_core_has_both_kinds_of_group():
-    assert core_supports("n") and core_supports("beam")
+def test_groups_run_on_the_core_scheduler_by_default():
     assert Engine("model", beam_width=2).implementation == "core"
     assert Engine("model", n=2).implementation == "core"
-
-
-def test_core_without_beam_search_is_a_clear_error(monkeypatch):
-    """An older build's core (the probe's answer replaced) is refused for beams with
-    implementation="core", and "auto" falls back to the twin."""
-    import qualia.engine as E
-
-    monkeypatch.setitem(E._CORE_FORKS, "beam", False)
-    with pytest.raises(ValueError, match="no beam search"):
-        Engine("model", beam_width=2, implementation="core")
-    assert Engine("model", beam_width=2).implementation == "twin"  # auto falls back
 
 
 def test_pages_saved_by_sharing_at_the_peak():
     # one request, prompt of 10 tokens (2 full pages of 4 and 2 tokens), 4 members of 6 new
     # tokens: at the last step each member has 15 tokens with K/V = 4 pages of its own without
     # sharing (16); with sharing the 2 full prompt pages once plus 2 pages per member (10)
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, n=4, sampling=HOT)
     result = engine.run(_requests([10], 6), check=True)
     st = result.stats
@@ -181,7 +169,7 @@ def test_pages_saved_by_sharing_at_the_peak():
 
 
 def test_copies_at_least_forks_when_prompts_end_mid_page():
-    engine = Engine("model", model_config=CONFIG, num_blocks=96, max_requests=12,
+    engine = Engine("model", model_config=CONFIG, num_pages=96, max_num_seqs=12,
                     page_tokens=4, logical_pages=8, n=4, sampling=HOT)
     result = engine.run(_requests([9, 10, 11, 13, 6], 5, seed=2), check=True)
     st = result.stats
@@ -193,7 +181,7 @@ def test_copies_at_least_forks_when_prompts_end_mid_page():
 def test_long_prompts_save_pages_with_n():
     wl = Workload(requests=4, seed=3, prompt_len=(60, 90), output_len=(4, 8),
                   system_prompts=0, vocab=64, turns=1, arrival_rate=float("inf"))
-    engine = Engine("model", model_config=CONFIG, num_blocks=128, max_requests=16,
+    engine = Engine("model", model_config=CONFIG, num_pages=128, max_num_seqs=16,
                     page_tokens=8, logical_pages=16, n=4, sampling=HOT)
     st = engine.run(wl, check=True).stats
     assert st["check_ok"]
@@ -202,7 +190,7 @@ def test_long_prompts_save_pages_with_n():
 
 
 def test_without_sharing_nothing_is_saved():
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, prefix_caching="off")
     st = engine.run(_requests([10, 7, 13], 6)).stats
     assert st["pages_saved_at_peak"] == 0
@@ -212,7 +200,7 @@ def test_without_sharing_nothing_is_saved():
 
 def test_fork_fallbacks_are_counted_and_still_exact():
     # two slots for two groups of 3: some children cannot fork and wait as requests
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=3,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=3,
                     page_tokens=4, logical_pages=8, n=3, sampling=HOT)
     result = engine.run(_requests([10, 11, 9], 4, seed=4), check=True)
     st = result.stats
@@ -222,7 +210,7 @@ def test_fork_fallbacks_are_counted_and_still_exact():
 
 
 def test_temperature_without_forks_checks_against_the_sampled_dense_run():
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, sampling=HOT)
     reqs = _requests([10, 7], 8)
     result = engine.run(reqs, check=True)
@@ -232,7 +220,7 @@ def test_temperature_without_forks_checks_against_the_sampled_dense_run():
 
 
 def test_check_names_the_member_that_differs():
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, n=3, sampling=HOT)
     engine.run(_requests([10, 7], 5))
     g = engine.groups[1]
@@ -243,7 +231,7 @@ def test_check_names_the_member_that_differs():
 
 
 def test_check_names_the_hypothesis_that_differs():
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, beam_width=2)
     engine.run(_requests([10], 5))
     engine.groups[0].outputs.reverse()
@@ -254,7 +242,7 @@ def test_check_names_the_hypothesis_that_differs():
 
 @pytest.mark.parametrize("kw,exc,match", [
     (dict(n=0), ValueError, "n must be in"),
-    (dict(n=9), ValueError, "max_seqs=8"),
+    (dict(n=9), ValueError, "max_num_seqs=8"),
     (dict(n=2.0), TypeError, "n must be an int"),
     (dict(n=2, beam_width=2), ValueError, "exclude each other"),
     (dict(beam_width=9), ValueError, "beam_width must be in"),
@@ -263,7 +251,7 @@ def test_check_names_the_hypothesis_that_differs():
 ])
 def test_bad_group_arguments(kw, exc, match):
     with pytest.raises(exc, match=match):
-        Engine("model", model_config=CONFIG, max_requests=8, **kw)
+        Engine("model", model_config=CONFIG, max_num_seqs=8, **kw)
 
 
 def test_beam_search_and_sampling_need_the_model():
@@ -274,7 +262,7 @@ def test_beam_search_and_sampling_need_the_model():
 
 
 def test_summary_of_a_fork_run_fits_and_names_the_figures():
-    engine = Engine("model", model_config=CONFIG, num_blocks=64, max_requests=8,
+    engine = Engine("model", model_config=CONFIG, num_pages=64, max_num_seqs=8,
                     page_tokens=4, logical_pages=8, n=4, sampling=HOT)
     result = engine.run(_requests([10, 7], 5))
     text = format_summary(result.stats)
@@ -293,17 +281,17 @@ from hypothesis import strategies as st  # noqa: E402
 @settings(max_examples=25, deadline=None)
 @given(kind=st.sampled_from(["n", "beam"]), width=st.integers(1, 4),
        lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5),
-       max_new=st.integers(1, 6), num_blocks=st.integers(12, 40),
-       max_requests=st.integers(4, 8), budget=st.sampled_from([4, 9, 64]),
+       max_new=st.integers(1, 6), num_pages=st.integers(12, 40),
+       max_num_seqs=st.integers(4, 8), budget=st.sampled_from([4, 9, 64]),
        end_token=st.sampled_from([None, 3]), seed=st.integers(0, 3))
-def test_random_fork_runs_check_and_keep_their_books(kind, width, lengths, max_new, num_blocks,
-                                                     max_requests, budget, end_token, seed):
+def test_random_fork_runs_check_and_keep_their_books(kind, width, lengths, max_new, num_pages,
+                                                     max_num_seqs, budget, end_token, seed):
     """Any small pool, budget and slot count (preemption, fork fallbacks, parked beams): every
     group equals its dense reference, every page comes back, and the books agree."""
     kw = dict(n=width) if kind == "n" else dict(beam_width=width)
-    engine = Engine("model", model_config=CONFIG, num_blocks=num_blocks,
-                    max_requests=max_requests, page_tokens=3, logical_pages=8,
-                    max_batched_tokens=budget, end_token=end_token,
+    engine = Engine("model", model_config=CONFIG, num_pages=num_pages,
+                    max_num_seqs=max_num_seqs, page_tokens=3, logical_pages=8,
+                    max_num_batched_tokens=budget, eos_token_id=end_token,
                     sampling=HOT if kind == "n" else None, **kw)
     reqs = _requests(lengths, max_new, seed=seed)
     try:
@@ -322,7 +310,7 @@ def test_random_fork_runs_check_and_keep_their_books(kind, width, lengths, max_n
         assert st_["sequences_completed"] == width * len(reqs)
         assert st_["forks"] + st_["fork_fallbacks"] == (width - 1) * len(reqs)
     assert 0 <= st_["pages_saved_at_peak"] <= st_["peak_unshared_pages"]
-    assert st_["peak_held_pages"] <= num_blocks
+    assert st_["peak_held_pages"] <= num_pages
     outputs = ([o for g in result.groups.values() for o in g.outputs] if engine.forking
                else list(result.outputs.values()))  # n = 1: plain requests
     assert st_["tokens_generated"] == sum(len(o) for o in outputs)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia import twin, twin_cache
+from qualia import twin
 from qualia.errors import SchedulerError, TableError
+from qualia.twin import cache as twin_cache
 
 FACADES = [qualia.Scheduler, twin_cache.Scheduler]
 SEEDS = [qualia, twin]

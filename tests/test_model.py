@@ -260,7 +260,7 @@ def test_dense_generate_end_token_and_incremental(dense):
     k = 7
     end = out[k]
     first = out.index(end)
-    assert dense.generate(prompt, 40, end_token=end) == out[: first + 1]
+    assert dense.generate(prompt, 40, eos_token_id=end) == out[: first + 1]
     toks = [dense.start(prompt)]
     while len(toks) < 40:
         toks.append(dense.step(toks[-1]))
@@ -358,7 +358,7 @@ def test_recompute_after_preemption_equals_continuing(weights, dense):
 
 
 def test_copy_pages_in_order(weights):
-    be = PagedModelBackend(weights, num_blocks=4, page_tokens=2)
+    be = PagedModelBackend(weights, num_pages=4, page_tokens=2)
     be.kv[:] = np.arange(4, dtype=np.float64).reshape(4, 1, 1, 1, 1, 1)
     ops = np.array([(0, 1), (1, 2)], dtype=COPY_OP)
     assert be.copy_pages(ops) == 2 and be.pages_copied == 2
@@ -370,7 +370,7 @@ def test_copy_pages_in_order(weights):
 
 
 def test_execute_ragged_rejects_bad_input_without_writing(weights):
-    be = PagedModelBackend(weights, num_blocks=4, page_tokens=4)
+    be = PagedModelBackend(weights, num_pages=4, page_tokens=4)
     kv_before = be.kv.copy()
     outputs = np.zeros(2, dtype=OUTPUT)
 

@@ -2,7 +2,7 @@
 step plan (prefill chunks and decodes in one forward, K/V through ``slot_mapping``, attention
 through the page table and ``seq_lens``, copy-on-write copies first) and its tokens equal the dense
 reference (no paging) token for token: hand-built plans first, then plans of the pure-Python step
-scheduler (``qualia.twin_step.StepScheduler``) with chunked prefill, mixed batches, prefix hits,
+scheduler (``qualia.twin.StepScheduler``) with chunked prefill, mixed batches, prefix hits,
 copies and preemptions; greedy and seeded sampling; log-probabilities and top-k.
 """
 
@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qualia.check import check_outputs, dense_reference
 from qualia.model import (
     GREEDY,
     DenseModel,
@@ -25,6 +24,7 @@ from qualia.model import (
     sample_tokens,
     sampling_uniforms,
 )
+from qualia.sim.check import check_outputs, dense_reference
 from qualia.twin import COPY_OP
 
 CONFIG = ModelConfig()  # layers=2, heads=4, head_dim=16, vocab=512
@@ -90,7 +90,7 @@ def test_one_request_prompt_in_three_chunks_then_decodes(weights):
     want = DenseModel(weights).generate(prompt, 12)
     table = np.full((2, 16), -1, np.int32)
     table[1, :9] = [11, 3, 7, 0, 14, 2, 9, 5, 12]  # scattered physical pages, row 1
-    be = PagedModelBackend(weights, num_blocks=16, page_tokens=pt)
+    be = PagedModelBackend(weights, num_pages=16, page_tokens=pt)
     toks = list(prompt)
     for start, n in ((0, 9), (9, 6), (15, 8)):  # chunks that end inside and on page edges
         plan = make_plan([(5, 1, toks, start, n, start + n == len(toks))], table, pt)
@@ -110,7 +110,7 @@ def test_step_logits_bit_identical_to_dense(weights):
     pt = 8
     prompt = _prompt(2, 40)
     table = np.arange(16, dtype=np.int32)[::-1].reshape(2, 8).copy()
-    be = PagedModelBackend(weights, num_blocks=16, page_tokens=pt)
+    be = PagedModelBackend(weights, num_pages=16, page_tokens=pt)
     be.step_logits(make_plan([(1, 0, prompt, 0, 17, False)], table, pt))
     logits = be.step_logits(make_plan([(1, 0, prompt, 17, 23, True)], table, pt))
     assert np.array_equal(logits[0], DenseModel(weights).prompt_logits(prompt))
@@ -125,7 +125,7 @@ def test_mixed_batch_with_a_copy(weights):
     b_prompt = a_prompt[:6] + _prompt(4, 7)  # shares a's first 6 tokens: page 0 + half page 1
     c_prompt = _prompt(5, 5)
     table = np.full((4, 8), -1, np.int32)
-    be = PagedModelBackend(weights, num_blocks=32, page_tokens=pt)
+    be = PagedModelBackend(weights, num_pages=32, page_tokens=pt)
     a_toks = list(a_prompt)
     table[2, :4] = [20, 21, 22, 23]  # a lives in row 2
     a_toks.append(int(be.execute_step(make_plan([(10, 2, a_toks, 0, 10, True)], table, pt))[0]))
@@ -161,7 +161,7 @@ def test_bad_plans_are_refused_without_writing(weights):
     prompt = _prompt(7, 6)
     table = np.full((1, 4), -1, np.int32)
     table[0, :2] = [1, 2]
-    be = PagedModelBackend(weights, num_blocks=4, page_tokens=pt)
+    be = PagedModelBackend(weights, num_pages=4, page_tokens=pt)
     good = make_plan([(1, 0, prompt, 0, 6, True)], table, pt)
 
     def variant(**kw):
@@ -200,7 +200,7 @@ def test_bad_plans_are_refused_without_writing(weights):
 
 
 def test_empty_plan(weights):
-    be = PagedModelBackend(weights, num_blocks=4, page_tokens=4)
+    be = PagedModelBackend(weights, num_pages=4, page_tokens=4)
     plan = make_plan([], np.full((1, 2), -1, np.int32), 4)
     assert be.execute_step(plan).shape == (0,)
     ids, lps = be.execute_step(plan, want_logprobs=True)
@@ -338,7 +338,7 @@ def _scenario(seed, vocab):
 @pytest.mark.parametrize("seed, budget, chunk, blocks", [
     (0, 16, 5, 40), (1, 24, None, 28), (2, 9, 3, 30), (3, 64, 16, 24)])
 def test_twin_plans_match_dense_reference(small, seed, budget, chunk, blocks):
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     pt = 4
     sched = StepScheduler(blocks, pt, 16, 6, max_num_batched_tokens=budget, max_prefill_chunk=chunk,
@@ -361,7 +361,7 @@ def test_twin_plans_exercise_preemption_and_copies(small):
     """A small pool: requests are preempted (their full pages stay cached) and recomputed.
     (Automatic caching shares full pages only, so these plans carry no copies: the hand-built
     mixed-batch test covers copies.)"""
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     pt = 4
     totals = dict(preempted=0, cached=0)
@@ -383,7 +383,7 @@ def test_twin_plans_exercise_preemption_and_copies(small):
 def test_twin_plans_seeded_sampling_and_stops(small):
     """Seeded sampling per request, eos and stop ids: the same tokens as the dense reference,
     whatever the budget (batching and chunking do not change a request's tokens)."""
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     pt = 4
     prompts, max_new = _scenario(20, SMALL.vocab)
@@ -402,7 +402,7 @@ def test_twin_plans_seeded_sampling_and_stops(small):
         results.append(outputs)
         requests = {r: SimpleNamespace(prompt=p, max_new_tokens=max_new[r])
                     for r, p in prompts.items()}
-        res = check_outputs(requests, outputs, weights=small, end_token=5, sampling=params,
+        res = check_outputs(requests, outputs, weights=small, eos_token_id=5, sampling=params,
                             stop_token_ids=(9, 11))
         assert res.ok, res.describe()
     assert results[0] == results[1]
@@ -414,7 +414,7 @@ def test_twin_plans_seeded_sampling_and_stops(small):
 
 def test_decode_round_and_step_agree(small):
     """The v1 round path (prefill + execute_ragged) and the step path give the same tokens."""
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     prompt = _prompt(30, 13, SMALL.vocab)
     sched = StepScheduler(8, 4, 8, 2, max_num_batched_tokens=5, vocab_size=SMALL.vocab)
@@ -458,7 +458,7 @@ def test_dense_beam_search(small):
 def test_row_logits_do_not_depend_on_the_batch(weights, monkeypatch, budget):
     """Every sampled row of one mixed plan equals the dense model's logits for that request
     alone, bit for bit, however the rows are split into attention blocks."""
-    import qualia.model as model_mod
+    import qualia.model.weights as model_mod
 
     monkeypatch.setattr(model_mod, "_ATTEND_BUDGET", budget)
     pt = 4

@@ -21,8 +21,8 @@ from test_step_no_alloc import assert_no_growth_per_step
 from test_step_stateful import finished_key
 
 import qualia
-from qualia import twin_fork as TF
 from qualia.errors import BusyError, StepError
+from qualia.twin import fork as TF
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 V = 64

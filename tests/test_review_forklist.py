@@ -12,7 +12,7 @@ from step_checks import assert_same_plan
 from test_step_harden import c_backend, snapshot
 
 import qualia
-from qualia import twin_fork as TF
+from qualia.twin import fork as TF
 
 KW = dict(max_num_batched_tokens=64, max_num_seqs=4, max_queued=32, vocab_size=64,
           cache_key=b"f" * 16)

@@ -1,5 +1,5 @@
 """Hostile review of parallel sampling (``add_request(..., n=k)``) in the compiled engine step
-and its twin ``qualia.twin_fork.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the step level").
+and its twin ``qualia.twin.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the step level").
 
 The stateful test extends ``ForksVsTwin`` with what it does not reach: user ids in the range
 of the internal child ids (from 2**63 up) and at 2**64-1, a group aborted in its pending plan
@@ -21,8 +21,8 @@ from test_step_forks_core import ForksVsTwin
 from test_step_stateful import ALLOWED, SETTINGS, VOCAB
 
 import qualia
-from qualia import twin_fork as TF
 from qualia.errors import BusyError, StepError
+from qualia.twin import fork as TF
 
 CHILD = TF.CHILD_BASE
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -125,7 +125,7 @@ class PyHash:
 
 
 def ref(member, prompt, max_new):
-    from qualia.check import hash_generate
+    from qualia.sim.check import hash_generate
 
     return hash_generate(member, prompt, max_new, None, VOCAB)
 
@@ -430,9 +430,9 @@ def test_gc_callbacks_during_update_are_busy_and_the_group_result_is_whole():
 
 from hypothesis import given, settings  # noqa: E402
 
-from qualia.check import check_groups  # noqa: E402
-from qualia.engine import Engine  # noqa: E402
-from qualia.workload import Request  # noqa: E402
+from qualia.sim.check import check_groups  # noqa: E402
+from qualia.sim.engine import Engine  # noqa: E402
+from qualia.sim.workload import Request  # noqa: E402
 
 
 class RecordingHash:
@@ -462,8 +462,8 @@ def _reqs(lengths, max_new, seed=0):
 def test_engine_counters_add_up_to_its_plans(n, lengths, max_new, num_blocks, seqs, budget,
                                              caching):
     rec = RecordingHash()
-    engine = Engine(rec, num_blocks=num_blocks, max_requests=seqs, page_tokens=3,
-                    logical_pages=8, max_batched_tokens=budget, prefix_caching=caching, n=n)
+    engine = Engine(rec, num_pages=num_blocks, max_num_seqs=seqs, page_tokens=3,
+                    logical_pages=8, max_num_batched_tokens=budget, prefix_caching=caching, n=n)
     result = engine.run(_reqs(lengths, max_new), check=True)
     st_, plans = result.stats, rec.plans
     assert result.check.ok, result.check.describe()
@@ -482,7 +482,7 @@ def test_engine_counters_add_up_to_its_plans(n, lengths, max_new, num_blocks, se
 
 
 def _hash_engine_groups(n=3):
-    engine = Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=n)
+    engine = Engine("c", num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8, n=n)
     result = engine.run(_reqs([10, 7], 5), check=True)
     assert result.check.ok
     return engine
@@ -529,7 +529,7 @@ def test_check_of_a_group_for_an_unknown_request_is_a_failure_not_a_crash():
 @pytest.mark.parametrize("value", [np.int64(3), np.uint16(3), Index(3)],
                          ids=["int64", "uint16", "__index__"])
 def test_engine_takes_n_by_index(value):
-    engine = Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8,
+    engine = Engine("c", num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8,
                     n=value)
     assert engine.n == 3 and type(engine.n) is int
     assert engine.run(_reqs([6], 2), check=True).check.ok
@@ -539,7 +539,7 @@ def test_engine_takes_n_by_index(value):
                                        (LyingInt(99), ValueError), (2.0, TypeError)])
 def test_engine_refuses_bad_n(value, exc):
     with pytest.raises(exc, match="n must be"):
-        Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=value)
+        Engine("c", num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8, n=value)
 
 
 @pytest.mark.parametrize("kind", ["core", "twin"])
@@ -577,8 +577,8 @@ def test_pages_saved_is_never_negative_when_a_forked_child_waits_for_the_budget(
     # shared partial page away; the fourth, in no plan yet, is its last holder.  It used to be
     # left out of the non-sharing count: saved = 3 - 4 = -1
     for caching in ("auto", "off"):
-        engine = Engine(RecordingHash(), num_blocks=10, max_requests=4, page_tokens=3,
-                        logical_pages=8, max_batched_tokens=3, prefix_caching=caching, n=4)
+        engine = Engine(RecordingHash(), num_pages=10, max_num_seqs=4, page_tokens=3,
+                        logical_pages=8, max_num_batched_tokens=3, prefix_caching=caching, n=4)
         st_ = engine.run(_reqs([1], 2), check=True).stats
         assert st_["peak_held_pages"] == 4 and st_["peak_unshared_pages"] == 4
         assert st_["pages_saved_at_peak"] == 0
@@ -588,8 +588,8 @@ def test_a_forked_child_preempted_before_its_first_plan_is_counted_as_resumed():
     # the child (forked at step 4) is preempted before any plan names it, then admitted again:
     # a resume by recompute like any other (it was counted as a first admission)
     rec = RecordingHash()
-    engine = Engine(rec, num_blocks=8, max_requests=5, page_tokens=3, logical_pages=8,
-                    max_batched_tokens=3, n=2)
+    engine = Engine(rec, num_pages=8, max_num_seqs=5, page_tokens=3, logical_pages=8,
+                    max_num_batched_tokens=3, n=2)
     st_ = engine.run(_reqs([13, 8], 5), check=True).stats
     assert st_["preemptions"] == 3 and st_["recomputes"] == 3
     assert st_["tokens_recomputed"] > 0
@@ -659,17 +659,3 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
                                                       for m in members]
     assert s.free_pages == s.num_pages
     assert all(s.pool.refcount(p) in (0, 1) for p in range(num_blocks))
-
-
-def test_a_fork_run_the_core_cannot_take_without_caching_names_why(monkeypatch):
-    # "auto" falling back to the twin (a core without the feature) with caching off used to
-    # stop with the twin's own "the twin models prefix_caching='auto' only"
-    from qualia import engine as engine_mod
-
-    monkeypatch.setitem(engine_mod._CORE_FORKS, "n", False)
-    with pytest.raises(ValueError, match=r"parallel sampling \(n\) with prefix_caching='off' "
-                                         r"needs the compiled core's"):
-        Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=2,
-               prefix_caching="off")
-    engine = Engine("c", num_blocks=64, max_requests=8, page_tokens=4, logical_pages=8, n=2)
-    assert engine.implementation == "twin" and engine.run(_reqs([5], 2), check=True).check.ok

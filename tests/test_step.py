@@ -1,6 +1,6 @@
 """The engine step of the compiled core (``qualia.StepScheduler``: add_request / abort / schedule /
 update / run), one test per rule of docs/DESIGN.md, "The engine step".  Where a rule is about the
-plan, the test also checks the pure-Python twin (``qualia.twin_step.StepScheduler``) gives the
+plan, the test also checks the pure-Python twin (``qualia.twin.StepScheduler``) gives the
 same plan; tests/test_step_stateful.py drives both at random."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from step_checks import PLAN_ARRAYS, assert_same_plan
 
 import qualia
 from qualia import StepError
-from qualia.twin_step import StepScheduler
+from qualia.twin import StepScheduler
 
 
 def make(*args, twin=False, **kw):

@@ -642,7 +642,7 @@ def test_step_backends_match_their_rules_on_any_plan(example_backend, plan, voca
 
 
 def _twin(**kw):
-    from qualia.twin_step import StepScheduler
+    from qualia.twin import StepScheduler
 
     args = dict(num_pages=40, page_tokens=4, logical_pages=16, max_num_seqs=6,
                 max_num_batched_tokens=24, max_prefill_chunk=10)

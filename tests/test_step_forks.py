@@ -1,5 +1,5 @@
 """Parallel sampling (n > 1) and beam search over copy-on-write forks at the step level
-(qualia.twin_fork, DESIGN.md "Forks at the step level"): every member's tokens equal the dense
+(qualia.twin.fork, DESIGN.md "Forks at the step level"): every member's tokens equal the dense
 run with the same sampler and request id, beam search equals the dense beam search of the same
 width, the prompt's pages are held once, and misuse is refused changing nothing."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from qualia import twin_fork as TF
 from qualia.errors import StepError
-from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
+from qualia.sim.adapters import PlanModelSteps
+from qualia.twin import fork as TF
 
 W = ModelWeights.random(ModelConfig(vocab=64, layers=1))
 DENSE = DenseModel(W)
@@ -19,7 +20,7 @@ HOT = SamplingParams(temperature=1.0, seed=11)
 
 def world(num_pages=64, page_tokens=4, logical_pages=16, max_num_seqs=8, sampling=HOT, **kw):
     s = TF.ForkStepScheduler(num_pages, page_tokens, logical_pages, max_num_seqs, **kw)
-    return s, TF.StepModelBackend(W, num_pages, page_tokens, sampling=sampling)
+    return s, PlanModelSteps(PagedModelBackend(W, num_pages, page_tokens, sampling=sampling))
 
 
 def groups(finished):
@@ -93,7 +94,7 @@ def test_eos_and_stop_tokens_stop_members_independently():
     members = s.group_members(1)
     g = groups(TF.run_forks(s, b)[0])[1]
     for j, out in enumerate(g.outputs):
-        ref = dense(PROMPT, 12, members[j], end_token=7, stop_token_ids=(9, 40))
+        ref = dense(PROMPT, 12, members[j], eos_token_id=7, stop_token_ids=(9, 40))
         assert out.tolist() == ref
         assert g.finish_reasons[j] == ("stop" if ref[-1] in (7, 9, 40) else "length")
 
@@ -133,7 +134,7 @@ def test_beam_search_equals_the_dense_beam_search(width, eos):
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
     g = groups(TF.run_forks(s, b)[0])[1]
-    assert beams_of(g) == dense_beams(PROMPT, width, 6, end_token=eos)
+    assert beams_of(g) == dense_beams(PROMPT, width, 6, eos_token_id=eos)
     assert g.scores == sorted(g.scores, reverse=True)
     assert s.facade.free_pages == s.facade.num_pages
 
@@ -290,11 +291,11 @@ def test_random_groups_match_the_dense_references(requests, max_requests, num_bl
             continue
         f = got[rid]
         if kind == "beam":
-            assert beams_of(f) == dense_beams(prompt, k, new, end_token=eos)
+            assert beams_of(f) == dense_beams(prompt, k, new, eos_token_id=eos)
         elif kind == "n":
             assert [o.tolist() for o in f.outputs] == [
-                dense(prompt, new, m, end_token=eos) for m in members]
+                dense(prompt, new, m, eos_token_id=eos) for m in members]
         else:
-            assert f.output_tokens.tolist() == dense(prompt, new, rid, end_token=eos)
+            assert f.output_tokens.tolist() == dense(prompt, new, rid, eos_token_id=eos)
     s.facade.clear_cache()
     assert s.facade.free_pages == s.facade.num_pages

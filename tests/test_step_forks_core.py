@@ -1,5 +1,5 @@
 """Parallel sampling (``add_request(..., n=k)``) and beam search (``beam_width=w``) in the
-compiled engine step, against their pure-Python statement ``qualia.twin_fork.ForkStepScheduler``
+compiled engine step, against their pure-Python statement ``qualia.twin.ForkStepScheduler``
 (docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
 ``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
@@ -22,9 +22,10 @@ from test_step_abi import example_rule, example_topk_rule
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 import qualia
-from qualia import twin_fork as TF
 from qualia.errors import StepError
-from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
+from qualia.sim.adapters import PlanModelSteps
+from qualia.twin import fork as TF
 
 
 class ForksVsTwin(StepVsTwin):
@@ -135,10 +136,11 @@ HOT = SamplingParams(temperature=1.0, seed=11)
 
 
 class CoreModelBackend:
-    """execute_step for qualia.StepScheduler over the paged numpy model (twin_fork's backend)."""
+    """execute_step for qualia.StepScheduler over the paged numpy model (the simulator's
+    adapter)."""
 
     def __init__(self, num_blocks, page_tokens):
-        self.b = TF.StepModelBackend(W, num_blocks, page_tokens, sampling=HOT)
+        self.b = PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=HOT))
 
     def execute_step(self, plan):
         return np.asarray(self.b.execute_step(plan), dtype=np.uint32)
@@ -272,7 +274,7 @@ class CoreBeamBackend:
     rows (``(ids, topk_ids, topk_logprobs)`` when ``plan.num_topk > 0``)."""
 
     def __init__(self, num_blocks, page_tokens, sampling=HOT):
-        self.b = TF.StepModelBackend(W, num_blocks, page_tokens, sampling=sampling)
+        self.b = PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=sampling))
 
     def execute_step(self, plan):
         return self.b.execute_step(plan)
@@ -318,7 +320,7 @@ def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budge
     assert finished_key(fc) == finished_key(ft)
     g = [f for f in fc if f.request_id == 1][0]
     assert isinstance(g, qualia.FinishedGroup) and g.member_ids == []
-    assert beams_of(g) == dense_beams(PROMPT, width, 6, end_token=eos)
+    assert beams_of(g) == dense_beams(PROMPT, width, 6, eos_token_id=eos)
     assert g.scores == sorted(g.scores, reverse=True)
     assert c.forks == t.forks and c.parked == t.parked
     assert c.free_pages == c.num_pages

@@ -16,7 +16,7 @@ from ctypes_abi import EXECUTE_STEP, CStepBackend
 
 import qualia
 from qualia import BusyError, StepError
-from qualia.twin_step import StepScheduler
+from qualia.twin import StepScheduler
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 

@@ -24,8 +24,8 @@ import pytest
 from step_checks import assert_same_plan
 
 import qualia
-from qualia import twin_fork as TF
 from qualia.errors import StepError
+from qualia.twin import fork as TF
 
 V = 64
 HB = qualia.HashBackend(vocab=V)

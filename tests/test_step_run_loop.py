@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia import twin_fork as TF
+from qualia.twin import fork as TF
 
 HB = qualia.HashBackend(vocab=64)
 

@@ -1,6 +1,6 @@
 """The engine step: the compiled core and its pure-Python twin, call by call.
 
-``StepVsTwin`` drives ``qualia.StepScheduler`` and ``qualia.twin_step.StepScheduler`` with the same
+``StepVsTwin`` drives ``qualia.StepScheduler`` and ``qualia.twin.StepScheduler`` with the same
 random calls, valid and invalid: arrivals of prompts that share prefixes (so admissions hit the
 cache), in several namespaces, with priorities, eos and stop tokens; random budgets, sequence
 limits, chunk caps and pools small enough to force reclaims and preemptions; aborts in every
@@ -25,7 +25,7 @@ from step_checks import assert_same_plan
 
 import qualia
 from qualia.errors import QualiaError
-from qualia.twin_step import StepScheduler
+from qualia.twin import StepScheduler
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
 SETTINGS = settings(

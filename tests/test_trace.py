@@ -1,4 +1,4 @@
-"""Real traces: qualia.workload.Trace reads the Azure LLM inference trace format and a plain
+"""Real traces: qualia.sim.trace.Trace reads the Azure LLM inference trace format and a plain
 form, with synthetic token ids that keep the shared prefixes the file describes; malformed files
 are refused naming the file and the line."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qualia.engine import Engine
-from qualia.workload import Trace, TraceError, parse_timestamp
+from qualia.sim.engine import Engine
+from qualia.sim.trace import Trace, TraceError, parse_timestamp
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -86,7 +86,7 @@ def test_rows_are_sorted_by_arrival_and_columns_may_come_in_any_order(tmp_path):
 
 def test_the_end_token_never_appears_in_a_prompt(tmp_path):
     text = "arrival_s,prompt_tokens,output_tokens\n0,500,1\n"
-    r = Trace(write(tmp_path, text), vocab=4, end_token=2).generate()
+    r = Trace(write(tmp_path, text), vocab=4, eos_token_id=2).generate()
     assert 2 not in r[0].prompt.tolist() and set(r[0].prompt.tolist()) == {0, 1, 3}
 
 
@@ -152,7 +152,7 @@ def test_a_trace_is_served_and_its_groups_hit_the_cache(tmp_path):
 
 
 def test_a_trace_may_span_at_most_max_trace_span_s(tmp_path):
-    from qualia.workload import MAX_TRACE_SPAN_S
+    from qualia.sim.trace import MAX_TRACE_SPAN_S
 
     ok = write(tmp_path, f"arrival_s,prompt_tokens,output_tokens\n{MAX_TRACE_SPAN_S:.0f},8,2\n"
                          "0,8,2\n")
@@ -167,6 +167,6 @@ def test_unservable_rows_are_found_by_their_lengths_without_drawing(tmp_path, mo
     trace = Trace(write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n2,8,2\n1,4000,1\n"
                                   "0,3000,9\n"))
     monkeypatch.setattr(np.random, "default_rng", None)   # drawing anything fails
-    bad = trace.unservable_row(page_tokens=16, num_blocks=100, logical_pages=64)
+    bad = trace.unservable_row(page_tokens=16, num_pages=100, logical_pages=64)
     assert bad.line == 3 and "request 1 can never be served" in str(bad)   # row 2 arrives 2nd
-    assert trace.unservable_row(page_tokens=16, num_blocks=300, logical_pages=300) is None
+    assert trace.unservable_row(page_tokens=16, num_pages=300, logical_pages=300) is None

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from qualia.twin_step import StepScheduler
+from qualia.twin import StepScheduler
 
 
 def next_token(token, position):

@@ -17,16 +17,19 @@ request is given.  One KV-cache group only.
 
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-from vllm.v1.metrics.stats import PrefixCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.request import Request, RequestStatus
 
 # The one place that names the core class: the engine step's methods (add_request, schedule,
@@ -35,6 +38,10 @@ from qualia import StepScheduler as _Core
 
 #: Stop token ids the core holds per request; a request with more has the rest checked here.
 _CORE_MAX_STOPS = 16
+
+#: Runs an iterator to its end (map() over a C function, without a Python loop).
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+_chain = itertools.chain.from_iterable
 
 
 class UnsupportedByQualia(ValueError):
@@ -60,6 +67,9 @@ def check_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> Non
         raise _refuse("encoder-cache connectors (ec_transfer_config)")
     if vllm_config.lora_config is not None:
         raise _refuse("LoRA adapters")
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and aux.enabled:
+        raise _refuse("execution auxiliary outputs (routed experts: aux_output_config)")
     if mc is not None and mc.runner_type == "pooling":
         raise _refuse("pooling models")
     if mc is not None and mc.is_encoder_decoder:
@@ -119,10 +129,14 @@ class _Waiting:
         self._reqs[request.request_id] = request
 
     def prepend_request(self, request: Request) -> None:
+        self.prepend_requests([request])
+
+    def prepend_requests(self, requests: List[Request]) -> None:
+        """Put ``requests`` at the head, in their order."""
         rest = self._reqs
-        self._reqs = {request.request_id: request}
+        self._reqs = {r.request_id: r for r in requests}
         for rid, r in rest.items():
-            if rid != request.request_id:
+            if rid not in self._reqs:
                 self._reqs[rid] = r
 
     def remove_request(self, request: Request) -> None:
@@ -140,6 +154,11 @@ class _Waiting:
 
 class Scheduler(_VllmScheduler):
     """vLLM's scheduler interface, decided by qualia's compiled engine step."""
+
+    # vLLM's attributes this class assigns (declared so that the class type-checks without vLLM)
+    running: List[Request]
+    finished_req_ids: Set[str]
+    reset_preempted_req_ids: Set[str]
 
     def __init__(
         self,
@@ -187,8 +206,11 @@ class Scheduler(_VllmScheduler):
         )
         self._priority_policy = self.policy.value == "priority"
         # vLLM's queues are replaced: the core holds the queue; `waiting` lists what waits.
-        self.waiting = _Waiting()  # type: ignore[assignment]
-        self._backlog: List[Request] = []  # waiting while the core's queue is full
+        # (the ignore is unused where vLLM is not installed: the base class is then Any)
+        self.waiting = _Waiting()  # type: ignore[assignment, unused-ignore]
+        # waiting in the adapter: while the core's queue is full, and every waiting request
+        # while admissions are held (PAUSED_NEW); in queue order
+        self._backlog: Deque[Request] = deque()
         self._qid: Dict[str, int] = {}  # vLLM request id -> core id
         self._by_qid: Dict[int, Request] = {}
         self._next_qid = 1
@@ -201,11 +223,28 @@ class Scheduler(_VllmScheduler):
         self._row_tokens = np.zeros(max_seqs, dtype=np.int64)  # prompt + outputs
         self._row_prompt = np.zeros(max_seqs, dtype=np.int64)
         self._row_last_step = np.full(max_seqs, -2, dtype=np.int64)
+        self._row_rid: List[str] = [""] * max_seqs
+        self._row_out: List[List[int]] = [[] for _ in range(max_seqs)]  # its output tokens
+        self._row_all: List[List[int]] = [[] for _ in range(max_seqs)]  # its tokens
+        self._row_client = np.zeros(max_seqs, dtype=np.int64)
+        # rows whose next output carries more than the token: the first output (prefill
+        # stats, events), and (watch) every output of a request with trace headers, stop ids
+        # past the core's or a NaN count
+        self._row_special = np.zeros(max_seqs, dtype=bool)
+        self._row_watch = np.zeros(max_seqs, dtype=bool)
         self._step = 0
-        self._sampled: List[Request] = []  # the pending plan's sampled rows, in order
+        # the pending plan's sampled rows, in plan order: request ids, rows (array, list)
+        self._sampled_ids: List[str] = []
         self._sampled_rows = np.zeros(0, dtype=np.int32)
+        self._sampled_rows_list: List[int] = []
+        self._qid_row: Dict[int, int] = {}  # core id -> block-table row, while it runs
+        self._plan_dirty = False  # a request of the pending plan left it
+        self._sampled_all = False  # every request of the pending plan samples
+        # the lists of the last plan built: its rows (array, list), requests, ids, the
+        # requests' output-token and token lists (filled when every request sampled), and its
+        # num_scheduled_tokens when every request has one token (copied for each output)
+        self._plan_cache: Optional[List[Any]] = None
         self._pending = False
-        self._prefix_stats = PrefixCacheStats() if log_stats else None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -279,7 +318,7 @@ class Scheduler(_VllmScheduler):
         max_new = self._max_new(request)
         # qualia's own prefix cache decides hits: vLLM's per-block hashes are not needed
         request._block_hasher = None
-        if self._backlog or not self._room():
+        if self._backlog or not self._room() or self._holding():
             self._backlog.append(request)
         else:
             self._core_add(request, list(request.all_token_ids), max_new)
@@ -288,10 +327,90 @@ class Scheduler(_VllmScheduler):
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
 
+    def _holding(self) -> bool:
+        # PAUSED_NEW: the running requests go on, nothing waiting is admitted
+        return self._pause_state == PauseState.PAUSED_NEW
+
     def _drain_backlog(self) -> None:
+        if self._holding():
+            return
         while self._backlog and self._room():
-            request = self._backlog.pop(0)
+            request = self._backlog.popleft()
             self._core_add(request, list(request.all_token_ids), self._max_new(request))
+
+    def _core_leave(self, request: Request) -> None:
+        """Take ``request`` out of the core (it stays one of this scheduler's requests)."""
+        qid = self._qid.pop(request.request_id)
+        self._core.abort(qid)
+        del self._by_qid[qid]
+        self._extra_stops.pop(qid, None)
+        self._qid_row.pop(qid, None)
+
+    def _take_core_waiting(self) -> List[Request]:
+        """Take every request waiting in the core's queue out of it; return them in the
+        core's order (priority under the priority policy, then the order they were added)."""
+        core_waiting = [self._by_qid[q] for q in sorted(
+            self._qid[r.request_id] for r in self.waiting if r.request_id in self._qid)]
+        if self._priority_policy:
+            core_waiting.sort(key=lambda r: int(r.priority))  # stable: add order within
+        for r in core_waiting:
+            self._core_leave(r)
+        return core_waiting
+
+    def _queue_front(self, requests: List[Request]) -> None:
+        """Queue ``requests`` (out of the core, in this order) ahead of every waiting request,
+        as vLLM's scheduler puts preempted requests back: at the head of its queue (in the
+        priority policy's order under that policy)."""
+        if self._holding():
+            self._backlog.extendleft(reversed(requests))
+            return
+        # the core orders its queue by priority, then by the order requests were added: every
+        # request waiting in it is added again behind these
+        order = list(requests) + self._take_core_waiting()
+        if self._priority_policy:
+            order.sort()  # vLLM's Request order: priority, arrival time, request id
+        spill: List[Request] = []
+        for r in order:
+            if spill or not self._room():
+                spill.append(r)
+            else:
+                self._core_add(r, list(r.all_token_ids), self._max_new(r))
+        self._backlog.extendleft(reversed(spill))
+
+    def _preempt_request(self, request: Request, timestamp: float,
+                         drop_stale_output: bool = False) -> None:
+        """Preempt one running request (already taken out of ``running`` by the caller): its
+        pages go back to the core and it waits at the head of the queue.  A token sampled for it
+        by a step in flight is dropped (recomputed when it resumes)."""
+        self._preempt_out([request], timestamp)
+
+    def _preempt_out(self, requests: List[Request], timestamp: float) -> None:
+        for req in requests:
+            if req.status != RequestStatus.RUNNING:
+                raise ValueError(f"request {req.request_id!r} is not running")
+        self._plan_dirty = self._pending
+        for req in requests:
+            if self.aux_output_connector is not None:
+                self.aux_output_connector.request_finished(req)
+            self._core_leave(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            if self.log_stats:
+                req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+            self.reset_preempted_req_ids.add(req.request_id)
+        self.waiting.prepend_requests(requests)
+        self._queue_front(requests)
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        held = self._holding()
+        super().set_pause_state(pause_state)
+        if self._holding() and not held:
+            # vLLM's PAUSED_NEW admits nothing that waits: the core's queue moves to the
+            # adapter until the pause ends
+            self._backlog.extendleft(reversed(self._take_core_waiting()))
+        elif held and not self._holding():
+            self._drain_backlog()
 
     def _forget(self, request: Request) -> None:
         rid = request.request_id
@@ -301,6 +420,7 @@ class Scheduler(_VllmScheduler):
         if qid is not None:
             self._by_qid.pop(qid, None)
             self._extra_stops.pop(qid, None)
+            self._qid_row.pop(qid, None)
         self._in_runner.discard(rid)
         self._hit_tokens.pop(rid, None)
         self.finished_req_ids.add(rid)
@@ -336,6 +456,7 @@ class Scheduler(_VllmScheduler):
             done.append(request)
         if stopped_running:
             self.running = [r for r in self.running if r not in stopped_running]
+            self._plan_dirty = self._pending
         self._drain_backlog()
         return done
 
@@ -350,8 +471,10 @@ class Scheduler(_VllmScheduler):
         step = self._step
         core = self._core
         bs = self.block_size
-        timestamp = time.monotonic() if self.log_stats else 0.0
-        if self._pause_state == 2 or core.num_waiting + core.num_running == 0:
+        log_stats = self.log_stats
+        kvm = self.kv_cache_manager
+        timestamp = time.monotonic() if log_stats else 0.0
+        if self._pause_state == PauseState.PAUSED_ALL or core.num_waiting + core.num_running == 0:
             return self._empty_output()
         plan = core.schedule()
         self._pending = True
@@ -359,7 +482,7 @@ class Scheduler(_VllmScheduler):
 
         preempted = plan.preempted_request_ids
         if len(preempted):
-            gone = set()
+            victims: List[Request] = []
             for qid in preempted.tolist():
                 req = by_qid[qid]
                 req.status = RequestStatus.PREEMPTED
@@ -369,10 +492,16 @@ class Scheduler(_VllmScheduler):
                     req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
                 if self.aux_output_connector is not None:
                     self.aux_output_connector.request_finished(req)
-                self.waiting.prepend_request(req)
                 self.reset_preempted_req_ids.add(req.request_id)
-                gone.add(req)
+                victims.append(req)
+            gone = set(victims)
             self.running = [r for r in self.running if r not in gone]
+            # vLLM puts each victim at the head of the queue, the last one first
+            self.waiting.prepend_requests(victims[::-1])
+            if self._holding():
+                for req in victims:
+                    self._core_leave(req)
+                self._backlog.extendleft(victims)
 
         n = len(plan.request_ids)
         if n == 0:
@@ -390,8 +519,19 @@ class Scheduler(_VllmScheduler):
         table = plan.block_table
         row_req = self._row_req
 
+        # The plan's requests, from their rows.  A row changes hands only at an admission, so
+        # a plan without admissions over the same rows as the last one built has the same
+        # requests (the decode steady state): its lists are reused.
+        cache: List[Any] = self._plan_cache or [None]
+        reuse = (k == 0 and cache[0] is not None and len(cache[0]) == n
+                 and np.array_equal(cache[0], rows))
+        if reuse:
+            rows_list = cache[1]
+            plan_reqs = cache[2]
+        else:
+            rows_list = rows.tolist()
+            plan_reqs = [row_req[r] for r in rows_list[:m]]
         # admissions (the plan's tail): new to the runner, or resumed after a preemption
-        plan_reqs = [row_req[r] for r in rows[:m].tolist()]
         new_reqs: List[Request] = []
         new_blocks: List[Tuple[List[int], ...]] = []
         res_pos: List[int] = []
@@ -410,6 +550,14 @@ class Scheduler(_VllmScheduler):
                 self._row_tokens[row] = req.num_tokens
                 self._row_prompt[row] = req.num_prompt_tokens
                 self._row_last_step[row] = -2
+                self._row_rid[row] = req.request_id
+                self._qid_row[qids[j]] = row
+                self._row_out[row] = req._output_token_ids
+                self._row_all[row] = req._all_token_ids
+                self._row_client[row] = req.client_index
+                self._row_watch[row] = bool(req.trace_headers is not None
+                                            or req.num_nans_in_logits
+                                            or qids[j] in self._extra_stops)
                 self.waiting.remove_request(req)
                 self.running.append(req)
                 blocks = ((table[row, :aneed[j]] + 1).tolist(),)
@@ -419,9 +567,11 @@ class Scheduler(_VllmScheduler):
                     req.record_event(EngineCoreEventType.SCHEDULED, timestamp)
                 first = req.status == RequestStatus.WAITING
                 req.status = RequestStatus.RUNNING
-                if self._prefix_stats is not None and self._prefix_caching:
-                    self._prefix_stats.record(num_tokens=req.num_tokens, num_hits=hit,
-                                              preempted=not first)
+                self._row_special[row] = bool(req.events) or req.prefill_stats is not None
+                if log_stats:
+                    # the query and hits of this admission, as vLLM counts them (a request
+                    # preempted before counts as a preempted query)
+                    kvm.record_prefix_cache_stats(req, hit)
                 if first and req.prefill_stats is not None:
                     req.prefill_stats.set(num_prompt_tokens=req.num_prompt_tokens,
                                           num_local_cached_tokens=hit,
@@ -442,15 +592,31 @@ class Scheduler(_VllmScheduler):
             sent = self._row_sent[rrows]
             grow = np.flatnonzero(need[:m] > sent)
             if len(grow):
-                gneed = need[grow].tolist()
-                gsent = sent[grow].tolist()
-                grows = rrows[grow].tolist()
-                for j, i in enumerate(grow.tolist()):
-                    r = grows[j]
-                    new_block_ids[i] = ((table[r, gsent[j]:gneed[j]] + 1).tolist(),)
-                    self._row_sent[r] = gneed[j]
+                gneed = need[grow]
+                gsent = sent[grow]
+                grows = rrows[grow]
+                self._row_sent[grows] = gneed
+                count = gneed - gsent
+                if int(count.max()) == 1:
+                    # one new page each (decodes): one gather
+                    for i, b in zip(grow.tolist(), (table[grows, gsent] + 1).tolist()):
+                        new_block_ids[i] = ([b],)
+                else:
+                    # every request's new entries in one gather, then cut
+                    ends = np.cumsum(count)
+                    starts = ends - count
+                    cols = np.arange(int(ends[-1])) - np.repeat(starts - gsent, count)
+                    flat = (table[np.repeat(grows, count), cols] + 1).tolist()
+                    for i, a, z in zip(grow.tolist(), starts.tolist(), ends.tolist()):
+                        new_block_ids[i] = (flat[a:z],)
         # the runner's cached requests: the running ones, then the resumed ones
-        plan_ids = [r.request_id for r in plan_reqs]
+        if reuse:
+            plan_ids = cache[3]
+        else:
+            row_rid = self._row_rid
+            plan_ids = [row_rid[r] for r in rows_list]
+            cache = self._plan_cache = [rows.copy(), rows_list, plan_reqs, plan_ids, None, None,
+                                        None]
         if res_pos:
             cpos = np.concatenate([np.arange(m), np.asarray(res_pos)])
             crows = rows[cpos]
@@ -480,20 +646,35 @@ class Scheduler(_VllmScheduler):
         for r in new_reqs:
             self._in_runner.add(r.request_id)
 
-        num_scheduled = dict(zip(plan_ids, ntok.tolist()))
+        total = int(qsl[-1])
+        if total == n:  # one token each
+            if cache[6] is None:
+                cache[6] = dict.fromkeys(plan_ids, 1)
+            num_scheduled = cache[6].copy()
+        else:
+            num_scheduled = dict(zip(plan_ids, ntok.tolist()))
         # computed tokens move when the plan is built (as vLLM's scheduler does)
         for r, s in zip(plan_reqs, seq.tolist()):
             r.num_computed_tokens = s
         self._row_last_step[rows] = step
         # the sampled rows: requests whose chunk reaches their last known token
-        sidx = np.flatnonzero(seq == self._row_tokens[rows])
-        self._sampled = [plan_reqs[i] for i in sidx.tolist()]
-        self._sampled_rows = rows[sidx]
+        sampling = seq == self._row_tokens[rows]
+        self._plan_dirty = False
+        self._sampled_all = bool(sampling.all())
+        if self._sampled_all:
+            self._sampled_ids = plan_ids
+            self._sampled_rows = rows.copy()
+            self._sampled_rows_list = rows_list
+        else:
+            sidx = np.flatnonzero(sampling)
+            self._sampled_ids = [plan_ids[i] for i in sidx.tolist()]
+            self._sampled_rows = rows[sidx]
+            self._sampled_rows_list = self._sampled_rows.tolist()
         out = SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=int(qsl[-1]),
+            total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens={},
             scheduled_encoder_inputs={},
             preempted_req_ids=self.reset_preempted_req_ids,
@@ -510,117 +691,16 @@ class Scheduler(_VllmScheduler):
         out.preempted_req_ids = self.reset_preempted_req_ids
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
-        self._sampled = []
-        self._sampled_rows = np.zeros(0, dtype=np.int32)
+        self._sampled_ids = []
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Dict[int, EngineCoreOutputs]:
-        sampled_reqs = self._sampled
-        self._sampled = []
-        requests = self.requests
-        outputs: Dict[int, List[EngineCoreOutput]] = {}
-        finished_here: List[Request] = []
+        result: Dict[int, EngineCoreOutputs] = {}
         if self._pending:
             self._pending = False
-            sampled = model_runner_output.sampled_token_ids
-            index = model_runner_output.req_id_to_index
-            toks: List[int] = []
-            live: List[bool] = []
-            for req in sampled_reqs:
-                rid = req.request_id
-                if requests.get(rid) is req:
-                    got: Any = sampled[index[rid]] if sampled else ()
-                    if len(got) != 1:
-                        self._core.discard_plan()
-                        raise RuntimeError(
-                            f"the model runner returned {len(got)} tokens for request "
-                            f"{rid!r}, which qualia's plan samples once in this step")
-                    toks.append(got[0])
-                    live.append(True)
-                else:
-                    toks.append(0)  # aborted while the step ran: the core ignores its row
-                    live.append(False)
-            done = self._core.update(toks)
-            if len(self._sampled_rows):
-                self._row_tokens[self._sampled_rows] += 1
-            finished_qids = {f.request_id for f in done}
-            extra = self._extra_stops
-            check_stop = bool(finished_qids or extra)
-            qid_of = self._qid
-            logprobs = model_runner_output.logprobs
-            prompt_lp = model_runner_output.prompt_logprobs_dict or None
-            nans = model_runner_output.num_nans_in_logits
-            masks = model_runner_output.sampling_masks if self.return_sampling_mask else None
-            hits = self._hit_tokens
-            make = EngineCoreOutput
-            stopped_running = set()
-            for req, tok, ok in zip(sampled_reqs, toks, live):
-                if not ok:
-                    continue
-                # Request.append_output_token_ids without vLLM's block hashing (qualia's own
-                # cache decides hits)
-                req._output_token_ids.append(tok)
-                req._all_token_ids.append(tok)
-                rid = req.request_id
-                finish = None
-                if check_stop:
-                    qid = qid_of[rid]
-                    if qid in finished_qids or (qid in extra and tok in extra[qid]):
-                        sp: Any = req.sampling_params
-                        if tok == sp.eos_token_id:
-                            req.status = RequestStatus.FINISHED_STOPPED
-                        elif tok in (sp.stop_token_ids or ()):
-                            req.status = RequestStatus.FINISHED_STOPPED
-                            req.stop_reason = tok
-                        else:
-                            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                        if qid not in finished_qids:
-                            self._core.abort(qid)
-                        finish = req.get_finished_reason()
-                        stopped_running.add(req)
-                        finished_here.append(req)
-                new_logprobs = None
-                if logprobs is not None and getattr(req.sampling_params, "logprobs",
-                                                    None) is not None:
-                    new_logprobs = logprobs.slice_request(index[rid], 1)
-                new_mask = None
-                if masks is not None:
-                    new_mask = masks.slice_request(index[rid], 1)
-                prefill_stats = req.prefill_stats
-                if prefill_stats is not None:
-                    req.prefill_stats = None
-                    prefill_stats.finalize(hits.get(rid, 0))
-                events = None
-                if req.events:
-                    events = req.events
-                    req.events = []
-                if nans is not None and rid in nans:
-                    req.num_nans_in_logits = nans[rid]
-                out = make(
-                    request_id=rid,
-                    new_token_ids=[tok],
-                    finish_reason=finish,
-                    new_logprobs=new_logprobs,
-                    new_sampling_mask=new_mask,
-                    new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
-                    stop_reason=req.stop_reason,
-                    events=events,
-                    prefill_stats=prefill_stats,
-                    trace_headers=req.trace_headers,
-                    num_nans_in_logits=req.num_nans_in_logits,
-                )
-                lst = outputs.get(req.client_index)
-                if lst is None:
-                    outputs[req.client_index] = [out]
-                else:
-                    lst.append(out)
-            if stopped_running:
-                self.running = [r for r in self.running if r not in stopped_running]
-                for req in finished_here:
-                    self._forget(req)
-                self._drain_backlog()
-        result = {c: EngineCoreOutputs(outputs=o) for c, o in outputs.items()}
+            self._take_tokens(model_runner_output, result)
+        self._sampled_ids = []
         fin = self.finished_req_ids_dict
         if fin:
             for client, ids in fin.items():
@@ -638,6 +718,170 @@ class Scheduler(_VllmScheduler):
             eco.scheduler_stats = stats
         return result
 
+    def _take_tokens(self, mro: Any, result: Dict[int, EngineCoreOutputs]) -> None:
+        """The sampled tokens of the pending plan: into the core, onto the vLLM requests, and
+        their outputs into ``result`` (by client)."""
+        rids = self._sampled_ids
+        if not rids:
+            self._core.update(())
+            return
+        rows = self._sampled_rows
+        rlist = self._sampled_rows_list
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        row_req = self._row_req  # rows change hands only at admissions, in schedule()
+        live: Optional[List[bool]] = None
+        if self._plan_dirty:
+            # a request of the plan was aborted or preempted while the step ran: the core
+            # ignores its row, and it gets no output
+            requests = self.requests
+            live = []
+            for rid, row in zip(rids, rlist):
+                r = row_req[row]
+                live.append(requests.get(rid) is r and r is not None
+                            and r.status == RequestStatus.RUNNING)
+        toks: List[int] = []
+        try:
+            if live is not None:
+                got = [sampled[index[rid]] if ok else (0,) for rid, ok in zip(rids, live)]
+            elif (mro.req_ids == rids and len(sampled) == len(rids)
+                  and index[rids[-1]] == len(rids) - 1):
+                got = sampled  # the runner kept the plan's order
+            else:
+                got = [sampled[i] for i in map(index.__getitem__, rids)]
+            toks = list(_chain(got))
+            # exactly one token each: as many tokens as requests, none without one
+            bad = len(toks) != len(got) or min(map(len, got)) != 1
+        except (KeyError, IndexError, ValueError, TypeError):
+            bad = True
+        if bad:
+            self._core.discard_plan()
+            for rid, ok in zip(rids, live or [True] * len(rids)):
+                i = index.get(rid)
+                n = len(sampled[i]) if i is not None and 0 <= i < len(sampled) else 0
+                if ok and n != 1:
+                    raise RuntimeError(
+                        f"the model runner returned {n} tokens for request {rid!r}, which "
+                        f"qualia's plan samples once in this step")
+            raise RuntimeError("the model runner's sampled tokens do not match qualia's plan")
+        done = self._core.update(toks)
+        self._row_tokens[rows] += 1
+        if live is not None:
+            keep = [i for i, ok in enumerate(live) if ok]
+            rids = [rids[i] for i in keep]
+            toks = [toks[i] for i in keep]
+            rlist = [rlist[i] for i in keep]
+            rows = rows[keep]
+        if not rids:
+            return
+        # vLLM's Request.append_output_token_ids, without its block hashing (qualia's own
+        # cache decides hits), for every request at once
+        cache = self._plan_cache
+        if live is None and self._sampled_all and cache is not None and cache[4] is not None:
+            outl, alll = cache[4], cache[5]
+        else:
+            row_out = self._row_out
+            row_all = self._row_all
+            outl = [row_out[r] for r in rlist]
+            alll = [row_all[r] for r in rlist]
+            if live is None and self._sampled_all and cache is not None:
+                cache[4], cache[5] = outl, alll
+        _consume(map(list.append, outl, toks))
+        _consume(map(list.append, alll, toks))
+        outs: List[EngineCoreOutput] = list(map(EngineCoreOutput, rids, [[t] for t in toks]))
+        # the outputs that carry more than the token: a stop, the first output (prefill
+        # stats, events), trace headers, stop ids past the core's, and anything the runner
+        # returned for some requests (logprobs, sampling masks, prompt logprobs, NaN counts)
+        logprobs = mro.logprobs
+        prompt_lp = mro.prompt_logprobs_dict or None
+        nans = mro.num_nans_in_logits
+        masks = mro.sampling_masks if self.return_sampling_mask else None
+        finished_qids = {f.request_id for f in done}
+        if logprobs is not None or prompt_lp or nans is not None or masks is not None:
+            special: Iterable[int] = range(len(rids))
+        else:
+            marked = self._row_special | self._row_watch
+            if finished_qids:
+                qid_row = self._qid_row
+                marked[[qid_row[q] for q in finished_qids]] = True
+            special = np.flatnonzero(marked[rows]).tolist()
+        self._row_special[rows] = False
+        stopped: List[Request] = []
+        for i in special:
+            row = rlist[i]
+            req = row_req[row]
+            assert req is not None
+            outs[i] = self._full_output(req, row, toks[i], finished_qids, index, logprobs,
+                                        masks, prompt_lp, nans, stopped)
+        clients = self._row_client[rows]
+        if clients.min() == clients.max():
+            result[int(clients[0])] = EngineCoreOutputs(outputs=outs)
+        else:
+            by_client: Dict[int, List[EngineCoreOutput]] = {}
+            for c, o in zip(clients.tolist(), outs):
+                by_client.setdefault(c, []).append(o)
+            for c, lst in by_client.items():
+                result[c] = EngineCoreOutputs(outputs=lst)
+        if stopped:
+            gone = set(stopped)
+            self.running = [r for r in self.running if r not in gone]
+            for req in stopped:
+                self._forget(req)
+            self._drain_backlog()
+
+    def _full_output(self, req: Request, row: int, tok: int, finished_qids: set,
+                     index: Dict[str, int], logprobs: Any, masks: Any, prompt_lp: Any,
+                     nans: Any, stopped: List[Request]) -> EngineCoreOutput:
+        """The output of one request whose token was appended: stop, logprobs, stats."""
+        rid = req.request_id
+        finish = None
+        qid = self._qid[rid]
+        extra = self._extra_stops.get(qid)
+        if qid in finished_qids or (extra is not None and tok in extra):
+            sp: Any = req.sampling_params
+            if tok == sp.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+            elif tok in (sp.stop_token_ids or ()):
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+            else:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if qid not in finished_qids:
+                self._core.abort(qid)
+            finish = req.get_finished_reason()
+            stopped.append(req)
+        new_logprobs = None
+        if logprobs is not None and getattr(req.sampling_params, "logprobs", None) is not None:
+            new_logprobs = logprobs.slice_request(index[rid], 1)
+        new_mask = None
+        if masks is not None:
+            new_mask = masks.slice_request(index[rid], 1)
+        prefill_stats = req.prefill_stats
+        if prefill_stats is not None:
+            req.prefill_stats = None
+            prefill_stats.finalize(self._hit_tokens.get(rid, 0))
+        events = None
+        if req.events:
+            events = req.events
+            req.events = []
+        if nans is not None and rid in nans:
+            req.num_nans_in_logits = nans[rid]
+            if req.num_nans_in_logits:
+                self._row_watch[row] = True  # every later output carries the count
+        return EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=[tok],
+            finish_reason=finish,
+            new_logprobs=new_logprobs,
+            new_sampling_mask=new_mask,
+            new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
+            stop_reason=req.stop_reason,
+            events=events,
+            prefill_stats=prefill_stats,
+            trace_headers=req.trace_headers,
+            num_nans_in_logits=req.num_nans_in_logits,
+        )
+
     # -- what vLLM's engine asks -------------------------------------------------------------
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
@@ -654,8 +898,10 @@ class Scheduler(_VllmScheduler):
         return len(self.running), len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        if self._pause_state == 2:  # PAUSED_ALL
+        if self._pause_state == PauseState.PAUSED_ALL:
             return 0
+        if self._pause_state == PauseState.PAUSED_NEW:
+            return len(self.running)  # what waits stays queued until the pause ends
         return len(self.running) + len(self.waiting)
 
     def has_finished_requests(self) -> bool:
@@ -673,8 +919,10 @@ class Scheduler(_VllmScheduler):
                    ec_connector_stats: Any = None) -> Optional[SchedulerStats]:
         if not self.log_stats:
             return None
-        prefix_stats = self._prefix_stats or PrefixCacheStats()
-        self._prefix_stats = PrefixCacheStats()
+        # the prefix-cache queries and hits are recorded in vLLM's accumulator at admission
+        # (kv_cache_manager.prefix_cache_stats, which vLLM's tests and engine read)
+        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        assert prefix_stats is not None  # log_stats
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -693,35 +941,17 @@ class Scheduler(_VllmScheduler):
             # scheduled is requeued below and computes its tokens again
             self._core.discard_plan()
             self._pending = False
-            self._sampled = []
+            self._sampled_ids = []
         if reset_running_requests and self.running:
-            self._requeue_running()
+            # every running request waits again, at the head of the queue in its order, with
+            # its tokens so far; the runner is told it was preempted and resumes it from the
+            # block ids of its next admission
+            running, self.running = self.running, []
+            self._preempt_out(running, time.monotonic())
         self._core.clear_cache()
-        if self._prefix_stats is not None:
-            self._prefix_stats.reset = True
+        stats = self.kv_cache_manager.prefix_cache_stats
+        if stats is not None:
+            stats.reset = True
         if self.aux_output_connector is not None:
             self.aux_output_connector.reset()
         return True
-
-    def _requeue_running(self) -> None:
-        # Every running request leaves the core and waits again with its tokens so far (prompt
-        # and outputs) and the outputs it has left; the runner is told it was preempted and
-        # resumes it from the block ids of its next admission.
-        timestamp = time.monotonic() if self.log_stats else 0.0
-        for req in self.running:
-            rid = req.request_id
-            qid = self._qid.pop(rid)
-            self._core.abort(qid)
-            self._by_qid.pop(qid)
-            extra = self._extra_stops.pop(qid, None)
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-            req.num_preemptions += 1
-            if self.log_stats:
-                req.record_event(EngineCoreEventType.PREEMPTED, timestamp)
-            self.reset_preempted_req_ids.add(rid)
-            new_qid = self._core_add(req, list(req.all_token_ids), self._max_new(req))
-            if extra is not None:
-                self._extra_stops[new_qid] = extra
-            self.waiting.add_request(req)
-        self.running = []

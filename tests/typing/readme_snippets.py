@@ -127,9 +127,9 @@ assert receipt == (1, 1) and int(outputs["next_token_id"][0]) == 7 + 1
 # -- README "Several replicas: the prefix router on Ray" ---------------------------------------
 
 from qualia.cluster import Cluster, ReplicaConfig
-from qualia.workload import Workload
+from qualia.sim import Workload
 
-config = ReplicaConfig(num_blocks=192, max_requests=8, logical_pages=24)
+config = ReplicaConfig(num_pages=192, max_num_seqs=8, logical_pages=24)
 cl = Cluster(4, "prefix", config, local=True)   # local=False: Ray actors (after ray.init())
 res = cl.run(Workload(requests=24, turns=3, system_prompts=8, arrival_rate=0.5, vocab=32000),
              kill_replica_at=20, rejoin_after=5)

@@ -2,7 +2,7 @@
 
 ``StepScheduler`` is ``qualia.StepScheduler`` (``add_request`` / ``abort`` / ``schedule`` /
 ``update`` / ``run``) written plainly, as a policy over the facade twin
-``qualia.twin_cache.Scheduler``: every page decision goes through the facade's verbs (admit,
+``qualia.twin.cache.Scheduler``: every page decision goes through the facade's verbs (admit,
 reserve, advance, finish) in the order the compiled core makes them, so the plans agree with the
 core's array for array, physical page numbers included.  It is the executable statement of the
 policy; the stateful differential test drives both and compares every plan and every result.
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -43,9 +42,9 @@ import numpy as np
 
 from qualia._types import RUN_STATS_ROWS, STEP_STATS, STEP_TOTALS, FinishedRequest, RunResult
 from qualia.errors import BusyError, PrefixCacheError, SchedulerError, StepError, TableError
-from qualia.twin import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64
-from qualia.twin_cache import NS_MAX_BYTES
-from qualia.twin_cache import Scheduler as _Facade
+from qualia.twin.cache import NS_MAX_BYTES
+from qualia.twin.cache import Scheduler as _Facade
+from qualia.twin.seed import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64, exact_int
 
 __all__ = ["StepScheduler", "StepPlan", "MAX_STOP_TOKENS"]
 
@@ -127,12 +126,7 @@ def _i32(value: Any, name: str) -> int:
     """A signed 32-bit argument (the core's range): bool or non-integer -> TypeError, outside
     [-2**31, 2**31-1] -> OverflowError.  (``twin._int`` is for unsigned fields: it refuses every
     negative value.)"""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, not bool")
-    try:
-        v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
+    v = exact_int(value, name)
     if not I32_MIN <= v <= I32_MAX:
         raise OverflowError(f"{name} must be in [-2**31, 2**31-1], got {v}")
     return v

@@ -73,16 +73,24 @@ _PAGE_TABLE = np.dtype("<u4")  # the block-table scratch: one u32 page id per en
 # ---------------------------------------------------------------------------------------------
 
 
+def exact_int(value, name: str) -> int:
+    """An integer argument as an exact ``int``: anything with ``__index__`` (numpy integers
+    too), never a bool (``TypeError``), and never an int subclass's own methods (its
+    comparisons and arithmetic cannot run).  Every integer argument check of the twins and the
+    simulator starts here."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, not bool")
+    try:
+        return int.__index__(operator.index(value))
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
+
+
 def _int(value, name: str, maximum: int, minimum: int = 0) -> int:
     """An integer argument: bool -> TypeError, non-integer -> TypeError, out of
     [minimum, maximum] -> OverflowError (below 0 or above the field) / ValueError (0 where >= 1
     is needed)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an integer, not bool")
-    try:
-        v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {type(value).__name__}") from None
+    v = exact_int(value, name)
     if v < 0:
         raise OverflowError(f"{name} must be >= 0, got {v}")
     if v > maximum:
@@ -570,6 +578,17 @@ class _RequestSlot:  # one fixed request slot
         self.next_token_id = 0
         self.token_ready = False
 
+    def fork_from(self, parent: "_RequestSlot", request_id: int) -> None:
+        """This empty slot becomes ``request_id``, a decoding copy of ``parent`` sharing its
+        pages (retained by the caller)."""
+        self.blocks._entries = list(parent.blocks._entries)
+        self.request_id = request_id
+        self.state = RequestState.DECODE
+        self.token_count = parent.token_count
+        self.prefix_tokens = parent.prefix_tokens
+        self.next_token_id = parent.next_token_id
+        self.token_ready = parent.token_ready
+
 
 class RequestScheduler:
     """Fixed-request-capacity scheduler; ``max_requests`` is the seed's ``REQUESTS``."""
@@ -784,14 +803,7 @@ class RequestScheduler:
             raise SchedulerError.Table(_flatten(err, TableError))
         for page in pages:
             pool.retain(page)
-        child = self._slots[index]
-        child.blocks._entries = list(pages)
-        child.request_id = child_id
-        child.state = RequestState.DECODE
-        child.token_count = parent.token_count
-        child.prefix_tokens = parent.prefix_tokens
-        child.next_token_id = parent.next_token_id
-        child.token_ready = parent.token_ready
+        self._slots[index].fork_from(parent, child_id)
         return index
 
     # -- introspection (DESIGN.md API) ------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 
 __all__ = [
     "ROWS",
-    "SETUP", "WORKLOAD", "SUBMISSION", "SCHEDULER", "DECODE_ROUND", "BACKEND", "ENGINE", "CHECK",
+    "SETUP", "WORKLOAD", "SUBMISSION", "SCHEDULER", "BACKEND", "ENGINE", "CHECK",
     "Stopwatch",
     "TimedBackend",
     "is_c_backend",
@@ -28,9 +28,8 @@ __all__ = [
 ]
 
 #: Row keys, in the order of the summary table.
-ROWS = ("setup", "workload", "submission", "scheduler", "decode_round", "backend", "engine",
-        "check")
-SETUP, WORKLOAD, SUBMISSION, SCHEDULER, DECODE_ROUND, BACKEND, ENGINE, CHECK = range(len(ROWS))
+ROWS = ("setup", "workload", "submission", "scheduler", "backend", "engine", "check")
+SETUP, WORKLOAD, SUBMISSION, SCHEDULER, BACKEND, ENGINE, CHECK = range(len(ROWS))
 
 _now = time.perf_counter
 

@@ -35,7 +35,7 @@ from qualia.errors import (
     SchedulerError,
     TableError,
 )
-from qualia.twin import (
+from qualia.twin.seed import (
     COPY_OP,
     RAGGED_BATCH_ITEM,
     RAGGED_BATCH_OUTPUT,
@@ -46,6 +46,7 @@ from qualia.twin import (
     _int,
     _namespace_bytes,
     _receipt,
+    _RequestSlot,
     _u32,
     _u64,
 )
@@ -181,23 +182,6 @@ class _Stream:
         self.pending: Optional[Tuple[int, int]] = None
 
 
-class _Slot:
-    __slots__ = ("request_id", "state", "token_count", "prefix_tokens", "next_token_id",
-                 "token_ready", "blocks")
-
-    def __init__(self, logical_pages: int) -> None:
-        self.blocks = SequenceBlockTable(logical_pages)
-        self.clear()
-
-    def clear(self) -> None:
-        self.request_id = 0
-        self.state = RequestState.EMPTY
-        self.token_count = 0
-        self.prefix_tokens = 0
-        self.next_token_id = 0
-        self.token_ready = False
-
-
 class Scheduler:
     """``qualia.Scheduler(..., prefix_caching="auto")`` in plain Python."""
 
@@ -220,7 +204,7 @@ class Scheduler:
         self.pool = BlockPool(num_pages)
         mr = _int(max_requests, "max_requests", 65536, minimum=1)
         self._lp = _u32(logical_pages, "logical_pages")
-        self._slots = [_Slot(self._lp) for _ in range(mr)]
+        self._slots = [_RequestSlot(self._lp) for _ in range(mr)]
         self._streams = [_Stream() for _ in range(mr)]
         self._k, self._nh = expand_key(key, pt)
         self._mask = M64
@@ -814,14 +798,7 @@ class Scheduler:
             raise SchedulerError.Table(TableError.VARIANTS[err.variant]())
         for page in pages:
             self.pool.retain(page)   # a page a request holds is never reclaimable
-        child = self._slots[index]
-        child.blocks._entries = list(pages)
-        child.request_id = crid
-        child.state = RequestState.DECODE
-        child.token_count = parent.token_count
-        child.prefix_tokens = parent.prefix_tokens
-        child.next_token_id = parent.next_token_id
-        child.token_ready = parent.token_ready
+        self._slots[index].fork_from(parent, crid)
         src, dst = self._streams[pindex], self._streams[index]
         if dst.live:
             dst.live = False

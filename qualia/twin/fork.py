@@ -1,7 +1,7 @@
 """Parallel sampling (``n > 1``) and beam search on copy-on-write forks, in plain Python
 (docs/DESIGN.md, "Forks at the step level").
 
-``ForkStepScheduler`` extends the engine-step twin (``qualia.twin_step.StepScheduler``) with
+``ForkStepScheduler`` extends the engine-step twin (``qualia.twin.step.StepScheduler``) with
 request groups whose members share pages through ``Scheduler.fork``:
 
 * ``add_request(..., n=k)``: the prompt is prefilled once.  The step whose chunk reaches the end of
@@ -22,8 +22,9 @@ request groups whose members share pages through ``Scheduler.fork``:
   live continuations forks ``c - 1`` children and continues with the first.  The group ends when
   no beam is live; the result is the hypotheses best first (ties: finished first first).
 
-Sampling is the backend's: ``StepModelBackend`` runs ``qualia.model.PagedModelBackend``, whose
-sampler draws row ``i`` keyed by ``(seed, sampled_request_ids[i], position)``; the members of a
+Sampling is the backend's: ``qualia.sim.adapters.PlanModelSteps`` over
+``qualia.model.PagedModelBackend`` runs the model's keyed sampler, which
+draws row ``i`` keyed by ``(seed, sampled_request_ids[i], position)``; the members of a
 group have distinct ids (``FinishedGroup.member_ids``), so the dense reference
 ``DenseModel.generate(..., sampling=..., request_id=member)`` draws the same tokens whatever the
 batching, preemption or recomputation.
@@ -36,7 +37,6 @@ full pages through the prefix cache): slower, never wrong.
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -44,11 +44,10 @@ import numpy as np
 
 from qualia._types import FinishedGroup, FinishedRequest, RequestState
 from qualia.errors import StepError
-from qualia.twin import U32_MAX, _u32, _u64
-from qualia.twin_step import StepPlan, StepScheduler, _Req, _stops
+from qualia.twin.seed import U32_MAX, _u32, _u64, exact_int
+from qualia.twin.step import StepPlan, StepScheduler, _Req, _stops
 
-__all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "StepModelBackend",
-           "run_forks", "CHILD_BASE"]
+__all__ = ["ForkStepScheduler", "ForkStepPlan", "FinishedGroup", "run_forks", "CHILD_BASE"]
 
 #: internal ids of children start here and count up, skipping ids in use
 CHILD_BASE = 1 << 63
@@ -80,12 +79,7 @@ class ForkStepPlan(StepPlan):
 def _group_size(value, name: str, max_num_seqs: int) -> int:
     """``n`` or ``beam_width``: an integer (``__index__``, numpy integers too; not a bool)
     in [1, max_num_seqs], as an exact int (an int subclass's own comparisons never run)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, not bool")
-    try:
-        v = int.__index__(operator.index(value))  # exact int: never a subclass's methods
-    except TypeError:
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+    v = exact_int(value, name)
     if not 1 <= v <= max_num_seqs:
         raise ValueError(f"{name} must be in [1, max_num_seqs={max_num_seqs}], got {v}")
     return v
@@ -516,34 +510,6 @@ def _resolve_topk(topk_ids, topk_logprobs) -> Tuple[Any, Any, Optional[Exception
 def _ro(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
-
-
-# -- a model backend ----------------------------------------------------------------------------
-
-class StepModelBackend:
-    """``execute_step(plan)`` for ``ForkStepScheduler`` (or ``qualia.Scheduler``) over
-    ``qualia.model.PagedModelBackend``:
-    one forward per plan; returns the sampled ids of its rows (the model's keyed sampler), and
-    when the plan has beam rows also each row's ``num_topk`` best ids with their
-    log-probabilities (ties: the lower id first), for ``update``."""
-
-    def __init__(self, weights, num_blocks: int, page_tokens: int, **kw) -> None:
-        from qualia.model import PagedModelBackend
-
-        self.paged = PagedModelBackend(weights, num_blocks, page_tokens, **kw)
-
-    def execute_step(self, plan: ForkStepPlan):
-        from qualia.model import log_softmax
-
-        logits = self.paged.step_logits(plan)
-        li = np.asarray(plan.logits_indices, dtype=np.int64)
-        ids = self.paged.sample(logits, plan.sampled_request_ids, plan.positions[li] + 1)
-        topk = getattr(plan, "num_topk", 0)     # a plain twin_step plan has no beam rows
-        if not topk:
-            return ids
-        lp = log_softmax(logits)
-        order = np.argsort(-lp, axis=-1, kind="stable")[:, :topk]
-        return ids, order.astype(np.int64), np.take_along_axis(lp, order, axis=-1)
 
 
 def run_forks(sched: ForkStepScheduler, backend, max_steps: int = 100000):

@@ -30,21 +30,21 @@ DENSE_BEAM = "dense beam search"
 
 def hash_next_token(request_id: int, position: int, token_id: int, vocab: int = 32000) -> int:
     """The hash decode rule (docs/DESIGN.md) in pure Python: one definition, in qualia.twin."""
-    from .twin import PyHashBackend
+    from ..twin import PyHashBackend
 
     return PyHashBackend.next_token(request_id, position, token_id, vocab)
 
 
 def hash_generate(request_id: int, prompt: Sequence[int], max_new_tokens: int,
-                  end_token: Optional[int] = None, vocab: int = 32000) -> List[int]:
+                  eos_token_id: Optional[int] = None, vocab: int = 32000) -> List[int]:
     """What the engine must produce with a decode-only hash backend (see the module
-    docstring): at most ``max_new_tokens`` tokens, stopping after ``end_token``."""
+    docstring): at most ``max_new_tokens`` tokens, stopping after ``eos_token_id``."""
     prompt = [int(t) for t in prompt]
     if max_new_tokens < 1:
         return []
     position = len(prompt) - 1
     out = [hash_next_token(request_id, position, prompt[-1], vocab)]
-    while len(out) < max_new_tokens and (end_token is None or out[-1] != end_token):
+    while len(out) < max_new_tokens and (eos_token_id is None or out[-1] != eos_token_id):
         position += 1
         out.append(hash_next_token(request_id, position, out[-1], vocab))
     return out
@@ -73,22 +73,22 @@ class CheckResult:
 
 
 def dense_reference(weights, prompt: Sequence[int], max_new_tokens: int, *,
-                    end_token: Optional[int] = None, stop_token_ids: Sequence[int] = (),
+                    eos_token_id: Optional[int] = None, stop_token_ids: Sequence[int] = (),
                     sampling=None, request_id: int = 0) -> List[int]:
     """The tokens the dense model (no paging) generates for ``prompt``: at most
-    ``max_new_tokens``, stopping after ``end_token`` or a stop id (included); ``sampling`` (a
+    ``max_new_tokens``, stopping after ``eos_token_id`` or a stop id (included); ``sampling`` (a
     ``qualia.model.SamplingParams``, default greedy) keyed by ``request_id`` and each token's
     position, as the paged step runner keys it.  Whatever the batching, chunking, prefix hits,
     copies or preemptions of a paged run, its tokens must equal these."""
-    from .model import DenseModel
+    from ..model import DenseModel
 
-    return DenseModel(weights).generate(prompt, max_new_tokens, end_token,
+    return DenseModel(weights).generate(prompt, max_new_tokens, eos_token_id,
                                         stop_token_ids=stop_token_ids, sampling=sampling,
                                         request_id=request_id)
 
 
 def check_outputs(requests: Mapping[int, object], outputs: Mapping[int, List[int]], *,
-                  weights=None, end_token: Optional[int] = None, vocab: int = 32000,
+                  weights=None, eos_token_id: Optional[int] = None, vocab: int = 32000,
                   on_checked: Optional[Callable[[int], None]] = None,
                   sampling=None, stop_token_ids: Sequence[int] = ()) -> CheckResult:
     """Compare ``outputs[request_id]`` with the dense model of ``weights`` (when given) or with
@@ -98,9 +98,9 @@ def check_outputs(requests: Mapping[int, object], outputs: Mapping[int, List[int
 
     Dense model only: ``sampling`` is one ``SamplingParams`` for every request, or a callable
     ``request_id -> SamplingParams`` (or None: greedy); ``stop_token_ids`` end a generation like
-    ``end_token``."""
+    ``eos_token_id``."""
     if weights is not None:
-        from .model import DenseModel
+        from ..model import DenseModel
 
         dense = DenseModel(weights)
         against = DENSE_MODEL
@@ -108,13 +108,13 @@ def check_outputs(requests: Mapping[int, object], outputs: Mapping[int, List[int
 
         def want(rid, req):
             params = sampling(rid) if callable(sampling) else sampling
-            return dense.generate(req.prompt, req.max_new_tokens, end_token,
+            return dense.generate(req.prompt, req.max_new_tokens, eos_token_id,
                                   stop_token_ids=stops, sampling=params, request_id=rid)
     else:
         against = HASH_RULE
 
         def want(rid, req):
-            return hash_generate(rid, req.prompt, req.max_new_tokens, end_token, vocab)
+            return hash_generate(rid, req.prompt, req.max_new_tokens, eos_token_id, vocab)
 
     mismatched = []
     problems = []
@@ -142,11 +142,11 @@ SCORE_RTOL = 1e-9
 
 
 def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *,
-                 weights=None, end_token: Optional[int] = None, vocab: int = 32000,
+                 weights=None, eos_token_id: Optional[int] = None, vocab: int = 32000,
                  on_checked: Optional[Callable[[int], None]] = None, sampling=None,
                  beam_width: Optional[int] = None, n: int = 1) -> CheckResult:
     """Compare each finished group (``groups[request_id]``, a
-    :class:`qualia.report.GroupOutput`) with its references.
+    :class:`qualia.sim.report.GroupOutput`) with its references.
 
     * ``n`` groups: the group has ``n`` outputs and ``n`` distinct member ids, the first the
       request's own (members keyed alike would draw alike), and member ``j``'s tokens equal
@@ -154,7 +154,7 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
       ``member_ids[j]`` (with ``weights``), or the hash rule run under ``member_ids[j]``.
     * beam groups (``beam_width``; dense model only): the hypotheses, best first, equal
       ``DenseModel.beam_search`` of the same width, prompt, ``max_new_tokens`` and
-      ``end_token``: the same token lists in the same order, each score equal to the dense
+      ``eos_token_id``: the same token lists in the same order, each score equal to the dense
       one up to a relative error of :data:`SCORE_RTOL`.
 
     The check fails too when a request has no group."""
@@ -165,7 +165,7 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
     problems: List[str] = []
     mismatched: List[int] = []
     if weights is not None:
-        from .model import DenseModel
+        from ..model import DenseModel
 
         dense = DenseModel(weights)
         against = DENSE_BEAM if beam_width is not None else DENSE_MODEL
@@ -174,8 +174,8 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
 
     def member_ref(member: int, req) -> List[int]:
         if weights is None:
-            return hash_generate(member, req.prompt, req.max_new_tokens, end_token, vocab)
-        return dense.generate(req.prompt, req.max_new_tokens, end_token, sampling=sampling,
+            return hash_generate(member, req.prompt, req.max_new_tokens, eos_token_id, vocab)
+        return dense.generate(req.prompt, req.max_new_tokens, eos_token_id, sampling=sampling,
                               request_id=member)
 
     def compare(rid: int, g) -> Optional[str]:
@@ -183,7 +183,7 @@ def check_groups(requests: Mapping[int, object], groups: Mapping[int, object], *
         if req is None:
             return f"request {rid}: a group result for a request never submitted"
         if beam_width is not None:
-            ref = dense.beam_search(req.prompt, beam_width, req.max_new_tokens, end_token)
+            ref = dense.beam_search(req.prompt, beam_width, req.max_new_tokens, eos_token_id)
             if len(g.outputs) != len(ref):
                 return (f"request {rid}: {len(g.outputs)} hypotheses, the {against} has "
                         f"{len(ref)}")
@@ -263,9 +263,10 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
     st = getattr(s, "prefixes", None)  # the twin facade under the step twin has no store
     held = collections.Counter() if st is None else collections.Counter(
         p for ident in st.identities() for p in st.pages_of(ident))
-    if s.free_pages + len(held) != s.num_pages:
+    num_pages = s.pool.num_blocks
+    if s.free_pages + len(held) != num_pages:
         problems.append(
-            f"pool leak: {s.free_pages} free + {len(held)} store pages != {s.num_pages}")
+            f"pool leak: {s.free_pages} free + {len(held)} store pages != {num_pages}")
     cache = s.cache_stats()  # automatic caching: every cached page is the cache's alone
     if cache.cached_pages != cache.reclaimable_pages:
         problems.append(f"{cache.cached_pages - cache.reclaimable_pages} cached pages still "

@@ -13,24 +13,24 @@ from typing import Dict, Optional
 __all__ = ["memory_estimate", "available_memory", "format_bytes"]
 
 
-def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int = 96,
+def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int = 96,
                     page_tokens: int = 16, logical_pages: int = 16, prefix_entries: int = 6,
                     prefix_pages: Optional[int] = None, model_config=None,
                     prefix_caching: str = "auto") -> Dict[str, int]:
-    """Bytes a :class:`qualia.engine.Engine` with these arguments allocates up front, by part (a
+    """Bytes a :class:`qualia.sim.engine.Engine` with these arguments allocates up front, by part (a
     close lower bound: the arrays and C buffers sized in the constructors).  ``backend`` is
     ``"model"``, ``"c"`` or anything else (counted as a backend with no memory of its own).
 
-    Parts: ``"model KV"`` (``num_blocks x page_tokens x layers x 2 x heads x head_dim x
+    Parts: ``"model KV"`` (``num_pages x page_tokens x layers x 2 x heads x head_dim x
     itemsize``) and ``"model weights"`` for the model backend; ``"pool"`` (a refcount and a free
-    stack entry per page); ``"block tables"`` (``max_requests x logical_pages`` page ids, held
+    stack entry per page); ``"block tables"`` (``max_num_seqs x logical_pages`` page ids, held
     twice: the tables and the decode scratch); ``"request slots"``; ``"prefix store"``
     (``prefix_entries x prefix_pages`` page ids); ``"token scratch"`` (``logical_pages x
     page_tokens`` token ids); ``"undo log"``; with ``prefix_caching="auto"``, ``"prefix cache"``
     (a record of ``round_up(64 + 4 x page_tokens, 64)`` bytes per page, the index, namespaces and
-    the event ring) and ``"token streams"`` (``max_requests x logical_pages x (4 x page_tokens +
+    the event ring) and ``"token streams"`` (``max_num_seqs x logical_pages x (4 x page_tokens +
     20)`` bytes)."""
-    mr, nb, pt, lp = int(max_requests), int(num_blocks), int(page_tokens), int(logical_pages)
+    mr, nb, pt, lp = int(max_num_seqs), int(num_pages), int(page_tokens), int(logical_pages)
     pp = int(prefix_pages) if prefix_pages is not None else max(lp, 1)
     parts = {
         "pool": nb * 8,
@@ -50,7 +50,7 @@ def memory_estimate(backend="model", *, max_requests: int = 24, num_blocks: int 
     if backend == "model":
         import numpy as np
 
-        from .model import ModelConfig
+        from ..model import ModelConfig
 
         c = model_config if model_config is not None else ModelConfig()
         item = np.dtype(c.dtype).itemsize

@@ -1,7 +1,7 @@
 """``simulate --plot FILE``: the run over time, drawn with matplotlib (the ``plot`` extra:
 ``pip install 'qualia[plot]'``).
 
-Three panels over the engine's steps (:class:`qualia.report.Timeline`): running and waiting
+Three panels over the engine's steps (:class:`qualia.sim.report.Timeline`): running and waiting
 requests; the pool's pages held by requests and the pages only the prefix cache holds (free to
 reclaim); the prefix cache's hit rate so far (cached tokens over tokens looked up).
 """
@@ -53,8 +53,8 @@ def plot_timeline(timeline, path: str, *, stats: Optional[dict] = None,
         ax = axes[1]
         ax.plot(steps, timeline.pages_used, label="held by requests", lw=1)
         ax.plot(steps, timeline.pages_cached, label="cached only (reclaimable)", lw=1)
-        if stats is not None and "num_blocks" in stats:
-            ax.axhline(int(stats["num_blocks"]), color="grey", ls="--", lw=1, label="pool")
+        if stats is not None and "num_pages" in stats:
+            ax.axhline(int(stats["num_pages"]), color="grey", ls="--", lw=1, label="pool")
         ax.set_ylabel("pages")
         ax.legend(loc="upper right")
         ax.grid(alpha=0.3)

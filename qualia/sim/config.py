@@ -1,40 +1,47 @@
-"""What ``qualia simulate`` checks before it runs: one validation for the single engine and for
-``--replicas`` alike.
+"""The simulator's configuration: one engine's scheduler options (:class:`EngineConfig`, what the
+single engine and every replica are built with, checked in one place), the one choice of the
+step scheduler (:func:`make_step_scheduler`), and what ``qualia simulate`` checks before it
+runs (:func:`check_simulate`).
 
-:func:`check_simulate` takes the parsed arguments and either returns what the run needs (the
-workload, its vocabulary) or raises :class:`Refused` with a one-line message that names the
-option at fault; the command prints ``error: <message>`` and exits 2.  Nothing expensive has
-happened by then: no engine, no Ray, no prompt drawn.  Checks, in order:
+Before a run, for one engine and for ``--replicas`` alike, :func:`check_simulate` takes the
+parsed arguments and either returns what the run needs (the workload, its vocabulary) or raises
+:class:`Refused` with a one-line message that names the option at fault; the command prints
+``error: <message>`` and exits 2. Nothing expensive has happened by then: no engine, no Ray, no
+prompt drawn. Checks, in order:
 
 * the options that go together (cluster options need ``--replicas``; what ``--replicas`` does
   not serve: ``--trace``, ``--plot``, ``--step-ms``, ``--prefix-caching off``);
-* ``--end-token`` below the backend's vocabulary;
+* ``--eos-token-id`` below the backend's vocabulary;
 * the output paths (``--json``, ``--plot``: the folder exists and is writable, and they are two
   files; ``--plot``'s format is one matplotlib writes, and matplotlib is installed);
 * ``--metrics-port``: prometheus-client installed, the port free;
 * the workload: a trace is read (bad rows are refused by their line) and must have a row, and
   every row must be servable by the pool and a request's table (checked on the row's lengths,
   before any prompt is drawn); a synthetic workload's shortest possible request must be;
-* memory: the run's estimate (:mod:`qualia.resources`, every replica counted) against what the
+* memory: the run's estimate (:mod:`qualia.sim.resources`, every replica counted) against what the
   machine has;
 * ``--ray-address``: its form, ``ray[client]`` for ``ray://`` addresses, and that the address
   answers a TCP connection within :data:`CONNECT_TIMEOUT_S` seconds.
 
 The generated requests themselves are checked by the same rule
-(:func:`qualia.workload.unservable_reason`) as they are submitted, before the first step.
+(:func:`qualia.sim.workload.unservable_reason`) as they are submitted, before the first step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
+from ..twin.seed import exact_int
 from .resources import available_memory, format_bytes, memory_estimate
-from .workload import Trace, TraceError, Workload, unservable_reason
+from .trace import Trace, TraceError
+from .workload import Workload, unservable_reason
 
-__all__ = ["Refused", "Prepared", "check_simulate", "VOCAB", "CONNECT_TIMEOUT_S",
+__all__ = ["EngineConfig", "engine_config_of", "make_step_scheduler", "step_scheduler_class",
+           "Refused", "Prepared", "check_simulate", "VOCAB", "CONNECT_TIMEOUT_S",
            "output_path_problem", "memory_needed", "ray_address_parts", "workload_of"]
 
 #: token ids of the workload, per --backend
@@ -47,6 +54,151 @@ _CLUSTER_ONLY = ("router", "compare", "kill_replica", "rejoin_after", "load_weig
 _CLUSTER_DEFAULTS: Dict[str, Any] = dict(replicas=None, router="prefix", compare=False,
                                          kill_replica=None, rejoin_after=5, load_weight=0.25,
                                          metrics_port=None, ray_address=None, local=False)
+
+
+# --------------------------------------------------------------------------------------------
+# one engine's scheduler
+# --------------------------------------------------------------------------------------------
+
+#: The scheduler an engine runs: the compiled core's, its pure-Python twin's, or the first that
+#: serves what is asked (``"auto"``: the core).
+SCHEDULER_KINDS = ("auto", "core", "twin")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's step scheduler: the single engine and every replica are built from one.
+
+    The pool holds ``num_pages`` pages of ``page_tokens`` tokens; a request's block table
+    ``logical_pages`` pages.  A step plans at most ``max_num_batched_tokens`` tokens and
+    ``max_num_seqs`` sequences (also the running set's size), prefill chunks of at most
+    ``max_prefill_chunk`` tokens (None: only the budget limits them); at most ``max_queued``
+    requests are queued (None: ``4 * max_num_seqs``).  ``eos_token_id`` stops a sequence (None:
+    only its length does).  ``n > 1`` adds every request as a group of ``n`` sampled sequences,
+    ``beam_width`` as a beam search (not both; each at most ``max_num_seqs``).  ``vocab_size``
+    (None: not checked) bounds the sampled token ids.  ``cache_key`` and ``event_capacity``
+    (None: the scheduler's defaults) configure the automatic prefix cache.  ``scheduler``:
+    one of :data:`SCHEDULER_KINDS`, or a callable taking the scheduler's arguments
+    (:func:`make_step_scheduler`)."""
+
+    num_pages: int = 96
+    page_tokens: int = 16
+    logical_pages: int = 16
+    max_num_seqs: int = 24
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: Optional[int] = None
+    max_queued: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    prefix_caching: str = "auto"
+    n: int = 1
+    beam_width: Optional[int] = None
+    vocab_size: Optional[int] = None
+    cache_key: Optional[bytes] = None
+    event_capacity: Optional[int] = None
+    scheduler: Any = "auto"
+
+    @property
+    def queue_limit(self) -> int:
+        """How many requests the scheduler queues (``max_queued``, or its default)."""
+        return 4 * self.max_num_seqs if self.max_queued is None else self.max_queued
+
+    @property
+    def forking(self) -> bool:
+        """Requests are added as groups (``n > 1`` or beam search)."""
+        return self.n > 1 or self.beam_width is not None
+
+    def group_keywords(self) -> Dict[str, int]:
+        """``add_request``'s group keywords: ``{"n": n}``, ``{"beam_width": w}`` or none."""
+        if self.beam_width is not None:
+            return {"beam_width": self.beam_width}
+        return {"n": self.n} if self.n > 1 else {}
+
+    def checked(self) -> "EngineConfig":
+        """This configuration with its options checked (``ValueError`` / ``TypeError`` naming
+        the option): the engine's and the replicas' one validation.  The scheduler checks its
+        own arguments again when it is built."""
+        if self.prefix_caching not in ("auto", "off"):
+            raise ValueError(f"prefix_caching must be 'auto' or 'off' (the engine step has no "
+                             f"explicit breakpoints), not {self.prefix_caching!r}")
+        if not callable(self.scheduler) and self.scheduler not in SCHEDULER_KINDS:
+            raise ValueError(f"scheduler must be 'auto', 'core', 'twin' or a callable, not "
+                             f"{self.scheduler!r}")
+        seqs = exact_int(self.max_num_seqs, "max_num_seqs")
+        n, beam_width = _group_sizes(self.n, self.beam_width, seqs, self.max_queued)
+        return dataclasses.replace(self, max_num_seqs=seqs, n=n, beam_width=beam_width)
+
+    def scheduler_arguments(self) -> Tuple[Tuple[int, ...], Dict[str, Any]]:
+        """The step scheduler's constructor arguments, positional and keyword."""
+        kw: Dict[str, Any] = dict(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_queued=self.max_queued,
+            max_prefill_chunk=self.max_prefill_chunk, vocab_size=self.vocab_size,
+            prefix_caching=self.prefix_caching)
+        if self.cache_key is not None:
+            kw["cache_key"] = self.cache_key
+        if self.event_capacity is not None:
+            kw["event_capacity"] = self.event_capacity
+        return (self.num_pages, self.page_tokens, self.logical_pages, self.max_num_seqs), kw
+
+
+def _group_sizes(n, beam_width, max_num_seqs: int, max_queued: Optional[int]
+                 ) -> Tuple[int, Optional[int]]:
+    """``n`` and ``beam_width`` checked: ints, at least 1, at most ``max_num_seqs`` (a group's
+    sequences run side by side), ``n`` at most ``max_queued`` (a group takes ``n`` queue
+    entries), and not both."""
+    sizes: Dict[str, Optional[int]] = {"beam_width": None}
+    for name, value in (("n", n), ("beam_width", beam_width)):
+        if value is None and name == "beam_width":
+            continue
+        v = exact_int(value, name)
+        if not 1 <= v <= max_num_seqs:
+            raise ValueError(f"{name} must be in [1, max_num_seqs={max_num_seqs}] (a group's "
+                             f"sequences run side by side), got {v}")
+        sizes[name] = v
+    n, beam_width = sizes["n"], sizes["beam_width"]
+    assert n is not None
+    if beam_width is not None and n != 1:
+        raise ValueError("n > 1 and beam_width exclude each other: beam search returns "
+                         "beam_width hypotheses")
+    if max_queued is not None and n > int(max_queued):
+        raise ValueError(f"n={n} is more than max_queued={max_queued}: a group takes n queue "
+                         f"entries")
+    return n, beam_width
+
+
+def step_scheduler_class(kind: str = "auto") -> type:
+    """The step scheduler class of ``kind``: ``"core"`` or ``"auto"``, the compiled core's;
+    ``"twin"``, its pure-Python twin.  The one place the simulator names either."""
+    if kind not in SCHEDULER_KINDS:
+        raise ValueError(f"scheduler must be 'auto', 'core' or 'twin', not {kind!r}")
+    if kind == "twin":
+        from ..twin import ForkStepScheduler
+
+        return ForkStepScheduler
+    import qualia
+
+    return qualia.StepScheduler
+
+
+def engine_config_of(args) -> EngineConfig:
+    """The engine configuration of a ``simulate`` command line (its parsed arguments)."""
+    return EngineConfig(
+        num_pages=args.num_pages, page_tokens=args.page_tokens,
+        logical_pages=args.logical_pages, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_chunk=args.max_prefill_chunk, eos_token_id=args.eos_token_id,
+        prefix_caching=args.prefix_caching, n=getattr(args, "n", 1),
+        beam_width=getattr(args, "beam_width", None))
+
+
+def make_step_scheduler(config: EngineConfig):
+    """The step scheduler ``config`` describes: ``config.scheduler`` (a kind, or a callable)
+    called with :meth:`EngineConfig.scheduler_arguments`."""
+    factory = config.scheduler
+    if not callable(factory):
+        factory = step_scheduler_class(factory)
+    args, kw = config.scheduler_arguments()
+    return factory(*args, **kw)
+
 
 
 class Refused(ValueError):
@@ -168,31 +320,31 @@ def ray_address_problem(address: str) -> Optional[str]:
 
 
 _SET_BY = {
-    "model KV": "--num-blocks x --page-tokens",
+    "model KV": "--num-pages x --page-tokens",
     "model weights": "the model's size",
-    "pool": "--num-blocks",
-    "block tables": "--max-requests x --logical-pages",
-    "request slots": "--max-requests",
-    "token arena": "4 x --max-requests x --logical-pages x --page-tokens",
-    "prefix cache": "--num-blocks x --page-tokens",
-    "token streams": "--max-requests x --logical-pages x --page-tokens",
+    "pool": "--num-pages",
+    "block tables": "--max-num-seqs x --logical-pages",
+    "request slots": "--max-num-seqs",
+    "token arena": "4 x --max-num-seqs x --logical-pages x --page-tokens",
+    "prefix cache": "--num-pages x --page-tokens",
+    "token streams": "--max-num-seqs x --logical-pages x --page-tokens",
     "token scratch": "--logical-pages x --page-tokens",
-    "undo log": "--max-requests, --logical-pages",
+    "undo log": "--max-num-seqs, --logical-pages",
     "workload": "--requests x --turns x --prompt-len, --output-len (or the --trace)",
 }
 
 
 def memory_needed(args, workload) -> Dict[str, int]:
-    """Bytes the run needs, by part (see :func:`qualia.resources.memory_estimate`); with
+    """Bytes the run needs, by part (see :func:`qualia.sim.resources.memory_estimate`); with
     ``--replicas N``, every engine part N times (the replicas of a local Ray share the
     machine)."""
     parts = memory_estimate(
-        args.backend, max_requests=args.max_requests, num_blocks=args.num_blocks,
+        args.backend, max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
         page_tokens=args.page_tokens, logical_pages=args.logical_pages,
         prefix_entries=1, prefix_caching=args.prefix_caching)
     parts.pop("prefix store", None)  # the engine step keeps no breakpoint store
-    # the step API holds every queued request's tokens (4 x max_requests by default)
-    parts["token arena"] = 4 * args.max_requests * args.logical_pages * args.page_tokens * 4
+    # the step API holds every queued request's tokens (4 x max_num_seqs by default)
+    parts["token arena"] = 4 * args.max_num_seqs * args.logical_pages * args.page_tokens * 4
     replicas = getattr(args, "replicas", None) or 1
     parts = {k: v * replicas for k, v in parts.items()}
     parts["workload"] = workload.memory_estimate()
@@ -224,7 +376,8 @@ def workload_of(args, vocab: int, clock=None) -> Union[Workload, Trace]:
             if clock is not None:
                 clock.switch(WORKLOAD)
             try:
-                return Trace(args.trace, seed=args.seed, vocab=vocab, end_token=args.end_token)
+                return Trace(args.trace, seed=args.seed, vocab=vocab,
+                             eos_token_id=args.eos_token_id)
             finally:
                 if clock is not None:
                     clock.switch(SETUP)
@@ -233,7 +386,7 @@ def workload_of(args, vocab: int, clock=None) -> Union[Workload, Trace]:
             prompt_len=args.prompt_len, output_len=args.output_len,
             system_prompts=args.system_prompts, system_prompt_len=args.system_prompt_len,
             share_ratio=args.share_ratio, tenants=args.tenants, length_dist=args.length_dist,
-            vocab=vocab, end_token=args.end_token, turns=args.turns, user_len=args.user_len)
+            vocab=vocab, eos_token_id=args.eos_token_id, turns=args.turns, user_len=args.user_len)
     except TraceError as exc:
         raise Refused(f"--trace {exc}") from None
     except ValueError as exc:
@@ -252,13 +405,13 @@ def shortest_request(w: Workload) -> Tuple[int, int]:
 def servable_problem(args, workload) -> Optional[str]:
     """Why the workload can never be served by the pool and a request's table: a trace's first
     unservable row (by its line), or a synthetic workload whose shortest request does not fit."""
-    shape = dict(page_tokens=args.page_tokens, num_blocks=args.num_blocks,
+    shape = dict(page_tokens=args.page_tokens, num_pages=args.num_pages,
                  logical_pages=args.logical_pages, beam_width=getattr(args, "beam_width", None))
-    hint = "(raise --num-blocks/--logical-pages/--page-tokens or lower --prompt-len/--output-len)"
+    hint = "(raise --num-pages/--logical-pages/--page-tokens or lower --prompt-len/--output-len)"
     if isinstance(workload, Trace):
         bad = workload.unservable_row(**shape)
         if bad is not None:
-            return f"--trace {bad} (raise --num-blocks/--logical-pages/--page-tokens)"
+            return f"--trace {bad} (raise --num-pages/--logical-pages/--page-tokens)"
         return None
     prompt, output = shortest_request(workload)
     why = unservable_reason("even the shortest request of the workload", prompt, output, **shape)
@@ -295,15 +448,15 @@ def _cluster_option_problem(args) -> Optional[str]:
 
 def check_simulate(args, clock=None) -> Prepared:
     """Every check of a ``simulate`` / ``demo`` command line made before the run (see the module
-    docstring); raises :class:`Refused`.  ``clock`` (a :class:`qualia.timing.Stopwatch`) is
+    docstring); raises :class:`Refused`.  ``clock`` (a :class:`qualia.sim.timing.Stopwatch`) is
     charged the trace's reading."""
     problem = _cluster_option_problem(args)
     if problem is not None:
         raise Refused(problem)
     vocab = VOCAB[args.backend]
-    if args.end_token is not None and args.end_token >= vocab:
-        raise Refused(f"argument --end-token: must be < {vocab} (the vocabulary of --backend "
-                      f"{args.backend}), got {args.end_token}")
+    if args.eos_token_id is not None and args.eos_token_id >= vocab:
+        raise Refused(f"argument --eos-token-id: must be < {vocab} (the vocabulary of --backend "
+                      f"{args.backend}), got {args.eos_token_id}")
     for option in ("--json", "--plot"):
         problem = output_path_problem(option, getattr(args, option[2:]))
         if problem is not None:

@@ -2,14 +2,12 @@
 (:func:`format_summary`, 80 columns) and JSON (:func:`jsonable`).
 
 Time.  The engine charges every second of a run to exactly one row of its
-:class:`~qualia.timing.Stopwatch`, and the table shows every row, so the rows add up to the wall
+:class:`~qualia.sim.timing.Stopwatch`, and the table shows every row, so the rows add up to the wall
 time:
 
 * ``setup``: building the scheduler, the pool and the backend (model weights, KV array);
 * ``workload``: generating the trace; ``submission``: validating and queueing its requests;
 * ``scheduler``: the step API calls (``add_request``, ``schedule``, ``update``, event drains);
-* ``decode_round``: a scheduler call that runs a C backend inside it, which Python cannot time
-  apart (none in the step engine today; the row shows only when it counted time);
 * ``backend``: inside the backend's ``execute_step`` (the model's forward, or the decode rule);
 * ``engine``: the Python engine loop itself (arrivals, the books of each step, end-state
   verification, progress);
@@ -28,7 +26,8 @@ from .timing import ROWS, percentile
 
 __all__ = ["Counters", "Timeline", "EngineResult", "GroupOutput", "backend_label",
            "collect_stats",
-           "format_summary", "jsonable", "WIDTH", "PERCENTILES", "OutputError", "emit"]
+           "format_summary", "jsonable", "WIDTH", "PERCENTILES", "OutputError", "emit",
+           "write_json"]
 
 #: The summary table fits a terminal this wide.
 WIDTH = 80
@@ -157,7 +156,7 @@ class GroupOutput:
 
 @dataclass
 class EngineResult:
-    """What :meth:`qualia.engine.Engine.run` reports.  ``outputs`` maps request id -> generated
+    """What :meth:`qualia.sim.engine.Engine.run` reports.  ``outputs`` maps request id -> generated
     tokens (a group's first member or best hypothesis); ``groups`` maps the request id of each
     group (``n > 1``, beam search) to all its sequences; ``timeline`` is the run over time."""
 
@@ -189,10 +188,10 @@ def backend_label(backend, is_model: bool, is_c: bool) -> str:
     return f"{name} (Python)"
 
 
-def _per_round(values: List[float], prefix: str) -> Dict[str, float]:
+def _per_step(values: List[float], prefix: str) -> Dict[str, float]:
     us = [x * 1e6 for x in values]
-    return {f"{prefix}_us_per_round_p50": percentile(us, 50),
-            f"{prefix}_us_per_round_p99": percentile(us, 99)}
+    return {f"{prefix}_us_per_step_p50": percentile(us, 50),
+            f"{prefix}_us_per_step_p99": percentile(us, 99)}
 
 
 #: The latency percentiles the summary reports.
@@ -204,8 +203,8 @@ def _percentiles(values: List[float], prefix: str) -> Dict[str, float]:
 
 
 def collect_stats(engine) -> Dict[str, object]:
-    """The figures of ``engine``'s run so far (a :class:`qualia.engine.Engine`)."""
-    f, c = engine.facade, engine.counters
+    """The figures of ``engine``'s run so far (a :class:`qualia.sim.engine.Engine`)."""
+    f, c, cfg = engine.facade, engine.counters, engine.config
     cache = f.cache_stats()
     time_s = engine.clock.as_dict()
     serve_s = float(engine.now)
@@ -241,10 +240,10 @@ def collect_stats(engine) -> Dict[str, object]:
         "mean_step_tokens": (c.scheduled_tokens / busy) if busy else 0.0,
         "max_step_tokens": c.max_plan_tokens,
         "max_step_seqs": c.max_plan_seqs,
-        "max_batched_tokens": engine.max_batched_tokens,
-        "max_seqs": engine.max_seqs,
-        "max_prefill_chunk": engine.max_prefill_chunk,
-        "max_queued": engine.max_queued,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_prefill_chunk": cfg.max_prefill_chunk,
+        "max_queued": cfg.queue_limit,
         "serve_s": serve_s,
         "step_seconds": engine.step_seconds,
         "throughput_tokens_per_s": (c.tokens_generated / serve_s) if serve_s > 0 else 0.0,
@@ -275,21 +274,20 @@ def collect_stats(engine) -> Dict[str, object]:
         "pages_copied": c.pages_copied,
         "preemptions": c.preemptions,
         "recomputes": c.resumed,
-        "num_blocks": engine.num_blocks,
-        "page_tokens": engine.page_tokens,
-        "max_requests": engine.max_requests,
+        "num_pages": cfg.num_pages,
+        "page_tokens": cfg.page_tokens,
         "peak_pages_used": c.peak_pages,
-        "peak_pool_use": c.peak_pages / engine.num_blocks,
+        "peak_pool_use": c.peak_pages / cfg.num_pages,
         "peak_running": c.peak_running,
         "peak_waiting": c.peak_waiting,
         "free_pages_at_end": int(f.free_pages),
         "c_backend": engine.is_c_backend,
-        **_per_round(engine.round_sched_s, "sched"),
-        **_per_round(engine.round_backend_s, "backend"),
+        **_per_step(engine.step_sched_s, "sched"),
+        **_per_step(engine.step_backend_s, "backend"),
         "sched_s_total": time_s["scheduler"],
         "backend_s_total": time_s["backend"],
         "engine_s_total": time_s["engine"],
-        "backend_time_is": "time inside the backend's execute_step (per step: the _us_per_round "
+        "backend_time_is": "time inside the backend's execute_step (per step: the _us_per_step "
                            "figures)",
         "time_s": time_s,
         "wall_s": sum(time_s.values()),
@@ -328,28 +326,25 @@ def _kv(key: str, value: str) -> List[str]:
 def _time_rows(s: dict) -> List[Tuple[str, float, Optional[str]]]:
     """(label, seconds, per-step p50 / p99 or None) for every row of the run's stopwatch."""
     t = s["time_s"]
-    per_round = {"scheduler": "sched", "backend": "backend"}
+    per_step = {"scheduler": "sched", "backend": "backend"}
     labels = {
         "setup": "setup (scheduler, pool, backend)",
         "workload": "workload generation",
         "submission": "submission",
         "scheduler": "scheduler (step API calls)",
-        "decode_round": "decode round (scheduler + C backend)",
         "backend": f"backend: {s['backend']}",
         "engine": "engine loop (Python)",
         "check": f"check ({s.get('check_against', 'not run')})",
     }
     rows = []
     for key in ROWS:
-        if key == "decode_round" and not t[key]:
-            continue
         if key == "check" and "check_s" not in s and not t[key]:
             continue
         pr = None
-        if key in per_round:
-            p = per_round[key]
-            pr = (f"{_us(s[f'{p}_us_per_round_p50'])} / "
-                  f"{_us(s[f'{p}_us_per_round_p99'])}")
+        if key in per_step:
+            p = per_step[key]
+            pr = (f"{_us(s[f'{p}_us_per_step_p50'])} / "
+                  f"{_us(s[f'{p}_us_per_step_p99'])}")
         label = labels[key]
         if len(label) > _LABEL_WIDTH:  # a long backend class name
             label = label[:_LABEL_WIDTH - 3] + "..."
@@ -405,7 +400,7 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
         ("steps", f"{s['steps']}  ({s['mixed_steps']} mixed, mean "
                   f"{s['mean_step_tokens']:.1f} tokens, peak running {s['peak_running']}, "
                   f"peak waiting {s['peak_waiting']})"),
-        ("step budget", f"{s['max_batched_tokens']} tokens, {s['max_seqs']} requests, "
+        ("step budget", f"{s['max_num_batched_tokens']} tokens, {s['max_num_seqs']} requests, "
                         + ("no prefill chunk cap" if chunk is None else
                            f"prefill chunks <= {chunk} tokens")),
         ("throughput", f"{s['throughput_tokens_per_s']:.1f} tokens/s generated "
@@ -446,7 +441,7 @@ def format_summary(stats: dict, check_message: Optional[str] = None) -> str:
                    f"its own); most held: {s['peak_held_pages']}"))
     kv += [
         ("preemptions", f"{s['preemptions']}  ({s['recomputes']} resumed by recompute)"),
-        ("peak pool use", f"{s['peak_pages_used']} / {s['num_blocks']} pages "
+        ("peak pool use", f"{s['peak_pages_used']} / {s['num_pages']} pages "
                           f"({100 * s['peak_pool_use']:.1f}%) of {s['page_tokens']} tokens"),
     ]
     if check_message is not None:
@@ -493,6 +488,21 @@ def jsonable(obj):
 class OutputError(Exception):
     """The command's output could not be written (disk full, I/O error; a closed pipe is a
     ``BrokenPipeError`` and stays one)."""
+
+
+def write_json(text: str, path: str, out, err) -> bool:
+    """Write ``text`` to ``path`` (``"-"``: ``out``, the command's stdout); an ``OSError``
+    writing the file is one ``error: --json PATH: reason`` line on ``err`` and False."""
+    if path == "-":
+        emit(text, out)
+        return True
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        print(f"error: --json {path}: {exc.strerror or exc}", file=err)
+        return False
+    return True
 
 
 def emit(text: str, out) -> None:

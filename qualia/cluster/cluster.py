@@ -1,0 +1,526 @@
+"""The cluster: replicas behind the router, driven one engine step at a time, with replica
+deaths, resubmission and rejoins (see :mod:`qualia.cluster`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .metrics import ClusterMetrics
+from .replica import Replica, ReplicaConfig
+from .router import POLICIES, Router
+
+__all__ = ["Cluster", "ClusterResult", "init_local_ray", "compare_policies", "format_comparison"]
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ImportError("qualia.cluster needs Ray: pip install 'qualia[cluster]'") from None
+    return ray
+
+
+
+
+
+@dataclass
+class _Track:
+    """The router's record of one request."""
+
+    req: Any                       # the workload Request (prompt, max_new_tokens, namespace ...)
+    arrival_step: int
+    arrival_s: float
+    owner: int = -1
+    outputs: List[int] = field(default_factory=list)   # every token reported so far
+    base: int = 0                  # outputs already known when it was last (re)submitted
+    first_token_step: Optional[int] = None
+    first_token_s: Optional[float] = None
+    done: bool = False
+    resubmits: int = 0
+    predicted_pages: int = 0
+
+
+@dataclass
+class ClusterResult:
+    """What a run produced: outputs by request, completion counts, the summary figures."""
+
+    policy: str
+    replicas: int
+    outputs: Dict[int, List[int]]
+    completions: Dict[int, int]
+    requests: Dict[int, Any]
+    summary: Dict[str, Any]
+    arrived: Dict[int, int] = field(default_factory=dict)   # the step each request arrived at
+
+
+def init_local_ray(num_cpus: int = 2) -> None:
+    """Start a local Ray for this process, from a neutral working directory.
+
+    Ray's workers start in the driver's working directory and put it first on ``sys.path``: from
+    a checkout's root, the source folder ``qualia/`` (whose compiled core is not built there)
+    would hide the installed package in every replica.  Ray is started from an empty temporary
+    folder instead, and this process's working directory is restored at once."""
+    import tempfile
+
+    ray = _ray()
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="qualia-ray-") as neutral:
+        os.chdir(neutral)
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        finally:
+            os.chdir(here)
+
+
+class _LocalHandle:
+    def __init__(self, rid: int, config: ReplicaConfig) -> None:
+        self.obj: Optional[Replica] = Replica(rid, config)
+
+    def start(self, reqs):
+        if self.obj is None:
+            return RuntimeError("replica killed")
+        try:
+            return self.obj.step(reqs)
+        except Exception as exc:  # a replica failure: the router treats it as a death
+            return exc
+
+    def result(self, fut, timeout):
+        if isinstance(fut, BaseException):
+            raise fut
+        return fut
+
+    def kill(self) -> None:
+        self.obj = None
+
+
+_ACTOR: List[Any] = []   # the Ray actor class of Replica, made once
+
+
+class _RayHandle:
+    def __init__(self, rid: int, config: ReplicaConfig) -> None:
+        if not _ACTOR:
+            # num_cpus=0: replicas are scheduled however few CPUs the Ray cluster declares
+            _ACTOR.append(_ray().remote(num_cpus=0, max_restarts=0)(Replica))
+        self.actor = _ACTOR[0].remote(rid, config)
+
+    def start(self, reqs):
+        return self.actor.step.remote(list(reqs))
+
+    def result(self, fut, timeout):
+        return _ray().get(fut, timeout=timeout)
+
+    def kill(self) -> None:
+        _ray().kill(self.actor, no_restart=True)
+
+
+class Cluster:
+    """``replicas`` engines behind one router (see the module docstring).
+
+    ``policy``: one of :data:`POLICIES`.  ``local=True`` runs the replicas in this process
+    (no Ray).  ``load_weight``: the prefix policy's cost, in pages, of one request queued on a
+    replica.  ``metrics``: a :class:`ClusterMetrics` to update.  ``step_timeout``: seconds a
+    replica's step may take before it is declared dead.  ``max_resubmits``: how many replica
+    deaths one request may go through; one more raises ``RuntimeError`` (a request whose every
+    replica dies is more likely killing them than unlucky, and resubmitting it forever would
+    never end)."""
+
+    def __init__(self, replicas: int, policy: str = "prefix",
+                 config: Optional[ReplicaConfig] = None, *, local: bool = False,
+                 load_weight: float = 0.25, metrics: Optional[ClusterMetrics] = None,
+                 step_timeout: float = 60.0, index_capacity: Optional[int] = None,
+                 max_resubmits: int = 3) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not 1 <= int(replicas) <= 64:
+            raise ValueError(f"replicas must be in [1, 64], got {replicas}")
+        self.n = int(replicas)
+        self.policy = policy
+        self.config = config if config is not None else ReplicaConfig()
+        self.local = bool(local)
+        self.load_weight = float(load_weight)
+        self.metrics = metrics
+        self.step_timeout = float(step_timeout)
+        self.max_resubmits = int(max_resubmits)
+        if self.max_resubmits < 0:
+            raise ValueError(f"max_resubmits must be at least 0, got {max_resubmits}")
+        self.router = Router(self.n, policy, self.config, load_weight=self.load_weight,
+                             index_capacity=index_capacity)
+        self.index = self.router.index
+        self.handles: List[Any] = [self._spawn(r) for r in range(self.n)]
+        self.died_at: Dict[int, int] = {}
+        self.decisions = [0] * self.n
+        self.deaths = 0
+        self.rejoins = 0
+        self.killed_at: Optional[int] = None   # the step the last run killed a replica at
+        self.conversations_cut = 0             # next turns of the last run no replica can serve
+        self.idle_steps = 0                    # steps of the last run skipped: nothing to do
+        self.resubmitted = 0
+        self.duplicates_ignored = 0
+        self._counters = dict(cached=0, prefill=0, decode=0, preempted=0, generated=0)
+        self._per_replica = [dict(cached=0, prefill=0) for _ in range(self.n)]
+        self.implementations: set = set()   # the schedulers the replicas reported
+
+    @property
+    def live(self) -> List[bool]:
+        """Per replica: whether it is live (the router's record)."""
+        return self.router.live
+
+    @live.setter
+    def live(self, value: List[bool]) -> None:
+        self.router.live = list(value)
+
+    @property
+    def load(self) -> List[int]:
+        """Per replica: running + waiting at its last report + routed to it since."""
+        return self.router.load
+
+    @load.setter
+    def load(self, value: List[int]) -> None:
+        self.router.load = list(value)
+
+    # -- replicas ----------------------------------------------------------------------------------
+    def _spawn(self, r: int):
+        return _LocalHandle(r, self.config) if self.local else _RayHandle(r, self.config)
+
+    def kill(self, r: int) -> None:
+        """Kill replica ``r``'s actor (fault injection); the router finds out at its next step
+        call, as it would for a real fault."""
+        self.handles[r].kill()
+
+    def _on_death(self, r: int, step: int, tracks: Dict[int, _Track],
+                  queue: Deque[int]) -> None:
+        self.live[r] = False
+        self.died_at[r] = step
+        try:
+            self.handles[r].kill()      # a replica that timed out must not come back by itself
+        except Exception:
+            pass
+        self.deaths += 1
+        self.index.remove_replica(r)
+        self.load[r] = 0
+        lost = [rid for rid, t in tracks.items() if t.owner == r and not t.done]
+        for rid in lost:
+            t = tracks[rid]
+            t.owner = -1
+            t.base = len(t.outputs)
+            t.resubmits += 1
+            self.resubmitted += 1
+            if t.resubmits > self.max_resubmits:
+                raise RuntimeError(f"request {rid} was on {t.resubmits} replicas that died "
+                                   f"(max_resubmits={self.max_resubmits}); giving up on it")
+        queue.extendleft(reversed(lost))   # first in line, in their order
+        if self.metrics is not None:
+            self.metrics.deaths.inc()
+            self.metrics.resubmitted.inc(len(lost))
+            self.metrics.up.labels(str(r)).set(0)
+
+    def _rejoin(self, r: int) -> None:
+        self.handles[r] = self._spawn(r)
+        self.live[r] = True
+        self.load[r] = 0
+        del self.died_at[r]
+        self.rejoins += 1
+        if self.metrics is not None:
+            self.metrics.up.labels(str(r)).set(1)
+
+    # -- routing -----------------------------------------------------------------------------------
+    def route(self, prompt: Sequence[int], namespace: bytes = b"") -> Tuple[int, int]:
+        """The replica for a request (-1 when none can take it now) and the pages of its prompt
+        the chosen replica holds (:meth:`Router.route`)."""
+        return self.router.route(prompt, namespace)
+
+    # -- the run -----------------------------------------------------------------------------------
+    #: steps in a row in which replicas ran and none computed a token or finished a request,
+    #: with requests unfinished, after which a run is declared stuck (``RuntimeError``)
+    MAX_STALLED_STEPS = 10_000
+
+    def run(self, workload, *, kill_replica_at: Optional[int] = None, kill_replica: int = -1,
+            rejoin_after: Optional[int] = None, max_steps: Optional[int] = 100_000,
+            on_step: Optional[Callable[[int, "Cluster"], None]] = None) -> ClusterResult:
+        """Serve ``workload`` (a :class:`qualia.sim.workload.Workload`, or a list of its requests:
+        arrivals by ``arrival_step``, later turns by ``workload.next_turn``) until every request
+        completed.  ``kill_replica_at``: the global step at which replica ``kill_replica``
+        (default: the last) is killed; it is restarted ``rejoin_after`` steps after the router
+        found it dead (never when None).
+
+        Every request reaches the router at its ``arrival_step`` (a later turn: the step after
+        its previous turn completed).  Steps in which nothing is queued or unfinished are
+        skipped up to the next arrival (or kill, or rejoin), and so are steps with every replica
+        down until the next rejoin: ``summary["idle_steps"]`` counts them.  ``max_steps``
+        (None: no limit) bounds the steps the replicas run; :data:`MAX_STALLED_STEPS` steps in a
+        row without progress raise ``RuntimeError``.  A later turn that no replica could ever
+        serve (it outgrew the pool or ``logical_pages``) ends its conversation
+        (``summary["conversations_cut"]``)."""
+        reqs = list(workload.generate() if hasattr(workload, "generate") else workload)
+        next_turn = getattr(workload, "next_turn", None)
+        order = itertools.count()
+        arrivals: List[Tuple[int, int, Any]] = []     # a heap of (arrival step, order, request)
+
+        def arrive(q) -> None:
+            heapq.heappush(arrivals, (int(q.arrival_step), next(order), q))
+
+        for q in reqs:
+            arrive(q)
+        tracks: Dict[int, _Track] = {}
+        arrived: Dict[int, int] = {}
+        completions: Dict[int, int] = {}
+        queue: Deque[int] = deque()        # routed to nobody yet: new, refused, resubmitted
+        victim = self.n - 1 if kill_replica < 0 else kill_replica
+        self.killed_at = None
+        self.conversations_cut = 0
+        self.idle_steps = 0
+        unfinished = 0
+        t0 = time.perf_counter()
+        step = ran = stalled = 0
+        step_s = 0.0
+        while arrivals or queue or unfinished:
+            # skip the steps in which nothing can happen: to the next arrival, kill or rejoin
+            if not queue and not unfinished or not any(self.live):
+                nxt = [] if not arrivals or not any(self.live) else [arrivals[0][0]]
+                if kill_replica_at is not None and kill_replica_at > step and \
+                        self.live[victim]:
+                    nxt.append(kill_replica_at)
+                if rejoin_after is not None:
+                    nxt += [d + rejoin_after for d in self.died_at.values()]
+                if nxt and min(nxt) > step:
+                    self.idle_steps += min(nxt) - step
+                    step = min(nxt)
+            if max_steps is not None and ran >= max_steps:
+                raise RuntimeError(f"the cluster did not finish within {max_steps} steps")
+            now = time.perf_counter()
+            while arrivals and arrivals[0][0] <= step:
+                q = heapq.heappop(arrivals)[2]
+                if q.request_id in tracks:
+                    raise ValueError(f"duplicate request id {q.request_id}")
+                tracks[q.request_id] = _Track(q, step, now)
+                arrived[q.request_id] = step
+                unfinished += 1
+                queue.append(q.request_id)
+            if kill_replica_at is not None and step == kill_replica_at and self.live[victim]:
+                self.kill(victim)
+                self.killed_at = step
+            for r in list(self.died_at):
+                if rejoin_after is not None and step >= self.died_at[r] + rejoin_after:
+                    self._rejoin(r)
+            if not any(self.live) and rejoin_after is None:
+                raise RuntimeError("every replica is down")
+            # route what waits, in order; what no replica can take now waits for the next step
+            batches: List[List[Tuple[int, Any, int, bytes]]] = [[] for _ in range(self.n)]
+            held: Deque[int] = deque()
+            while queue:
+                rid = queue.popleft()
+                t = tracks[rid]
+                prompt = list(t.req.prompt) + t.outputs
+                r, pages = self.route(prompt, t.req.namespace)
+                if r < 0:
+                    held.append(rid)
+                    continue
+                t.owner = r
+                t.predicted_pages = pages
+                self.load[r] += 1
+                self.decisions[r] += 1
+                if self.metrics is not None:
+                    self.metrics.decisions.labels(self.policy, str(r)).inc()
+                batches[r].append((rid, prompt, t.req.max_new_tokens - len(t.outputs),
+                                   t.req.namespace))
+            queue = held
+            # one engine step on every live replica, concurrently
+            futs = {r: self.handles[r].start(batches[r]) for r in range(self.n) if self.live[r]}
+            ts = time.perf_counter()
+            progress = False
+            for r, fut in futs.items():
+                try:
+                    rep = self.handles[r].result(fut, self.step_timeout)
+                except Exception:
+                    self._on_death(r, step, tracks, queue)
+                    continue
+                before = len(completions)
+                self._apply(r, rep, step, tracks, completions, queue, next_turn, arrive)
+                unfinished -= len(completions) - before
+                progress |= bool(rep["prefill_tokens"] or rep["decode_tokens"]
+                                 or rep["finished"] or rep["sampled"])
+            step_s += time.perf_counter() - ts
+            if futs:
+                ran += 1
+                stalled = 0 if progress or not unfinished else stalled + 1
+                if stalled > self.MAX_STALLED_STEPS:
+                    raise RuntimeError(
+                        f"the cluster is stuck: {stalled} steps in a row computed nothing with "
+                        f"{unfinished} requests unfinished")
+            if self.metrics is not None:
+                self.metrics.identities.set(len(self.index))
+            if on_step is not None:
+                on_step(step, self)
+            step += 1
+        wall = time.perf_counter() - t0
+        outputs = {rid: t.outputs for rid, t in tracks.items()}
+        summary = self._summary(tracks, step, wall)
+        return ClusterResult(self.policy, self.n, outputs, completions,
+                             {rid: t.req for rid, t in tracks.items()}, summary, arrived)
+
+    def _apply(self, r: int, rep: Dict[str, Any], step: int, tracks: Dict[int, _Track],
+               completions: Dict[int, int], queue: Deque[int], next_turn,
+               arrive: Callable[[Any], None]) -> None:
+        now = time.perf_counter()
+        self.index.apply_events(r, rep["events"])
+        self.implementations.add(rep.get("implementation", "?"))
+        self.load[r] = rep["running"] + rep["waiting"]
+        for rid in rep["rejected"]:
+            tracks[rid].owner = -1
+            queue.append(rid)
+        for rid, why in rep["failed"]:
+            raise RuntimeError(f"replica {r} refused request {rid}: {why}")
+        for rid, tok in rep["sampled"].items():
+            t = tracks[rid]
+            if t.owner != r or t.done:
+                self.duplicates_ignored += 1
+                continue
+            t.outputs.append(int(tok))
+            if t.first_token_step is None:
+                t.first_token_step = step
+                t.first_token_s = now
+        for rid, outs, _reason in rep["finished"]:
+            t = tracks[rid]
+            if t.owner != r or t.done:
+                self.duplicates_ignored += 1
+                continue
+            if t.outputs[t.base:] != outs:
+                raise RuntimeError(f"request {rid}: replica {r} finished with outputs that "
+                                   "differ from the tokens it reported")
+            t.done = True
+            completions[rid] = completions.get(rid, 0) + 1
+            if self.metrics is not None:
+                self.metrics.completed.inc()
+            if next_turn is not None:
+                nxt = next_turn(t.req, t.outputs, step)
+                if nxt is not None and self._unservable(nxt) is None:
+                    arrive(nxt)
+                elif nxt is not None:   # the conversation outgrew the pool or logical_pages
+                    self.conversations_cut += 1
+        c = self._counters
+        c["cached"] += rep["cached_tokens"]
+        c["prefill"] += rep["prefill_tokens"]
+        c["decode"] += rep["decode_tokens"]
+        c["preempted"] += rep["preempted"]
+        c["generated"] += len(rep["sampled"])
+        pr = self._per_replica[r]
+        pr["cached"] += rep["cached_tokens"]
+        pr["prefill"] += rep["prefill_tokens"]
+        m = self.metrics
+        if m is not None:
+            lab = str(r)
+            m.up.labels(lab).set(1)
+            m.running.labels(lab).set(rep["running"])
+            m.waiting.labels(lab).set(rep["waiting"])
+            m.pool.labels(lab).set(1.0 - rep["free_pages"] / max(1, rep["num_pages"]))
+            m.cached.labels(lab).inc(rep["cached_tokens"])
+            m.prefill.labels(lab).inc(rep["prefill_tokens"])
+            m.generated.labels(lab).inc(len(rep["sampled"]))
+            m.preemptions.labels(lab).inc(rep["preempted"])
+            tot = pr["cached"] + pr["prefill"]
+            m.hit_rate.labels(lab).set(pr["cached"] / tot if tot else 0.0)
+            all_tot = c["cached"] + c["prefill"]
+            m.router_hit.set(c["cached"] / all_tot if all_tot else 0.0)
+
+    def _unservable(self, req) -> Optional[str]:
+        """Why no replica can ever serve ``req`` (the engine's rule), or None."""
+        from ..sim.workload import unservable_reason
+
+        c = self.config
+        return unservable_reason(f"request {req.request_id}", len(req.prompt),
+                                 int(req.max_new_tokens), page_tokens=c.page_tokens,
+                                 num_pages=c.num_pages, logical_pages=c.logical_pages)
+
+    def _summary(self, tracks: Dict[int, _Track], steps: int, wall: float) -> Dict[str, Any]:
+        c = self._counters
+        ttft_steps = [t.first_token_step - t.arrival_step for t in tracks.values()
+                      if t.first_token_step is not None]
+        ttft_ms = [1000 * (t.first_token_s - t.arrival_s) for t in tracks.values()
+                   if t.first_token_s is not None]
+        prompt_tokens = c["cached"] + c["prefill"]
+        out_tokens = sum(len(t.outputs) for t in tracks.values())
+        return {
+            "policy": self.policy, "replicas": self.n, "requests": len(tracks),
+            "scheduler": "/".join(sorted(self.implementations)),
+            "backend": self.config.backend,
+            "completed": sum(1 for t in tracks.values() if t.done), "steps": steps,
+            "wall_s": wall,
+            "cached_tokens": c["cached"], "prefill_tokens": c["prefill"],
+            "hit_rate": c["cached"] / prompt_tokens if prompt_tokens else 0.0,
+            "output_tokens": out_tokens,
+            "tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
+            "tokens_per_step": out_tokens / steps if steps else 0.0,
+            "ttft_steps_mean": float(np.mean(ttft_steps)) if ttft_steps else 0.0,
+            "ttft_steps_p90": float(np.percentile(ttft_steps, 90)) if ttft_steps else 0.0,
+            "ttft_ms_mean": float(np.mean(ttft_ms)) if ttft_ms else 0.0,
+            "preempted": c["preempted"], "decisions": list(self.decisions),
+            "deaths": self.deaths, "rejoins": self.rejoins, "resubmitted": self.resubmitted,
+            "duplicates_ignored": self.duplicates_ignored,
+            "killed_at": self.killed_at, "conversations_cut": self.conversations_cut,
+            "idle_steps": self.idle_steps,
+            "index": self.index.stats(),
+        }
+
+    def close(self) -> None:
+        """Kill every replica actor (Ray) or drop them (local)."""
+        for h in self.handles:
+            try:
+                h.kill()
+            except Exception:  # already dead
+                pass
+
+
+def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
+                     policies: Sequence[str] = POLICIES, single: bool = True,
+                     local: bool = False, **run_kw) -> List[ClusterResult]:
+    """Run ``workload`` under each policy on ``replicas`` replicas, and (``single``) on one
+    replica with ``replicas`` times the pool and the slots (the hit rate a router should
+    approach), one after the other; results in that order, the single replica last."""
+    results = []
+    for pol in policies:
+        cl = Cluster(replicas, pol, config, local=local)
+        try:
+            results.append(cl.run(workload, **run_kw))
+        finally:
+            cl.close()
+    if single:
+        big = dataclasses.replace(
+            config, num_pages=config.num_pages * replicas,
+            max_num_seqs=config.max_num_seqs * replicas,
+            max_num_batched_tokens=config.max_num_batched_tokens * replicas,
+            max_queued=None if config.max_queued is None else config.max_queued * replicas)
+        cl = Cluster(1, "round-robin", big, local=local)
+        try:
+            res = cl.run(workload, max_steps=run_kw.get("max_steps", 100_000))
+        finally:
+            cl.close()
+        res.summary["policy"] = "single replica"
+        res.policy = "single replica"
+        results.append(res)
+    return results
+
+
+def format_comparison(results: Sequence[ClusterResult]) -> str:
+    """The summary table: one row per run."""
+    head = ("| run | replicas | hit rate | prefill tokens saved | prefill computed | out tok/s | "
+            "out tok/step | TTFT steps (mean / p90) | TTFT ms | preempted | deaths | "
+            "resubmitted |")
+    lines = [head, "|" + "---|" * 12]
+    for res in results:
+        s = res.summary
+        lines.append(
+            f"| {s['policy']} | {s['replicas']} | {100 * s['hit_rate']:.1f}% | "
+            f"{s['cached_tokens']} | {s['prefill_tokens']} | {s['tokens_per_s']:.0f} | "
+            f"{s['tokens_per_step']:.1f} | {s['ttft_steps_mean']:.2f} / "
+            f"{s['ttft_steps_p90']:.0f} | {s['ttft_ms_mean']:.1f} | {s['preempted']} | "
+            f"{s['deaths']} | {s['resubmitted']} |")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""The router's choice of a replica for a request (see :mod:`qualia.cluster`).
+
+Policies: ``prefix`` sends a request to the replica holding the longest run of its leading pages,
+less a load cost (``load_weight`` pages per request queued there); ``round-robin`` and
+``least-loaded`` ignore the caches.  The replicas' KV events feed the index
+(:class:`qualia.PrefixRouterIndex`, in the compiled core): page identity -> replicas holding it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+import qualia
+
+from .replica import ReplicaConfig
+
+__all__ = ["POLICIES", "Router"]
+
+POLICIES = ("prefix", "round-robin", "least-loaded")
+
+
+class Router:
+    """The routing state of ``replicas`` replicas built with ``config``: which are live, their
+    load (running + waiting at their last report + routed since), the prefix index, and the
+    round-robin turn."""
+
+    def __init__(self, replicas: int, policy: str, config: ReplicaConfig, *,
+                 load_weight: float = 0.25, index_capacity: Optional[int] = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.n = int(replicas)
+        self.policy = policy
+        self.config = config
+        self.load_weight = float(load_weight)
+        self.index = qualia.PrefixRouterIndex(
+            index_capacity if index_capacity is not None else 2 * self.n * config.num_pages + 64,
+            self.n)
+        # the router computes page identities with the replicas' cache key
+        self._ident = qualia.Scheduler(1, 1, config.page_tokens, 1, cache_key=config.cache_key)
+        self._match = np.zeros(self.n, dtype=np.uint32)
+        self.live: List[bool] = [True] * self.n
+        self.load: List[int] = [0] * self.n
+        self.rr = 0
+
+    def page_identities(self, prompt: Sequence[int], namespace: bytes = b"") -> np.ndarray:
+        """The page identities of ``prompt``'s full pages, as the replicas' caches compute
+        them (the same cache key)."""
+        return self._ident.page_identities(np.asarray(prompt, dtype=np.uint32), namespace)
+
+    def _eligible(self, r: int) -> bool:
+        return self.live[r] and self.load[r] < self.config.queue_limit
+
+    def route(self, prompt: Sequence[int], namespace: bytes = b"") -> Tuple[int, int]:
+        """The replica for a request (-1 when none can take it now) and the pages of its prompt
+        the chosen replica holds (prefix policy; 0 otherwise)."""
+        n = self.n
+        if self.policy == "round-robin":
+            for k in range(n):
+                r = (self.rr + k) % n
+                if self._eligible(r):
+                    self.rr = (r + 1) % n
+                    return r, 0
+            return -1, 0
+        if self.policy == "least-loaded":
+            best = -1
+            for r in range(n):
+                if self._eligible(r) and (best < 0 or self.load[r] < self.load[best]):
+                    best = r
+            return best, 0
+        ids = self.page_identities(prompt, namespace)
+        low = min((self.load[r] for r in range(n) if self._eligible(r)), default=0)
+        cost = np.array([self.load_weight * (self.load[r] - low) if self._eligible(r)
+                         else math.inf for r in range(n)])
+        r = self.index.route(ids, cost, self._match)
+        return r, (int(self._match[r]) if r >= 0 else 0)
+

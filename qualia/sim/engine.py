@@ -1,0 +1,595 @@
+"""The serving loop: a continuous-batching engine on the scheduler's engine step.
+
+This is what ``python -m qualia simulate`` runs.  :class:`Engine` serves requests
+(:class:`qualia.sim.workload.Request`, from a :class:`~qualia.sim.workload.Workload` or a
+:class:`~qualia.sim.trace.Trace`) on the step API of one scheduler.  The scheduler decides
+everything about a step (admission by priority then arrival, token budget, chunked prefill,
+prefix-cache hits, reclaim, preemption, stop conditions); the engine only keeps the policy glue
+around it and the books:
+
+    add_request for the arrivals due  ->  plan = schedule()  ->  sampled = execute_step(plan)
+    ->  finished = update(sampled)  ->  record the finished requests (and submit the next turn
+    of their conversation)
+
+The scheduler and its options are an :class:`~qualia.sim.config.EngineConfig` (the compiled
+core's by default, or its pure-Python twin: ``scheduler="twin"``); the backend's
+``execute_step(plan)`` returns one sampled token id per sampled row of the plan, through the
+adapters of :mod:`qualia.sim.adapters` for a model or a decode rule; the figures are kept by
+:class:`~qualia.sim.books.Books`.  With a model the generated tokens can be checked against
+the dense model, with a decode rule against the pure-Python hash rule (:mod:`qualia.sim.check`).
+
+Arrivals: a request is due once the engine reaches its ``arrival_step`` and, for a trace, once
+the serving clock reaches its ``arrival_s``.  The serving clock is the measured time of the
+steps (``step_seconds=None``) or a fixed cost per step (deterministic), and jumps over idle
+gaps.  Due requests wait in the engine while the scheduler's queue is full (``max_queued``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from .._core import KV_EVENT
+from ..errors import StepError
+from .adapters import is_model, step_backend
+from .books import Books
+from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
+from .config import EngineConfig, make_step_scheduler
+from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
+from .resources import memory_estimate
+from .timing import (
+    BACKEND,
+    CHECK,
+    ENGINE,
+    SCHEDULER,
+    SETUP,
+    SUBMISSION,
+    WORKLOAD,
+    Stopwatch,
+    TimedBackend,
+    is_c_backend,
+)
+from .trace import Trace
+from .workload import (
+    Request,
+    UnservableRequest,
+    Workload,
+    checked_request,
+    pages_needed,
+    unservable_reason,
+)
+
+__all__ = [
+    "Engine",
+    "Counters",
+    "Timeline",
+    "UnservableRequest",
+    "pages_needed",
+    "EngineConfig",
+    "GroupOutput",
+    # re-exported: the engine's input and output types, and the memory estimate
+    "memory_estimate",
+    "Request",
+    "Workload",
+    "Trace",
+    "EngineResult",
+    "CheckResult",
+    "TimedBackend",
+]
+
+_now = time.perf_counter
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+# --------------------------------------------------------------------------------------------
+
+
+class _Live:
+    """Engine-side record of one request (of one group: ``n > 1`` or beam search): when it
+    arrived, got its first token, finished; ``outputs`` is its answer (a group's first member or
+    best hypothesis), ``longest`` the most tokens one of its sequences generated."""
+
+    __slots__ = ("req", "arrival_step", "arrival_t", "first_step", "first_t", "end_step",
+                 "end_t", "outputs", "longest")
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.arrival_step = -1
+        self.arrival_t = 0.0
+        self.first_step = -1
+        self.first_t = 0.0
+        self.end_step = -1
+        self.end_t = 0.0
+        self.outputs: List[int] = []
+        self.longest = 0
+
+
+class Engine:
+    """Serve requests on the engine step of one scheduler (see the module docstring).
+
+    ``backend``: ``"model"`` (a :class:`~qualia.model.PagedModelBackend` over
+    ``ModelWeights.random(model_config)``), ``"c"`` (``qualia.HashBackend(vocab_size)``), or a
+    backend object (one with ``execute_step``, a model with ``prefill``, or a decode-rule
+    backend).  A Python backend's time is charged to the backend row of the clock.
+
+    The scheduler: ``config`` (an :class:`~qualia.sim.config.EngineConfig`), or its fields as
+    keywords (``num_pages``, ``page_tokens``, ``logical_pages``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_prefill_chunk``, ``max_queued``, ``eos_token_id``,
+    ``prefix_caching``, ``n``, ``beam_width``, ``vocab_size``, ``scheduler``), which replace
+    the config's.  ``vocab_size``: the decode rule's vocabulary (None: the backend's, or
+    32000); a model's is its own.
+
+    Forks (docs/DESIGN.md, "Forks in the engine"): ``n > 1`` adds every request with
+    ``add_request(..., n=n)`` (one prefill, ``n`` sampled sequences sharing the prompt's pages
+    copy-on-write), ``beam_width=w`` with ``add_request(..., beam_width=w)`` (beam search, model
+    backend only).  A finished group's sequences are all in :attr:`groups`;
+    ``outputs[request_id]`` is its first member (``n``) or best hypothesis (beam).
+    ``sampling`` (a :class:`qualia.model.SamplingParams`; model backend only; default greedy)
+    draws each token keyed by ``(seed, member id, position)``: the members of an ``n`` group
+    differ only with a temperature > 0.
+
+    ``step_seconds``: the serving clock's cost of one step (None: the measured time of each
+    step).  ``clock`` is the :class:`~qualia.sim.timing.Stopwatch` the engine charges its time
+    to (the CLI passes one started before anything else); by default the engine makes one that
+    counts only while an engine method runs.  ``on_complete(request_id, tokens)`` is called
+    whenever a request completes."""
+
+    def __init__(self, backend="model", config: Optional[EngineConfig] = None, *,
+                 model_config=None, sampling=None, step_seconds: Optional[float] = None,
+                 clock: Optional[Stopwatch] = None,
+                 on_complete: Optional[Callable[[int, List[int]], None]] = None,
+                 **options: Any) -> None:
+        self._owns_clock = clock is None
+        self.clock = clock if clock is not None else Stopwatch(SETUP)
+        token = self.clock.enter(SETUP)
+        config = dataclasses.replace(config or EngineConfig(), **options).checked()
+        if step_seconds is not None and not 0.0 <= float(step_seconds) < float("inf"):
+            raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
+        self.step_seconds = None if step_seconds is None else float(step_seconds)
+        backend = self._backend(backend, config, model_config, sampling)
+        self.config = config = dataclasses.replace(config, vocab_size=self.vocab)
+        self.backend = TimedBackend(step_backend(
+            backend, vocab=self.vocab or 32000, beams=config.beam_width is not None,
+            batched=config.forking or not self.sampling.greedy), self.clock)
+        self.scheduler = make_step_scheduler(config)
+        s = self.scheduler
+        # the facade under the step API: the scheduler itself (core) or the twin's facade
+        self.facade = getattr(s, "facade", s)
+        self.implementation = "twin" if s is not self.facade else "core"
+        self.caching = self.facade.prefix_caching
+        self._events = np.zeros(256, dtype=KV_EVENT)  # drained each step
+        self.on_complete = on_complete
+        self._progress: Optional[Callable[[str, int, int], None]] = None
+
+        self.step_no = 0
+        self.now = 0.0  # the serving clock, seconds
+        self._empty_plans = 0  # consecutive plans that scheduled nothing
+        self.books = Books(config.num_pages, config.page_tokens, config.n)
+        self.counters, self.timeline = self.books.counters, self.books.timeline
+        self._requests: Dict[int, Request] = {}
+        self._live: Dict[int, _Live] = {}
+        # not yet due: a heap of (arrival_step, arrival_s, submission number, request)
+        self._arrivals: List[Tuple[int, float, int, _Live]] = []
+        self._submitted = itertools.count()
+        self._backlog: Deque[_Live] = collections.deque()  # due, waiting for queue room
+        self._completions: Dict[int, int] = {}
+        self.outputs: Dict[int, List[int]] = {}
+        self.finish_reasons: Dict[int, str] = {}
+        #: every sequence of each finished group (n > 1 or beam search), by request id
+        self.groups: Dict[int, GroupOutput] = {}
+        # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
+        self._next_turn: Optional[Callable[[Request, List[int], int], Optional[Request]]] = None
+        # per step with work: seconds in the scheduler calls and in the backend
+        self.step_sched_s: List[float] = []
+        self.step_backend_s: List[float] = []
+        self.last_check: Optional[CheckResult] = None
+        if self._owns_clock:
+            self.clock.stop()  # an engine-owned clock counts only inside engine methods
+        else:
+            self.clock.leave(token)
+
+    def _backend(self, backend, config: EngineConfig, model_config, sampling):
+        """The backend object (built for ``"model"`` and ``"c"``), with what the engine reads
+        of it: its weights, its vocabulary and how it samples."""
+        from ..model import GREEDY, SamplingParams
+
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a qualia.model.SamplingParams, not "
+                            f"{type(sampling).__name__}")
+        self.weights = None
+        if backend == "model" and isinstance(backend, str):
+            from ..model import ModelConfig, ModelWeights, PagedModelBackend
+
+            self.weights = ModelWeights.random(model_config or ModelConfig())
+            backend = PagedModelBackend(self.weights, config.num_pages, config.page_tokens,
+                                        sampling=GREEDY if sampling is None else sampling)
+        elif backend == "c" and isinstance(backend, str):
+            import qualia
+
+            backend = qualia.HashBackend(vocab=config.vocab_size or 32000)
+        elif isinstance(backend, str):
+            raise ValueError(f"backend must be 'model', 'c' or a backend object, not "
+                             f"{backend!r}")
+        self.raw_backend = backend
+        self.is_model = is_model(backend)
+        self.is_c_backend = is_c_backend(backend)
+        self.backend_label = backend_label(backend, self.is_model, self.is_c_backend)
+        if self.is_model:
+            self.weights = getattr(backend, "weights", self.weights)
+            bt = getattr(backend, "page_tokens", config.page_tokens)
+            bn = getattr(backend, "num_pages", getattr(backend, "num_pages", config.num_pages))
+            if bt != config.page_tokens or bn < config.num_pages:
+                raise ValueError(
+                    f"the model backend has {bn} pages of {bt} tokens; the scheduler needs "
+                    f"{config.num_pages} pages of {config.page_tokens} tokens")
+            own_vocab = getattr(getattr(backend, "config", None), "vocab", 0)
+            #: the vocabulary of the sampled ids (None: not known)
+            self.vocab: Optional[int] = int(own_vocab or 0) or config.vocab_size
+            self._prompt_vocab = self.vocab
+        else:  # the decode rule's vocabulary; any u32 prompt token id is fine
+            vocab: Any = config.vocab_size or getattr(backend, "vocab", 32000)
+            self.vocab = int(vocab)
+            self._prompt_vocab = None
+        own = getattr(backend, "sampling", None) if self.is_model else None
+        if sampling is not None and not sampling.greedy and not self.is_model:
+            raise ValueError("sampling needs the model backend (a decode rule has no "
+                             "logits to sample)")
+        if sampling is not None and own is not None and own != sampling:
+            raise ValueError(f"sampling={sampling} differs from the model backend's own "
+                             f"sampling={own}: set it on one of them")
+        #: how the model backend picks tokens (greedy for a decode rule)
+        self.sampling = sampling if sampling is not None else (
+            own if isinstance(own, SamplingParams) else GREEDY)
+        if config.beam_width is not None and not self.is_model:
+            raise ValueError("beam search needs the model backend: it ranks candidates by the "
+                             "model's log-probabilities, which a decode rule does not have")
+        return backend
+
+    @property
+    def n(self) -> int:
+        return self.config.n
+
+    @property
+    def beam_width(self) -> Optional[int]:
+        return self.config.beam_width
+
+    @property
+    def forking(self) -> bool:
+        """Requests are added as groups (``n > 1`` or beam search)."""
+        return self.config.forking
+
+    @property
+    def page_tokens(self) -> int:
+        return self.config.page_tokens
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        return self.config.eos_token_id
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet completed."""
+        return len(self._live)
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds on the engine's clock so far (the sum of its rows)."""
+        return self.clock.wall_s
+
+    def _call(self, fn, *args, **kwargs):
+        """A scheduler call, charged to the scheduler row."""
+        clock = self.clock
+        prev = clock.switch(SCHEDULER)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.switch(prev)
+
+    # -- submission ---------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue a request for its arrival.  Raises :class:`UnservableRequest` (a
+        ``ValueError``) for a request that needs more pages than the whole pool or more tokens
+        than a request's table holds (``logical_pages * page_tokens``), and ``ValueError`` for
+        an empty prompt, no tokens to generate, bad token ids or a duplicate request id."""
+        token = self.clock.enter(SUBMISSION)
+        try:
+            self._submit(request)
+        finally:
+            self.clock.leave(token)
+
+    def submit_all(self, requests: Iterable[Request]) -> int:
+        """Submit every request of ``requests`` (a :class:`~qualia.sim.workload.Workload` or
+        :class:`~qualia.sim.trace.Trace` is generated first, charged to the workload row);
+        returns how many were submitted."""
+        n = 0
+        token = self.clock.enter(WORKLOAD)
+        try:
+            if isinstance(requests, Workload):
+                if requests.turns > 1:
+                    self._next_turn = requests.next_turn
+                requests = requests.generate()
+            elif isinstance(requests, Trace):
+                requests = requests.generate()
+            self.clock.switch(SUBMISSION)
+            for req in requests:
+                self._submit(req)
+                n += 1
+        finally:
+            self.clock.leave(token)
+        return n
+
+    def _submit(self, request: Request) -> None:
+        if int(request.request_id) in self._requests:
+            raise ValueError(f"request {int(request.request_id)}: duplicate request id")
+        c = self.config
+        request = checked_request(request, page_tokens=c.page_tokens, num_pages=c.num_pages,
+                                  logical_pages=c.logical_pages, vocab=self._prompt_vocab)
+        if c.beam_width is not None:
+            why = unservable_reason(f"request {request.request_id}", len(request.prompt),
+                                    request.max_new_tokens, page_tokens=c.page_tokens,
+                                    num_pages=c.num_pages, logical_pages=c.logical_pages,
+                                    beam_width=c.beam_width)
+            if why is not None:
+                raise UnservableRequest(why)
+        rid = request.request_id
+        self._requests[rid] = request
+        live = _Live(request)
+        self._live[rid] = live
+        heapq.heappush(self._arrivals, (request.arrival_step, request.arrival_s or 0.0,
+                                        next(self._submitted), live))
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self, requests: Iterable[Request] = (), *, check: bool = False,
+            progress: Optional[Callable[[str, int, int], None]] = None) -> EngineResult:
+        """Submit ``requests``, serve everything submitted to completion, verify the end state
+        (every request completed exactly once, nothing queued or running, every page free or
+        cached), run the check if ``check``, and report.
+
+        ``progress(phase, done, total)`` is called with phase ``"serve"`` as requests complete
+        and ``"check"`` as they are checked (first with ``done == 0``)."""
+        self.submit_all(requests)
+        token = self.clock.enter(ENGINE)
+        self._progress = progress
+        try:
+            while self.pending:
+                self._step()
+            self.verify_end_state()
+        finally:
+            self._progress = None
+            self.clock.leave(token)
+        checked = None
+        if check:
+            checked = self.check(None if progress is None
+                                 else progress_reporter(progress, len(self.outputs)))
+            self.last_check = checked
+        return EngineResult(self.stats(), dict(self.outputs), checked, self.timeline,
+                            dict(self.groups))
+
+    def step(self) -> None:
+        """One engine step: the arrivals due, then schedule, execute and update."""
+        token = self.clock.enter(ENGINE)
+        try:
+            self._step()
+        finally:
+            self.clock.leave(token)
+
+    def _due(self, live: _Live) -> bool:
+        r = live.req
+        return r.arrival_step <= self.step_no and (r.arrival_s is None or r.arrival_s <= self.now)
+
+    def _take_arrivals(self) -> None:
+        """Move the arrivals due to the scheduler (the engine's backlog while its queue is
+        full)."""
+        arrivals, backlog = self._arrivals, self._backlog
+        while arrivals and self._due(arrivals[0][3]):
+            live = heapq.heappop(arrivals)[3]
+            live.arrival_step = self.step_no
+            r = live.req
+            live.arrival_t = self.now if r.arrival_s is None else float(r.arrival_s)
+            backlog.append(live)
+        s = self.scheduler
+        room = self.config.queue_limit - s.num_waiting - s.num_running
+        group, eos = self.config.group_keywords(), self.config.eos_token_id
+        while backlog and room > 0:
+            live = backlog.popleft()
+            r = live.req
+            try:
+                self._call(s.add_request, r.request_id, r.prompt,
+                           max_new_tokens=r.max_new_tokens, namespace=r.namespace,
+                           eos_token_id=eos, **group)
+            except StepError.QueueFull:
+                # a group takes n entries, its stopped members' too, until its result is
+                # returned: the queue is fuller than num_waiting + num_running say
+                if not self.forking:
+                    raise
+                backlog.appendleft(live)
+                return
+            room -= self.n
+
+    def _skip_idle(self) -> None:
+        """Nothing queued or running: jump the step counter and the clock to the next
+        arrival."""
+        nxt = self._arrivals[0][3].req
+        if nxt.arrival_step > self.step_no:
+            self.counters.idle_steps += nxt.arrival_step - self.step_no
+            self.step_no = nxt.arrival_step
+        if nxt.arrival_s is not None and nxt.arrival_s > self.now:
+            self.counters.idle_s += nxt.arrival_s - self.now
+            self.now = float(nxt.arrival_s)
+
+    def _step(self) -> None:
+        t0 = _now()
+        self._take_arrivals()
+        s = self.scheduler
+        if not s.has_unfinished():
+            if self._arrivals:
+                self._skip_idle()
+            return
+        secs = self.clock.seconds
+        s0, b0 = secs[SCHEDULER], secs[BACKEND]
+        plan = self._call(s.schedule)
+        held = self.config.num_pages - int(self.facade.free_pages)  # the step's pages are held
+        running = int(s.num_running)
+        try:
+            sampled = self.backend.execute_step(plan)
+        except BaseException:
+            discard = getattr(s, "discard_plan", None)
+            if callable(discard):
+                discard()
+            raise
+        if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
+            finished = self._call(s.update, *sampled)
+        else:
+            finished = self._call(s.update, sampled)
+        books = self.books
+        firsts = books.record(plan, held, running, self._live, self.step_no)
+        if self.forking:
+            books.count_forks(s)
+        self._check_progress(plan)
+        if self.caching == "auto":
+            self._drain_events()
+        self.step_sched_s.append(secs[SCHEDULER] - s0)
+        self.step_backend_s.append(secs[BACKEND] - b0)
+        self.now += (_now() - t0) if self.step_seconds is None else self.step_seconds
+        for lv in firsts:
+            lv.first_t = self.now
+        self.step_no += 1
+        self.counters.steps += 1
+        for fin in finished:
+            self._complete(fin)
+        books.sample(s, self.facade, self.step_no - 1, self.now, len(self._backlog))
+
+    #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
+    #: only running request preempts itself for pages; the next step admits it again).
+    MAX_EMPTY_PLANS = 64
+
+    def _check_progress(self, plan) -> None:
+        if len(plan.request_ids):
+            self._empty_plans = 0
+            return
+        self._empty_plans += 1
+        if self._empty_plans > self.MAX_EMPTY_PLANS:
+            s = self.scheduler
+            raise RuntimeError(
+                f"engine stuck: {self._empty_plans} steps in a row scheduled nothing with "
+                f"{s.num_waiting} waiting and {s.num_running} running requests")
+
+    def _complete(self, fin) -> None:
+        rid = int(fin.request_id)
+        lv = self._live.pop(rid)
+        c = self.counters
+        if hasattr(fin, "outputs"):  # a FinishedGroup: n members, or beam hypotheses
+            outs = [np.asarray(o).tolist() for o in fin.outputs]
+            reasons = [str(x) for x in fin.finish_reasons]
+            self.groups[rid] = GroupOutput(
+                "n" if self.beam_width is None else "beam", outs, reasons,
+                [int(m) for m in fin.member_ids],
+                None if fin.scores is None else [float(x) for x in fin.scores])
+        else:
+            outs = [np.asarray(fin.output_tokens).tolist()]
+            reasons = [str(fin.finish_reason)]
+        lv.outputs = outs[0]
+        lv.longest = max(len(o) for o in outs)
+        lv.end_step, lv.end_t = self.step_no - 1, self.now
+        self._completions[rid] = self._completions.get(rid, 0) + 1
+        self.outputs[rid] = lv.outputs
+        self.finish_reasons[rid] = reasons[0]
+        self.timeline.finish(lv)
+        c.completed += 1
+        c.sequences_completed += len(outs)
+        c.tokens_generated += sum(len(o) for o in outs)
+        stopped = reasons.count("stop")
+        c.finished_stop += stopped
+        c.finished_length += len(reasons) - stopped
+        if self.on_complete is not None:
+            self.on_complete(rid, lv.outputs)
+        if self._next_turn is not None:
+            self._submit_next_turn(lv)
+        if self._progress is not None:
+            self._progress("serve", len(self.outputs), len(self._requests))
+
+    def _submit_next_turn(self, live: _Live) -> None:
+        """Submit the next turn of ``live``'s conversation, if it has one and it fits."""
+        next_turn = self._next_turn
+        nxt = None if next_turn is None else next_turn(live.req, live.outputs, self.step_no - 1)
+        if nxt is None:
+            return
+        prev = self.clock.switch(SUBMISSION)
+        try:
+            self._submit(nxt)
+            self.counters.follow_up_turns += 1
+        except UnservableRequest:  # the conversation outgrew the pool or logical_pages
+            self.counters.conversations_cut += 1
+        finally:
+            self.clock.switch(prev)
+
+    def _drain_events(self) -> None:
+        """Count the KV events of the step by kind (a router would forward them)."""
+        f, buf, c = self.facade, self._events, self.counters
+        while True:
+            n = self._call(f.drain_events, buf)
+            if not n:
+                return
+            kinds = np.bincount(buf["kind"][:n], minlength=4)
+            c.kv_events_stored += int(kinds[1])
+            c.kv_events_removed += int(kinds[2])
+            c.kv_events_cleared += int(kinds[3])
+
+    # -- end state, check, stats --------------------------------------------------------------
+
+    def verify_end_state(self) -> None:
+        """Raise ``RuntimeError`` unless every submitted request completed exactly once,
+        nothing is queued or running, and every page is free or only cached."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"engine end state is wrong: {self.scheduler.num_waiting} waiting and "
+                f"{self.scheduler.num_running} running requests left in the scheduler")
+        verify_end_state(self.facade, self._requests, self._completions,
+                         self.pending + len(self._backlog))
+
+    def check(self, on_checked: Optional[Callable[[int], None]] = None) -> CheckResult:
+        """Compare every completed request's tokens with the dense model (model backend, with
+        the engine's sampler) or the pure-Python hash rule (decode-rule backend); a group's
+        every member with its own reference run, a beam group with the dense beam search of
+        the same width; see :mod:`qualia.sim.check`.  Charged to
+        the check row; the result is also kept in ``last_check``.  ``on_checked(request_id)``
+        is called after each request."""
+        if self.is_model and self.weights is None:
+            raise ValueError("check needs the model backend's weights")
+        token = self.clock.enter(CHECK)
+        try:
+            weights = self.weights if self.is_model else None
+            sampling = None if self.sampling.greedy else self.sampling
+            if self.forking:
+                self.last_check = check_groups(
+                    self._requests, self.groups, weights=weights, eos_token_id=self.eos_token_id,
+                    vocab=self.vocab or 32000, on_checked=on_checked, sampling=sampling,
+                    beam_width=self.beam_width, n=self.n)
+            else:
+                self.last_check = check_outputs(
+                    self._requests, self.outputs, weights=weights, eos_token_id=self.eos_token_id,
+                    vocab=self.vocab or 32000, on_checked=on_checked, sampling=sampling)
+        finally:
+            self.clock.leave(token)
+        return self.last_check
+
+    def latencies(self) -> Dict[str, List[float]]:
+        """Per completed request: time to first token and time per output token after the
+        first, in steps and in seconds of the serving clock (``ttft_steps``, ``ttft_s``,
+        ``tpot_steps``, ``tpot_s``; the TPOT lists skip requests of one token)."""
+        return self.timeline.latencies()
+
+    def stats(self) -> Dict[str, object]:
+        """The run's figures and where its time went (:func:`qualia.sim.report.collect_stats`)."""
+        return collect_stats(self)

@@ -1,0 +1,347 @@
+"""Requests and synthetic traces: what ``python -m qualia simulate`` serves.
+
+:class:`Workload` makes a reproducible synthetic trace: ``N`` requests with Poisson arrivals
+(``arrival_rate`` requests per decode step), prompt and output lengths drawn from clipped
+uniform or lognormal distributions, ``K`` shared system prompts that a fraction
+(``share_ratio``) of the prompts start with, and ``T`` tenants, each with its own prefix-cache
+namespace (``b"tenant-3"``): two tenants never share KV pages, even for the same system prompt.
+With ``turns > 1`` every request opens a conversation: when a turn completes, the next turn's
+prompt is the previous prompt + its answer + a new user message (:meth:`Workload.next_turn`), so
+automatic prefix caching can reuse the previous turn's answer too.
+
+Real traces are in :mod:`qualia.sim.trace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+__all__ = ["Request", "Workload", "UnservableRequest", "checked_request", "pages_needed",
+           "unservable_reason", "MAX_ARRIVAL_STEP"]
+
+#: The last arrival step a trace may have.  Steps are held in int64 arrays; an arrival rate so
+#: small that the trace would run past this is refused (``Workload.generate`` raises
+#: ``ValueError``) rather than overflowing the cast.
+MAX_ARRIVAL_STEP = 2**62
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a trace.
+
+    ``prompt`` is a list of token ids (or a uint32 numpy array: a :class:`Trace`'s prompts);
+    ``shared_prefix_len`` is the length of the prompt's
+    cacheable prefix (its system prompt; 0 for none); ``arrival_step`` is the decode step at
+    which the request reaches the engine; ``arrival_s`` (optional, a :class:`Trace`'s) is the
+    time in seconds since the start of the run at which it arrives.  ``namespace``
+    (``b"tenant-<tenant>"``) scopes the prefix cache."""
+
+    request_id: int
+    tenant: int
+    prompt: Union[List[int], np.ndarray]
+    shared_prefix_len: int
+    max_new_tokens: int
+    arrival_step: int = 0
+    system_prompt: Optional[int] = None  # index of the system prompt, None for none
+    conversation: Optional[int] = None  # the conversation a turn belongs to, None for none
+    turn: int = 0  # 0 for the first turn of a conversation
+    arrival_s: Optional[float] = None  # seconds since the start of the run, None: by step
+
+    @property
+    def namespace(self) -> bytes:
+        return f"tenant-{self.tenant}".encode()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prompt"] = [int(t) for t in np.asarray(self.prompt).tolist()]
+        return d
+
+
+class UnservableRequest(ValueError):
+    """A request that needs more pages than the whole pool or than ``logical_pages``."""
+
+
+def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
+    """Pages a request occupies at its peak: the K/V of the prompt and of every generated token
+    but the last (which is never fed back)."""
+    positions = prompt_len + max(max_new_tokens, 1) - 1
+    return -(-positions // page_tokens)
+
+
+def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_tokens: int,
+                      num_pages: int, logical_pages: int,
+                      beam_width: Optional[int] = None) -> Optional[str]:
+    """Why a request (``what``: "request 7", ...) with a prompt of ``prompt_len`` tokens and
+    ``max_new_tokens`` can never be served by a step scheduler of ``num_pages`` pages of
+    ``page_tokens`` tokens and ``logical_pages`` pages per request (with ``beam_width`` beams
+    side by side), or None when it can.  Pure arithmetic on the lengths: a trace's rows are
+    checked with it before their prompts are drawn.  The scheduler's own rules: the pages of its
+    peak (:func:`pages_needed`) fit the pool and a request's table, and its prompt and every new
+    token fit the table's ``logical_pages x page_tokens`` tokens."""
+    need = pages_needed(prompt_len, max_new_tokens, page_tokens)
+    limits = []
+    if need > num_pages:
+        limits.append(f"the whole pool has only {num_pages} pages")
+    if need > logical_pages:
+        limits.append(f"a request may map at most logical_pages={logical_pages} pages")
+    if limits:
+        return (f"{what} can never be served: prompt of {prompt_len} tokens + "
+                f"max_new_tokens={max_new_tokens} needs {need} pages of {page_tokens} tokens, "
+                "but " + " and ".join(limits))
+    table = logical_pages * page_tokens
+    if prompt_len + max_new_tokens > table:  # the scheduler holds every token, the last one too
+        return (f"{what} can never be served: prompt of {prompt_len} tokens + "
+                f"max_new_tokens={max_new_tokens} is more than the {table} tokens a request may "
+                "hold (logical_pages x page_tokens)")
+    if beam_width is not None:  # the beams are computed side by side
+        pt, w = page_tokens, beam_width
+        tail = -(-(prompt_len + max_new_tokens - 1) // pt) - prompt_len // pt
+        beams = prompt_len // pt + w * tail
+        if beams > num_pages:
+            return (f"{what} can never be served: its {w} beams need {beams} pages side by "
+                    f"side (the prompt's full pages once, each beam's own tail), the pool has "
+                    f"{num_pages}")
+    return None
+
+
+def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
+    """A request's prompt as a uint32 numpy array, checked without a Python loop over its
+    tokens (a list of ints goes through one conversion)."""
+    limit = 2**32 if vocab is None else min(int(vocab), 2**32)
+    if isinstance(prompt, np.ndarray):
+        arr = prompt
+    else:
+        try:
+            arr = np.array(prompt if isinstance(prompt, (list, tuple)) else list(prompt))
+        except (OverflowError, TypeError, ValueError):
+            raise ValueError(f"request {rid}: prompt token ids must be u32") from None
+        if arr.dtype == object:  # ints past int64 or mixed objects
+            raise ValueError(f"request {rid}: prompt token ids must be u32")
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
+        raise ValueError(f"request {rid}: prompt token ids must be a 1-D sequence of integers")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        what = "u32" if vocab is None else f"in [0, {vocab})"
+        raise ValueError(f"request {rid}: prompt token ids must be {what}")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+def checked_request(request: Request, *, page_tokens: int, num_pages: int, logical_pages: int,
+                    vocab: Optional[int] = None) -> Request:
+    """``request`` with plain ``int`` fields and its prompt as a uint32 numpy array, once it is
+    known servable by a scheduler of ``num_pages`` pages of
+    ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
+    :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
+    either or more tokens than a request's table holds (:func:`unservable_reason`), and
+    ``ValueError`` for an empty prompt, no tokens to generate, a token id outside
+    ``[0, vocab)`` (u32 when ``vocab`` is None), a request id that is not a u64 or an arrival
+    time that is not a finite number >= 0."""
+    rid = int(request.request_id)
+    if not 0 <= rid <= 2**64 - 1:
+        raise ValueError(f"request {rid}: request_id must be a u64")
+    prompt = _checked_prompt(rid, request.prompt, vocab)
+    if not len(prompt):
+        raise ValueError(f"request {rid}: the prompt is empty")
+    max_new = int(request.max_new_tokens)
+    if max_new < 1:
+        raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
+    if not 0 <= int(request.shared_prefix_len) <= len(prompt):
+        raise ValueError(f"request {rid}: shared_prefix_len must be in [0, len(prompt)]")
+    arrival_s = request.arrival_s
+    if arrival_s is not None:
+        arrival_s = float(arrival_s)
+        if not 0.0 <= arrival_s < math.inf:
+            raise ValueError(f"request {rid}: arrival_s must be a finite number >= 0")
+    why = unservable_reason(f"request {rid}", len(prompt), max_new, page_tokens=page_tokens,
+                            num_pages=num_pages, logical_pages=logical_pages)
+    if why is not None:
+        raise UnservableRequest(why)
+    return dataclasses.replace(request, request_id=rid, prompt=prompt,
+                               shared_prefix_len=int(request.shared_prefix_len),
+                               max_new_tokens=max_new, arrival_step=int(request.arrival_step),
+                               arrival_s=arrival_s)
+
+
+def _length_range(value, what: str) -> Tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a (min, max) pair of integers, got {value!r}") from None
+    if lo < 1 or hi < lo:
+        raise ValueError(f"{what} must satisfy 1 <= min <= max, got ({lo}, {hi})")
+    return lo, hi
+
+
+@dataclass
+class Workload:
+    """A seedable synthetic trace (see the module docstring).
+
+    ``prompt_len`` and ``output_len`` are inclusive ``(min, max)`` ranges; ``length_dist`` is
+    ``"uniform"`` or ``"lognormal"`` (median at the geometric mean of the range, ``sigma`` 0.5,
+    clipped to the range).  ``eos_token_id`` (optional) is the id that ends a generation; it never
+    appears in a prompt (pass the same id to the engine).  A shared prompt is one of the
+    ``system_prompts`` system prompts (each ``system_prompt_len`` tokens, the same token ids for
+    every tenant) followed by the user's part; its total length is drawn like any other prompt
+    but is at least ``system_prompt_len + 1``.  Token ids are drawn uniformly from
+    ``[0, vocab)``.  ``seed`` is any non-negative integer.  ``arrival_rate`` is in requests per
+    decode step, ``inf`` for everything at step 0; a rate so small that the last arrival would
+    come after step :data:`MAX_ARRIVAL_STEP` is refused by :meth:`generate`.
+
+    ``turns`` (>= 1) is the number of turns of each conversation: :meth:`generate` makes the
+    ``requests`` first turns; each later turn is made by :meth:`next_turn` when the previous one
+    completes (its prompt: the previous prompt, the answer less a final end token, and a new
+    user message of ``user_len`` tokens; it arrives at the next step).  Turn ``t`` of
+    conversation ``c`` has request id ``first_request_id + t * requests + c``."""
+
+    requests: int = 48
+    seed: int = 0
+    arrival_rate: float = 1.0
+    prompt_len: Tuple[int, int] = (24, 96)
+    output_len: Tuple[int, int] = (16, 48)
+    system_prompts: int = 4
+    system_prompt_len: int = 40
+    share_ratio: float = 0.75
+    tenants: int = 2
+    vocab: int = 512
+    length_dist: str = "uniform"
+    first_request_id: int = 0
+    eos_token_id: Optional[int] = None
+    turns: int = 1
+    user_len: Tuple[int, int] = (8, 32)
+
+    def __post_init__(self) -> None:
+        self.user_len = _length_range(self.user_len, "user_len")
+        if isinstance(self.turns, bool) or not isinstance(self.turns, int) or self.turns < 1:
+            raise ValueError(f"turns must be an integer >= 1, got {self.turns!r}")
+        self.prompt_len = _length_range(self.prompt_len, "prompt_len")
+        self.output_len = _length_range(self.output_len, "output_len")
+        if self.requests < 0:
+            raise ValueError("requests must be >= 0")
+        try:
+            seed = None if isinstance(self.seed, bool) else operator.index(self.seed)
+        except TypeError:
+            seed = None
+        if seed is None or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not self.arrival_rate > 0:  # also refuses nan
+            raise ValueError("arrival_rate must be > 0 (requests per decode step; inf: all at 0)")
+        if self.system_prompts < 0 or self.tenants < 1 or self.vocab < 1:
+            raise ValueError("system_prompts must be >= 0, tenants and vocab >= 1")
+        if not 0.0 <= self.share_ratio <= 1.0:
+            raise ValueError("share_ratio must be in [0, 1]")
+        if self.system_prompts and self.system_prompt_len < 1:
+            raise ValueError("system_prompt_len must be >= 1")
+        if self.length_dist not in ("uniform", "lognormal"):
+            raise ValueError("length_dist must be 'uniform' or 'lognormal'")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab:
+            raise ValueError(f"eos_token_id must be in [0, {self.vocab}), got {self.eos_token_id}")
+        if self.eos_token_id is not None and self.vocab < 2:
+            raise ValueError("an end token needs vocab >= 2")
+
+    def memory_estimate(self) -> int:
+        """Rough bytes the trace takes once generated and served: the prompts (a Python int and
+        list slots per token), the outputs and per-request bookkeeping, at the mean lengths."""
+        mean_prompt = max(sum(self.prompt_len) / 2, self.system_prompt_len if self.system_prompts
+                          else 0)
+        mean_output = sum(self.output_len) / 2
+        mean_user = sum(self.user_len) / 2
+        per_turn = [mean_prompt + t * (mean_output + mean_user) for t in range(self.turns)]
+        return int(self.requests * sum(48 * p + 52 * mean_output + 700 for p in per_turn))
+
+    def _tokens(self, rng: np.random.Generator, n: int) -> List[int]:
+        toks = rng.integers(0, self.vocab, size=n)
+        if self.eos_token_id is not None:  # prompts never hold the end token
+            toks[toks == self.eos_token_id] = (self.eos_token_id + 1) % self.vocab
+        return toks.tolist()
+
+    def _lengths(self, rng: np.random.Generator, rng_range: Tuple[int, int], n: int) -> np.ndarray:
+        lo, hi = rng_range
+        if self.length_dist == "uniform":
+            return rng.integers(lo, hi + 1, size=n)
+        median = math.sqrt(lo * hi)
+        values = np.rint(rng.lognormal(math.log(median), 0.5, size=n))
+        return np.clip(values, lo, hi).astype(np.int64)
+
+    def _arrivals(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if math.isinf(self.arrival_rate):
+            return np.zeros(n, dtype=np.int64)
+        with np.errstate(over="ignore"):
+            steps = np.floor(np.cumsum(rng.exponential(1.0 / self.arrival_rate, size=n)))
+        if n and not steps[-1] <= MAX_ARRIVAL_STEP:  # inf, or past what int64 steps may hold
+            raise ValueError(
+                f"arrival_rate={self.arrival_rate!r} is too small: the last of {n} arrivals "
+                f"would come after step {MAX_ARRIVAL_STEP}")
+        return steps.astype(np.int64)
+
+    def system_prompt_tokens(self) -> List[List[int]]:
+        """The ``K`` system prompts (drawn from their own stream of the seed)."""
+        rng = np.random.default_rng([self.seed, 1])
+        return [self._tokens(rng, self.system_prompt_len) for _ in range(self.system_prompts)]
+
+    def generate(self) -> List[Request]:
+        n = self.requests
+        rng = np.random.default_rng([self.seed, 0])
+        systems = self.system_prompt_tokens()
+        arrivals = self._arrivals(rng, n)
+        prompt_lens = self._lengths(rng, self.prompt_len, n)
+        output_lens = self._lengths(rng, self.output_len, n)
+        shared = rng.random(n) < self.share_ratio if systems else np.zeros(n, dtype=bool)
+        which = rng.integers(0, max(1, len(systems)), size=n)
+        tenants = rng.integers(0, self.tenants, size=n)
+        out = []
+        for i in range(n):
+            length = int(prompt_lens[i])
+            if shared[i]:
+                sp = int(which[i])
+                system = systems[sp]
+                length = max(length, len(system) + 1)
+                user = self._tokens(rng, length - len(system))
+                prompt, prefix = system + user, len(system)
+            else:
+                sp = None
+                prompt, prefix = self._tokens(rng, length), 0
+            out.append(Request(
+                request_id=self.first_request_id + i,
+                tenant=int(tenants[i]),
+                prompt=[int(t) for t in prompt],
+                shared_prefix_len=prefix,
+                max_new_tokens=int(output_lens[i]),
+                arrival_step=int(arrivals[i]),
+                system_prompt=sp,
+                conversation=i,
+            ))
+        return out
+
+    def next_turn(self, request: Request, answer: Sequence[int], step: int) -> Optional[Request]:
+        """The turn after ``request`` (which completed at ``step`` with ``answer``), or None
+        when its conversation has no more turns.  Deterministic: drawn from the seed, the
+        conversation and the turn."""
+        c, t = request.conversation, int(request.turn) + 1
+        if c is None or t >= self.turns:
+            return None
+        rng = np.random.default_rng([int(self.seed), 2, int(c), t])
+        said = [int(x) for x in answer]
+        if said and self.eos_token_id is not None and said[-1] == self.eos_token_id:
+            said.pop()  # prompts never hold the end token
+        user = self._tokens(rng, int(self._lengths(rng, self.user_len, 1)[0]))
+        return Request(
+            request_id=self.first_request_id + t * self.requests + int(c),
+            tenant=request.tenant,
+            prompt=[int(x) for x in np.asarray(request.prompt).tolist()] + said + user,
+            shared_prefix_len=request.shared_prefix_len,
+            max_new_tokens=int(self._lengths(rng, self.output_len, 1)[0]),
+            arrival_step=int(step) + 1,
+            system_prompt=request.system_prompt,
+            conversation=int(c),
+            turn=t,
+        )
+
+    __call__ = generate
+
+    def __iter__(self):
+        return iter(self.generate())
