@@ -7,7 +7,6 @@ and driven through full decode rounds of ``RequestScheduler.execute_decode_round
 
 from __future__ import annotations
 
-import json
 import os
 from importlib import metadata
 
@@ -223,17 +222,25 @@ def test_cython_backend_rejects_a_zero_vocab(cython_backend):
 # -- what the installed distribution holds --------------------------------------------------------
 
 
-def _editable():
-    dist = metadata.distribution("qualia")
-    text = dist.read_text("direct_url.json")
-    return bool(text) and json.loads(text).get("dir_info", {}).get("editable", False)
+def _installed_distribution():
+    """The distribution that holds the imported package, or None when the imported package is
+    the source tree itself (an editable install, or ``python -m pytest`` from the checkout,
+    which puts the checkout first on sys.path).  Looked up where the package was imported from,
+    so a checkout's own ``qualia.egg-info`` is never taken for the installed distribution."""
+    package = os.path.dirname(os.path.abspath(qualia.__file__))
+    if os.path.isdir(os.path.join(package, "core")):    # the compiled core's sources are here
+        return None
+    found = list(metadata.distributions(name="qualia", path=[os.path.dirname(package)]))
+    assert found, f"no qualia distribution beside the imported package in {package}"
+    return found[0]
 
 
 def test_installed_package_ships_the_interface_and_no_sources():
     """The wheel carries the header, the .pxd, the stubs and py.typed, but no .pyx/.pxi/.c."""
-    if _editable():
-        pytest.skip("editable install: the package is the source tree itself")
-    files = {str(f).replace(os.sep, "/") for f in metadata.files("qualia") or ()}
+    dist = _installed_distribution()
+    if dist is None:
+        pytest.skip("the imported package is the source tree itself")
+    files = {str(f).replace(os.sep, "/") for f in dist.files or ()}
     for name in ("qualia/include/qualia.h", "qualia/_abi.pxd", "qualia/__init__.pyi",
                  "qualia/_core.pyi", "qualia/py.typed"):
         assert name in files, name
