@@ -1,13 +1,13 @@
 # schedule() (docs/DESIGN.md, "One step"): running requests first (decodes, then prefill
 # chunks, preempting when pages run out), then waiting ones by (priority, arrival) until one does
 # not fit; then the plan is lowered (core/step/plan.pxi).  Built on the primitives the facade
-# uses, in the order the pure-Python twin (qualia/twin_step.py) uses them: admission (auto_admit,
+# uses, in the order the pure-Python twin (qualia/twin/step.py) uses them: admission (auto_admit,
 # or the seed's plain admit in mode "off"), page reservation (reserve_room + reserve_writable:
 # reclaim, then copy-on-write / allocate).  So physical pages agree with the twin's by
 # construction.
 
 cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
-    # the facade's reserve of the next n positions of entry e (reclaim, then make writable);
+    # the reservation of the next n positions of entry e (reclaim, then make writable);
     # copies go to the plan, the row mirrors the pages.  On failure nothing changed.
     cdef int32_t slot = st.ent[e].at.slot
     cdef uint64_t start = st.pg.s.slots[slot].token_count
