@@ -61,8 +61,8 @@ def by_engine(reqs):
 
 def _scheduler(n):
     c = CFG
-    return qualia.StepScheduler(c["num_blocks"], c["page_tokens"], c["logical_pages"],
-                                c["max_requests"], max_num_batched_tokens=BUDGET, max_queued=n,
+    return qualia.StepScheduler(c["num_pages"], c["page_tokens"], c["logical_pages"],
+                                c["max_num_seqs"], max_num_batched_tokens=BUDGET, max_queued=n,
                                 vocab_size=32000)
 
 
