@@ -127,7 +127,9 @@ typedef struct qualia_backend {
  *     row; changed_rows lists, ascending, the rows rewritten since the previous step;
  *   - kv_indptr (n+1), kv_indices (num_kv_indices = kv_indptr[n]) and kv_last_page_len (n, each in
  *     1..page_tokens) are the paged-KV CSR form of the pages covering seq_lens;
- *   - copies are copy-on-write page copies that must happen before the forward pass;
+ *   - copies are copy-on-write page copies that must happen before the forward pass, in any order
+ *     or at once (distinct destinations, none of them a source); every plan lists again the
+ *     copies of a discarded plan until a plan listing them is applied;
  *   - new / preempted / finished request ids tell the backend which per-request state to create or
  *     drop: not seen in an applied plan (admitted or resumed in this step, or named by a discarded
  *     plan: set-up must be idempotent), preempted in this step, finished or aborted since the

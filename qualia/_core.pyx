@@ -33,7 +33,8 @@
 #                   (page reservation, shared with the step), facade.pxi (qualia.Scheduler)
 #   core/step/      the engine step, qualia.StepScheduler: requests.pxi (entries, the id index,
 #                   add / abort / collect), arena.pxi (token arena), queue.pxi (waiting heap),
-#                   running.pxi (running set, rows, preemption), groups.pxi (n groups), beams.pxi
+#                   running.pxi (running set, rows, preemption), copies.pxi (copy-on-write
+#                   copies owed until applied), groups.pxi (n groups), beams.pxi
 #                   (beam groups, selection, hypotheses), plan.pxi (plan state, buffers, lowering,
 #                   StepPlan), schedule.pxi, update.pxi, loop.pxi (run()'s GIL-free loop),
 #                   state.pxi (StepState composed, allocation), scheduler.pxi (the class)
@@ -93,6 +94,7 @@ include "core/step/requests.pxi"
 include "core/step/arena.pxi"
 include "core/step/queue.pxi"
 include "core/step/running.pxi"
+include "core/step/copies.pxi"
 include "core/step/groups.pxi"
 include "core/step/beams.pxi"
 include "core/step/plan.pxi"

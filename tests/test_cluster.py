@@ -2,11 +2,12 @@
 
 The router's logic runs in-process (``local=True``, no Ray) for most rules; the Ray tests start
 one local Ray with 2 CPUs for the module, bound every run by ``max_steps`` and stop Ray at the
-end.  They are skipped when Ray is not installed (the ``qualia[cluster]`` extra)."""
+end.  They are skipped when Ray is not installed (the ``cluster`` extra)."""
 
 import contextlib
 import dataclasses
 import io
+import json
 import subprocess
 import sys
 import types
@@ -24,7 +25,7 @@ CFG = ReplicaConfig(max_num_seqs=6, num_pages=40, page_tokens=8, logical_pages=2
 
 
 def workload(requests=16, turns=2, seed=3, **kw):
-    base = dict(requests=requests, seed=seed, arrival_rate=2.0, system_prompts=6,
+    base = dict(requests=requests, seed=seed, arrival_rate=250.0, system_prompts=6,
                 system_prompt_len=24, share_ratio=0.9, prompt_len=(32, 64),
                 output_len=(4, 12), tenants=1, vocab=32000, turns=turns, user_len=(4, 12))
     base.update(kw)
@@ -97,7 +98,7 @@ def test_prefix_router_hit_rate_beside_round_robin():
     w = workload(requests=24, turns=3)
     results = compare_policies(w, 4, CFG, local=True)
     print("\n" + format_comparison(results))
-    rate = {r.policy: r.summary["hit_rate"] for r in results}
+    rate = {r.policy: r.summary["prefix_cache_hit_rate"] for r in results}
     for r in results:
         assert_exactly_once(r)
     assert rate["prefix"] > rate["round-robin"]
@@ -201,9 +202,10 @@ def _cli(argv, monkeypatch=None):
     (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: directory"),
     (["--num-pages", "1"], "can never be served"),
     (["--plot", "x.png"], "argument --plot: not with --replicas"),
-    (["--step-ms", "1"], "argument --step-ms: not with --replicas"),
+    (["--step-ms", "1", "--clock", "measured"], "argument --step-ms: not with --clock"),
     (["--ray-address", "127.0.0.1:1"], "argument --ray-address: not with --local"),
     (["--compare", "--router", "round-robin"], "argument --router: not with --compare"),
+    (["--rejoin-after", "3"], "argument --rejoin-after: only with --kill-replica"),
 ])
 def test_replica_mistakes_are_refused_before_the_run(argv, says, monkeypatch):
     rc, out, err = _cli(["--replicas", "2", "--local", *argv], monkeypatch)
@@ -219,7 +221,7 @@ def test_load_weight_is_a_finite_number_at_least_0(value, monkeypatch):
 def test_metrics_port_without_prometheus_client_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)   # import -> ImportError
     rc, _, err = _cli(["--replicas", "2", "--local", "--metrics-port", "0"], monkeypatch)
-    assert rc == 2 and "--metrics-port" in err and "qualia[cluster]" in err
+    assert rc == 2 and "--metrics-port" in err and 'pip install ".[cluster]"' in err
 
 
 def test_metrics_port_in_use_is_refused(monkeypatch):
@@ -237,7 +239,7 @@ def test_metrics_port_in_use_is_refused(monkeypatch):
 
 def test_a_kill_past_the_end_of_the_run_is_an_error():
     rc, out, err = _cli(["--replicas", "2", "--local", "--kill-replica", "100000"])
-    assert rc == 2 and "| prefix | 2 |" in out
+    assert rc == 2 and "2 behind the prefix router" in out  # the summary, then the error
     assert "argument --kill-replica" in err and "no replica was killed" in err
     rc, out, err = _cli(["--replicas", "2", "--local", "--kill-replica", "2",
                          "--rejoin-after", "2"])
@@ -254,25 +256,56 @@ def test_a_conversation_that_outgrows_a_replica_is_cut_not_an_error():
     assert rc == 0 and "conversations cut" in out, err
 
 
-def test_every_request_arrives_at_its_arrival_step():
-    """First turns at their drawn steps, every later turn the step after its previous turn
-    completed, even while first turns of later conversations are still to come."""
+def test_every_request_arrives_at_its_arrival_time():
+    """First turns at their drawn times, every later turn when its previous turn completed,
+    even while first turns of later conversations are still to come."""
     cl = Cluster(2, "prefix", CFG, local=True)
-    res = cl.run(workload(requests=8, turns=3, arrival_rate=0.1), max_steps=5000)
+    w = workload(requests=8, turns=3, arrival_rate=5.0)
+    res = cl.run(w, max_steps=5000)
     assert_exactly_once(res)
     assert len(res.requests) == 24
-    assert {rid: q.arrival_step for rid, q in res.requests.items()} == res.arrived
+    first = {q.request_id: q for q in w.generate()}
+    for rid, q in res.requests.items():
+        rec = res.records[rid]
+        if rid in first:
+            assert rec.arrival_s == res.arrived_s[rid] == first[rid].arrival_s
+        else:  # turn t of conversation c: request t * 8 + c, after turn t - 1
+            assert rec.arrival_s == res.records[rid - 8].finish_s
+            assert res.arrived[rid] == q.arrival_step  # the step after it completed
+    # conversation 0's second turn came before the last conversation's first
+    assert res.records[8].arrival_s < first[7].arrival_s
 
 
-def test_steps_with_nothing_to_do_are_skipped():
+def test_the_clock_skips_the_time_with_nothing_to_do():
     cl = Cluster(2, "prefix", CFG, local=True)
     res = cl.run(workload(requests=3, turns=2, arrival_rate=1e-6), max_steps=1000)
     assert_exactly_once(res)
-    assert res.summary["idle_steps"] > 10**5
-    assert res.summary["steps"] - res.summary["idle_steps"] < 1000
+    assert res.summary["idle_s"] > 10**5 and res.summary["steps"] < 1000
+    assert res.summary["duration"] > 10**5  # the figures count from 0 s
     rc, out, err = _cli(["--replicas", "2", "--local", "--arrival-rate", "1e-6", "--requests",
                          "3"])
     assert rc == 0 and "exactly once" in out, err
+
+
+def test_the_cluster_reports_the_single_engines_figures():
+    """One replica behind the router serves a workload as the single engine does: the same
+    steps on the same modeled clock, so vLLM's figures and the prefix cache's hit rate come out
+    the same, under the same names and definitions."""
+    from qualia.sim.engine import Engine
+
+    w = workload(requests=12, turns=2)
+    cfg = dataclasses.replace(CFG, num_pages=200)
+    res = Cluster(1, "round-robin", cfg, local=True).run(w, max_steps=5000)
+    engine = Engine("c", num_pages=200, max_num_seqs=6, page_tokens=8, logical_pages=24,
+                    max_num_batched_tokens=256, max_queued=cfg.queue_limit)
+    single = engine.run(w)
+    assert_exactly_once(res)
+    for key, value in single.figures.items():
+        assert res.summary[key] == pytest.approx(value, rel=0.05), key
+    assert res.summary["prefix_cache_hit_rate"] == pytest.approx(
+        single.stats["prefix_cache_hit_rate"], rel=0.05)
+    assert res.summary["mean_ttft_steps"] == pytest.approx(single.stats["mean_ttft_steps"],
+                                                           rel=0.05)
 
 
 def test_a_stuck_cluster_is_an_error_not_a_hang(monkeypatch):
@@ -293,7 +326,9 @@ def test_a_stuck_cluster_is_an_error_not_a_hang(monkeypatch):
             return types.SimpleNamespace(logits_indices=none, input_ids=none, positions=none,
                                          sampled_request_ids=none, num_prefill_tokens=0,
                                          num_decode_tokens=0, num_cached_tokens=0,
-                                         preempted_request_ids=[], new_request_ids=[])
+                                         preempted_request_ids=[], new_request_ids=[],
+                                         query_start_loc=np.zeros(1, dtype=np.int32),
+                                         seq_lens=none, copies=none)
 
         def update(self, ids):
             return []
@@ -362,7 +397,7 @@ def test_hit_tokens_without_a_plan_count():
         cl = Cluster(2, "prefix", dataclasses.replace(CFG, scheduler=kind), local=True)
         res = cl.run(w, max_steps=2000)
         assert_exactly_once(res)
-        got[name] = res.summary["cached_tokens"]
+        got[name] = res.summary["cache_hit_tokens"]
     assert got["plain"] == got["twin"] > 0
 
 
@@ -383,7 +418,9 @@ def ray_cluster():
 def test_ray_fault_one_replica_killed_every_request_once(ray_cluster):
     cl = Cluster(3, "prefix", CFG, step_timeout=60)
     try:
-        res = cl.run(workload(requests=16), kill_replica_at=3, rejoin_after=2, max_steps=2000)
+        # replica 0: the shared system prompts send the first requests there
+        res = cl.run(workload(requests=16), kill_replica_at=3, kill_replica=0, rejoin_after=2,
+                     max_steps=2000)
     finally:
         cl.close()
     assert_exactly_once(res)
@@ -428,7 +465,8 @@ def test_ray_simulate_cli_with_a_kill(ray_cluster):
                    "--backend", "c", "--check", "--kill-replica", "3", "--num-pages", "64",
                    "--no-progress"])
     assert rc == 0, out.getvalue()
-    assert "| prefix | 2 |" in out.getvalue()
+    assert "2 behind the prefix router" in out.getvalue()
+    assert "replicas died: 1, rejoined: 1" in out.getvalue()
 
 
 def test_replicas_run_on_the_compiled_core_by_default():
@@ -461,7 +499,9 @@ def test_model_backend_every_token_equals_the_dense_model_with_a_kill(kind):
     from qualia.cluster import model_weights
     cfg = dataclasses.replace(MODEL_CFG, scheduler=kind)
     cl = Cluster(2, "prefix", cfg, local=True)
-    res = cl.run(model_workload(), kill_replica_at=3, rejoin_after=2, max_steps=2000)
+    # replica 0: the shared system prompts send the first requests there
+    res = cl.run(model_workload(), kill_replica_at=3, kill_replica=0, rejoin_after=2,
+                 max_steps=2000)
     s = res.summary
     assert s["scheduler"] == kind and s["backend"] == "model"
     assert s["deaths"] == 1 and s["resubmitted"] >= 1 and s["rejoins"] == 1
@@ -469,7 +509,7 @@ def test_model_backend_every_token_equals_the_dense_model_with_a_kill(kind):
     assert all(n == 1 for n in res.completions.values())
     chk = check_outputs(res.requests, res.outputs, weights=model_weights(cfg))
     assert chk.ok and chk.against == "dense model", chk.describe()
-    assert s["cached_tokens"] > 0 and s["prefill_tokens"] > 0
+    assert s["cache_hit_tokens"] > 0 and s["tokens_prefilled"] > 0
 
 
 def test_model_backend_check_catches_a_wrong_token():
@@ -496,7 +536,8 @@ def test_simulate_cli_local_model_backend_checked():
     text = out.getvalue()
     assert rc == 0, text
     assert "match the dense model" in text and "scheduler: core, backend: model" in text
-    assert "| prefix | 2 |" in text and "NOT" not in text
+    assert "2 behind the prefix router" in text and "NOT" not in text
+    assert "Mean TTFT (ms):" in text and "replicas died: 1, rejoined: 1" in text
 
 
 @pytest.mark.parametrize("argv", [["--eos-token-id", "512"], ["--max-num-batched-tokens", "0"],
@@ -525,5 +566,17 @@ def test_ray_simulate_cli_model_backend_with_a_kill(ray_cluster):
     text = out.getvalue()
     assert rc == 0, text
     assert "match the dense model" in text and "scheduler: core, backend: model" in text
-    row = [ln for ln in text.splitlines() if ln.startswith("| prefix | 2 |")][0]
-    assert row.split("|")[11].strip() == "1"         # deaths
+    assert "replicas died: 1" in text
+
+
+def test_the_command_lines_replicas_share_the_routers_cache_key():
+    """The replicas the command line builds hash pages under the router's key: the prefix
+    router finds the pages they cache, and beats the policies that ignore the caches."""
+    rc, out, err = _cli(["--replicas", "4", "--local", "--compare", "--requests", "48",
+                         "--turns", "3", "--system-prompts", "8", "--num-pages", "192",
+                         "--max-num-seqs", "8", "--logical-pages", "24", "--json", "-"])
+    assert rc == 0, err
+    rate = {run["stats"]["policy"]: run["stats"]["prefix_cache_hit_rate"]
+            for run in json.loads(out)["runs"]}
+    assert rate["prefix"] > rate["least-loaded"] and rate["prefix"] > rate["round-robin"]
+    assert rate["prefix"] >= 0.9 * rate["single replica"]

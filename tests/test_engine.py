@@ -23,7 +23,7 @@ from qualia.twin import PyHashBackend, StepScheduler
 # prompts are prefilled in chunks beside decodes.
 SMALL_WORKLOAD = dict(requests=24, seed=1, prompt_len=(16, 48), output_len=(8, 24),
                       system_prompts=3, system_prompt_len=20, share_ratio=0.8, tenants=2,
-                      arrival_rate=2.0)
+                      arrival_rate=250.0)  # requests a second: about 2 a step of ~7.5 ms
 SMALL_ENGINE = dict(num_pages=40, max_num_seqs=12, page_tokens=8, logical_pages=12,
                     max_num_batched_tokens=48, max_prefill_chunk=16)
 
@@ -67,8 +67,9 @@ def test_workload_is_seeded_and_well_formed():
     other = Workload(requests=200, seed=8).generate()
     assert [r.prompt for r in a] != [r.prompt for r in other]
     assert [r.request_id for r in a] == list(range(200))
-    arrivals = [r.arrival_step for r in a]
-    assert arrivals == sorted(arrivals) and arrivals[-1] > 100  # ~ 200 / 0.5 steps
+    arrivals = [r.arrival_s for r in a]  # a Poisson process of 0.5 requests a second
+    assert arrivals == sorted(arrivals) and 300 < arrivals[-1] < 500  # ~ 200 / 0.5 s
+    assert all(r.arrival_step == 0 for r in a)
     systems = w.system_prompt_tokens()
     shared = [r for r in a if r.system_prompt is not None]
     assert 60 < len(shared) < 140
@@ -104,7 +105,7 @@ def test_hash_rule_matches_the_core():
 # -- workload edge cases --------------------------------------------------------------------
 
 
-def test_workload_refuses_what_would_overflow_its_steps():
+def test_workload_refuses_arrivals_past_what_the_clock_can_count():
     with pytest.raises(ValueError, match="too small"):
         Workload(requests=5, arrival_rate=1e-300).generate()
     with pytest.raises(ValueError, match="too small"):
@@ -112,8 +113,8 @@ def test_workload_refuses_what_would_overflow_its_steps():
     for bad in (0.0, -1.0, float("nan"), float("-inf")):
         with pytest.raises(ValueError, match="arrival_rate"):
             Workload(arrival_rate=bad)
-    slow = Workload(requests=5, arrival_rate=1e-6).generate()  # far apart, still int steps
-    assert all(isinstance(r.arrival_step, int) for r in slow) and slow[-1].arrival_step > 10**5
+    slow = Workload(requests=5, arrival_rate=1e-6).generate()  # far apart, within 1e9 s
+    assert all(isinstance(r.arrival_s, float) for r in slow) and slow[-1].arrival_s > 10**5
     with pytest.raises(ValueError, match="seed"):
         Workload(seed=-1)
     import numpy as np
@@ -219,7 +220,7 @@ def test_model_engine_end_token_stops_requests():
 def test_c_backend_engine_matches_the_hash_rule():
     requests = Workload(requests=200, seed=5, prompt_len=(8, 80), output_len=(4, 40),
                         system_prompts=5, system_prompt_len=24, share_ratio=0.7, tenants=3,
-                        arrival_rate=4.0, vocab=32000).generate()
+                        arrival_rate=500.0, vocab=32000).generate()
     engine = Engine("c", num_pages=120, max_num_seqs=32, page_tokens=16, logical_pages=8,
                     max_num_batched_tokens=256, max_prefill_chunk=64)
     result = engine.run(requests, check=True)
@@ -228,7 +229,7 @@ def test_c_backend_engine_matches_the_hash_rule():
     assert result.check.describe() == "all 200 requests match the pure-Python hash rule"
     assert_clean_end(engine, 200)
     assert st["preemptions"] > 0 and st["prefix_hits"] > 0
-    assert st["backend"] == "HashBackend (C)" and st["c_backend"] is True
+    assert st["backend"] == "HashBackend (C)"
     for rid, out in engine.outputs.items():
         req = engine._requests[rid]
         assert out == hash_generate(rid, req.prompt, req.max_new_tokens)
@@ -345,25 +346,38 @@ def test_prefix_caching_modes():
         Engine("c", prefix_caching="sometimes")
     engine = Engine("c", **dict(SMALL_ENGINE, prefix_caching="off"))
     result = engine.run(Workload(**{**SMALL_WORKLOAD, "vocab": 32000}), check=True)
-    assert result.check.ok and result.stats["prefix_hits"] == 0
+    assert result.check.ok and result.stats["prefix_caching"] == "off"
+    assert engine.facade.cache_stats().hit_tokens == 0
+    # without a cache its figures, always zero, are left out
+    assert not [k for k in result.stats if k.startswith(("prefix_", "cache_", "kv_events"))
+                and k != "prefix_caching"]
 
 
 # -- latencies and the serving clock ----------------------------------------------------------
 
 
-def test_ttft_and_tpot_in_steps_and_seconds():
+def test_each_token_is_delivered_at_the_end_of_the_step_that_sampled_it():
     # a prompt of 10 in chunks of 4: steps 0, 1, 2 (the last samples the first token), then one
-    # token per step
+    # token per step; every step takes 0.5 s
     engine = Engine(HashSteps(), page_tokens=4, max_prefill_chunk=4, step_seconds=0.5)
     result = engine.run([Request(0, 0, list(range(10)), 0, 5)])
+    rec = result.records[0]
+    assert rec.token_times_s == (1.5, 2.0, 2.5, 3.0, 3.5)
+    assert (rec.arrival_s, rec.first_token_s, rec.finish_s) == (0.0, 1.5, 3.5)
+    assert (rec.input_tokens, rec.output_tokens) == (10, 5)
     lat = engine.latencies()
-    assert lat["ttft_steps"] == [3.0] and lat["ttft_s"] == [1.5]
-    assert lat["tpot_steps"] == [1.0] and lat["tpot_s"] == [0.5]
+    assert lat == {"ttft_steps": [3.0], "tpot_steps": [1.0], "e2el_steps": [7.0]}
+    fig = result.figures
+    assert fig["completed"] == 1 and fig["duration"] == 3.5
+    assert fig["output_throughput"] == pytest.approx(5 / 3.5)
+    assert fig["total_token_throughput"] == pytest.approx(15 / 3.5)
+    assert fig["mean_ttft_ms"] == 1500.0 and fig["mean_tpot_ms"] == 500.0
+    assert fig["mean_itl_ms"] == 500.0 and fig["p99_e2el_ms"] == 3500.0
     st = result.stats
-    assert st["steps"] == 7 and st["serve_s"] == 3.5
-    assert st["throughput_tokens_per_s"] == pytest.approx(5 / 3.5)
-    assert st["ttft_steps_p50"] == st["ttft_steps_p99"] == 3.0
-    assert st["tpot_s_p90"] == 0.5
+    assert st["steps"] == 7 and st["busy_s"] == 3.5 and st["mean_step_ms"] == 500.0
+    assert st["median_ttft_steps"] == st["p99_ttft_steps"] == 3.0
+    assert st["mean_e2el_steps"] == 7.0 and st["clock_kind"] == "fixed"
+    assert st["step_ms"] == 500.0 and st["clock"] == "fixed: 500 ms per step"
 
 
 def test_arrivals_in_seconds_wait_for_the_clock():
@@ -377,9 +391,26 @@ def test_arrivals_in_seconds_wait_for_the_clock():
     # request 0: steps 0-1 (t 0.5, 1.0); idle until 10.0; request 1 from step 2 at t 10.0,
     # request 2 due at the start of step 3 (t 10.5), done after 3 steps
     assert st["idle_s"] == pytest.approx(9.0)
-    assert st["serve_s"] == pytest.approx(12.0)
-    assert sorted(engine.latencies()["ttft_s"]) == pytest.approx([0.5, 0.5, 0.5 + 0.25])
-    assert st["ttft_steps_p50"] == 1.0
+    assert result.figures["duration"] == pytest.approx(12.0)
+    assert sorted(r.ttft_s for r in result.records.values()) == pytest.approx(
+        [0.5, 0.5, 0.5 + 0.25])
+    assert st["median_ttft_steps"] == 1.0
+
+
+def test_a_later_turn_arrives_after_first_turns_still_to_come():
+    """A later turn is due when its previous turn completed, however far off the next
+    conversation's first turn is: arrivals go by time, and no later arrival holds back an
+    earlier one."""
+    w = Workload(requests=2, turns=2, seed=0, vocab=32000, arrival_rate=0.01,
+                 prompt_len=(4, 8), output_len=(2, 3), system_prompts=0)
+    engine = Engine(HashSteps(), page_tokens=4, step_seconds=0.01)
+    result = engine.run(w, check=True)
+    assert result.check.ok
+    first = {q.request_id: q for q in w.generate()}
+    assert first[1].arrival_s > first[0].arrival_s + 10  # the second conversation comes late
+    turn2 = result.records[2]  # conversation 0's second turn
+    assert turn2.arrival_s == pytest.approx(result.records[0].finish_s)
+    assert turn2.ttft_s < 0.1 and turn2.finish_s < first[1].arrival_s
 
 
 def test_arrivals_beyond_the_queue_wait_in_the_engine():
@@ -509,15 +540,15 @@ def test_python_backend_time_lands_in_the_backend_row():
     backend = _Sleepy(0.002, vocab=1000)
     requests = Workload(**{**SMALL_WORKLOAD, "vocab": 1000}).generate()
     t0 = time.perf_counter()
-    engine = Engine(backend, **SMALL_ENGINE)
+    engine = Engine(backend, clock="measured", **SMALL_ENGINE)
     st = engine.run(requests).stats
     elapsed = time.perf_counter() - t0
     t = st["time_s"]
     assert t["backend"] >= backend.slept > 0
     assert sum(engine.step_backend_s) >= backend.slept
     assert t["scheduler"] > 0
-    # measured serving time: the steps, the backend's sleeps inside them
-    assert st["serve_s"] >= backend.slept
+    # the measured serving clock: the steps, the backend's sleeps inside them
+    assert st["busy_s"] >= backend.slept and st["clock_kind"] == "measured"
     assert _sum_rows(st) <= elapsed
     assert st["backend"] == "_Sleepy (Python)"
 
@@ -537,8 +568,7 @@ def test_engine_clock_counts_only_inside_engine_calls():
 
 
 def test_workload_generation_and_submission_have_their_rows():
-    clock = Stopwatch()
-    engine = Engine("c", clock=clock)
+    engine = Engine("c", stopwatch=Stopwatch())
     w = Workload(requests=20, vocab=32000)
     slept = [0.0]
     generate = w.generate
@@ -574,9 +604,10 @@ def test_summary_rows_add_up_and_fit_80_columns(backend):
     vocab = 512 if backend == "model" else 32000
     requests = Workload(**{**SMALL_WORKLOAD, "vocab": vocab}).generate()
     result = Engine(backend, **SMALL_ENGINE).run(requests, check=True)
-    text = format_summary(result.stats, result.check.describe())
+    text = format_summary(result.stats, result.figures, result.check.describe())
     assert max(len(ln) for ln in text.splitlines()) <= WIDTH == 80
-    for label in ("throughput", "TTFT p50/p90/p99", "TPOT p50/p90/p99", "step budget"):
+    for label in ("Request throughput (req/s):", "Mean TTFT (ms):", "P99 TPOT (ms):",
+                  "Median ITL (ms):", "Std E2EL (ms):", "step budget"):
         assert label in text
     rows = _table_rows(text)
     wall = rows.pop("wall time (sum of the rows)")
@@ -597,16 +628,17 @@ def test_summary_fits_80_columns_with_huge_figures():
     stats["backend"] = "AVeryLongBackendClassNameThatGoesOnAndOn (Python)"
     stats["time_s"] = {k: 12345.678 for k in stats["time_s"]}
     stats["wall_s"] = 12345.678 * len(ROWS)
-    for key in [k for k in stats if k.endswith("_p50") or k.endswith("_p90")
-                or k.endswith("_p99")]:
-        stats[key] = 999_999.0
-    stats["throughput_tokens_per_s"] = stats["computed_tokens_per_s"] = 1e12
-    stats["serve_s"] = 1e9
+    for key in [k for k in stats if k.endswith("_steps") or k.endswith("_ms")]:
+        stats[key] = 999_999_999.0
+    figures = {k: (10**15 + 7 if isinstance(v, int) else 1e12)
+               for k, v in result.figures.items()}
     message = ("1234 of 100000 requests DIFFER from the dense model: "
                + ", ".join(str(10**12 + i) for i in range(10)) + " (+99990 more)")
-    text = format_summary(stats, message)
+    text = format_summary(stats, figures, message)
     assert max(len(ln) for ln in text.splitlines()) <= WIDTH
     assert "+99990 more" in text  # wrapped, not cut
+    assert "1,000,000,000,000,007" in text and "1,000,000,000,000.00" in text
+    assert "e+" not in text  # never in scientific notation
 
 
 # -- automatic prefix caching and multi-turn conversations -----------------------------------
@@ -620,8 +652,7 @@ def test_a_later_turn_reuses_the_previous_answer():
     assert result.check.ok
     st = result.stats
     # turn 1 computed 40 prompt + 19 fed answer tokens: 14 full pages; turn 2 reuses them all
-    assert st["follow_up_turns"] == 1 and st["prefix_tokens_reused"] == 56
-    assert st["cache_hit_tokens"] == 56 > 40
+    assert st["follow_up_turns"] == 1 and st["cache_hit_tokens"] == 56 > 40
 
 
 def test_auto_tenants_never_share_pages():
@@ -658,13 +689,15 @@ def test_plot_writes_a_png(tmp_path):
 
     result = Engine("c", **SMALL_ENGINE).run(Workload(**{**SMALL_WORKLOAD, "vocab": 32000}))
     path = tmp_path / "run.png"
-    plot_timeline(result.timeline, str(path), stats=result.stats)
+    plot_timeline(result.timeline, str(path), stats=result.stats, figures=result.figures,
+                  records=result.records)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     svg = tmp_path / "run.svg"
-    plot_timeline(result.timeline, str(svg), x="time")
-    assert svg.read_text().lstrip().startswith("<?xml")
-    with pytest.raises(ValueError, match="x must be"):
-        plot_timeline(result.timeline, str(svg), x="tokens")
+    plot_timeline(result.timeline, str(svg), records=result.records)
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml")
+    # four panels over the serving clock, the last the latencies
+    assert "serving time (s)" in text and "latency (ms)" in text
 
 
 def test_plot_without_matplotlib(monkeypatch, tmp_path):
@@ -673,8 +706,9 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
     from qualia.sim.plot import matplotlib_problem, plot_timeline
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert "qualia[plot]" in matplotlib_problem()
-    with pytest.raises(ImportError, match=r"qualia\[plot\]"):
+    # the extra of the local checkout: the package index's "qualia" is another project
+    assert 'pip install ".[plot]" in the qualia checkout' in matplotlib_problem()
+    with pytest.raises(ImportError, match=r'"\.\[plot\]"'):
         plot_timeline(Timeline(), str(tmp_path / "x.png"))
 
 
@@ -706,4 +740,4 @@ def test_recomputed_tokens_are_what_a_preempted_request_computes_again():
     # cache hit is a page it had filled itself
     fed = sum(len(r.prompt) + r.max_new_tokens - 1 for r in reqs)
     assert st["tokens_scheduled"] == fed + st["tokens_recomputed"]
-    assert 0 < st["tokens_recomputed"] and st["prefix_tokens_reused"] > 0
+    assert 0 < st["tokens_recomputed"] and st["cache_hit_tokens"] > 0

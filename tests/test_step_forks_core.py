@@ -6,7 +6,10 @@ compiled engine step, against their pure-Python statement ``qualia.twin.ForkStep
 with ``n`` groups and beam groups among the requests: every plan array (repeated logits rows,
 the members' ids, the copies of the shared partial page, rows of forked children, ``num_topk``),
 every result (one ``FinishedGroup`` per group, with the beams' scores), the queues, the pool's
-reference counts, the parked beams and every request's tokens must agree after every call.  The
+reference counts, the parked beams and every request's tokens must agree after every call, and
+the shadow KV (plans discarded after a partial execution among them) must read every member's
+own tokens through its pages: the partial page a fork shared is copied before a child reads it,
+however often the plan that copies it is discarded.  The
 dense checks run ``qualia.model``'s seeded per-member sampler and its beam search through the
 core and compare each result with its dense run.
 """
@@ -16,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant, rule
-from step_checks import assert_same_plan
+from hypothesis.stateful import initialize, invariant, precondition, rule
+from step_checks import ShadowKV, assert_same_plan
 from test_step_abi import example_rule, example_topk_rule
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
@@ -40,6 +43,7 @@ class ForksVsTwin(StepVsTwin):
         self.twin = TF.ForkStepScheduler(num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
         self.plan = None
+        self.shadow = ShadowKV(num_blocks, page_tokens)
 
     @rule(prefix=st.sampled_from(PREFIXES),
           tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
@@ -94,6 +98,38 @@ class ForksVsTwin(StepVsTwin):
         elif how == 7 and m and k > 1:
             tlps[-1, 0] = tlps[-1, 1] - 0.5  # not best first: refused on a live beam's row
         return lambda s: s.update(ids, tids, tlps)
+
+    @precondition(lambda self: self.plan is None)
+    @rule(seed=st.integers(0, 2**32 - 1), how=st.sampled_from(["none", "copies", "writes", "full"]),
+          times=st.integers(1, 3), pick=st.sampled_from([None, None, 0, 1, 2]))
+    def discard_copies(self, seed, how, times, pick):
+        # whole steps until a plan copies pages (a fork's shared partial page); that plan is
+        # discarded after a failed execution, and so are the next `times - 1`; a request of the
+        # discarded plan (a group by its id) is sometimes aborted before the next plan
+        rng = np.random.default_rng(seed)
+        for _ in range(24):
+            self.schedule()
+            if self.plan is None:
+                return
+            if len(self.plan.copies):
+                break
+            ids = rng.integers(0, VOCAB, size=len(self.plan.logits_indices)).astype(np.uint32)
+            call = self.update_call(ids, rng, "steps")
+            self.execute()
+            out = self.both(lambda s: finished_key(call(s)))
+            assert out[0][1] == out[1][1]
+            self.plan = None
+        else:
+            return
+        for k in range(times):
+            rids = self.plan.request_ids.tolist()
+            self.discard(how, int(rng.integers(0, 2**32)))
+            if pick is not None and k == 0 and pick < len(rids):
+                self.both(lambda s: s.abort(rids[pick]))
+            if k + 1 < times:
+                self.schedule()
+                if self.plan is None:
+                    return
 
     @rule(pick=st.integers(0, 40), child=st.integers(0, 3))
     def abort_member(self, pick, child):

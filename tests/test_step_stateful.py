@@ -5,10 +5,12 @@ random calls, valid and invalid: arrivals of prompts that share prefixes (so adm
 cache), in several namespaces, with priorities, eos and stop tokens; random budgets, sequence
 limits, chunk caps and pools small enough to force reclaims and preemptions; aborts in every
 state (waiting, running, in the pending plan, unknown); schedule and update with good and bad
-sampled ids, and plans discarded.  After every call both must agree on the result or the
-exception class; every plan array (physical page numbers included) and every finished request
-must be equal; and the queues, the free pages, the pool's reference counts and every request's
-tokens must agree.
+sampled ids, and plans discarded after an execution that failed part way.  After every call
+both must agree on the result or the exception class; every plan array (physical page numbers
+included) and every finished request must be equal; and the queues, the free pages, the pool's
+reference counts and every request's tokens must agree.  A shadow of the backend's KV
+(``step_checks.ShadowKV``) executes every plan: each request must read its own tokens through its
+pages.
 
 Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1.
 """
@@ -21,7 +23,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from step_checks import assert_same_plan
+from step_checks import ShadowKV, assert_same_plan
 
 import qualia
 from qualia.errors import QualiaError
@@ -63,6 +65,7 @@ class StepVsTwin(RuleBasedStateMachine):
         self.twin = StepScheduler(num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
         self.plan = None
+        self.shadow = ShadowKV(num_blocks, page_tokens)
 
     def both(self, fn):
         out = []
@@ -116,6 +119,14 @@ class StepVsTwin(RuleBasedStateMachine):
             a, b = out[0][1], out[1][1]
             assert_same_plan(a, b)
             self.plan = a
+            self.expected = ShadowKV.expect(self.core, a)
+            self.executed = False
+
+    def execute(self):
+        # the backend runs the pending plan once, before its first update
+        if not self.executed:
+            self.shadow.execute(self.plan, self.expected)
+            self.executed = True
 
     @precondition(lambda self: self.plan is not None)
     @rule(seed=st.integers(0, 2**32 - 1), bad=st.sampled_from([None] * 6 + [
@@ -135,6 +146,7 @@ class StepVsTwin(RuleBasedStateMachine):
         elif bad == "list":
             ids = ids.tolist()
         call = self.update_call(ids, rng, bad)
+        self.execute()
         out = self.both(lambda s: finished_key(call(s)))
         if out[0][0] == "ok":
             assert out[0][1] == out[1][1]
@@ -155,6 +167,7 @@ class StepVsTwin(RuleBasedStateMachine):
                 self.both(lambda s: s.abort(rid))
             ids = rng.integers(0, VOCAB, size=len(self.plan.logits_indices)).astype(np.uint32)
             call = self.update_call(ids, rng, "steps")
+            self.execute()
             out = self.both(lambda s: finished_key(call(s)))
             assert out[0][1] == out[1][1]
             self.plan = None
@@ -164,8 +177,12 @@ class StepVsTwin(RuleBasedStateMachine):
         return lambda s: s.update(ids)
 
     @precondition(lambda self: self.plan is not None)
-    @rule()
-    def discard(self):
+    @rule(how=st.sampled_from(["none", "copies", "writes", "full"]),
+          seed=st.integers(0, 2**32 - 1))
+    def discard(self, how, seed):
+        # the backend failed part way through the plan (unless an update already ran it)
+        if not self.executed:
+            self.shadow.fail(self.plan, how, np.random.default_rng(seed))
         self.both(lambda s: s.discard_plan())
         self.plan = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any, Dict
 
 from ..cluster.cluster import (
     POLICIES,
@@ -23,7 +24,8 @@ __all__ = ["add_cluster_options", "wants_cluster", "simulate_cli"]
 
 def add_cluster_options(p) -> None:
     """The cluster options of ``simulate`` (an argparse parser)."""
-    g = p.add_argument_group("cluster (needs the qualia[cluster] extra: Ray, prometheus-client)")
+    g = p.add_argument_group('cluster (Ray, prometheus-client: pip install ".[cluster]" in '
+                             'the qualia checkout)')
     g.add_argument("--replicas", type=int_in(1, 64), default=None, metavar="N",
                    help="serve on N data-parallel replicas (Ray actors) behind a router")
     g.add_argument("--router", choices=POLICIES, default="prefix",
@@ -69,28 +71,32 @@ def simulate_cli(args, out=None, err=None) -> int:
 
     from ..sim import config as preflight
     from ..sim.check import check_outputs
-    from ..sim.report import emit, write_json
+    from ..sim.report import emit, jsonable, write_json
     from ..sim.workload import unservable_reason
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     # --backend model: the numpy model's own step runner on every replica; c: the hash rule
     backend = "hash" if args.backend == "c" else "model"
+    clock = preflight.clock_of(args)
     try:
         prepared = preflight.check_simulate(args)
         workload, vocab = prepared.workload, prepared.vocab
-        config = ReplicaConfig(**{**dataclasses.asdict(preflight.engine_config_of(args)),
-                                  "backend": backend, "vocab_size": vocab})
+        # the command line's options over the replicas' defaults: the cache key every replica
+        # and the router share, and the event capacity, stay the replicas' own
+        options = {k: v for k, v in dataclasses.asdict(preflight.engine_config_of(args)).items()
+                   if not (k in ("cache_key", "event_capacity") and v is None)}
+        config = ReplicaConfig(**{**options, "backend": backend, "vocab_size": vocab})
         make_scheduler(config)      # bad step options are refused here, before Ray starts
         requests = _Generated(workload)
         for q in requests.requests:
             why = unservable_reason(f"request {q.request_id}", len(q.prompt), q.max_new_tokens,
                                     page_tokens=config.page_tokens,
                                     num_pages=config.num_pages,
-                                    logical_pages=config.logical_pages)
+                                    logical_pages=config.logical_pages, options=True)
             if why is not None:
-                raise preflight.Refused(f"{why} (raise --num-pages/--logical-pages/"
-                                        "--page-tokens or lower --prompt-len/--output-len)")
+                raise preflight.Refused(f"{why} (raise those options or lower "
+                                        "--prompt-len/--output-len)")
     except (preflight.Refused, ValueError, TypeError, OverflowError) as exc:
         print(f"error: {exc}", file=err)
         return 2
@@ -130,16 +136,16 @@ def simulate_cli(args, out=None, err=None) -> int:
             results = []
             for pol in POLICIES:
                 cl = Cluster(args.replicas, pol, config, local=args.local, metrics=metrics,
-                             load_weight=args.load_weight)
+                             load_weight=args.load_weight, clock=clock)
                 try:
                     results.append(cl.run(requests, **kw))
                 finally:
                     cl.close()
             results += compare_policies(requests, args.replicas, config, policies=(),
-                                        local=args.local, max_steps=None)
+                                        local=args.local, max_steps=None, clock=clock)
         else:
             cl = Cluster(args.replicas, args.router, config, local=args.local, metrics=metrics,
-                         load_weight=args.load_weight)
+                         load_weight=args.load_weight, clock=clock)
             try:
                 results = [cl.run(requests, **kw)]
             finally:
@@ -172,11 +178,22 @@ def simulate_cli(args, out=None, err=None) -> int:
             ok &= chk.ok
         messages.append(line)
     if args.json:
-        text = json.dumps([r.summary for r in results], indent=2, sort_keys=True, default=str)
+        data: Dict[str, Any] = (
+            {"runs": [r.to_dict() for r in results]} if args.compare else results[0].to_dict())
+        data["config"] = {"command": args.command, "replicas": args.replicas,
+                          "router": args.router, "compare": bool(args.compare),
+                          "clock": clock.kind, "clock_description": clock.describe(),
+                          "profile": args.profile, "backend": args.backend,
+                          "requests": args.requests, "turns": args.turns,
+                          "arrival_rate": args.arrival_rate, "seed": args.seed}
+        text = json.dumps(jsonable(data), indent=2, sort_keys=True, default=str)
         if not write_json(text, args.json, out, err):
             return 2
     if not args.quiet and args.json != "-":
-        emit(format_comparison(results) + "\n" + "\n".join(messages), out)
+        if args.compare:
+            emit(format_comparison(results) + "\n" + "\n".join(messages), out)
+        else:
+            emit(_run_summary(args, results[0], clock) + "\n" + "\n".join(messages), out)
     elif not ok:
         print("\n".join(messages), file=err)
     if args.kill_replica is not None:
@@ -189,6 +206,37 @@ def simulate_cli(args, out=None, err=None) -> int:
                   f"{steps})", file=err)
             return 2
     return 0 if ok else 1
+
+
+def _run_summary(args, res, clock) -> str:
+    """One cluster run's summary: what ran, vLLM's figures (the single engine's table) and the
+    cluster's own figures."""
+    from ..sim.report import clock_parts, figures_table, kv_lines, number
+
+    s = res.summary
+    lines = ["qualia simulate --replicas summary"]
+    total = args.requests * args.turns
+    lines += kv_lines("workload", [f"{number(args.requests)} conversations x {args.turns} turns "
+                                   f"= {number(total)} requests (synthetic)"
+                                   if args.turns > 1 else
+                                   f"{number(args.requests)} requests (synthetic)"])
+    lines += kv_lines("replicas", [f"{res.replicas} behind the {res.policy} router",
+                                   "each on a GPU of its own, stepping together"])
+    lines += kv_lines("clock", clock_parts(clock.describe()))
+    lines.append("")
+    lines += figures_table(s, s)
+    lines.append("")
+    lines += kv_lines("prefix cache hit rate", [
+        f"{100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens",
+        f"{number(int(s['cache_hit_tokens']))} of {number(int(s['cache_lookup_tokens']))}"])
+    lines += kv_lines("tokens", [f"prefilled {number(int(s['tokens_prefilled']))}",
+                                 f"decoded {number(int(s['tokens_decoded']))}"])
+    lines += kv_lines("routing", [f"decisions per replica {s['decisions']}",
+                                  f"{number(int(s['preemptions']))} preemptions"])
+    lines += kv_lines("faults", [f"replicas died: {s['deaths']}",
+                                 f"rejoined: {s['rejoins']}",
+                                 f"requests resubmitted: {s['resubmitted']}"])
+    return "\n".join(lines)
 
 
 class _Generated:

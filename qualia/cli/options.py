@@ -8,10 +8,10 @@ import argparse
 from typing import Tuple
 
 __all__ = ["add_option", "U32_MAX", "MIN_ARRIVAL_RATE", "MAX_STEP_MS", "int_in", "pair", "rate",
-           "ratio", "path", "step_ms", "finite_non_negative"]
+           "ratio", "path", "step_ms", "finite_non_negative", "profile"]
 
 U32_MAX = 2**32 - 1
-#: The smallest --arrival-rate (requests per decode step) accepted; smaller rates are refused.
+#: The smallest --arrival-rate (requests per second) accepted; smaller rates are refused.
 MIN_ARRIVAL_RATE = 1e-6
 
 def int_in(minimum: int, maximum: int):
@@ -57,7 +57,7 @@ def rate(text: str) -> float:
     v = _number(text)
     if not v >= MIN_ARRIVAL_RATE:  # also nan
         raise argparse.ArgumentTypeError(
-            f"must be >= {MIN_ARRIVAL_RATE:g} requests per step (or inf), got {text!r}")
+            f"must be >= {MIN_ARRIVAL_RATE:g} requests per second (or inf), got {text!r}")
     return v
 
 
@@ -86,6 +86,17 @@ def step_ms(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be > 0 and <= {MAX_STEP_MS:.0f} (an hour), got {text!r}")
     return v
+
+
+def profile(text: str) -> str:
+    """--profile: the name of a model/GPU profile of :mod:`qualia.sim.clock` (case and
+    surrounding spaces ignored); an unknown name is refused with the close matches."""
+    from ..sim.clock import get_profile
+
+    try:
+        return get_profile(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def finite_non_negative(text: str) -> float:

@@ -19,8 +19,9 @@ tokens generated so far appended to the prompt (the backend is deterministic, so
 gives the same tokens).  The router records each request's completion once; a replica that is
 restarted (``rejoin_after`` steps later) rejoins with an empty cache.
 
-Only this module needs Ray (the ``qualia[cluster]`` extra): it is imported lazily, and
-``local=True`` runs the same code in one process without it.
+Only this module needs Ray (the ``cluster`` extra: ``pip install ".[cluster]"`` in the qualia
+checkout): it is imported lazily, and ``local=True`` runs the same code in one process without
+it.
 """
 
 from ..sim.adapters import DecodeRuleSteps as HashStepBackend  # the replicas' hash rule

@@ -1,19 +1,28 @@
 """The cluster: replicas behind the router, driven one engine step at a time, with replica
-deaths, resubmission and rejoins (see :mod:`qualia.cluster`)."""
+deaths, resubmission and rejoins (see :mod:`qualia.cluster`).
+
+Time: one serving clock for the whole cluster (:func:`qualia.sim.clock.serving_clock`; by
+default the modeled time on the default GPU profile, each replica on a GPU of its own).  The
+replicas step together: a cluster step takes the longest of its replicas' step times, and every
+token sampled in it is delivered at its end.  Requests arrive by the serving clock (a
+workload's ``arrival_s``; a later turn when the previous one completed), and the run reports
+vLLM's serving figures (:func:`qualia.sim.figures.serving_figures`) and the prefix cache's hit
+rate (:func:`qualia.sim.figures.prefix_cache_hit_rate`) with the single engine's definitions.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
+from ..sim.clock import serving_clock
+from ..sim.figures import RequestRecord, prefix_cache_hit_rate, serving_figures
+from ..sim.report import step_figures
+from ..sim.workload import Arrivals
 from .metrics import ClusterMetrics
 from .replica import Replica, ReplicaConfig
 from .router import POLICIES, Router
@@ -25,7 +34,9 @@ def _ray():
     try:
         import ray
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError("qualia.cluster needs Ray: pip install 'qualia[cluster]'") from None
+        from ..sim.resources import install_hint
+
+        raise ImportError("qualia.cluster needs Ray: " + install_hint("cluster", "ray")) from None
     return ray
 
 
@@ -38,12 +49,13 @@ class _Track:
 
     req: Any                       # the workload Request (prompt, max_new_tokens, namespace ...)
     arrival_step: int
-    arrival_s: float
+    arrival_s: float               # on the serving clock
     owner: int = -1
     outputs: List[int] = field(default_factory=list)   # every token reported so far
+    times: List[float] = field(default_factory=list)   # and when each was delivered
     base: int = 0                  # outputs already known when it was last (re)submitted
     first_token_step: Optional[int] = None
-    first_token_s: Optional[float] = None
+    end_step: Optional[int] = None
     done: bool = False
     resubmits: int = 0
     predicted_pages: int = 0
@@ -51,7 +63,10 @@ class _Track:
 
 @dataclass
 class ClusterResult:
-    """What a run produced: outputs by request, completion counts, the summary figures."""
+    """What a run produced: outputs by request, completion counts, the summary (vLLM's figures,
+    the prefix cache's hit rate, the latencies in steps and the cluster's counters), one
+    :class:`~qualia.sim.figures.RequestRecord` per request, and the step and the serving time
+    each request arrived at."""
 
     policy: str
     replicas: int
@@ -60,6 +75,21 @@ class ClusterResult:
     requests: Dict[int, Any]
     summary: Dict[str, Any]
     arrived: Dict[int, int] = field(default_factory=dict)   # the step each request arrived at
+    records: Dict[int, RequestRecord] = field(default_factory=dict)
+    arrived_s: Dict[int, float] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON report of the run, shaped as the single engine's: vLLM's figures under its
+        keys, ``requests`` (one row per completed request, by id) and ``stats`` (the cluster's
+        own figures)."""
+        from ..sim.figures import request_rows
+
+        figures = serving_figures([self.records[k] for k in sorted(self.records)],
+                                  start_s=0.0)
+        out: Dict[str, Any] = dict(figures)
+        out["requests"] = request_rows(self.records[k] for k in sorted(self.records))
+        out["stats"] = {k: v for k, v in self.summary.items() if k not in figures}
+        return out
 
 
 def init_local_ray(num_cpus: int = 2) -> None:
@@ -126,9 +156,11 @@ class Cluster:
     """``replicas`` engines behind one router (see the module docstring).
 
     ``policy``: one of :data:`POLICIES`.  ``local=True`` runs the replicas in this process
-    (no Ray).  ``load_weight``: the prefix policy's cost, in pages, of one request queued on a
-    replica.  ``metrics``: a :class:`ClusterMetrics` to update.  ``step_timeout``: seconds a
-    replica's step may take before it is declared dead.  ``max_resubmits``: how many replica
+    (no Ray).  ``clock``: the serving clock (:func:`qualia.sim.clock.serving_clock`: None, the
+    modeled time on the default profile).  ``load_weight``: the prefix policy's cost, in pages,
+    of one request queued on a replica.  ``metrics``: a :class:`ClusterMetrics` to update.
+    ``step_timeout``: seconds a replica's step may take before it is declared dead.
+    ``max_resubmits``: how many replica
     deaths one request may go through; one more raises ``RuntimeError`` (a request whose every
     replica dies is more likely killing them than unlucky, and resubmitting it forever would
     never end)."""
@@ -137,13 +169,14 @@ class Cluster:
                  config: Optional[ReplicaConfig] = None, *, local: bool = False,
                  load_weight: float = 0.25, metrics: Optional[ClusterMetrics] = None,
                  step_timeout: float = 60.0, index_capacity: Optional[int] = None,
-                 max_resubmits: int = 3) -> None:
+                 max_resubmits: int = 3, clock: Any = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not 1 <= int(replicas) <= 64:
             raise ValueError(f"replicas must be in [1, 64], got {replicas}")
         self.n = int(replicas)
         self.policy = policy
+        self.clock = serving_clock(clock)
         self.config = config if config is not None else ReplicaConfig()
         self.local = bool(local)
         self.load_weight = float(load_weight)
@@ -165,8 +198,12 @@ class Cluster:
         self.idle_steps = 0                    # steps of the last run skipped: nothing to do
         self.resubmitted = 0
         self.duplicates_ignored = 0
-        self._counters = dict(cached=0, prefill=0, decode=0, preempted=0, generated=0)
-        self._per_replica = [dict(cached=0, prefill=0) for _ in range(self.n)]
+        self._counters = dict(cached=0, lookup=0, prefill=0, decode=0, preempted=0,
+                              generated=0)
+        self._per_replica = [dict(cached=0, lookup=0) for _ in range(self.n)]
+        self.now = 0.0      # the serving clock of the last run, seconds
+        self.busy_s = 0.0   # its time in steps (idle gaps skipped are not)
+        self.idle_s = 0.0
         self.implementations: set = set()   # the schedulers the replicas reported
 
     @property
@@ -247,45 +284,48 @@ class Cluster:
             rejoin_after: Optional[int] = None, max_steps: Optional[int] = 100_000,
             on_step: Optional[Callable[[int, "Cluster"], None]] = None) -> ClusterResult:
         """Serve ``workload`` (a :class:`qualia.sim.workload.Workload`, or a list of its requests:
-        arrivals by ``arrival_step``, later turns by ``workload.next_turn``) until every request
-        completed.  ``kill_replica_at``: the global step at which replica ``kill_replica``
-        (default: the last) is killed; it is restarted ``rejoin_after`` steps after the router
-        found it dead (never when None).
+        arrivals by ``arrival_s`` and ``arrival_step``, later turns by ``workload.next_turn``)
+        until every request completed.  ``kill_replica_at``: the cluster step at which replica
+        ``kill_replica`` (default: the last) is killed; it is restarted ``rejoin_after`` steps
+        after the router found it dead (never when None).
 
-        Every request reaches the router at its ``arrival_step`` (a later turn: the step after
-        its previous turn completed).  Steps in which nothing is queued or unfinished are
-        skipped up to the next arrival (or kill, or rejoin), and so are steps with every replica
-        down until the next rejoin: ``summary["idle_steps"]`` counts them.  ``max_steps``
-        (None: no limit) bounds the steps the replicas run; :data:`MAX_STALLED_STEPS` steps in a
-        row without progress raise ``RuntimeError``.  A later turn that no replica could ever
+        Every request reaches the router once the serving clock reaches its ``arrival_s`` and
+        the cluster its ``arrival_step`` (a later turn: when its previous turn completed, at
+        the next step).  With nothing queued or unfinished the clock jumps to the next arrival
+        (``summary["idle_s"]``), and the steps to the next kill or rejoin, as they do with
+        every replica down until the next rejoin (``summary["idle_steps"]``).  ``max_steps``
+        (None: no limit) bounds the steps the replicas run; :data:`MAX_STALLED_STEPS` steps in
+        a row without progress raise ``RuntimeError``.  A later turn that no replica could ever
         serve (it outgrew the pool or ``logical_pages``) ends its conversation
         (``summary["conversations_cut"]``)."""
         reqs = list(workload.generate() if hasattr(workload, "generate") else workload)
         next_turn = getattr(workload, "next_turn", None)
-        order = itertools.count()
-        arrivals: List[Tuple[int, int, Any]] = []     # a heap of (arrival step, order, request)
-
-        def arrive(q) -> None:
-            heapq.heappush(arrivals, (int(q.arrival_step), next(order), q))
-
+        arrivals = Arrivals()
         for q in reqs:
-            arrive(q)
+            arrivals.push(q)
         tracks: Dict[int, _Track] = {}
         arrived: Dict[int, int] = {}
         completions: Dict[int, int] = {}
+        records: Dict[int, RequestRecord] = {}
         queue: Deque[int] = deque()        # routed to nobody yet: new, refused, resubmitted
         victim = self.n - 1 if kill_replica < 0 else kill_replica
         self.killed_at = None
         self.conversations_cut = 0
         self.idle_steps = 0
+        self.now = self.busy_s = self.idle_s = 0.0
         unfinished = 0
         t0 = time.perf_counter()
         step = ran = stalled = 0
-        step_s = 0.0
-        while arrivals or queue or unfinished:
-            # skip the steps in which nothing can happen: to the next arrival, kill or rejoin
+        while len(arrivals) or queue or unfinished:
+            # skip what cannot happen: to the next arrival (by time), kill or rejoin (by step)
             if not queue and not unfinished or not any(self.live):
-                nxt = [] if not arrivals or not any(self.live) else [arrivals[0][0]]
+                nxt = []
+                if len(arrivals) and any(self.live):
+                    at_step, at_s = arrivals.next_event(step, self.now)
+                    if at_s > self.now:     # at its step already: due once the clock is there
+                        self.idle_s += at_s - self.now
+                        self.now = at_s
+                    nxt.append(at_step)
                 if kill_replica_at is not None and kill_replica_at > step and \
                         self.live[victim]:
                     nxt.append(kill_replica_at)
@@ -296,12 +336,11 @@ class Cluster:
                     step = min(nxt)
             if max_steps is not None and ran >= max_steps:
                 raise RuntimeError(f"the cluster did not finish within {max_steps} steps")
-            now = time.perf_counter()
-            while arrivals and arrivals[0][0] <= step:
-                q = heapq.heappop(arrivals)[2]
+            for q in arrivals.due(step, self.now):
                 if q.request_id in tracks:
                     raise ValueError(f"duplicate request id {q.request_id}")
-                tracks[q.request_id] = _Track(q, step, now)
+                at = self.now if q.arrival_s is None else float(q.arrival_s)
+                tracks[q.request_id] = _Track(q, step, at)
                 arrived[q.request_id] = step
                 unfinished += 1
                 queue.append(q.request_id)
@@ -333,22 +372,27 @@ class Cluster:
                 batches[r].append((rid, prompt, t.req.max_new_tokens - len(t.outputs),
                                    t.req.namespace))
             queue = held
-            # one engine step on every live replica, concurrently
+            # one engine step on every live replica, concurrently; the cluster's step takes
+            # the longest of theirs on the serving clock, and its tokens come at its end
             futs = {r: self.handles[r].start(batches[r]) for r in range(self.n) if self.live[r]}
-            ts = time.perf_counter()
-            progress = False
+            reps: Dict[int, Dict[str, Any]] = {}
             for r, fut in futs.items():
                 try:
-                    rep = self.handles[r].result(fut, self.step_timeout)
+                    reps[r] = self.handles[r].result(fut, self.step_timeout)
                 except Exception:
                     self._on_death(r, step, tracks, queue)
-                    continue
+            dt = max((float(self.clock.step_time(rep["work"], rep["step_s"]))
+                      for rep in reps.values() if rep["work"] is not None), default=0.0)
+            self.now += dt
+            self.busy_s += dt
+            progress = False
+            for r, rep in reps.items():
                 before = len(completions)
-                self._apply(r, rep, step, tracks, completions, queue, next_turn, arrive)
+                self._apply(r, rep, step, tracks, completions, records, queue, next_turn,
+                            arrivals)
                 unfinished -= len(completions) - before
                 progress |= bool(rep["prefill_tokens"] or rep["decode_tokens"]
                                  or rep["finished"] or rep["sampled"])
-            step_s += time.perf_counter() - ts
             if futs:
                 ran += 1
                 stalled = 0 if progress or not unfinished else stalled + 1
@@ -363,14 +407,15 @@ class Cluster:
             step += 1
         wall = time.perf_counter() - t0
         outputs = {rid: t.outputs for rid, t in tracks.items()}
-        summary = self._summary(tracks, step, wall)
+        summary = self._summary(tracks, records, step, wall)
         return ClusterResult(self.policy, self.n, outputs, completions,
-                             {rid: t.req for rid, t in tracks.items()}, summary, arrived)
+                             {rid: t.req for rid, t in tracks.items()}, summary, arrived,
+                             records, {rid: t.arrival_s for rid, t in tracks.items()})
 
     def _apply(self, r: int, rep: Dict[str, Any], step: int, tracks: Dict[int, _Track],
-               completions: Dict[int, int], queue: Deque[int], next_turn,
-               arrive: Callable[[Any], None]) -> None:
-        now = time.perf_counter()
+               completions: Dict[int, int], records: Dict[int, RequestRecord],
+               queue: Deque[int], next_turn, arrivals: Arrivals) -> None:
+        now = self.now
         self.index.apply_events(r, rep["events"])
         self.implementations.add(rep.get("implementation", "?"))
         self.load[r] = rep["running"] + rep["waiting"]
@@ -385,9 +430,9 @@ class Cluster:
                 self.duplicates_ignored += 1
                 continue
             t.outputs.append(int(tok))
+            t.times.append(now)
             if t.first_token_step is None:
                 t.first_token_step = step
-                t.first_token_s = now
         for rid, outs, _reason in rep["finished"]:
             t = tracks[rid]
             if t.owner != r or t.done:
@@ -397,24 +442,28 @@ class Cluster:
                 raise RuntimeError(f"request {rid}: replica {r} finished with outputs that "
                                    "differ from the tokens it reported")
             t.done = True
+            t.end_step = step
+            records[rid] = RequestRecord(rid, t.arrival_s, t.times[0], t.times[-1],
+                                         len(t.req.prompt), len(t.outputs), tuple(t.times))
             completions[rid] = completions.get(rid, 0) + 1
             if self.metrics is not None:
                 self.metrics.completed.inc()
             if next_turn is not None:
-                nxt = next_turn(t.req, t.outputs, step)
+                nxt = next_turn(t.req, t.outputs, step, now)
                 if nxt is not None and self._unservable(nxt) is None:
-                    arrive(nxt)
+                    arrivals.push(nxt)
                 elif nxt is not None:   # the conversation outgrew the pool or logical_pages
                     self.conversations_cut += 1
         c = self._counters
         c["cached"] += rep["cached_tokens"]
+        c["lookup"] += rep["lookup_tokens"]
         c["prefill"] += rep["prefill_tokens"]
         c["decode"] += rep["decode_tokens"]
         c["preempted"] += rep["preempted"]
         c["generated"] += len(rep["sampled"])
         pr = self._per_replica[r]
         pr["cached"] += rep["cached_tokens"]
-        pr["prefill"] += rep["prefill_tokens"]
+        pr["lookup"] += rep["lookup_tokens"]
         m = self.metrics
         if m is not None:
             lab = str(r)
@@ -426,10 +475,8 @@ class Cluster:
             m.prefill.labels(lab).inc(rep["prefill_tokens"])
             m.generated.labels(lab).inc(len(rep["sampled"]))
             m.preemptions.labels(lab).inc(rep["preempted"])
-            tot = pr["cached"] + pr["prefill"]
-            m.hit_rate.labels(lab).set(pr["cached"] / tot if tot else 0.0)
-            all_tot = c["cached"] + c["prefill"]
-            m.router_hit.set(c["cached"] / all_tot if all_tot else 0.0)
+            m.hit_rate.labels(lab).set(prefix_cache_hit_rate(pr["cached"], pr["lookup"]))
+            m.router_hit.set(prefix_cache_hit_rate(c["cached"], c["lookup"]))
 
     def _unservable(self, req) -> Optional[str]:
         """Why no replica can ever serve ``req`` (the engine's rule), or None."""
@@ -440,35 +487,37 @@ class Cluster:
                                  int(req.max_new_tokens), page_tokens=c.page_tokens,
                                  num_pages=c.num_pages, logical_pages=c.logical_pages)
 
-    def _summary(self, tracks: Dict[int, _Track], steps: int, wall: float) -> Dict[str, Any]:
+    def _summary(self, tracks: Dict[int, _Track], records: Dict[int, RequestRecord],
+                 steps: int, wall: float) -> Dict[str, Any]:
+        """vLLM's figures of the run and the cluster's own (see :class:`ClusterResult`)."""
         c = self._counters
-        ttft_steps = [t.first_token_step - t.arrival_step for t in tracks.values()
-                      if t.first_token_step is not None]
-        ttft_ms = [1000 * (t.first_token_s - t.arrival_s) for t in tracks.values()
-                   if t.first_token_s is not None]
-        prompt_tokens = c["cached"] + c["prefill"]
-        out_tokens = sum(len(t.outputs) for t in tracks.values())
-        return {
+        lat: Dict[str, List[float]] = {"ttft_steps": [], "tpot_steps": [], "e2el_steps": []}
+        for t in tracks.values():
+            if t.done and t.first_token_step is not None and t.end_step is not None:
+                lat["ttft_steps"].append(float(t.first_token_step - t.arrival_step + 1))
+                lat["e2el_steps"].append(float(t.end_step - t.arrival_step + 1))
+                if len(t.outputs) > 1:
+                    lat["tpot_steps"].append((t.end_step - t.first_token_step)
+                                             / (len(t.outputs) - 1))
+        out: Dict[str, Any] = dict(serving_figures([records[k] for k in sorted(records)],
+                                                   start_s=0.0))
+        out.update({
             "policy": self.policy, "replicas": self.n, "requests": len(tracks),
             "scheduler": "/".join(sorted(self.implementations)),
-            "backend": self.config.backend,
-            "completed": sum(1 for t in tracks.values() if t.done), "steps": steps,
-            "wall_s": wall,
-            "cached_tokens": c["cached"], "prefill_tokens": c["prefill"],
-            "hit_rate": c["cached"] / prompt_tokens if prompt_tokens else 0.0,
-            "output_tokens": out_tokens,
-            "tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
-            "tokens_per_step": out_tokens / steps if steps else 0.0,
-            "ttft_steps_mean": float(np.mean(ttft_steps)) if ttft_steps else 0.0,
-            "ttft_steps_p90": float(np.percentile(ttft_steps, 90)) if ttft_steps else 0.0,
-            "ttft_ms_mean": float(np.mean(ttft_ms)) if ttft_ms else 0.0,
-            "preempted": c["preempted"], "decisions": list(self.decisions),
+            "backend": self.config.backend, "clock": self.clock.describe(),
+            "steps": steps, "busy_s": self.busy_s, "idle_s": self.idle_s,
+            "idle_steps": self.idle_steps, "wall_s": wall,
+            "prefix_cache_hit_rate": prefix_cache_hit_rate(c["cached"], c["lookup"]),
+            "cache_hit_tokens": c["cached"], "cache_lookup_tokens": c["lookup"],
+            "tokens_prefilled": c["prefill"], "tokens_decoded": c["decode"],
+            **step_figures(lat),
+            "preemptions": c["preempted"], "decisions": list(self.decisions),
             "deaths": self.deaths, "rejoins": self.rejoins, "resubmitted": self.resubmitted,
             "duplicates_ignored": self.duplicates_ignored,
             "killed_at": self.killed_at, "conversations_cut": self.conversations_cut,
-            "idle_steps": self.idle_steps,
             "index": self.index.stats(),
-        }
+        })
+        return out
 
     def close(self) -> None:
         """Kill every replica actor (Ray) or drop them (local)."""
@@ -481,13 +530,14 @@ class Cluster:
 
 def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
                      policies: Sequence[str] = POLICIES, single: bool = True,
-                     local: bool = False, **run_kw) -> List[ClusterResult]:
+                     local: bool = False, clock: Any = None, **run_kw) -> List[ClusterResult]:
     """Run ``workload`` under each policy on ``replicas`` replicas, and (``single``) on one
     replica with ``replicas`` times the pool and the slots (the hit rate a router should
-    approach), one after the other; results in that order, the single replica last."""
+    approach), one after the other, on the serving clock ``clock``; results in that order,
+    the single replica last."""
     results = []
     for pol in policies:
-        cl = Cluster(replicas, pol, config, local=local)
+        cl = Cluster(replicas, pol, config, local=local, clock=clock)
         try:
             results.append(cl.run(workload, **run_kw))
         finally:
@@ -498,7 +548,7 @@ def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
             max_num_seqs=config.max_num_seqs * replicas,
             max_num_batched_tokens=config.max_num_batched_tokens * replicas,
             max_queued=None if config.max_queued is None else config.max_queued * replicas)
-        cl = Cluster(1, "round-robin", big, local=local)
+        cl = Cluster(1, "round-robin", big, local=local, clock=clock)
         try:
             res = cl.run(workload, max_steps=run_kw.get("max_steps", 100_000))
         finally:
@@ -510,17 +560,18 @@ def compare_policies(workload, replicas: int, config: ReplicaConfig, *,
 
 
 def format_comparison(results: Sequence[ClusterResult]) -> str:
-    """The summary table: one row per run."""
-    head = ("| run | replicas | hit rate | prefill tokens saved | prefill computed | out tok/s | "
-            "out tok/step | TTFT steps (mean / p90) | TTFT ms | preempted | deaths | "
-            "resubmitted |")
+    """The runs side by side, one row each: vLLM's figures (request and output throughput,
+    mean and p99 TTFT, mean TPOT, in milliseconds) and the prefix cache's hit rate, with the
+    same definitions as the single engine's summary."""
+    head = ("| run | replicas | completed | req/s | output tok/s | mean TTFT ms | p99 TTFT ms "
+            "| mean TPOT ms | prefix cache hit rate | preempted | deaths | resubmitted |")
     lines = [head, "|" + "---|" * 12]
     for res in results:
         s = res.summary
         lines.append(
-            f"| {s['policy']} | {s['replicas']} | {100 * s['hit_rate']:.1f}% | "
-            f"{s['cached_tokens']} | {s['prefill_tokens']} | {s['tokens_per_s']:.0f} | "
-            f"{s['tokens_per_step']:.1f} | {s['ttft_steps_mean']:.2f} / "
-            f"{s['ttft_steps_p90']:.0f} | {s['ttft_ms_mean']:.1f} | {s['preempted']} | "
+            f"| {s['policy']} | {s['replicas']} | {s['completed']:,} | "
+            f"{s['request_throughput']:,.2f} | {s['output_throughput']:,.1f} | "
+            f"{s['mean_ttft_ms']:,.2f} | {s['p99_ttft_ms']:,.2f} | {s['mean_tpot_ms']:,.2f} | "
+            f"{100 * s['prefix_cache_hit_rate']:.1f}% | {s['preemptions']:,} | "
             f"{s['deaths']} | {s['resubmitted']} |")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ _METRICS: Tuple[Tuple[str, str, str, str, Tuple[str, ...]], ...] = (
     ("waiting", "Gauge", "qualia_replica_requests_waiting", "requests waiting", _REPLICA),
     ("pool", "Gauge", "qualia_replica_pool_usage", "fraction of KV pages not free", _REPLICA),
     ("hit_rate", "Gauge", "qualia_replica_cache_hit_rate",
-     "cached prompt tokens / (cached + computed prefill tokens)", _REPLICA),
+     "prompt tokens found in the prefix cache / prompt tokens looked up", _REPLICA),
     ("cached", "Counter", "qualia_replica_cached_tokens", "prompt tokens the cache skipped",
      _REPLICA),
     ("prefill", "Counter", "qualia_replica_prefill_tokens", "prefill tokens computed", _REPLICA),
@@ -30,7 +30,7 @@ _METRICS: Tuple[Tuple[str, str, str, str, Tuple[str, ...]], ...] = (
     ("identities", "Gauge", "qualia_router_index_identities",
      "page identities in the router's index", ()),
     ("router_hit", "Gauge", "qualia_router_cache_hit_rate",
-     "cached-token hit rate over every replica", ()),
+     "prompt tokens found in the prefix caches / prompt tokens looked up, every replica", ()),
 )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from qualia.errors import StepError
 
 from ..sim.adapters import DecodeRuleSteps
+from ..sim.clock import StepWork
 from ..sim.config import EngineConfig, make_step_scheduler, step_scheduler_class
 
 __all__ = ["DEFAULT_KEY", "ReplicaConfig", "Replica", "make_scheduler", "make_backend",
@@ -95,7 +96,10 @@ class Replica:
     def step(self, requests: Sequence[Tuple[int, Any, int, bytes]] = ()) -> Dict[str, Any]:
         """Queue ``requests`` ((id, prompt tokens, max_new_tokens, namespace) each), run one
         engine step when anything is unfinished, and report: tokens sampled (id -> token),
-        finished requests (id, outputs, reason), refused requests, KV events, load, counters."""
+        finished requests (id, outputs, reason), refused requests, KV events, load, counters,
+        the step's work for the serving clock (``work``, a
+        :class:`qualia.sim.clock.StepWork`; None when it did not step) and its measured time
+        (``step_s``)."""
         t0 = time.perf_counter()
         rejected: List[int] = []
         failed: List[Tuple[int, str]] = []
@@ -112,9 +116,12 @@ class Replica:
         finished: List[Tuple[int, List[int], str]] = []
         rep: Dict[str, Any] = dict(prefill_tokens=0, decode_tokens=0, cached_tokens=0,
                                    preempted=0, admitted=0, stepped=False)
+        work = None
+        lookups_before = int(self.facade.cache_stats().lookup_tokens)
         if self.sched.has_unfinished():
             hits_before = self._hit_tokens()
             plan = self.sched.schedule()
+            work = StepWork.from_plan(plan)
             try:
                 ids = np.asarray(self.backend.execute_step(plan), dtype=np.uint32)
             except BaseException:
@@ -136,6 +143,7 @@ class Replica:
                          f.finish_reason) for f in done]
             self.steps += 1
         f = self.facade
+        rep.update(work=work, lookup_tokens=int(f.cache_stats().lookup_tokens) - lookups_before)
         rep.update(replica=self.replica_id, implementation=self.implementation,
                    sampled=sampled, finished=finished, rejected=rejected, failed=failed,
                    events=f.drain_events(),

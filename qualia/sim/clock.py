@@ -130,6 +130,9 @@ __all__ = [
     "StepWork",
     "StepCost",
     "ModeledClock",
+    "FixedClock",
+    "MeasuredClock",
+    "serving_clock",
     "MODELS",
     "ACCELERATORS",
     "PROFILES",
@@ -568,7 +571,10 @@ class StepCost:
 
 class ModeledClock:
     """The modeled time of engine steps on ``profile`` (a :data:`PROFILES` name or a
-    :class:`Profile`; see the module docstring for the model)."""
+    :class:`Profile`; see the module docstring for the model).  A serving clock (see
+    :func:`serving_clock`): :meth:`step_time` is :meth:`plan_seconds`."""
+
+    kind = "modeled"
 
     def __init__(self, profile: Union[str, Profile] = DEFAULT_PROFILE) -> None:
         self.profile = get_profile(profile)
@@ -614,3 +620,79 @@ class ModeledClock:
     def plan_seconds(self, plan: Any) -> float:
         """The modeled time of the step that computes ``plan``."""
         return self.seconds(StepWork.from_plan(plan))
+
+    def step_time(self, plan: Any, measured_s: float) -> float:
+        """The serving clock's time of the step that computed ``plan`` (or did a
+        :class:`StepWork`): its modeled time (``measured_s``, the step's time on this machine,
+        is not used)."""
+        if isinstance(plan, StepWork):
+            return self.seconds(plan)
+        return self.plan_seconds(plan)
+
+
+# --------------------------------------------------------------------------------------------
+# the other serving clocks
+# --------------------------------------------------------------------------------------------
+
+
+class FixedClock:
+    """A serving clock that charges every step the same ``seconds`` (``simulate --step-ms``):
+    reproducible, and blind to what a step computes."""
+
+    kind = "fixed"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = _float("seconds", seconds)  # > 0: the clock must move
+
+    def __repr__(self) -> str:
+        return f"FixedClock({self.seconds!r})"
+
+    def describe(self) -> str:
+        """One line naming the clock, for a run's summary."""
+        return f"fixed: {self.seconds * 1e3:g} ms per step"
+
+    def step_time(self, plan: Any, measured_s: float) -> float:
+        """``seconds``, whatever the step computed."""
+        return self.seconds
+
+
+class MeasuredClock:
+    """A serving clock that charges every step its measured time on this machine: the
+    scheduler's calls and the backend's ``execute_step`` (no GPU: a C hash backend's step
+    takes microseconds), so the figures vary from run to run and say nothing about serving a
+    model."""
+
+    kind = "measured"
+
+    def __repr__(self) -> str:
+        return "MeasuredClock()"
+
+    def describe(self) -> str:
+        """One line naming the clock, for a run's summary."""
+        return "measured: each step's time on this machine's CPU (no GPU is modeled)"
+
+    def step_time(self, plan: Any, measured_s: float) -> float:
+        """``measured_s``, the step's time on this machine."""
+        return float(measured_s)
+
+
+def serving_clock(clock: Any = None) -> Any:
+    """A serving clock: an object with ``kind``, ``describe()`` and ``step_time(plan,
+    measured_s)`` (the seconds the step that computed ``plan``, or did a :class:`StepWork`,
+    advances the clock by; ``measured_s`` is the step's time on this machine).  ``clock``: None (a
+    :class:`ModeledClock` on :data:`DEFAULT_PROFILE`), ``"measured"`` (a
+    :class:`MeasuredClock`), a profile name or :class:`Profile` (a :class:`ModeledClock` on
+    it), a number of seconds per step (a :class:`FixedClock`), or a serving clock, returned as
+    it is."""
+    if clock is None:
+        return ModeledClock(DEFAULT_PROFILE)
+    if isinstance(clock, str) and clock.strip().lower() == "measured":
+        return MeasuredClock()
+    if isinstance(clock, (str, Profile)):
+        return ModeledClock(clock)
+    if isinstance(clock, (int, float, np.number)) and not isinstance(clock, (bool, np.bool_)):
+        return FixedClock(float(clock))
+    if callable(getattr(clock, "step_time", None)) and callable(getattr(clock, "describe", None)):
+        return clock
+    raise TypeError(f"clock must be None, 'measured', a profile, a number of seconds or a "
+                    f"serving clock (step_time and describe), not {type(clock).__name__}")

@@ -7,10 +7,15 @@ Before a run, for one engine and for ``--replicas`` alike, :func:`check_simulate
 parsed arguments and either returns what the run needs (the workload, its vocabulary) or raises
 :class:`Refused` with a one-line message that names the option at fault; the command prints
 ``error: <message>`` and exits 2. Nothing expensive has happened by then: no engine, no Ray, no
-prompt drawn. Checks, in order:
+prompt drawn.  First the options left to their defaults that depend on others are filled in
+(:func:`resolve_options`): the backend (``c`` for a trace, ``model`` otherwise) and the
+scheduler's sizes (a synthetic workload's small pool; for a trace, the pool the ``--profile``
+GPU's memory holds, its step budget and, once the trace is read, the pages of its longest
+request).  Checks, in order:
 
 * the options that go together (cluster options need ``--replicas``; what ``--replicas`` does
-  not serve: ``--trace``, ``--plot``, ``--step-ms``, ``--prefix-caching off``);
+  not serve: ``--trace``, ``--plot``, ``--prefix-caching off``; ``--step-ms`` is a clock of its
+  own, not with ``--clock``);
 * ``--eos-token-id`` below the backend's vocabulary;
 * the output paths (``--json``, ``--plot``: the folder exists and is writable, and they are two
   files; ``--plot``'s format is one matplotlib writes, and matplotlib is installed);
@@ -36,16 +41,29 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
 from ..twin.seed import exact_int
-from .resources import available_memory, format_bytes, memory_estimate
+from .clock import DEFAULT_PROFILE, PROFILES, FixedClock, MeasuredClock, ModeledClock, get_profile
+from .resources import available_memory, format_bytes, install_hint, memory_estimate
 from .trace import Trace, TraceError
 from .workload import Workload, unservable_reason
 
 __all__ = ["EngineConfig", "engine_config_of", "make_step_scheduler", "step_scheduler_class",
            "Refused", "Prepared", "check_simulate", "VOCAB", "CONNECT_TIMEOUT_S",
-           "output_path_problem", "memory_needed", "ray_address_parts", "workload_of"]
+           "output_path_problem", "memory_needed", "ray_address_parts", "workload_of",
+           "resolve_options", "resolve_trace_sizes", "clock_of", "SYNTHETIC_SIZES",
+           "DEFAULT_PROFILE", "PROFILE_NAMES", "SIZE_OPTIONS"]
 
 #: token ids of the workload, per --backend
 VOCAB = {"model": 512, "c": 32000}
+#: the profiles ``--profile`` names
+PROFILE_NAMES = tuple(PROFILES)
+#: The synthetic workload's scheduler when its sizes are not given: a small pool that the numpy
+#: model holds, where the prefix cache, preemption and reclaim are busy.
+SYNTHETIC_SIZES: Dict[str, int] = dict(num_pages=96, max_num_seqs=24, page_tokens=16,
+                                       logical_pages=16, max_num_batched_tokens=2048)
+#: The scheduler's sizes, by the option that sets each.
+SIZE_OPTIONS = {"num_pages": "--num-pages", "max_num_seqs": "--max-num-seqs",
+                "page_tokens": "--page-tokens", "logical_pages": "--logical-pages",
+                "max_num_batched_tokens": "--max-num-batched-tokens"}
 #: seconds ``--ray-address`` has to accept a TCP connection before the run is refused
 CONNECT_TIMEOUT_S = 5.0
 
@@ -180,7 +198,8 @@ def step_scheduler_class(kind: str = "auto") -> type:
 
 
 def engine_config_of(args) -> EngineConfig:
-    """The engine configuration of a ``simulate`` command line (its parsed arguments)."""
+    """The engine configuration of a ``simulate`` command line (its parsed arguments, sizes
+    resolved: :func:`resolve_options`)."""
     return EngineConfig(
         num_pages=args.num_pages, page_tokens=args.page_tokens,
         logical_pages=args.logical_pages, max_num_seqs=args.max_num_seqs,
@@ -199,6 +218,61 @@ def make_step_scheduler(config: EngineConfig):
     args, kw = config.scheduler_arguments()
     return factory(*args, **kw)
 
+
+
+def resolve_options(args) -> None:
+    """Fill in the options of a ``simulate`` command line that were left to their defaults and
+    depend on others (each only if unset, so it may be called again): the backend (``c`` with
+    ``--trace``, else ``model``), and the scheduler's sizes: a synthetic workload's from
+    ``args.synthetic_sizes`` (:data:`SYNTHETIC_SIZES`), a trace's from ``--profile``
+    (the pool its GPU memory holds, its step budget; ``--logical-pages`` waits for the trace:
+    :func:`resolve_trace_sizes`).  ``args.sized_by`` records, per size set here, where it came
+    from; ``args.backend_by`` why the backend is what it is."""
+    if not hasattr(args, "sized_by"):
+        args.sized_by = {}
+    trace = getattr(args, "trace", None) is not None
+    if getattr(args, "backend", None) is None:
+        args.backend = "c" if trace else "model"
+        args.backend_by = "the default for --trace" if trace else "the default"
+    elif not hasattr(args, "backend_by"):
+        args.backend_by = "as --backend asks"
+    if getattr(args, "page_tokens", None) is None:
+        args.page_tokens = SYNTHETIC_SIZES["page_tokens"]
+        args.sized_by["page_tokens"] = "the default"
+    if trace:
+        prof = get_profile(getattr(args, "profile", None) or DEFAULT_PROFILE)
+        from_profile = {"num_pages": lambda: prof.kv_pages(args.page_tokens),
+                        "max_num_seqs": lambda: prof.max_num_seqs,
+                        "max_num_batched_tokens": lambda: prof.max_num_batched_tokens}
+        for key, value in from_profile.items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, int(value()))
+                args.sized_by[key] = f"the {prof.name} profile"
+        return
+    sizes = getattr(args, "synthetic_sizes", None) or SYNTHETIC_SIZES
+    for key, size in sizes.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, int(size))
+            args.sized_by[key] = "the default"
+
+
+def resolve_trace_sizes(args, trace: Trace) -> None:
+    """``--logical-pages`` of a trace run when not given: the pages of its longest request
+    (prompt and output)."""
+    if getattr(args, "logical_pages", None) is None:
+        tokens = max(trace.max_request_tokens, 1)
+        args.logical_pages = -(-tokens // args.page_tokens)
+        args.sized_by["logical_pages"] = "the trace's longest request"
+
+
+def clock_of(args):
+    """The serving clock of a command line: ``--step-ms`` (fixed), ``--clock measured``, or the
+    modeled time on ``--profile``."""
+    if getattr(args, "step_ms", None) is not None:
+        return FixedClock(args.step_ms / 1e3)
+    if getattr(args, "clock", None) == "measured":
+        return MeasuredClock()
+    return ModeledClock(getattr(args, "profile", None) or DEFAULT_PROFILE)
 
 
 class Refused(ValueError):
@@ -265,7 +339,7 @@ def metrics_port_problem(port: int) -> Optional[str]:
         import prometheus_client  # noqa: F401
     except ImportError:
         return ("argument --metrics-port: needs prometheus-client, which is not installed: "
-                "pip install 'qualia[cluster]'")
+                + install_hint("cluster", "prometheus-client"))
     if port == 0:
         return None   # any free port
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -306,7 +380,7 @@ def ray_address_problem(address: str) -> Optional[str]:
     client, host, port = ray_address_parts(address)
     if client and importlib.util.find_spec("grpc") is None:
         return (f"argument --ray-address {address}: a ray:// address needs Ray Client, which is "
-                "not installed: pip install 'qualia[cluster]' (or pip install 'ray[client]')")
+                "not installed: " + install_hint("cluster", "'ray[client]'"))
     if host is None or port is None:
         return None
     try:
@@ -366,21 +440,21 @@ def memory_problem(args, workload) -> Optional[str]:
             f"({format_bytes(parts[part])}, set by {setter}): lower those options")
 
 
-def workload_of(args, vocab: int, clock=None) -> Union[Workload, Trace]:
-    """The run's workload: the ``--trace`` read (charged to the workload row of ``clock``), or
-    the synthetic one.  Raises :class:`Refused`."""
+def workload_of(args, vocab: int, stopwatch=None) -> Union[Workload, Trace]:
+    """The run's workload: the ``--trace`` read (charged to the workload row of
+    ``stopwatch``), or the synthetic one.  Raises :class:`Refused`."""
     from .timing import SETUP, WORKLOAD
 
     try:
         if args.trace is not None:
-            if clock is not None:
-                clock.switch(WORKLOAD)
+            if stopwatch is not None:
+                stopwatch.switch(WORKLOAD)
             try:
                 return Trace(args.trace, seed=args.seed, vocab=vocab,
                              eos_token_id=args.eos_token_id)
             finally:
-                if clock is not None:
-                    clock.switch(SETUP)
+                if stopwatch is not None:
+                    stopwatch.switch(SETUP)
         return Workload(
             requests=args.requests, seed=args.seed, arrival_rate=args.arrival_rate,
             prompt_len=args.prompt_len, output_len=args.output_len,
@@ -407,14 +481,15 @@ def servable_problem(args, workload) -> Optional[str]:
     unservable row (by its line), or a synthetic workload whose shortest request does not fit."""
     shape = dict(page_tokens=args.page_tokens, num_pages=args.num_pages,
                  logical_pages=args.logical_pages, beam_width=getattr(args, "beam_width", None))
-    hint = "(raise --num-pages/--logical-pages/--page-tokens or lower --prompt-len/--output-len)"
+    hint = "(raise those options or lower --prompt-len/--output-len)"
     if isinstance(workload, Trace):
-        bad = workload.unservable_row(**shape)
+        bad = workload.unservable_row(options=True, **shape)
         if bad is not None:
-            return f"--trace {bad} (raise --num-pages/--logical-pages/--page-tokens)"
+            return f"--trace {bad}: raise those options"
         return None
     prompt, output = shortest_request(workload)
-    why = unservable_reason("even the shortest request of the workload", prompt, output, **shape)
+    why = unservable_reason("even the shortest request of the workload", prompt, output,
+                            options=True, **shape)
     return None if why is None else f"{why} {hint}"
 
 
@@ -436,21 +511,31 @@ def _cluster_option_problem(args) -> Optional[str]:
         return "argument --trace: not served on --replicas yet (a synthetic workload only)"
     if args.plot is not None:
         return "argument --plot: not with --replicas (the plot draws one engine's timeline)"
-    if args.step_ms is not None:
-        return ("argument --step-ms: not with --replicas (the router counts steps; it has no "
-                "serving clock)")
     if args.local and args.ray_address is not None:
         return "argument --ray-address: not with --local (the replicas run in this process)"
     if args.compare and args.router != "prefix":
         return "argument --router: not with --compare (which runs every policy)"
+    if args.kill_replica is None and args.rejoin_after != _CLUSTER_DEFAULTS["rejoin_after"]:
+        return ("argument --rejoin-after: only with --kill-replica (it is when the killed "
+                "replica restarts)")
     return None
 
 
-def check_simulate(args, clock=None) -> Prepared:
+def _clock_option_problem(args) -> Optional[str]:
+    if getattr(args, "step_ms", None) is not None and getattr(args, "clock", None) is not None:
+        return (f"argument --step-ms: not with --clock {args.clock} (--step-ms is a clock of its "
+                f"own: a fixed time per step)")
+    return None
+
+
+def check_simulate(args, stopwatch=None) -> Prepared:
     """Every check of a ``simulate`` / ``demo`` command line made before the run (see the module
-    docstring); raises :class:`Refused`.  ``clock`` (a :class:`qualia.sim.timing.Stopwatch`) is
-    charged the trace's reading."""
-    problem = _cluster_option_problem(args)
+    docstring); raises :class:`Refused`.  The options left to defaults that depend on others
+    are filled in first (:func:`resolve_options`; a trace's ``--logical-pages`` once it is
+    read).  ``stopwatch`` (a :class:`qualia.sim.timing.Stopwatch`) is charged the trace's
+    reading."""
+    resolve_options(args)
+    problem = _cluster_option_problem(args) or _clock_option_problem(args)
     if problem is not None:
         raise Refused(problem)
     vocab = VOCAB[args.backend]
@@ -475,9 +560,11 @@ def check_simulate(args, clock=None) -> Prepared:
         problem = metrics_port_problem(args.metrics_port)
         if problem is not None:
             raise Refused(problem)
-    workload = workload_of(args, vocab, clock)
-    if isinstance(workload, Trace) and len(workload) == 0:
-        raise Refused(f"--trace {args.trace}: no requests to serve (a header and no rows)")
+    workload = workload_of(args, vocab, stopwatch)
+    if isinstance(workload, Trace):
+        if len(workload) == 0:
+            raise Refused(f"--trace {args.trace}: no requests to serve (a header and no rows)")
+        resolve_trace_sizes(args, workload)
     for problem in (servable_problem(args, workload), memory_problem(args, workload)):
         if problem is not None:
             raise Refused(problem)
@@ -485,8 +572,9 @@ def check_simulate(args, clock=None) -> Prepared:
         import importlib.util
 
         if importlib.util.find_spec("ray") is None:
-            raise Refused("--replicas needs Ray, which is not installed: pip install "
-                          "'qualia[cluster]' (or run the replicas in this process: --local)")
+            raise Refused("--replicas needs Ray, which is not installed: "
+                          + install_hint("cluster", "ray")
+                          + "; or run the replicas in this process: --local")
         if args.ray_address is not None:
             problem = ray_address_problem(args.ray_address)
             if problem is not None:

@@ -18,20 +18,23 @@ adapters of :mod:`qualia.sim.adapters` for a model or a decode rule; the figures
 :class:`~qualia.sim.books.Books`.  With a model the generated tokens can be checked against
 the dense model, with a decode rule against the pure-Python hash rule (:mod:`qualia.sim.check`).
 
-Arrivals: a request is due once the engine reaches its ``arrival_step`` and, for a trace, once
-the serving clock reaches its ``arrival_s``.  The serving clock is the measured time of the
-steps (``step_seconds=None``) or a fixed cost per step (deterministic), and jumps over idle
-gaps.  Due requests wait in the engine while the scheduler's queue is full (``max_queued``).
+Time: the serving clock starts at 0 s and advances after every step by the step's time on the
+engine's clock (:func:`qualia.sim.clock.serving_clock`): by default the modeled time of the
+plan on a GPU profile (:class:`~qualia.sim.clock.ModeledClock`, deterministic), or a fixed time
+per step, or the step's measured time on this machine.  It jumps over idle gaps.  A request is
+due once the serving clock reaches its ``arrival_s`` (a workload's and a trace's requests) and
+the engine its ``arrival_step``; due requests wait in the engine while the scheduler's queue is
+full (``max_queued``).  Every sampled token is delivered at the end of the step that sampled
+it: a completed request's :class:`~qualia.sim.figures.RequestRecord` (its arrival, its tokens'
+times, its token counts) gives vLLM's serving figures (:meth:`Engine.figures`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
-import itertools
 import time
-from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 
 import numpy as np
 
@@ -40,7 +43,9 @@ from ..errors import StepError
 from .adapters import is_model, step_backend
 from .books import Books
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
+from .clock import serving_clock
 from .config import EngineConfig, make_step_scheduler
+from .figures import RequestRecord, serving_figures
 from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
 from .resources import memory_estimate
 from .timing import (
@@ -57,6 +62,7 @@ from .timing import (
 )
 from .trace import Trace
 from .workload import (
+    Arrivals,
     Request,
     UnservableRequest,
     Workload,
@@ -81,6 +87,7 @@ __all__ = [
     "EngineResult",
     "CheckResult",
     "TimedBackend",
+    "RequestRecord",
 ]
 
 _now = time.perf_counter
@@ -117,7 +124,7 @@ class Engine:
     ``backend``: ``"model"`` (a :class:`~qualia.model.PagedModelBackend` over
     ``ModelWeights.random(model_config)``), ``"c"`` (``qualia.HashBackend(vocab_size)``), or a
     backend object (one with ``execute_step``, a model with ``prefill``, or a decode-rule
-    backend).  A Python backend's time is charged to the backend row of the clock.
+    backend).  A Python backend's time is charged to the backend row of the stopwatch.
 
     The scheduler: ``config`` (an :class:`~qualia.sim.config.EngineConfig`), or its fields as
     keywords (``num_pages``, ``page_tokens``, ``logical_pages``, ``max_num_seqs``,
@@ -135,29 +142,47 @@ class Engine:
     draws each token keyed by ``(seed, member id, position)``: the members of an ``n`` group
     differ only with a temperature > 0.
 
-    ``step_seconds``: the serving clock's cost of one step (None: the measured time of each
-    step).  ``clock`` is the :class:`~qualia.sim.timing.Stopwatch` the engine charges its time
-    to (the CLI passes one started before anything else); by default the engine makes one that
-    counts only while an engine method runs.  ``on_complete(request_id, tokens)`` is called
-    whenever a request completes."""
+    ``clock``: the serving clock (:func:`qualia.sim.clock.serving_clock`): None, the modeled
+    time of each plan on the default profile (``llama3.1-8b-h100``); a profile name or
+    :class:`~qualia.sim.clock.Profile`, the modeled time on it; ``"measured"``, each step's
+    measured time on this machine; or a clock object.  ``step_seconds`` (not with ``clock``):
+    a fixed time per step.  ``stopwatch`` is the :class:`~qualia.sim.timing.Stopwatch` the
+    engine charges its own wall time to (the CLI passes one started before anything else); by
+    default the engine makes one that counts only while an engine method runs.
+    ``on_complete(request_id, tokens)`` is called whenever a request completes.
+
+    Records (:attr:`records`, one :class:`~qualia.sim.figures.RequestRecord` per completed
+    request): its arrival, the time of each output token (the end of the step that sampled it)
+    and its token counts.  A group (``n > 1``) is one request whose output tokens are all its
+    members' tokens, each at the end of the step that sampled it (what a client streaming
+    every sequence of the request receives); a beam search is one request whose output tokens
+    are its longest hypothesis's, from its first token to the end of the search, without
+    per-token times (its hypotheses are chosen at the end)."""
 
     def __init__(self, backend="model", config: Optional[EngineConfig] = None, *,
-                 model_config=None, sampling=None, step_seconds: Optional[float] = None,
-                 clock: Optional[Stopwatch] = None,
+                 model_config=None, sampling=None, clock: Any = None,
+                 step_seconds: Optional[float] = None, stopwatch: Optional[Stopwatch] = None,
                  on_complete: Optional[Callable[[int, List[int]], None]] = None,
                  **options: Any) -> None:
-        self._owns_clock = clock is None
-        self.clock = clock if clock is not None else Stopwatch(SETUP)
-        token = self.clock.enter(SETUP)
+        self._owns_stopwatch = stopwatch is None
+        self.stopwatch = stopwatch if stopwatch is not None else Stopwatch(SETUP)
+        token = self.stopwatch.enter(SETUP)
         config = dataclasses.replace(config or EngineConfig(), **options).checked()
-        if step_seconds is not None and not 0.0 <= float(step_seconds) < float("inf"):
-            raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
-        self.step_seconds = None if step_seconds is None else float(step_seconds)
+        if step_seconds is not None:
+            if clock is not None:
+                raise ValueError("give clock or step_seconds, not both")
+            if isinstance(step_seconds, bool) or not isinstance(step_seconds, (int, float)) \
+                    or not 0.0 < float(step_seconds) < float("inf"):
+                raise ValueError(f"step_seconds must be a finite number > 0 (the serving clock "
+                                 f"must move), got {step_seconds!r}")
+            clock = float(step_seconds)
+        #: the serving clock: how far each step moves the time requests are served at
+        self.clock = serving_clock(clock)
         backend = self._backend(backend, config, model_config, sampling)
         self.config = config = dataclasses.replace(config, vocab_size=self.vocab)
         self.backend = TimedBackend(step_backend(
             backend, vocab=self.vocab or 32000, beams=config.beam_width is not None,
-            batched=config.forking or not self.sampling.greedy), self.clock)
+            batched=config.forking or not self.sampling.greedy), self.stopwatch)
         self.scheduler = make_step_scheduler(config)
         s = self.scheduler
         # the facade under the step API: the scheduler itself (core) or the twin's facade
@@ -175,9 +200,7 @@ class Engine:
         self.counters, self.timeline = self.books.counters, self.books.timeline
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
-        # not yet due: a heap of (arrival_step, arrival_s, submission number, request)
-        self._arrivals: List[Tuple[int, float, int, _Live]] = []
-        self._submitted = itertools.count()
+        self._arrivals = Arrivals()  # not yet due
         self._backlog: Deque[_Live] = collections.deque()  # due, waiting for queue room
         self._completions: Dict[int, int] = {}
         self.outputs: Dict[int, List[int]] = {}
@@ -185,15 +208,24 @@ class Engine:
         #: every sequence of each finished group (n > 1 or beam search), by request id
         self.groups: Dict[int, GroupOutput] = {}
         # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
-        self._next_turn: Optional[Callable[[Request, List[int], int], Optional[Request]]] = None
+        self._next_turn: Optional[Callable[..., Optional[Request]]] = None
         # per step with work: seconds in the scheduler calls and in the backend
         self.step_sched_s: List[float] = []
         self.step_backend_s: List[float] = []
+        #: the serving clock's seconds of the steps with work (idle gaps are not steps)
+        self.busy_s = 0.0
+        #: sequence-seconds: each step's time times the sequences it computed
+        self.sequence_s = 0.0
+        # each sampled sequence's token times (ends of the steps that sampled them), by the id
+        # in plan.sampled_request_ids, until its request completes (none for beam search)
+        self._token_times: Dict[int, List[float]] = {}
+        #: one record per completed request, by request id
+        self.records: Dict[int, RequestRecord] = {}
         self.last_check: Optional[CheckResult] = None
-        if self._owns_clock:
-            self.clock.stop()  # an engine-owned clock counts only inside engine methods
+        if self._owns_stopwatch:
+            self.stopwatch.stop()  # an engine-owned stopwatch counts only inside engine methods
         else:
-            self.clock.leave(token)
+            self.stopwatch.leave(token)
 
     def _backend(self, backend, config: EngineConfig, model_config, sampling):
         """The backend object (built for ``"model"`` and ``"c"``), with what the engine reads
@@ -282,17 +314,17 @@ class Engine:
 
     @property
     def wall_s(self) -> float:
-        """Seconds on the engine's clock so far (the sum of its rows)."""
-        return self.clock.wall_s
+        """Seconds on the engine's stopwatch so far (the sum of its rows)."""
+        return self.stopwatch.wall_s
 
     def _call(self, fn, *args, **kwargs):
         """A scheduler call, charged to the scheduler row."""
-        clock = self.clock
-        prev = clock.switch(SCHEDULER)
+        watch = self.stopwatch
+        prev = watch.switch(SCHEDULER)
         try:
             return fn(*args, **kwargs)
         finally:
-            clock.switch(prev)
+            watch.switch(prev)
 
     # -- submission ---------------------------------------------------------------------------
 
@@ -301,18 +333,18 @@ class Engine:
         ``ValueError``) for a request that needs more pages than the whole pool or more tokens
         than a request's table holds (``logical_pages * page_tokens``), and ``ValueError`` for
         an empty prompt, no tokens to generate, bad token ids or a duplicate request id."""
-        token = self.clock.enter(SUBMISSION)
+        token = self.stopwatch.enter(SUBMISSION)
         try:
             self._submit(request)
         finally:
-            self.clock.leave(token)
+            self.stopwatch.leave(token)
 
     def submit_all(self, requests: Iterable[Request]) -> int:
         """Submit every request of ``requests`` (a :class:`~qualia.sim.workload.Workload` or
         :class:`~qualia.sim.trace.Trace` is generated first, charged to the workload row);
         returns how many were submitted."""
         n = 0
-        token = self.clock.enter(WORKLOAD)
+        token = self.stopwatch.enter(WORKLOAD)
         try:
             if isinstance(requests, Workload):
                 if requests.turns > 1:
@@ -320,12 +352,12 @@ class Engine:
                 requests = requests.generate()
             elif isinstance(requests, Trace):
                 requests = requests.generate()
-            self.clock.switch(SUBMISSION)
+            self.stopwatch.switch(SUBMISSION)
             for req in requests:
                 self._submit(req)
                 n += 1
         finally:
-            self.clock.leave(token)
+            self.stopwatch.leave(token)
         return n
 
     def _submit(self, request: Request) -> None:
@@ -335,18 +367,20 @@ class Engine:
         request = checked_request(request, page_tokens=c.page_tokens, num_pages=c.num_pages,
                                   logical_pages=c.logical_pages, vocab=self._prompt_vocab)
         if c.beam_width is not None:
-            why = unservable_reason(f"request {request.request_id}", len(request.prompt),
-                                    request.max_new_tokens, page_tokens=c.page_tokens,
-                                    num_pages=c.num_pages, logical_pages=c.logical_pages,
-                                    beam_width=c.beam_width)
+            def why_not(options: bool) -> Optional[str]:
+                return unservable_reason(
+                    f"request {request.request_id}", len(request.prompt),
+                    request.max_new_tokens, page_tokens=c.page_tokens, num_pages=c.num_pages,
+                    logical_pages=c.logical_pages, beam_width=c.beam_width, options=options)
+
+            why = why_not(False)
             if why is not None:
-                raise UnservableRequest(why)
+                raise UnservableRequest(why, why_not(True))
         rid = request.request_id
         self._requests[rid] = request
         live = _Live(request)
         self._live[rid] = live
-        heapq.heappush(self._arrivals, (request.arrival_step, request.arrival_s or 0.0,
-                                        next(self._submitted), live))
+        self._arrivals.push(request, live)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -359,7 +393,7 @@ class Engine:
         ``progress(phase, done, total)`` is called with phase ``"serve"`` as requests complete
         and ``"check"`` as they are checked (first with ``done == 0``)."""
         self.submit_all(requests)
-        token = self.clock.enter(ENGINE)
+        token = self.stopwatch.enter(ENGINE)
         self._progress = progress
         try:
             while self.pending:
@@ -367,33 +401,28 @@ class Engine:
             self.verify_end_state()
         finally:
             self._progress = None
-            self.clock.leave(token)
+            self.stopwatch.leave(token)
         checked = None
         if check:
             checked = self.check(None if progress is None
                                  else progress_reporter(progress, len(self.outputs)))
             self.last_check = checked
         return EngineResult(self.stats(), dict(self.outputs), checked, self.timeline,
-                            dict(self.groups))
+                            dict(self.groups), self.figures(), dict(self.records))
 
     def step(self) -> None:
         """One engine step: the arrivals due, then schedule, execute and update."""
-        token = self.clock.enter(ENGINE)
+        token = self.stopwatch.enter(ENGINE)
         try:
             self._step()
         finally:
-            self.clock.leave(token)
-
-    def _due(self, live: _Live) -> bool:
-        r = live.req
-        return r.arrival_step <= self.step_no and (r.arrival_s is None or r.arrival_s <= self.now)
+            self.stopwatch.leave(token)
 
     def _take_arrivals(self) -> None:
         """Move the arrivals due to the scheduler (the engine's backlog while its queue is
         full)."""
-        arrivals, backlog = self._arrivals, self._backlog
-        while arrivals and self._due(arrivals[0][3]):
-            live = heapq.heappop(arrivals)[3]
+        backlog = self._backlog
+        for live in self._arrivals.due(self.step_no, self.now):
             live.arrival_step = self.step_no
             r = live.req
             live.arrival_t = self.now if r.arrival_s is None else float(r.arrival_s)
@@ -418,15 +447,12 @@ class Engine:
             room -= self.n
 
     def _skip_idle(self) -> None:
-        """Nothing queued or running: jump the step counter and the clock to the next
+        """Nothing queued or running: jump the step counter or the serving clock to the next
         arrival."""
-        nxt = self._arrivals[0][3].req
-        if nxt.arrival_step > self.step_no:
-            self.counters.idle_steps += nxt.arrival_step - self.step_no
-            self.step_no = nxt.arrival_step
-        if nxt.arrival_s is not None and nxt.arrival_s > self.now:
-            self.counters.idle_s += nxt.arrival_s - self.now
-            self.now = float(nxt.arrival_s)
+        step, now = self._arrivals.next_event(self.step_no, self.now)
+        self.counters.idle_steps += step - self.step_no
+        self.counters.idle_s += now - self.now
+        self.step_no, self.now = step, now
 
     def _step(self) -> None:
         t0 = _now()
@@ -436,7 +462,7 @@ class Engine:
             if self._arrivals:
                 self._skip_idle()
             return
-        secs = self.clock.seconds
+        secs = self.stopwatch.seconds
         s0, b0 = secs[SCHEDULER], secs[BACKEND]
         plan = self._call(s.schedule)
         held = self.config.num_pages - int(self.facade.free_pages)  # the step's pages are held
@@ -461,9 +487,21 @@ class Engine:
             self._drain_events()
         self.step_sched_s.append(secs[SCHEDULER] - s0)
         self.step_backend_s.append(secs[BACKEND] - b0)
-        self.now += (_now() - t0) if self.step_seconds is None else self.step_seconds
+        dt = float(self.clock.step_time(plan, _now() - t0))
+        self.busy_s += dt
+        self.sequence_s += dt * len(plan.request_ids)
+        self.now += dt
+        now = self.now
         for lv in firsts:
-            lv.first_t = self.now
+            lv.first_t = now
+        if self.beam_width is None:  # every sampled token is delivered at the step's end
+            times = self._token_times
+            for rid in plan.sampled_request_ids.tolist():
+                got = times.get(rid)
+                if got is None:
+                    times[rid] = [now]
+                else:
+                    got.append(now)
         self.step_no += 1
         self.counters.steps += 1
         for fin in finished:
@@ -502,10 +540,11 @@ class Engine:
         lv.outputs = outs[0]
         lv.longest = max(len(o) for o in outs)
         lv.end_step, lv.end_t = self.step_no - 1, self.now
+        self.records[rid] = self._record(lv, fin, outs)
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
         self.finish_reasons[rid] = reasons[0]
-        self.timeline.finish(lv)
+        self.timeline.finish(lv, self.records[rid].output_tokens)
         c.completed += 1
         c.sequences_completed += len(outs)
         c.tokens_generated += sum(len(o) for o in outs)
@@ -519,20 +558,40 @@ class Engine:
         if self._progress is not None:
             self._progress("serve", len(self.outputs), len(self._requests))
 
+    def _record(self, lv: _Live, fin, outs: List[List[int]]) -> RequestRecord:
+        """The record of a request completing now (see the class docstring)."""
+        rid = int(lv.req.request_id)
+        prompt = len(lv.req.prompt)
+        if self.beam_width is not None:
+            return RequestRecord(rid, lv.arrival_t, lv.first_t, lv.end_t, prompt, lv.longest)
+        members = [int(m) for m in fin.member_ids] if hasattr(fin, "member_ids") else [rid]
+        times: List[float] = []
+        for m in members:
+            times += self._token_times.pop(m, [])
+        if len(members) > 1:
+            times.sort()
+        tokens = sum(len(o) for o in outs)
+        if len(times) != tokens:
+            raise RuntimeError(f"request {rid}: {len(times)} tokens sampled for {tokens} "
+                               f"output tokens")
+        return RequestRecord(rid, lv.arrival_t, times[0], times[-1], prompt, tokens,
+                             tuple(times))
+
     def _submit_next_turn(self, live: _Live) -> None:
         """Submit the next turn of ``live``'s conversation, if it has one and it fits."""
         next_turn = self._next_turn
-        nxt = None if next_turn is None else next_turn(live.req, live.outputs, self.step_no - 1)
+        nxt = None if next_turn is None else next_turn(live.req, live.outputs, self.step_no - 1,
+                                                       self.now)
         if nxt is None:
             return
-        prev = self.clock.switch(SUBMISSION)
+        prev = self.stopwatch.switch(SUBMISSION)
         try:
             self._submit(nxt)
             self.counters.follow_up_turns += 1
         except UnservableRequest:  # the conversation outgrew the pool or logical_pages
             self.counters.conversations_cut += 1
         finally:
-            self.clock.switch(prev)
+            self.stopwatch.switch(prev)
 
     def _drain_events(self) -> None:
         """Count the KV events of the step by kind (a router would forward them)."""
@@ -567,7 +626,7 @@ class Engine:
         is called after each request."""
         if self.is_model and self.weights is None:
             raise ValueError("check needs the model backend's weights")
-        token = self.clock.enter(CHECK)
+        token = self.stopwatch.enter(CHECK)
         try:
             weights = self.weights if self.is_model else None
             sampling = None if self.sampling.greedy else self.sampling
@@ -581,14 +640,22 @@ class Engine:
                     self._requests, self.outputs, weights=weights, eos_token_id=self.eos_token_id,
                     vocab=self.vocab or 32000, on_checked=on_checked, sampling=sampling)
         finally:
-            self.clock.leave(token)
+            self.stopwatch.leave(token)
         return self.last_check
 
     def latencies(self) -> Dict[str, List[float]]:
-        """Per completed request: time to first token and time per output token after the
-        first, in steps and in seconds of the serving clock (``ttft_steps``, ``ttft_s``,
-        ``tpot_steps``, ``tpot_s``; the TPOT lists skip requests of one token)."""
+        """Per completed request, in engine steps: time to first token, time per output token
+        after the first (requests of more than one token) and end-to-end latency
+        (``ttft_steps``, ``tpot_steps``, ``e2el_steps``; see
+        :meth:`qualia.sim.report.Timeline.finish`).  In seconds: :attr:`records`."""
         return self.timeline.latencies()
+
+    def figures(self, percentiles=(99,)) -> Dict[str, Any]:
+        """vLLM's serving figures of the requests completed so far
+        (:func:`qualia.sim.figures.serving_figures` of :attr:`records`, the run starting at 0 s
+        on the serving clock)."""
+        return serving_figures([self.records[k] for k in sorted(self.records)], start_s=0.0,
+                               percentiles=percentiles)
 
     def stats(self) -> Dict[str, object]:
         """The run's figures and where its time went (:func:`qualia.sim.report.collect_stats`)."""

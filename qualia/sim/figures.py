@@ -32,6 +32,9 @@ first and last token's times and the count, :func:`serving_figures` leaves the `
 and ``max_output_tokens_per_s`` out rather than guess them.  In vLLM every streamed chunk is one
 gap; a simulated engine step streams one token per sequence, so chunks are tokens.
 
+The prefix cache's hit rate (:func:`prefix_cache_hit_rate`) is vLLM's engine metric: prompt
+tokens found in the cache over prompt tokens looked up.
+
 :func:`request_rows` gives the per-request records a report saves; :func:`vllm_result` the
 dictionary vLLM's ``--save-result`` writes (the figures and its per-request lists, in seconds),
 for tools that read vLLM's results; :func:`summary_lines` a table in vLLM's layout.
@@ -52,6 +55,7 @@ __all__ = [
     "request_rows",
     "vllm_result",
     "summary_lines",
+    "prefix_cache_hit_rate",
     "METRICS",
 ]
 
@@ -272,6 +276,18 @@ def serving_figures(records: Iterable[RequestRecord], *, start_s: Optional[float
         if key in lists:
             out.update(_stats(key, lists[key], ps))
     return out
+
+
+def prefix_cache_hit_rate(hit_tokens: int, lookup_tokens: int) -> float:
+    """The prefix cache's hit rate as vLLM reports it (``vllm:prefix_cache_hits`` over
+    ``vllm:prefix_cache_queries``): the prompt tokens found in the cache over the prompt tokens
+    looked up when requests were admitted (a resumed request looks its tokens up again); 0 when
+    nothing was looked up.  The single engine and the replicas both report this one."""
+    hits = _count("hit_tokens", hit_tokens, 0)
+    lookups = _count("lookup_tokens", lookup_tokens, 0)
+    if hits > lookups:
+        raise ValueError(f"hit_tokens ({hits}) exceeds lookup_tokens ({lookups})")
+    return hits / lookups if lookups else 0.0
 
 
 def request_rows(records: Iterable[RequestRecord]) -> List[Dict[str, Any]]:

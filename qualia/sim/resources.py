@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
-__all__ = ["memory_estimate", "available_memory", "format_bytes"]
+__all__ = ["memory_estimate", "available_memory", "format_bytes", "install_hint"]
 
 
 def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int = 96,
@@ -100,3 +100,9 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} EiB"  # pragma: no cover
+
+
+def install_hint(extra: str, packages: str) -> str:
+    """How to install an optional part of qualia: its ``extra`` from the qualia checkout (the
+    package is not on the package index), or ``packages`` alone."""
+    return f'pip install ".[{extra}]" in the qualia checkout (or pip install {packages})'

@@ -263,10 +263,12 @@ class Trace:
         return out
 
     def unservable_row(self, *, page_tokens: int, num_pages: int, logical_pages: int,
-                       beam_width: Optional[int] = None) -> Optional[TraceError]:
+                       beam_width: Optional[int] = None,
+                       options: bool = False) -> Optional[TraceError]:
         """The first row (in file order) that a scheduler of that shape can never serve, as a
-        :class:`TraceError` naming its line, or None.  Reads the rows' lengths only: nothing is
-        drawn, so a row asking for 2**32-1 prompt tokens is refused at once."""
+        :class:`TraceError` naming its line, or None (``options``: the message names the
+        command line's options).  Reads the rows' lengths only: nothing is drawn, so a row
+        asking for 2**32-1 prompt tokens is refused at once."""
         worst: Optional[Tuple[int, str]] = None
         for i, r in enumerate(self._rows):
             if worst is not None and r.line > worst[0]:
@@ -274,7 +276,7 @@ class Trace:
             why = unservable_reason(f"request {self.first_request_id + i}", r.prompt_tokens,
                                     r.output_tokens, page_tokens=page_tokens,
                                     num_pages=num_pages, logical_pages=logical_pages,
-                                    beam_width=beam_width)
+                                    beam_width=beam_width, options=options)
             if why is not None:
                 worst = (r.line, why)
         return None if worst is None else TraceError(self.path, worst[0], worst[1])
@@ -283,6 +285,11 @@ class Trace:
         """Rough bytes the requests take once generated and served (uint32 prompts, outputs as
         Python lists, per-request bookkeeping)."""
         return sum(4 * r.prompt_tokens + 52 * r.output_tokens + 900 for r in self._rows)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request holds: its prompt and its output (0 for no row)."""
+        return max((r.prompt_tokens + r.output_tokens for r in self._rows), default=0)
 
     @property
     def duration_s(self) -> float:

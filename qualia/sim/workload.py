@@ -1,13 +1,14 @@
 """Requests and synthetic traces: what ``python -m qualia simulate`` serves.
 
 :class:`Workload` makes a reproducible synthetic trace: ``N`` requests with Poisson arrivals
-(``arrival_rate`` requests per decode step), prompt and output lengths drawn from clipped
+(``arrival_rate`` requests per second), prompt and output lengths drawn from clipped
 uniform or lognormal distributions, ``K`` shared system prompts that a fraction
 (``share_ratio``) of the prompts start with, and ``T`` tenants, each with its own prefix-cache
 namespace (``b"tenant-3"``): two tenants never share KV pages, even for the same system prompt.
 With ``turns > 1`` every request opens a conversation: when a turn completes, the next turn's
-prompt is the previous prompt + its answer + a new user message (:meth:`Workload.next_turn`), so
-automatic prefix caching can reuse the previous turn's answer too.
+prompt is the previous prompt + its answer + a new user message (:meth:`Workload.next_turn`),
+arriving as soon as the previous turn's last token did, so automatic prefix caching can reuse the
+previous turn's answer too.
 
 Real traces are in :mod:`qualia.sim.trace`.
 """
@@ -15,20 +16,23 @@ Real traces are in :mod:`qualia.sim.trace`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 import operator
 from dataclasses import asdict, dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Request", "Workload", "UnservableRequest", "checked_request", "pages_needed",
-           "unservable_reason", "MAX_ARRIVAL_STEP"]
+__all__ = ["Request", "Workload", "Arrivals", "UnservableRequest", "checked_request",
+           "pages_needed", "unservable_reason", "MAX_ARRIVAL_S"]
 
-#: The last arrival step a trace may have.  Steps are held in int64 arrays; an arrival rate so
-#: small that the trace would run past this is refused (``Workload.generate`` raises
-#: ``ValueError``) rather than overflowing the cast.
-MAX_ARRIVAL_STEP = 2**62
+#: The latest arrival a workload may have, in seconds (about 31.7 years): past it, a float
+#: second count cannot add a step's microseconds (the serving clock would stop), so an arrival
+#: rate so small that the last arrival comes later is refused (``Workload.generate`` raises
+#: ``ValueError``).  The same bound as a trace's span.
+MAX_ARRIVAL_S = 1e9
 
 
 @dataclass(eq=False)
@@ -37,9 +41,10 @@ class Request:
 
     ``prompt`` is a list of token ids (or a uint32 numpy array: a :class:`Trace`'s prompts);
     ``shared_prefix_len`` is the length of the prompt's
-    cacheable prefix (its system prompt; 0 for none); ``arrival_step`` is the decode step at
-    which the request reaches the engine; ``arrival_s`` (optional, a :class:`Trace`'s) is the
-    time in seconds since the start of the run at which it arrives.  ``namespace``
+    cacheable prefix (its system prompt; 0 for none); ``arrival_s`` is the time in seconds since
+    the start of the run at which it arrives (None: when the engine reaches ``arrival_step``);
+    ``arrival_step`` is the first engine step it may arrive at (0 for a workload's first turns
+    and a trace's rows, which arrive by time).  ``namespace``
     (``b"tenant-<tenant>"``) scopes the prefix cache."""
 
     request_id: int
@@ -63,8 +68,56 @@ class Request:
         return d
 
 
+class Arrivals:
+    """Requests that have not arrived yet, for an engine (or a router) that steps a serving
+    clock.  A request is due once the engine has reached its ``arrival_step`` and the serving
+    clock its ``arrival_s`` (None: no time to wait for); :meth:`due` hands out the due ones by
+    arrival time, then in the order they were added.  ``push(request, item)`` keeps ``item``
+    (default: the request) for it."""
+
+    def __init__(self) -> None:
+        self._order = itertools.count()
+        self._by_step: List[Tuple[int, int, Any, Request]] = []  # not yet at their step
+        self._by_time: List[Tuple[float, int, Any]] = []  # at their step: by arrival time
+
+    def push(self, request: Request, item: Any = None) -> None:
+        heapq.heappush(self._by_step, (int(request.arrival_step), next(self._order),
+                                       request if item is None else item, request))
+
+    def __len__(self) -> int:
+        return len(self._by_step) + len(self._by_time)
+
+    def due(self, step: int, now: float) -> List[Any]:
+        """The items of the requests due at engine step ``step`` and serving time ``now``."""
+        by_step, by_time = self._by_step, self._by_time
+        while by_step and by_step[0][0] <= step:
+            _, order, item, request = heapq.heappop(by_step)
+            at = -math.inf if request.arrival_s is None else float(request.arrival_s)
+            heapq.heappush(by_time, (at, order, item))
+        out = []
+        while by_time and by_time[0][0] <= now:
+            out.append(heapq.heappop(by_time)[2])
+        return out
+
+    def next_event(self, step: int, now: float) -> Tuple[int, float]:
+        """Where an engine with nothing to do skips to: the serving time of the earliest
+        request at its step, or else the step of the earliest request by step (its time, if it
+        has one, is skipped to once that step is reached).  ``(step, now)`` when nothing
+        waits."""
+        if self._by_time:
+            return step, max(now, self._by_time[0][0])
+        if self._by_step:
+            return max(step, self._by_step[0][0]), now
+        return step, now
+
+
 class UnservableRequest(ValueError):
-    """A request that needs more pages than the whole pool or than ``logical_pages``."""
+    """A request that needs more pages than the whole pool or than ``logical_pages``;
+    ``option_message`` says so in the command line's option names."""
+
+    def __init__(self, message: str, option_message: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.option_message = message if option_message is None else option_message
 
 
 def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
@@ -76,37 +129,48 @@ def pages_needed(prompt_len: int, max_new_tokens: int, page_tokens: int) -> int:
 
 def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_tokens: int,
                       num_pages: int, logical_pages: int,
-                      beam_width: Optional[int] = None) -> Optional[str]:
+                      beam_width: Optional[int] = None, options: bool = False) -> Optional[str]:
     """Why a request (``what``: "request 7", ...) with a prompt of ``prompt_len`` tokens and
     ``max_new_tokens`` can never be served by a step scheduler of ``num_pages`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request (with ``beam_width`` beams
     side by side), or None when it can.  Pure arithmetic on the lengths: a trace's rows are
     checked with it before their prompts are drawn.  The scheduler's own rules: the pages of its
     peak (:func:`pages_needed`) fit the pool and a request's table, and its prompt and every new
-    token fit the table's ``logical_pages x page_tokens`` tokens."""
+    token fit the table's ``logical_pages x page_tokens`` tokens.  ``options``: the message
+    names the command line's options (``--logical-pages``) instead of the keywords."""
     need = pages_needed(prompt_len, max_new_tokens, page_tokens)
+    if options:
+        asked = f"a prompt of {prompt_len} tokens and an output of {max_new_tokens} tokens"
+        pool = f"the pool has only {num_pages} pages (--num-pages)"
+        table_limit = f"a request may map at most {logical_pages} pages (--logical-pages)"
+        product = "--logical-pages x --page-tokens"
+        pages = f"{need} pages of {page_tokens} tokens (--page-tokens)"
+    else:
+        asked = f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens}"
+        pool = f"the whole pool has only {num_pages} pages"
+        table_limit = f"a request may map at most logical_pages={logical_pages} pages"
+        product = "logical_pages x page_tokens"
+        pages = f"{need} pages of {page_tokens} tokens"
     limits = []
     if need > num_pages:
-        limits.append(f"the whole pool has only {num_pages} pages")
+        limits.append(pool)
     if need > logical_pages:
-        limits.append(f"a request may map at most logical_pages={logical_pages} pages")
+        limits.append(table_limit)
     if limits:
-        return (f"{what} can never be served: prompt of {prompt_len} tokens + "
-                f"max_new_tokens={max_new_tokens} needs {need} pages of {page_tokens} tokens, "
-                "but " + " and ".join(limits))
+        return f"{what} can never be served: {asked} need {pages}, but " + " and ".join(limits)
     table = logical_pages * page_tokens
     if prompt_len + max_new_tokens > table:  # the scheduler holds every token, the last one too
-        return (f"{what} can never be served: prompt of {prompt_len} tokens + "
-                f"max_new_tokens={max_new_tokens} is more than the {table} tokens a request may "
-                "hold (logical_pages x page_tokens)")
+        return (f"{what} can never be served: {asked} are more than the {table} tokens a "
+                f"request may hold ({product})")
     if beam_width is not None:  # the beams are computed side by side
         pt, w = page_tokens, beam_width
         tail = -(-(prompt_len + max_new_tokens - 1) // pt) - prompt_len // pt
         beams = prompt_len // pt + w * tail
         if beams > num_pages:
+            where = " (--num-pages)" if options else ""
             return (f"{what} can never be served: its {w} beams need {beams} pages side by "
                     f"side (the prompt's full pages once, each beam's own tail), the pool has "
-                    f"{num_pages}")
+                    f"{num_pages}{where}")
     return None
 
 
@@ -157,10 +221,14 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
         arrival_s = float(arrival_s)
         if not 0.0 <= arrival_s < math.inf:
             raise ValueError(f"request {rid}: arrival_s must be a finite number >= 0")
-    why = unservable_reason(f"request {rid}", len(prompt), max_new, page_tokens=page_tokens,
-                            num_pages=num_pages, logical_pages=logical_pages)
+    def why_not(options: bool) -> Optional[str]:
+        return unservable_reason(f"request {rid}", len(prompt), max_new, page_tokens=page_tokens,
+                                 num_pages=num_pages, logical_pages=logical_pages,
+                                 options=options)
+
+    why = why_not(False)
     if why is not None:
-        raise UnservableRequest(why)
+        raise UnservableRequest(why, why_not(True))
     return dataclasses.replace(request, request_id=rid, prompt=prompt,
                                shared_prefix_len=int(request.shared_prefix_len),
                                max_new_tokens=max_new, arrival_step=int(request.arrival_step),
@@ -189,13 +257,17 @@ class Workload:
     every tenant) followed by the user's part; its total length is drawn like any other prompt
     but is at least ``system_prompt_len + 1``.  Token ids are drawn uniformly from
     ``[0, vocab)``.  ``seed`` is any non-negative integer.  ``arrival_rate`` is in requests per
-    decode step, ``inf`` for everything at step 0; a rate so small that the last arrival would
-    come after step :data:`MAX_ARRIVAL_STEP` is refused by :meth:`generate`.
+    second of the serving clock (a Poisson process: exponential gaps), ``inf`` for everything at
+    0 s; a rate so small that the last arrival would come after :data:`MAX_ARRIVAL_S` seconds
+    is refused by :meth:`generate`.
 
     ``turns`` (>= 1) is the number of turns of each conversation: :meth:`generate` makes the
     ``requests`` first turns; each later turn is made by :meth:`next_turn` when the previous one
     completes (its prompt: the previous prompt, the answer less a final end token, and a new
-    user message of ``user_len`` tokens; it arrives at the next step).  Turn ``t`` of
+    user message of ``user_len`` tokens; it arrives when the previous turn completed, and
+    reaches the scheduler at the next step).  ``requests`` with ``turns`` is ``requests x
+    turns`` requests in all (:attr:`total_requests`), less the turns of conversations that
+    outgrow a request's table.  Turn ``t`` of
     conversation ``c`` has request id ``first_request_id + t * requests + c``."""
 
     requests: int = 48
@@ -229,7 +301,7 @@ class Workload:
         if seed is None or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not self.arrival_rate > 0:  # also refuses nan
-            raise ValueError("arrival_rate must be > 0 (requests per decode step; inf: all at 0)")
+            raise ValueError("arrival_rate must be > 0 (requests per second; inf: all at 0 s)")
         if self.system_prompts < 0 or self.tenants < 1 or self.vocab < 1:
             raise ValueError("system_prompts must be >= 0, tenants and vocab >= 1")
         if not 0.0 <= self.share_ratio <= 1.0:
@@ -267,16 +339,22 @@ class Workload:
         values = np.rint(rng.lognormal(math.log(median), 0.5, size=n))
         return np.clip(values, lo, hi).astype(np.int64)
 
+    @property
+    def total_requests(self) -> int:
+        """Requests in all when every conversation runs its ``turns``: ``requests x turns``."""
+        return self.requests * self.turns
+
     def _arrivals(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """Arrival times in seconds: a Poisson process of ``arrival_rate`` per second."""
         if math.isinf(self.arrival_rate):
-            return np.zeros(n, dtype=np.int64)
+            return np.zeros(n, dtype=np.float64)
         with np.errstate(over="ignore"):
-            steps = np.floor(np.cumsum(rng.exponential(1.0 / self.arrival_rate, size=n)))
-        if n and not steps[-1] <= MAX_ARRIVAL_STEP:  # inf, or past what int64 steps may hold
+            times = np.cumsum(rng.exponential(1.0 / self.arrival_rate, size=n))
+        if n and not times[-1] <= MAX_ARRIVAL_S:  # inf too
             raise ValueError(
                 f"arrival_rate={self.arrival_rate!r} is too small: the last of {n} arrivals "
-                f"would come after step {MAX_ARRIVAL_STEP}")
-        return steps.astype(np.int64)
+                f"would come after {MAX_ARRIVAL_S:g} s")
+        return times
 
     def system_prompt_tokens(self) -> List[List[int]]:
         """The ``K`` system prompts (drawn from their own stream of the seed)."""
@@ -311,16 +389,19 @@ class Workload:
                 prompt=[int(t) for t in prompt],
                 shared_prefix_len=prefix,
                 max_new_tokens=int(output_lens[i]),
-                arrival_step=int(arrivals[i]),
+                arrival_step=0,
                 system_prompt=sp,
+                arrival_s=float(arrivals[i]),
                 conversation=i,
             ))
         return out
 
-    def next_turn(self, request: Request, answer: Sequence[int], step: int) -> Optional[Request]:
-        """The turn after ``request`` (which completed at ``step`` with ``answer``), or None
-        when its conversation has no more turns.  Deterministic: drawn from the seed, the
-        conversation and the turn."""
+    def next_turn(self, request: Request, answer: Sequence[int], step: int,
+                  arrival_s: Optional[float] = None) -> Optional[Request]:
+        """The turn after ``request`` (which completed at ``step``, at ``arrival_s`` seconds,
+        with ``answer``), or None when its conversation has no more turns.  It arrives at
+        ``arrival_s`` (None: by step) and at the earliest at step ``step + 1``.  Deterministic:
+        drawn from the seed, the conversation and the turn."""
         c, t = request.conversation, int(request.turn) + 1
         if c is None or t >= self.turns:
             return None
@@ -339,6 +420,7 @@ class Workload:
             system_prompt=request.system_prompt,
             conversation=int(c),
             turn=t,
+            arrival_s=None if arrival_s is None else float(arrival_s),
         )
 
     __call__ = generate

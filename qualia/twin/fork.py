@@ -223,8 +223,11 @@ class ForkStepScheduler(StepScheduler):
         parts["sampled_request_ids"] = _ro(np.array(sampled, dtype=np.uint64))
         out = ForkStepPlan(**parts, num_topk=topk)
         self._plan = out
-        self.pages_copied += len(out.copies)
         return out
+
+    def _owe(self, r: _Req, copies: np.ndarray) -> None:
+        super()._owe(r, copies)
+        self.pages_copied += len(copies)      # made once, however often a plan lists it
 
     # -- tokens back -------------------------------------------------------------------------------
     def update(self, sampled_token_ids, topk_ids=None, topk_logprobs=None) -> List[Any]:
@@ -280,6 +283,7 @@ class ForkStepScheduler(StepScheduler):
                     raise ValueError(f"topk_logprobs row {r} is not best first "
                                      f"(non-increasing)")
         f = self.facade
+        self._owed_applied()      # the plan listed every copy owed, and it is applied
         finished: List[Any] = []
         beams: List[_Group] = []
         qsl = plan.query_start_loc.tolist()

@@ -198,6 +198,10 @@ class StepScheduler:
         # ...and their facade requests, in abort order: the pages stay held until the plan is
         # retired (a kernel may be executing it)
         self._deferred_finish: List[int] = []
+        # copy-on-write copies owed (docs/DESIGN.md, "Copies owed"): made by a reservation and
+        # in no applied plan yet, in the order made: [source, destination, the id of the
+        # request whose page is the destination, whether the source carries a hold]
+        self._owed: List[List[Any]] = []
         self._busy = False     # run() holds the scheduler: mutating calls get BusyError
 
     def _enter(self) -> None:
@@ -298,12 +302,54 @@ class StepScheduler:
             self._clear_row(row)
         self._deferred_rows = []
         for rid in self._deferred_finish:
-            self.facade.finish(rid)
+            self._finish_pages(rid)
         self._deferred_finish = []
+
+    # -- copies owed (docs/DESIGN.md, "Copies owed") -----------------------------------------------
+    def _owe(self, r: _Req, copies: np.ndarray) -> None:
+        # a reservation's copies: owed until a plan listing them is applied
+        for src, dst in copies.tolist():
+            self._owed.append([src, dst, r.request_id, False])
+
+    def _hold(self, page: int) -> None:
+        self.facade.pool.retain(page)
+        self.facade._on_retain(page)
+
+    def _unhold(self, page: int) -> None:
+        self.facade.pool.release(page)
+        self.facade._on_release(page)
+
+    def _finish_pages(self, rid: int) -> None:
+        # the request lets its pages go: the copies owed into them are moot (dropped, their
+        # holds released), then each copy still owed whose source is one of its pages holds
+        # that page, so the source outlives its last holder until the copy is applied
+        if self._owed:
+            keep = []
+            for c in self._owed:
+                if c[2] == rid:
+                    if c[3]:
+                        self._unhold(c[0])
+                else:
+                    keep.append(c)
+            self._owed = keep
+            f = self.facade
+            pages = f._slots[f._find(rid)].blocks.entries()
+            for c in self._owed:
+                if not c[3] and c[0] in pages:
+                    self._hold(c[0])
+                    c[3] = True
+        self.facade.finish(rid)
+
+    def _owed_applied(self) -> None:
+        # update(): the plan listed every copy owed and was applied: the holds go, in order
+        for c in self._owed:
+            if c[3]:
+                self._unhold(c[0])
+        self._owed = []
 
     def _stop_running(self, r: _Req) -> None:
         # give the pages back (full pages stay cached) and the row; leave the running list
-        self.facade.finish(r.request_id)
+        self._finish_pages(r.request_id)
         self._release_row(r)
         self._running.remove(r)
         r.running = False
@@ -351,11 +397,13 @@ class StepScheduler:
     # -- one step out ------------------------------------------------------------------------------
     def _reserve(self, r: _Req, n: int):
         try:
-            return self.facade.reserve(r.request_id, n)
+            copies = self.facade.reserve(r.request_id, n)
         except SchedulerError as err:
             if isinstance(err.cause, TableError.Exhausted):
                 return None
             raise
+        self._owe(r, copies)
+        return copies
 
     def schedule(self) -> StepPlan:
         self._enter()
@@ -421,6 +469,7 @@ class StepScheduler:
                     break
                 assert adm.prefix_tokens == hit.tokens
                 copies = self.facade.reserve(r.request_id, n)
+                self._owe(r, copies)
                 self._waiting.pop(0)
                 r.running = True
                 r.num_computed = hit.tokens
@@ -443,9 +492,10 @@ class StepScheduler:
         slots: List[int] = []
         logits, sampled = [], []
         indptr, indices, last_len = [0], [], []
-        copies = []
+        # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
+        copies = [(c[0], c[1]) for c in self._owed]
         n_decode = 0
-        for r, start, n, is_decode, cp in chunks:
+        for r, start, n, is_decode, _ in chunks:
             table = f._slots[f._find(r.request_id)].blocks.entries()
             # the request's row: write what differs
             row = self._block_table[r.row]
@@ -470,7 +520,6 @@ class StepScheduler:
             indices.extend(table[:npages])
             indptr.append(indptr[-1] + npages)
             last_len.append(end - (npages - 1) * pt)
-            copies.extend(cp.tolist())
             if is_decode:
                 n_decode += n
         plan = StepPlan(
@@ -565,6 +614,7 @@ class StepScheduler:
         finished: List[FinishedRequest] = []
         row = 0
         qsl = plan.query_start_loc
+        self._owed_applied()      # the plan listed every copy owed, and it is applied
         for i, (r, n) in enumerate(plan._chunks):
             sampled = row < len(plan.logits_indices) and plan.logits_indices[row] == qsl[i + 1] - 1
             tok = values[row] if sampled else None
@@ -647,7 +697,8 @@ class StepScheduler:
 
     def discard_plan(self) -> None:
         """Drop the pending plan after its execution failed: the scheduled tokens stay
-        uncomputed and are scheduled again by the next step."""
+        uncomputed and are scheduled again by the next step; its copies stay owed (the next
+        plan lists them first)."""
         self._enter()
         self._discard()
 

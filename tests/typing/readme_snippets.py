@@ -131,6 +131,7 @@ from qualia.sim import Workload
 
 config = ReplicaConfig(num_pages=192, max_num_seqs=8, logical_pages=24)
 cl = Cluster(4, "prefix", config, local=True)   # local=False: Ray actors (after ray.init())
-res = cl.run(Workload(requests=24, turns=3, system_prompts=8, arrival_rate=0.5, vocab=32000),
+res = cl.run(Workload(requests=24, turns=3, system_prompts=8, arrival_rate=50, vocab=32000),
              kill_replica_at=20, rejoin_after=5)
-print(res.summary["hit_rate"], res.summary["resubmitted"], set(res.completions.values()))
+print(res.summary["prefix_cache_hit_rate"], res.summary["mean_ttft_ms"], res.summary["resubmitted"],
+      set(res.completions.values()))

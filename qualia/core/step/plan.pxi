@@ -146,6 +146,8 @@ cdef void plan_lower(StepState *st) noexcept nogil:
         st.plan.n_kv += pages
         st.buf.kv_indptr[j + 1] = <int32_t>st.plan.n_kv
         st.buf.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.lim.page_tokens)
+    # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
+    owed_list(st)
     st.plan.n_changed = 0
     for i in range(st.lim.max_seqs):
         if st.run.row_dirty[i]:

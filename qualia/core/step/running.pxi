@@ -85,10 +85,16 @@ cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noe
 
 
 cdef inline int slot_finish(StepState *st, int32_t slot) noexcept nogil:
-    # facade finish: release the slot's pages (auto mode: into the cache) and free the slot
+    # facade finish: release the slot's pages (auto mode: into the cache) and free the slot;
+    # first the copies owed that name its pages (owed_leave, core/step/copies.pxi)
+    cdef int rc = Q_OK, r2
+    if st.cp.n:
+        rc = owed_leave(st, slot)
     if st.lim.mode == MODE_AUTO:
-        return auto_finish(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, slot)
-    return sched_finish(st.pg.s, slot, st.pg.p)
+        r2 = auto_finish(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, slot)
+    else:
+        r2 = sched_finish(st.pg.s, slot, st.pg.p)
+    return rc if rc else r2
 
 
 cdef int slot_release(StepState *st, int32_t e) noexcept nogil:

@@ -8,12 +8,13 @@
 
 cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     # the reservation of the next n positions of entry e (reclaim, then make writable);
-    # copies go to the plan, the row mirrors the pages.  On failure nothing changed.
+    # its copies are owed (core/step/copies.pxi), the row mirrors the pages.  On failure
+    # nothing changed.
     cdef int32_t slot = st.ent[e].at.slot
     cdef uint64_t start = st.pg.s.slots[slot].token_count
     cdef uint32_t first = <uint32_t>(start // st.lim.page_tokens)
     cdef uint32_t last = <uint32_t>((start + n - 1) // st.lim.page_tokens)
-    cdef Py_ssize_t n_undo = 0, n_copies = 0, k
+    cdef Py_ssize_t n_undo = 0, n_copies = 0
     cdef int rc = Q_OK
     cdef Table *t = &st.pg.s.slots[slot].blocks
     cdef uint32_t page
@@ -30,14 +31,13 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     if rc == Q_OK:
         rc = reserve_writable(st.pg.s, st.pg.p, st.pg.undo, st.pg.cow, slot, first, last,
                               &n_undo, &n_copies)
-    if rc == Q_OK and st.plan.n_copies + n_copies > st.plan.copies_cap:
-        rc = Q_OUTPUT_TOO_SMALL     # cannot happen: copies_cap bounds a step's pages
+    if rc == Q_OK and not owed_room(st, n_copies):
+        rc = Q_OUTPUT_TOO_SMALL     # cannot happen: at most one copy owed per slot
     if rc:
         reserve_undo(st.pg.s, st.pg.p, st.pg.undo, n_undo)
         return rc
-    for k in range(n_copies):
-        st.buf.copies[st.plan.n_copies] = st.pg.cow[k]
-        st.plan.n_copies += 1
+    # owed until a plan listing them is applied (docs/DESIGN.md, "Copies owed")
+    owed_add(st, slot, st.pg.cow, n_copies)
     st.pg.pages_copied[0] += n_copies
     st.pg.pages_allocated[0] += n_undo - n_copies
     if st.lim.mode == MODE_AUTO:

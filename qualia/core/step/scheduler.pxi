@@ -393,9 +393,9 @@ cdef class StepScheduler:
 
     def discard_plan(self):
         """Drop the pending plan after its execution failed: the reserved pages stay with their
-        requests and the same tokens are scheduled again; the plan's changed rows and finished
-        ids are reported again by the next plan.  Requests aborted while it was pending hand
-        their pages back now."""
+        requests and the same tokens are scheduled again; the plan's changed rows, finished
+        ids and copy-on-write copies are reported again by the next plan (its copies first).
+        Requests aborted while it was pending hand their pages back now."""
         cdef int rc
         cdef uint64_t tok = self._own()
         try:

@@ -37,6 +37,7 @@ cdef struct StepState:
     StepRunning run         # running set and block-table rows
     PlanState plan          # the plan
     PlanBuffers buf         # the plan's arrays
+    StepCopies cp           # copy-on-write copies owed until a plan listing them is applied
     StepDone done           # what finished, was aborted or forked since the previous plan
     StepGroups groups       # n groups
     StepBeams beams         # beam groups
@@ -120,6 +121,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     for i in range(max_seqs):
         st.run.row_owner[i] = -1
     plan_buffers_init(st, bufs)
+    copies_init(st)
     return 0
 
 
@@ -155,4 +157,5 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.beams.cand_lps)
     PyMem_Free(st.beams.topk_ids_buf)
     PyMem_Free(st.beams.topk_lps_buf)
+    copies_free(st)
     memset(st, 0, sizeof(StepState))

@@ -88,6 +88,8 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef uint64_t tc
     if not st.plan.pending:
         return Q_NO_PLAN
+    # the plan listed every copy owed, and it was applied
+    first = owed_applied(st)
     for j in range(st.plan.n):
         e = st.plan.plan_entry[j]
         if not st.plan.plan_alive[j]:
@@ -152,8 +154,9 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
 cdef int step_discard(StepState *st) noexcept nogil:
     # drop the pending plan: reserved pages stay with their requests, nothing advances.  Its
     # changed rows and finished ids are reported again by the next plan (a backend whose
-    # execution failed may not have applied them); the caller made room in fin_accum.  The
-    # requests aborted while it was pending hand their pages back (a pool error: its code).
+    # execution failed may not have applied them), and its copies stay owed (the next plan lists
+    # them first); the caller made room in fin_accum.  The requests aborted while it was pending
+    # hand their pages back (a pool error: its code).
     cdef uint32_t j
     cdef int rc
     if not st.plan.pending:
