@@ -443,7 +443,9 @@ class StepScheduler:
             if not r.running:
                 continue
             scheduled.add(r.request_id)
-            chunks.append((r, r.num_computed, n, remaining == 1, copies))
+            # a decode feeds back a generated token: the last token of a prompt is prefilled
+            chunks.append((r, r.num_computed, n,
+                           remaining == 1 and r.num_computed >= r.prompt_len, copies))
             if r.unseen:
                 # admitted by a discarded plan: named until a plan with it is applied
                 new.append(r.request_id)

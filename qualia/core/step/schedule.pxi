@@ -201,7 +201,8 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         if st.ent[e].at.state != SR_RUNNING:
             continue
         plan_add(st, e, n)
-        st.ent[e].at.decode = rem == 1
+        # a decode feeds back a generated token: the last token of a prompt is prefilled
+        st.ent[e].at.decode = rem == 1 and st.ent[e].at.num_computed >= st.ent[e].req.num_prompt
         if st.ent[e].at.unseen:
             # admitted by a discarded plan: named until a plan with it is applied
             st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
