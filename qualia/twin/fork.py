@@ -124,9 +124,9 @@ class ForkStepScheduler(StepScheduler):
             n_prompt = len(prompt_tokens)
             tail = -(-(n_prompt + new - 1) // pt) - n_prompt // pt
             need = n_prompt // pt + beam_width * tail
-            if n_prompt and new and need > self.facade.num_blocks:
+            if n_prompt and new and need > self.facade.num_pages:
                 raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
-                                                f"side, the pool has {self.facade.num_blocks}")
+                                                f"side, the pool has {self.facade.num_pages}")
         # the queue entries this call takes, read by the capacity check once the arguments are
         # resolved: restored, not deleted, afterwards, so that an add_request made by user code
         # while they resolve (a prompt iterator, an __index__) leaves this call's count in place
@@ -525,7 +525,7 @@ def run_forks(sched: ForkStepScheduler, backend, max_steps: int = 100000):
     f = sched.facade
     while sched.has_unfinished() and steps < max_steps:
         plan = sched.schedule()
-        peak = max(peak, f.num_blocks - f.free_pages)
+        peak = max(peak, f.num_pages - f.free_pages)
         out = backend.execute_step(plan)
         finished.extend(sched.update(*out) if isinstance(out, tuple) else sched.update(out))
         steps += 1
