@@ -76,7 +76,7 @@ elif SANITIZE:
 ext = Extension(
     "qualia._core",
     sources=["qualia/_core.pyx", "csrc/blake2b.c", "csrc/hash_backend.c"],
-    depends=sorted(glob.glob(os.path.join("qualia", "core", "*.pxi")) + glob.glob("csrc/*.h")),
+    depends=sorted(glob.glob(os.path.join("qualia", "core", "*", "*.pxi")) + glob.glob("csrc/*.h")),
     include_dirs=["csrc", numpy.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                    ("NPY_TARGET_VERSION", "NPY_1_23_API_VERSION")],

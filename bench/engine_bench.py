@@ -7,7 +7,7 @@ backend ... reported against the Python-loop engine"):
            schedule / execute_step / update
   loop     the bare Python loop: every request added up front, then schedule() ->
            HashBackend.execute_step(plan) -> update() until idle, nothing else
-  run      Scheduler.run(HashBackend): the same loop entirely in C, without the GIL
+  run      StepScheduler.run(HashBackend): the same loop entirely in C, without the GIL
 
 The workload is simulate's default shape with one turn (``--turns 1``: run() cannot submit a
 conversation's next turn) and every request arriving at once; the scheduler is simulate's
@@ -61,9 +61,9 @@ def by_engine(reqs):
 
 def _scheduler(n):
     c = CFG
-    return qualia.Scheduler(c["max_requests"], c["num_blocks"], c["page_tokens"],
-                            c["logical_pages"], max_num_batched_tokens=BUDGET, max_queued=n,
-                            vocab_size=32000)
+    return qualia.StepScheduler(c["num_pages"], c["page_tokens"], c["logical_pages"],
+                                c["max_num_seqs"], max_num_batched_tokens=BUDGET, max_queued=n,
+                                vocab_size=32000)
 
 
 def _add(s, reqs):

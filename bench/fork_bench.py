@@ -146,8 +146,8 @@ def step_pair(r, ctx, steps, builds):
     groups of n = N: median over `builds` schedulers built alternately."""
     ind, grp = [], []
     for _ in range(builds):
-        ind.append(decode_cost(qualia.Scheduler, r, ctx, steps))
-        grp.append(decode_cost(qualia.Scheduler, r, ctx, steps, group=N))
+        ind.append(decode_cost(qualia.StepScheduler, r, ctx, steps))
+        grp.append(decode_cost(qualia.StepScheduler, r, ctx, steps, group=N))
     return {"independent_ns": median(ind), "groups_ns": median(grp),
             "ratio": median(grp) / median(ind)}
 
@@ -158,8 +158,8 @@ def first_step(r, ctx, group, mode):
     after it, and the first decode plan's copies."""
     tokens = r // group * ctx
     lp = -(-ctx // PT) + 2
-    s = qualia.Scheduler(r, 2 * r * lp + 8, PT, lp, cache_key=KEY, max_num_seqs=r, max_queued=r,
-                         max_num_batched_tokens=tokens + r, prefix_caching=mode)
+    s = qualia.StepScheduler(2 * r * lp + 8, PT, lp, r, cache_key=KEY, max_queued=r,
+                             max_num_batched_tokens=tokens + r, prefix_caching=mode)
     rng = np.random.default_rng(r + ctx + group)
     fork = {} if group == 1 else {"n": group}
     for rnd in range(2):   # two rounds of such requests: the first (run to its end) touches
@@ -257,9 +257,8 @@ def beam_run_ns(groups, width, new_tokens, loop, reps):
     rng = np.random.default_rng(groups * width)
     prompts = [rng.integers(0, 30000, size=512, dtype=np.uint32) for _ in range(groups)]
     for _ in range(reps):
-        s = qualia.Scheduler(groups * width, groups * (32 + width * 8) + 8, PT, 64,
-                             max_num_batched_tokens=8192, max_num_seqs=groups * width,
-                             max_queued=groups * width)
+        s = qualia.StepScheduler(groups * (32 + width * 8) + 8, PT, 64, groups * width,
+                                 max_num_batched_tokens=8192, max_queued=groups * width)
         kw = {"n": width} if loop == "n" else {"beam_width": width}
         for i, p in enumerate(prompts):
             s.add_request(i, p, max_new_tokens=new_tokens, ignore_eos=True, **kw)

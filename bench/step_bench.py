@@ -34,19 +34,19 @@ from qualia.twin import StepScheduler  # noqa: E402
 
 
 def s1(quick):
-    core = decode_cost(qualia.Scheduler, 256, 2048, 50 if quick else 200)
+    core = decode_cost(qualia.StepScheduler, 256, 2048, 50 if quick else 200)
     twin = decode_cost(StepScheduler, 256, 2048, 3)
     return {"core_ns_per_request": core, "twin_ns_per_request": twin, "twin_over_core": twin / core}
 
 
 def s2(quick):
     sizes = [64, 256, 1024] if quick else [64, 256, 1024, 4096]
-    return {n: decode_cost(qualia.Scheduler, n, 512, 30 if quick else 60) for n in sizes}
+    return {n: decode_cost(qualia.StepScheduler, n, 512, 30 if quick else 60) for n in sizes}
 
 
 def s3(quick):
     ctxs = [128, 2048, 8192] if quick else [128, 1024, 4096, 16384, 32768]
-    return {c: decode_cost(qualia.Scheduler, 128, c, 30 if quick else 60) for c in ctxs}
+    return {c: decode_cost(qualia.StepScheduler, 128, c, 30 if quick else 60) for c in ctxs}
 
 
 def mixed_cost(quick, mode):
@@ -55,9 +55,8 @@ def mixed_cost(quick, mode):
     lp = 512 // PT + 40
 
     def build():
-        s = qualia.Scheduler(n + 4, (n + 4) * 600, PT, 600, cache_key=KEY, prefix_caching=mode,
-                             max_num_batched_tokens=n + chunk, max_num_seqs=n + 1,
-                             max_queued=n + 64)
+        s = qualia.StepScheduler((n + 4) * 600, PT, 600, n + 1, cache_key=KEY, prefix_caching=mode,
+                                 max_num_batched_tokens=n + chunk, max_queued=n + 64)
         rng = np.random.default_rng(1)
         for i in range(n):
             s.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
@@ -100,9 +99,9 @@ def s5(quick):
     arr = np.arange(n, dtype=np.uint32)
     lst = arr.tolist()
     out = {}
-    for name, cls in (("core", qualia.Scheduler), ("twin", StepScheduler)):
+    for name, cls in (("core", qualia.StepScheduler), ("twin", StepScheduler)):
         for kind, prompt in (("numpy", arr), ("list", lst)):
-            s = cls(8, 8 * 300, PT, 300, cache_key=KEY, max_queued=reps)
+            s = cls(8 * 300, PT, 300, 8, cache_key=KEY, max_queued=reps)
             k = reps if name == "core" else 4
             t0 = pc()
             for i in range(k):
@@ -120,10 +119,10 @@ def s6(quick):
             s.add_request(i, rng.integers(0, 30000, size=prompt, dtype=np.uint32),
                           max_new_tokens=new, ignore_eos=True)
     lp = -(-(prompt + new) // PT)
-    kw = dict(cache_key=KEY, max_num_batched_tokens=4096, max_num_seqs=64)
+    kw = dict(cache_key=KEY, max_num_batched_tokens=4096)
     hb = qualia.HashBackend()
     out = {}
-    s = qualia.Scheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
+    s = qualia.StepScheduler(64 * lp + 8, PT, lp, 64, max_queued=n_req, **kw)
     fill(s)
     t0 = pc()
     r = s.run(hb)
@@ -131,7 +130,7 @@ def s6(quick):
     tokens = sum(len(f.output_tokens) for f in r.finished)
     out["core_run_c_tokens_per_s"] = tokens / t * 1e9
     out["steps"] = r.steps
-    s = qualia.Scheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
+    s = qualia.StepScheduler(64 * lp + 8, PT, lp, 64, max_queued=n_req, **kw)
     fill(s)
     t0 = pc()
     tokens = 0
@@ -139,7 +138,7 @@ def s6(quick):
         plan = s.schedule()
         tokens += sum(len(f.output_tokens) for f in s.update(hb.execute_step(plan)))
     out["core_python_loop_tokens_per_s"] = tokens / (pc() - t0) * 1e9
-    tw = StepScheduler(64, 64 * lp + 8, PT, lp, max_queued=n_req, **kw)
+    tw = StepScheduler(64 * lp + 8, PT, lp, 64, max_queued=n_req, **kw)
     fill(tw)
     t0 = pc()
     r = tw.run(qualia.twin.PyHashBackend() if hasattr(qualia.twin, "PyHashBackend") else hb)

@@ -31,7 +31,7 @@ def decoding(cls, n, ctx, extra_pages=8, group=1, **kw):
     prefill_steps = n * ctx // max(kw["max_num_batched_tokens"] - n, 1) + 2
     extra_pages += -(-prefill_steps // PT)
     lp = -(-ctx // PT) + extra_pages
-    s = cls(n, n * lp + 8, PT, lp, cache_key=KEY, max_num_seqs=n, max_queued=n, **kw)
+    s = cls(n * lp + 8, PT, lp, n, cache_key=KEY, max_queued=n, **kw)
     rng = np.random.default_rng(n + ctx)
     fork = {} if group == 1 else {"n": group}
     for i in range(n // group):

@@ -1,8 +1,9 @@
 """qualia: an LLM-serving request scheduler core in Cython over C structs.
 
 The compiled core (`qualia._core`) holds the paged KV block pool, copy-on-write block tables, the
-prefix KV store and the seed's request scheduler; `qualia.Scheduler` is the admit/decode/finish
-facade over them.  `qualia.twin` is the same semantics in plain Python.
+prefix KV store and the seed's request scheduler; `qualia.StepScheduler` is the engine step
+(add_request / schedule / update / run) and `qualia.Scheduler` the admit/decode/finish facade over
+the seed's types.  `qualia.twin` is the same semantics in plain Python.
 """
 
 import os as _os
@@ -31,6 +32,7 @@ try:
         Scheduler,
         SequenceBlockTable,
         StepPlan,
+        StepScheduler,
         hash_logprob,
         hash_next_token,
     )
@@ -89,6 +91,6 @@ __all__ = [
     "RAGGED_BATCH_RECEIPT", "RaggedBackend", "RaggedBackendError", "RaggedBatchReceipt",
     "REQUEST_VIEW", "RequestScheduler", "RequestState", "Scheduler", "SchedulerError",
     "SequenceBlockTable", "STEP_ABI_VERSION", "STEP_CAPSULE_NAME", "StepError", "TableError",
-    "StepPlan", "FinishedRequest", "FinishedGroup", "RunResult", "STEP_STATS", "MAX_STOP_TOKENS",
-    "STEP_TOTALS", "RUN_STATS_ROWS",
+    "StepPlan", "StepScheduler", "FinishedRequest", "FinishedGroup", "RunResult", "STEP_STATS",
+    "MAX_STOP_TOKENS", "STEP_TOTALS", "RUN_STATS_ROWS",
 ]

@@ -21,6 +21,7 @@ from ._core import RequestScheduler as RequestScheduler
 from ._core import Scheduler as Scheduler
 from ._core import SequenceBlockTable as SequenceBlockTable
 from ._core import StepPlan as StepPlan
+from ._core import StepScheduler as StepScheduler
 from ._core import hash_logprob as hash_logprob
 from ._core import hash_next_token as hash_next_token
 from ._types import RUN_STATS_ROWS as RUN_STATS_ROWS
@@ -95,6 +96,7 @@ __all__ = [
     "STEP_CAPSULE_NAME",
     "TableError",
     "StepPlan",
+    "StepScheduler",
     "FinishedRequest",
     "FinishedGroup",
     "RunResult",

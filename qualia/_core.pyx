@@ -1,40 +1,43 @@
 # cython: language_level=3
 # The compiled core of qualia, one extension module built from one source file per concept.
 #
-# The facade's hot path inlines pool, table and scheduler calls, so the concepts are joined into
+# The hot paths inline pool -> table -> cache calls, so the concepts are joined into
 # one module with `include` (as uvloop does) rather than split into modules that would call each
 # other through Python-visible boundaries.  Nothing here is exported to C: the public C surface is
 # the backend ABI in csrc/qualia.h (mirrored by qualia/_abi.pxd).
 #
 # Every operation is a `noexcept nogil` C function returning a status code (Q_OK or the code of
 # one error variant), wrapped by a thin `def` that resolves every Python argument first (anything
-# that can run user code), then takes ownership of every object it touches (core/ownership.pxi),
-# mutates, releases, and maps a failing code to an exception through the one table in
-# core/errors.pxi.  State memory is allocated in __cinit__; the steady-state operations allocate
-# nothing.  The GIL is released around calls into C backends, while the core's state is owned and
-# the core does not touch it, and around the loop of Scheduler.run() with a C step backend, which
-# owns the state and changes it: every other call, reads included, is refused meanwhile, except
-# draining the KV event ring (a single-producer, single-consumer ring).
+# that can run user code), then takes ownership of every object it touches
+# (core/base/ownership.pxi), mutates, releases, and maps a failing code to an exception through the
+# one table in core/base/errors.pxi.  State memory is allocated in __cinit__; the steady-state
+# operations allocate nothing.  The GIL is released around calls into C backends, while the core's
+# state is owned and the core does not touch it, and around the loop of StepScheduler.run() with a
+# C step backend, which owns the state and changes it: every other call, reads included, is
+# refused meanwhile, except draining the KV event ring (a single-producer, single-consumer ring).
 #
-# Where each concept lives:
-#   core/structs.pxi     C structs, status codes, C declarations
-#   core/abi.pxi         numpy dtypes derived from the compiled ABI structs
-#   core/args.pxi        argument resolution: integers, the one buffer validator, views
-#   core/errors.pxi      status code -> exception class, one table
-#   core/ownership.pxi   the ownership rule (who may mutate an object, and when)
-#   core/pool.pxi        block pool
-#   core/table.pxi       sequence block table and copy-on-write
-#   core/identity.pxi    prefix identity and token hashing
-#   core/index.pxi       open addressing shared by the store and request indexes
-#   core/store.pxi       prefix KV store
-#   core/backends.pxi    backend resolution (rounds and steps), receipts, step-plan lowering,
-#                        the built-in hash backend
-#   core/requests.pxi    the seed's request scheduler and its decode round
-#   core/pagecache.pxi   automatic prefix caching: the page cache, its hash, namespaces, events
-#   core/autoprefix.pxi  automatic prefix caching: the facade's token streams, admit/fill/finish
-#   core/step.pxi        the engine step: request queue, token arena, schedule / update in C
-#   core/facade.pxi      qualia.Scheduler: admit / reserve / decode / finish, and the step API
-#   core/router.pxi      the router's index: page identity -> replicas holding it (KV events)
+# Where each concept lives (one folder per family, each file with its declarations):
+#   core/base/      structs.pxi (status codes, C declarations), abi.pxi (numpy dtypes from the
+#                   compiled ABI), args.pxi (arguments, buffers, views), errors.pxi (status code
+#                   -> exception, one table), ownership.pxi (who may mutate an object, and when)
+#   core/pages/     pool.pxi (block pool), table.pxi (block table, copy-on-write, undo log),
+#                   fork.pxi (copy-on-write forks of a decoding request)
+#   core/cache/     identity.pxi (prefix identity, token resolution), index.pxi (open addressing,
+#                   the id indexes), store.pxi (prefix KV store), pagecache.pxi (automatic prefix
+#                   caching: the page cache, its hash, namespaces, events), autoprefix.pxi (token
+#                   streams; admit / fill / finish / reclaim), reads.pxi (the cache's reads, the
+#                   caching options), router.pxi (the router's index)
+#   core/backends/  backends.pxi: backend resolution (rounds and steps), receipts, the lowering of
+#                   a Python plan, the built-in hash backend
+#   core/seed/      requests.pxi (the seed's RequestScheduler and its decode round), reserve.pxi
+#                   (page reservation, shared with the step), facade.pxi (qualia.Scheduler)
+#   core/step/      the engine step, qualia.StepScheduler: requests.pxi (entries, the id index,
+#                   add / abort / collect), arena.pxi (token arena), queue.pxi (waiting heap),
+#                   running.pxi (running set, rows, preemption), copies.pxi (copy-on-write
+#                   copies owed until applied), groups.pxi (n groups), beams.pxi
+#                   (beam groups, selection, hypotheses), plan.pxi (plan state, buffers, lowering,
+#                   StepPlan), schedule.pxi, update.pxi, loop.pxi (run()'s GIL-free loop),
+#                   state.pxi (StepState composed, allocation), scheduler.pxi (the class)
 
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_STRIDES, PyBUF_FORMAT,
                              PyBUF_WRITABLE, PyBUF_ND)
@@ -70,21 +73,35 @@ from qualia.errors import (BackendAbiError, BusyError, DecodeRoundError, PoolErr
                            PrefixCacheError, PrefixKvError, RaggedBackendError,
                            SchedulerError, StepError, TableError)
 
-include "core/structs.pxi"
-include "core/abi.pxi"
-include "core/args.pxi"
-include "core/errors.pxi"
-include "core/ownership.pxi"
-include "core/pool.pxi"
-include "core/table.pxi"
-include "core/identity.pxi"
-include "core/index.pxi"
-include "core/store.pxi"
-include "core/backends.pxi"
-include "core/requests.pxi"
-include "core/pagecache.pxi"
-include "core/autoprefix.pxi"
-include "core/fork.pxi"
-include "core/step.pxi"
-include "core/facade.pxi"
-include "core/router.pxi"
+include "core/base/structs.pxi"
+include "core/base/abi.pxi"
+include "core/base/args.pxi"
+include "core/base/errors.pxi"
+include "core/base/ownership.pxi"
+include "core/pages/pool.pxi"
+include "core/pages/table.pxi"
+include "core/cache/identity.pxi"
+include "core/cache/index.pxi"
+include "core/cache/store.pxi"
+include "core/backends/backends.pxi"
+include "core/seed/requests.pxi"
+include "core/cache/pagecache.pxi"
+include "core/cache/autoprefix.pxi"
+include "core/cache/reads.pxi"
+include "core/seed/reserve.pxi"
+include "core/pages/fork.pxi"
+include "core/step/requests.pxi"
+include "core/step/arena.pxi"
+include "core/step/queue.pxi"
+include "core/step/running.pxi"
+include "core/step/copies.pxi"
+include "core/step/groups.pxi"
+include "core/step/beams.pxi"
+include "core/step/plan.pxi"
+include "core/step/schedule.pxi"
+include "core/step/update.pxi"
+include "core/step/loop.pxi"
+include "core/step/state.pxi"
+include "core/step/scheduler.pxi"
+include "core/seed/facade.pxi"
+include "core/cache/router.pxi"

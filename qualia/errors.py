@@ -202,8 +202,8 @@ class PrefixCacheError(QualiaError):
 
 
 class StepError(QualiaError):
-    """Errors of the engine step API: add_request / abort / schedule / update / run
-    (docs/DESIGN.md, "The engine step")."""
+    """Errors of the engine step, ``StepScheduler``: add_request / abort / schedule / update /
+    run (docs/DESIGN.md, "The engine step")."""
 
     family = "StepError"
     VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
@@ -213,7 +213,6 @@ class StepError(QualiaError):
     QueueFull: ClassVar[Type[_StepQueueFull]]
     PlanPending: ClassVar[Type[_StepPlanPending]]
     NoPlan: ClassVar[Type[_StepNoPlan]]
-    ModeConflict: ClassVar[Type[_StepModeConflict]]
 
 
 # -- PoolError -----------------------------------------------------------------------------------
@@ -536,21 +535,14 @@ class _StepNoPlan(StepError):
     variant = "NoPlan"
 
 
-@_variant
-class _StepModeConflict(StepError):
-    """The step API and the manual admit/decode API were mixed on one scheduler, or the step
-    API was used with prefix_caching="explicit"."""
-
-    variant = "ModeConflict"
-
-
 # -- errors outside the families -----------------------------------------------------------------
 
 
 class BusyError(QualiaError, RuntimeError):
-    """The object is owned by another mutating call still in progress: a decode round running
+    """The object is owned by another mutating call still in progress (a decode round running
     without the GIL in another thread, or a call re-entered from a backend, a GC callback or a
-    finalizer (docs/DESIGN.md, "Ownership").  Nothing was changed; retry after that call."""
+    finalizer: retry after that call), or it is the pool of a StepScheduler, which owns it for
+    its whole life (docs/DESIGN.md, "Ownership").  Nothing was changed."""
 
     family = "BusyError"
 

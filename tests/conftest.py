@@ -18,7 +18,7 @@ import pytest
 CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE_PACKAGE = CHECKOUT / "qualia"
 # What the compiled core of an in-place (editable) build is made from.
-CORE_SOURCES = ("qualia/*.pyx", "qualia/*.pxd", "qualia/*.pxi", "qualia/core/*.pxi",
+CORE_SOURCES = ("qualia/*.pyx", "qualia/*.pxd", "qualia/*.pxi", "qualia/core/*/*.pxi",
                 "csrc/*.c", "csrc/*.h")
 
 

@@ -17,6 +17,6 @@ def invariants(s):
     for ident in s.prefixes.identities():
         held.update(s.prefixes.pages_of(ident))
     refcounts = s.pool.refcounts().tolist()
-    assert refcounts == [held[p] for p in range(s.num_blocks)]
-    assert s.free_pages + sum(1 for c in refcounts if c) == s.num_blocks
+    assert refcounts == [held[p] for p in range(s.num_pages)]
+    assert s.free_pages + sum(1 for c in refcounts if c) == s.num_pages
     return rids

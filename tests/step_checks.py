@@ -89,8 +89,8 @@ class ShadowKV:
     the request's tokens.  ``expect`` snapshots those tokens when the plan is made (a request
     aborted afterwards is still read by the executing kernel)."""
 
-    def __init__(self, num_blocks, page_tokens):
-        self.kv = np.full((max(num_blocks, 1), page_tokens), -1, dtype=np.int64)
+    def __init__(self, num_pages, page_tokens):
+        self.kv = np.full((max(num_pages, 1), page_tokens), -1, dtype=np.int64)
         self.pt = page_tokens
 
     def forget(self):

@@ -159,7 +159,7 @@ def test_round_runs_without_the_gil_and_other_threads_get_busy(example_backend):
     """While a slow C backend runs (GIL released), another thread's mutating calls on the same
     scheduler, pool or store raise BusyError and change nothing; reads still work."""
     cap = example_backend.new(1000, 300_000)  # 0.3 s inside each call
-    s = qualia.Scheduler(max_requests=4, num_blocks=32, page_tokens=4, logical_pages=8)
+    s = qualia.Scheduler(max_requests=4, num_pages=32, page_tokens=4, logical_pages=8)
     for rid in range(3):
         s.admit(rid)
         s.reserve(rid, 5)
@@ -199,7 +199,7 @@ def test_round_runs_without_the_gil_and_other_threads_get_busy(example_backend):
 
 def test_hammering_threads_never_corrupt_state(example_backend):
     cap = example_backend.new(1000, 2_000)
-    s = qualia.Scheduler(max_requests=8, num_blocks=512, page_tokens=4, logical_pages=64)
+    s = qualia.Scheduler(max_requests=8, num_pages=512, page_tokens=4, logical_pages=64)
     for rid in range(6):
         s.admit(rid)
         s.reserve(rid, 3)
@@ -256,5 +256,5 @@ def test_hammering_threads_never_corrupt_state(example_backend):
     for rid in range(6):
         s.finish(rid)
     assert s.active_count == 0
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
     assert (s.pool.refcounts() == 0).all()

@@ -907,7 +907,7 @@ def test_hash_next_token_bad_args(args, exc):
 
 
 def facade(**kw):
-    kw = {**dict(max_requests=4, num_blocks=24, page_tokens=4, logical_pages=4,
+    kw = {**dict(max_requests=4, num_pages=24, page_tokens=4, logical_pages=4,
                  prefix_caching="explicit"), **kw}
     s = qualia.Scheduler(**kw)
     prompt = list(range(1, 11))
@@ -945,16 +945,16 @@ def facade_unchanged(s, fn, exc):
 
 @pytest.mark.parametrize("kwargs, exc", [
     (dict(max_requests=0), ValueError), (dict(max_requests=65537), OverflowError),
-    (dict(num_blocks=0), ValueError), (dict(num_blocks=-1), OverflowError),
+    (dict(num_pages=0), ValueError), (dict(num_pages=-1), OverflowError),
     (dict(page_tokens=0), ValueError), (dict(page_tokens=2**32), OverflowError),
     (dict(logical_pages=-1), OverflowError), (dict(prefix_entries=0), ValueError),
     (dict(prefix_pages=0), ValueError), (dict(max_requests=True), TypeError),
-    (dict(num_blocks=2.0), TypeError), (dict(page_tokens=None), TypeError),
+    (dict(num_pages=2.0), TypeError), (dict(page_tokens=None), TypeError),
     (dict(logical_pages="4"), TypeError), (dict(prefix_entries=1.5), TypeError),
     (dict(prefix_pages=True), TypeError),
 ])
 def test_facade_constructor(kwargs, exc):
-    kw = {**dict(max_requests=2, num_blocks=8, page_tokens=4, logical_pages=4), **kwargs}
+    kw = {**dict(max_requests=2, num_pages=8, page_tokens=4, logical_pages=4), **kwargs}
     with pytest.raises(exc):
         qualia.Scheduler(**kw)
 

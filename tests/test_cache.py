@@ -24,9 +24,9 @@ PT = 4
 def make(request):
     cls = qualia.Scheduler if request.param == "core" else twin_cache.Scheduler
 
-    def build(max_requests=4, num_blocks=32, page_tokens=PT, logical_pages=16, **kw):
+    def build(max_requests=4, num_pages=32, page_tokens=PT, logical_pages=16, **kw):
         kw.setdefault("cache_key", KEY)
-        return cls(max_requests, num_blocks, page_tokens, logical_pages, **kw)
+        return cls(max_requests, num_pages, page_tokens, logical_pages, **kw)
     build.kind = request.param
     return build
 
@@ -64,7 +64,7 @@ def state(s):
     refs = (s.pool.refcounts().tolist() if hasattr(s.pool, "refcounts")
             else list(s.pool._refcounts))
     return (refs, s.pool.free_count, s.free_pages, s.reclaimable_pages().tolist(),
-            tuple(s.cache_entry(p) for p in range(s.num_blocks)), s.runnable().tolist(),
+            tuple(s.cache_entry(p) for p in range(s.num_pages)), s.runnable().tolist(),
             tuple(s.block_table(r).tolist() for r in rids), s.cache_stats())
 
 
@@ -157,7 +157,7 @@ def test_the_parent_generation_is_verified(make):
     # its own copy of page 0 (request 1 cached it first) and inserted its page 1 under request
     # 1's page 0.  Once that page is reclaimed and reused for other tokens, a colliding lookup
     # must not reach request 2's page 1 through it.
-    s = make(num_blocks=7, max_requests=3)
+    s = make(num_pages=7, max_requests=3)
     s._debug_identity_mask(2**64 - 1, parent_mask=0)
     x, y1, y2, w = [1] * PT, [2] * PT, [3] * PT, [4] * PT
     s.admit(1, x + y1 + [0])
@@ -234,7 +234,7 @@ def test_each_prompt_page_is_hashed_once(make):
 # -- reclaim --------------------------------------------------------------------------------------
 
 def test_tail_pages_are_reclaimed_before_head_pages(make):
-    s = make(num_blocks=6)
+    s = make(num_pages=6)
     serve(s, 1, PROMPT)                                  # 5 pages, 4 of them cached
     table = [0, 1, 2, 3]
     assert s.reclaimable_pages().tolist() == table[::-1]  # last page first
@@ -265,7 +265,7 @@ def test_a_hit_retakes_a_reclaimable_page_in_place(make):
 
 
 def test_decode_reclaims_when_the_pool_is_exhausted(make):
-    s = make(num_blocks=5, max_requests=2)
+    s = make(num_pages=5, max_requests=2)
     serve(s, 1, PROMPT[:2 * PT] + [1])                    # pages 0, 1 cached; 2 freed
     s.admit(2)
     s.reserve(2, 3 * PT)
@@ -278,7 +278,7 @@ def test_decode_reclaims_when_the_pool_is_exhausted(make):
 
 
 def test_a_call_that_cannot_be_satisfied_reclaims_nothing(make):
-    s = make(num_blocks=6, max_requests=2)
+    s = make(num_pages=6, max_requests=2)
     serve(s, 1, PROMPT)
     before = state(s)
     s.admit(2)
@@ -292,7 +292,7 @@ def test_a_call_that_cannot_be_satisfied_reclaims_nothing(make):
 
 
 def test_reclaims_of_a_failing_decode_stay_reclaimed(make):
-    s = make(num_blocks=5, max_requests=2)
+    s = make(num_pages=5, max_requests=2)
     serve(s, 1, PROMPT[:2 * PT] + [1])
     s.admit(2)
     s.reserve(2, 3 * PT)
@@ -307,13 +307,13 @@ def test_reclaims_of_a_failing_decode_stay_reclaimed(make):
 
 
 def test_finish_then_reuse_many_times_keeps_counts_conserved(make):
-    s = make(num_blocks=12, max_requests=2)
+    s = make(num_pages=12, max_requests=2)
     for rid in range(20):
         serve(s, rid, PROMPT[: (rid % 5) * PT + 1] + [rid], rounds=rid % 3)
     refs = s.pool.refcounts().tolist() if hasattr(s.pool, "refcounts") else s.pool._refcounts
-    cached = [s.cache_entry(p) is not None for p in range(s.num_blocks)]
+    cached = [s.cache_entry(p) is not None for p in range(s.num_pages)]
     assert refs == [int(c) for c in cached]
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
 
 
 # -- clear, events, stats ------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def test_clear_cache_keeps_pages_held_by_requests(make):
     assert [s.pool.refcount(p) for p in held] == [1] * 4
     assert events(s) == [(0, 0, 0, 0, 2**32 - 1, twin_cache.KV_CLEARED, 0)]
     s.finish(2)
-    assert s.pool.free_count == s.num_blocks
+    assert s.pool.free_count == s.num_pages
 
 
 def test_event_overflow_is_counted_never_silent(make):
@@ -369,7 +369,7 @@ def test_replicas_with_one_key_agree_and_default_keys_differ(make):
 
 
 def test_usage_counts_pages_requests_hold(make):
-    s = make(num_blocks=10)
+    s = make(num_pages=10)
     serve(s, 1, PROMPT)
     assert s.cache_stats().usage == 0.0
     s.admit(2, PROMPT)
@@ -456,7 +456,7 @@ def test_an_idle_namespace_gives_its_pages_and_id_to_a_new_one(make):
 
 
 def test_the_least_recently_used_idle_namespace_goes_first(make):
-    s = make(max_namespaces=3, num_blocks=40)
+    s = make(max_namespaces=3, num_pages=40)
     serve(s, 1, PROMPT, namespace="a")
     serve(s, 2, PROMPT, namespace="b")
     serve(s, 3, PROMPT, namespace="a")           # a hit: "a" is used again, after "b"
@@ -472,8 +472,8 @@ def test_the_least_recently_used_idle_namespace_goes_first(make):
 @pytest.mark.parametrize("kind", ["core", "twin"])
 def test_the_engine_step_serves_more_tenants_than_namespace_ids(kind):
     from qualia.twin import StepScheduler
-    cls = qualia.Scheduler if kind == "core" else StepScheduler
-    s = cls(2, 64, PT, 16, cache_key=KEY, max_namespaces=3, max_queued=12)
+    cls = qualia.StepScheduler if kind == "core" else StepScheduler
+    s = cls(64, PT, 16, 2, cache_key=KEY, max_namespaces=3, max_queued=12)
     finished = []
     for tenant in range(12):
         s.add_request(tenant, PROMPT, max_new_tokens=2, namespace=f"tenant-{tenant}")
@@ -520,7 +520,7 @@ def test_off_and_explicit_modes_do_not_cache():
 
 
 def test_a_pool_of_one_page_reclaims_it_for_the_next_request(make):
-    s = make(num_blocks=1, max_requests=1, logical_pages=4)
+    s = make(num_pages=1, max_requests=1, logical_pages=4)
     serve(s, 1, [1, 2, 3, 4])                # the page fills and is cached
     assert s.reclaimable_pages().tolist() == [0] and s.free_pages == 1
     assert s.admit(2, [1, 2, 3, 4]).prefix_tokens == 0   # one token must be computed
@@ -577,7 +577,7 @@ class _During:
 
 def _auto_state(s):
     return (s.pool.refcounts().tolist(), s.reclaimable_pages().tolist(), s.cache_stats(),
-            tuple(s.cache_entry(p) for p in range(s.num_blocks)), s.runnable().tolist())
+            tuple(s.cache_entry(p) for p in range(s.num_pages)), s.runnable().tolist())
 
 
 def test_cache_calls_are_busy_during_a_decode_round():
@@ -637,7 +637,7 @@ def test_a_token_that_reenters_admit_cannot_corrupt_the_stream():
     for rid, toks in ((1, mine), (9, other)):
         prefill(s, rid, toks)
     ids = s.page_identities(mine).tolist() + s.page_identities(other).tolist()
-    cached = sorted(e.identity for e in map(s.cache_entry, range(s.num_blocks)) if e)
+    cached = sorted(e.identity for e in map(s.cache_entry, range(s.num_pages)) if e)
     assert cached == sorted(ids)                 # each stream cached its own tokens
 
 

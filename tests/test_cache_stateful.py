@@ -361,7 +361,7 @@ class CacheVsTwin(RuleBasedStateMachine):
             c.pool.free_count,
             c.free_pages,
             c.reclaimable_pages().tolist(),
-            tuple(c.cache_entry(p) for p in range(c.num_blocks)),
+            tuple(c.cache_entry(p) for p in range(c.num_pages)),
             c.runnable().tolist(),
             tuple(c.block_table(r).tolist() for r in rids),
             c.cache_stats(),
@@ -376,7 +376,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         assert c.pool.free_count == t.pool.free_count
         assert c.free_pages == t.free_pages
         assert c.reclaimable_pages().tolist() == t.reclaimable_pages().tolist()
-        for p in range(c.num_blocks):
+        for p in range(c.num_pages):
             assert c.cache_entry(p) == t.cache_entry(p), p
         assert c.runnable().tolist() == t.runnable().tolist()
         for r in self.active():
@@ -392,7 +392,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         for r in self.active():
             expect.update(c.block_table(r).tolist())
         refs = c.pool.refcounts().tolist()
-        for p in range(c.num_blocks):
+        for p in range(c.num_pages):
             cached = c.cache_entry(p) is not None
             assert refs[p] == expect[p] + cached, (p, refs[p], expect[p], cached)
             if cached:
@@ -409,7 +409,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         self.agree()
         self.both("clear_cache")
         self.agree()
-        assert self.c.pool.free_count == self.c.num_blocks
+        assert self.c.pool.free_count == self.c.num_pages
 
 
 TestCacheVsTwin = CacheVsTwin.TestCase

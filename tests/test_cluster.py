@@ -472,7 +472,7 @@ def test_ray_simulate_cli_with_a_kill(ray_cluster):
 def test_replicas_run_on_the_compiled_core_by_default():
     import qualia
     from qualia.cluster import Replica, make_scheduler
-    assert isinstance(make_scheduler(CFG), qualia.Scheduler)        # "auto" picks the core
+    assert isinstance(make_scheduler(CFG), qualia.StepScheduler)        # "auto" picks the core
     assert Replica(0, CFG).describe()["implementation"] == "core"
     twin = Replica(1, dataclasses.replace(CFG, scheduler="twin"))
     assert twin.describe()["implementation"] == "twin"

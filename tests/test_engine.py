@@ -53,7 +53,7 @@ def assert_clean_end(engine: Engine, n_requests: int) -> None:
     assert len(engine.outputs) == n_requests
     assert all(count == 1 for count in engine._completions.values())
     assert not engine.scheduler.has_unfinished()
-    assert f.active_count == 0 and f.free_pages == f.num_blocks  # every page free or cached
+    assert f.active_count == 0 and f.free_pages == f.num_pages  # every page free or cached
 
 
 # -- workload ---------------------------------------------------------------------------------
@@ -330,8 +330,8 @@ def test_the_scheduler_factory_and_the_step_loop():
 def test_scheduler_choice():
     assert issubclass(step_scheduler_class("twin"), StepScheduler)
     assert isinstance(Engine("c", scheduler="twin").scheduler, StepScheduler)
-    assert step_scheduler_class("core") is qualia.Scheduler
-    assert step_scheduler_class("auto") is qualia.Scheduler
+    assert step_scheduler_class("core") is qualia.StepScheduler
+    assert step_scheduler_class("auto") is qualia.StepScheduler
     assert Engine("c").implementation == "core"
     with pytest.raises(ValueError, match="scheduler"):
         step_scheduler_class("gpu")

@@ -306,7 +306,7 @@ def test_random_fork_runs_check_and_keep_their_books(kind, width, lengths, max_n
     assert result.check.ok, result.check.describe()
     assert st_["requests_completed"] == len(reqs)
     f = engine.facade
-    assert f.active_count == 0 and f.free_pages == f.num_blocks
+    assert f.active_count == 0 and f.free_pages == f.num_pages
     if kind == "n" and width > 1:
         assert st_["sequences_completed"] == width * len(reqs)
         assert st_["forks"] + st_["fork_fallbacks"] == (width - 1) * len(reqs)

@@ -167,7 +167,7 @@ def _call_execute(capsule, items, table, outputs):
 
 def test_facade_with_consumer_and_python_backends_gives_identical_outputs(consumer):
     def run(backend):
-        s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=12,
+        s = qualia.Scheduler(max_requests=6, num_pages=48, page_tokens=4, logical_pages=12,
                              prefix_caching="explicit")
         prompt = list(range(50, 60))
         outs, copied_by_caller = {}, 0
@@ -190,7 +190,7 @@ def test_facade_with_consumer_and_python_backends_gives_identical_outputs(consum
         for rid in range(4):
             s.finish(rid)
         held = sum(len(s.prefixes.pages_of(i)) for i in s.prefixes.identities())
-        assert s.free_pages == s.num_blocks - held
+        assert s.free_pages == s.num_pages - held
         return outs, stats, copied_by_caller
 
     backend = consumer.new(997)

@@ -48,19 +48,19 @@ def prefill(s, rid, prompt, backend=None, prefix_len=None, namespace=b""):
 
 
 def test_sizes_are_fixed_at_construction():
-    s = qualia.Scheduler(max_requests=3, num_blocks=10, page_tokens=4, logical_pages=5,
+    s = qualia.Scheduler(max_requests=3, num_pages=10, page_tokens=4, logical_pages=5,
                          prefix_entries=2, prefix_pages=3)
-    assert (s.max_requests, s.num_blocks, s.page_tokens, s.logical_pages) == (3, 10, 4, 5)
+    assert (s.max_requests, s.num_pages, s.page_tokens, s.logical_pages) == (3, 10, 4, 5)
     assert s.prefixes.capacity == 2 and s.prefixes.max_pages == 3
     assert s.stats()["free_pages"] == 10 and s.active_count == 0
     with pytest.raises(ValueError):
-        qualia.Scheduler(max_requests=3, num_blocks=10, page_tokens=0, logical_pages=5)
+        qualia.Scheduler(max_requests=3, num_pages=10, page_tokens=0, logical_pages=5)
     with pytest.raises(ValueError):
-        qualia.Scheduler(max_requests=0, num_blocks=10, page_tokens=4, logical_pages=5)
+        qualia.Scheduler(max_requests=0, num_pages=10, page_tokens=4, logical_pages=5)
 
 
 def test_prefill_reserves_exactly_the_pages_of_the_prompt():
-    s = qualia.Scheduler(max_requests=2, num_blocks=10, page_tokens=4, logical_pages=5)
+    s = qualia.Scheduler(max_requests=2, num_pages=10, page_tokens=4, logical_pages=5)
     adm = s.admit(1, [1, 2, 3, 4, 5, 6])
     assert adm == (0, False, 0)
     assert len(s.reserve(1, 6)) == 0
@@ -72,7 +72,7 @@ def test_prefill_reserves_exactly_the_pages_of_the_prompt():
 
 
 def test_prefix_hit_shares_pages_and_copies_on_the_first_write():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+    s = qualia.Scheduler(max_requests=3, num_pages=16, page_tokens=4, logical_pages=6,
                          prefix_caching="explicit")
     system = [7] * 6
     be = Recorder()
@@ -91,7 +91,7 @@ def test_prefix_hit_shares_pages_and_copies_on_the_first_write():
 
 
 def test_decode_hands_copies_to_the_backend_once_before_the_round():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+    s = qualia.Scheduler(max_requests=3, num_pages=16, page_tokens=4, logical_pages=6,
                          prefix_caching="explicit")
     be = Recorder()
     prefill(s, 1, [5] * 8, be)  # exactly two full pages: next write is page 2
@@ -112,7 +112,7 @@ def test_decode_hands_copies_to_the_backend_once_before_the_round():
 
 
 def test_backend_without_copy_pages_fails_cleanly():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+    s = qualia.Scheduler(max_requests=3, num_pages=16, page_tokens=4, logical_pages=6,
                          prefix_caching="explicit")
     prefill(s, 1, [5] * 6)
     s.publish_prefix(1, [5] * 6)
@@ -129,7 +129,7 @@ def test_backend_without_copy_pages_fails_cleanly():
 
 @pytest.mark.parametrize("fail", ["copy", "round"])
 def test_failed_decode_restores_pages_exactly(fail):
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=4, logical_pages=6,
+    s = qualia.Scheduler(max_requests=3, num_pages=16, page_tokens=4, logical_pages=6,
                          prefix_caching="explicit")
     be = Recorder()
     prefill(s, 1, [5] * 8, be)
@@ -145,7 +145,7 @@ def test_failed_decode_restores_pages_exactly(fail):
 
 
 def test_exhaustion_while_making_pages_writable_fails_the_round_with_nothing_changed():
-    s = qualia.Scheduler(max_requests=4, num_blocks=6, page_tokens=2, logical_pages=4)
+    s = qualia.Scheduler(max_requests=4, num_pages=6, page_tokens=2, logical_pages=4)
     for rid in range(3):
         prefill(s, rid, [rid, rid])  # one full page each: next decode needs a new page each
     s.pool.allocate()
@@ -159,7 +159,7 @@ def test_exhaustion_while_making_pages_writable_fails_the_round_with_nothing_cha
 
 
 def test_decode_past_logical_pages_is_out_of_range():
-    s = qualia.Scheduler(max_requests=1, num_blocks=6, page_tokens=2, logical_pages=1)
+    s = qualia.Scheduler(max_requests=1, num_pages=6, page_tokens=2, logical_pages=1)
     prefill(s, 0, [1, 2])
     before = snapshot(s)
     with pytest.raises(DecodeRoundError.Scheduler) as info:
@@ -169,7 +169,7 @@ def test_decode_past_logical_pages_is_out_of_range():
 
 
 def test_reserve_is_atomic():
-    s = qualia.Scheduler(max_requests=2, num_blocks=3, page_tokens=2, logical_pages=8)
+    s = qualia.Scheduler(max_requests=2, num_pages=3, page_tokens=2, logical_pages=8)
     s.admit(1)
     before = snapshot(s)
     with pytest.raises(SchedulerError.Table) as info:
@@ -184,7 +184,7 @@ def test_reserve_is_atomic():
 
 
 def test_publish_prefix_checks_what_the_request_holds():
-    s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=2, logical_pages=4,
+    s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=2, logical_pages=4,
                          prefix_entries=1, prefix_caching="explicit")
     s.admit(1, [1, 2, 3])
     with pytest.raises(ValueError, match="cannot publish"):
@@ -203,7 +203,7 @@ def test_publish_prefix_checks_what_the_request_holds():
 
 
 def test_evict_unused_lru_skips_entries_a_request_still_holds():
-    s = qualia.Scheduler(max_requests=3, num_blocks=16, page_tokens=2, logical_pages=4,
+    s = qualia.Scheduler(max_requests=3, num_pages=16, page_tokens=2, logical_pages=4,
                          prefix_caching="explicit")
     prefill(s, 1, [1, 2, 3])
     a = s.publish_prefix(1, [1, 2, 3], prefix_len=2)
@@ -218,7 +218,7 @@ def test_evict_unused_lru_skips_entries_a_request_still_holds():
 
 
 def test_identity_for_matches_of_tokens():
-    s = qualia.Scheduler(max_requests=1, num_blocks=4, page_tokens=2, logical_pages=4)
+    s = qualia.Scheduler(max_requests=1, num_pages=4, page_tokens=2, logical_pages=4)
     assert s.identity_for([1, 2, 3], prefix_len=2, namespace="t") == \
         qualia.PrefixIdentity.of_tokens([1, 2], b"t")
     with pytest.raises(ValueError, match="more than logical_pages"):
@@ -226,7 +226,7 @@ def test_identity_for_matches_of_tokens():
 
 
 def test_full_cycle_returns_the_pool_to_the_store_pages():
-    s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=4, logical_pages=16,
+    s = qualia.Scheduler(max_requests=4, num_pages=64, page_tokens=4, logical_pages=16,
                          prefix_caching="explicit")
     be = qualia.HashBackend()
     system = list(range(100, 110))
@@ -241,5 +241,5 @@ def test_full_cycle_returns_the_pool_to_the_store_pages():
     for view in s.runnable():
         s.finish(int(view["request_id"]))
     held = sum(len(s.prefixes.pages_of(i)) for i in s.prefixes.identities())
-    assert s.free_pages == s.num_blocks - held
+    assert s.free_pages == s.num_pages - held
     assert s.stats()["prefix_hits"] == 7

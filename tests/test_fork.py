@@ -43,7 +43,7 @@ def pending(s, rid):
 
 
 def refs(s):
-    return np.array([s.pool.refcount(p) for p in range(s.num_blocks)])
+    return np.array([s.pool.refcount(p) for p in range(s.num_pages)])
 
 
 def snapshot(s):
@@ -147,7 +147,7 @@ def test_finish_releases_only_its_own_references(S):
     s.finish(2)
     s.finish(3)
     s.clear_cache()
-    assert s.pool.free_count == s.num_blocks
+    assert s.pool.free_count == s.num_pages
 
 
 @pytest.mark.parametrize("S", FACADES)
@@ -259,15 +259,6 @@ def test_fork_from_inside_a_round_is_busy_and_changes_nothing():
     s.decode(Reentrant())
     assert len(seen) == 1 and s.active_count == 1
     assert s.stats()["pages_copied"] == 0
-
-
-def test_fork_is_a_manual_verb_refused_beside_step_requests():
-    from qualia.errors import StepError
-
-    s = qualia.Scheduler(4, 32, 4, 8)
-    s.add_request(1, [1, 2, 3], max_new_tokens=2)
-    with pytest.raises(StepError.ModeConflict):
-        s.fork(1, 2)
 
 
 @pytest.mark.parametrize("S", FACADES)

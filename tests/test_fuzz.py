@@ -134,7 +134,7 @@ class PropertyBackend(HashPy):
 class FacadeFuzz:
     def __init__(self, seed):
         self.rng = random.Random(seed)
-        self.s = qualia.Scheduler(max_requests=6, num_blocks=40, page_tokens=4, logical_pages=8,
+        self.s = qualia.Scheduler(max_requests=6, num_pages=40, page_tokens=4, logical_pages=8,
                                   prefix_entries=4, prefix_caching="explicit")
         base = [self.rng.randrange(1000) for _ in range(32)]
         self.prompts = [base[:k] for k in (5, 8, 13, 20)] + [[7] * 9, list(range(30))]
@@ -325,7 +325,7 @@ def test_fuzz_facade(seed, gc_hook):
         f.s.finish(rid)
     while f.s.evict_lru() is not None:
         pass
-    assert f.s.free_pages == f.s.num_blocks
+    assert f.s.free_pages == f.s.num_pages
 
 
 def test_fuzz_facade_weakref_finalizers():

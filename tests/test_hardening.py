@@ -71,7 +71,7 @@ def shared_world():
     """Request 1 decodes at token 10 (pages 0-2, page 2 its own); its first 6 tokens are
     published; request 2 attached them (token_count 6, so its decode page 1 is shared: a copy);
     request 3 decodes at a page boundary (token_count 8: its decode page 2 is allocated)."""
-    s = qualia.Scheduler(max_requests=4, num_blocks=32, page_tokens=4, logical_pages=4,
+    s = qualia.Scheduler(max_requests=4, num_pages=32, page_tokens=4, logical_pages=4,
                          prefix_caching="explicit")
     prompt = list(range(1, 11))
     s.admit(1)
@@ -120,7 +120,7 @@ def test_finding_01_one_shot_iterable_prompt_identity(n, make):
 
 
 def test_finding_01_one_shot_iterable_prompt_admission():
-    s = qualia.Scheduler(max_requests=4, num_blocks=256, page_tokens=16, logical_pages=32,
+    s = qualia.Scheduler(max_requests=4, num_pages=256, page_tokens=16, logical_pages=32,
                          prefix_caching="explicit")
     published = list(range(1000, 1300))
     s.admit(1)
@@ -253,7 +253,7 @@ def test_finding_03_finish_inside_decode(victim, fail):
         s.finish(rid)
     for ident in s.prefixes.identities():
         s.evict(ident)
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
 
 
 def test_finding_03_finish_from_a_backend_with_no_copy_pages():
@@ -316,7 +316,7 @@ def test_finding_05_token_index_shrinking_the_list(n):
     expected = qualia.PrefixIdentity.of_tokens(expected_tokens)
     assert qualia.PrefixIdentity.of_tokens(shrinking()) == expected
     assert twin.PrefixIdentity.of_tokens(shrinking()).digest == expected.digest
-    s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=16, logical_pages=32,
+    s = qualia.Scheduler(max_requests=4, num_pages=64, page_tokens=16, logical_pages=32,
                          prefix_caching="explicit")
     assert s.identity_for(shrinking()) == expected
     s.admit(1, shrinking())
@@ -336,7 +336,7 @@ def test_finding_06_publish_prefix_publishes_its_own_pages():
     (UnknownRequest), never to the newcomer's."""
     pt, lp = 16, 4096
     L = pt * lp  # a long prompt: hashing it takes a while
-    s = qualia.Scheduler(max_requests=2, num_blocks=2 * lp + 8, page_tokens=pt, logical_pages=lp,
+    s = qualia.Scheduler(max_requests=2, num_pages=2 * lp + 8, page_tokens=pt, logical_pages=lp,
                          prefix_caching="explicit")
     prompt = np.arange(L, dtype=np.uint32)
     go, done, stop = threading.Event(), threading.Event(), threading.Event()
@@ -393,7 +393,7 @@ def test_finding_06_publish_prefix_publishes_its_own_pages():
         t.join(WAIT)
     assert not errors
     assert mismatches == 0
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
 
 
 # -- finding 7: two decode rounds of one scheduler in flight ---------------------------------------
@@ -488,7 +488,7 @@ class PublishOnLookup(PyBackend):
 
 
 def test_finding_08_reentrant_publish_cannot_expose_a_written_page():
-    s = qualia.Scheduler(max_requests=4, num_blocks=16, page_tokens=4, logical_pages=4,
+    s = qualia.Scheduler(max_requests=4, num_pages=16, page_tokens=4, logical_pages=4,
                          prefix_caching="explicit")
     prompt = [9, 8, 7, 6, 5]
     s.admit(1)
@@ -519,7 +519,7 @@ def test_finding_08_reentrant_publish_cannot_expose_a_written_page():
 
 
 def test_finding_09_concurrent_identities_are_right():
-    s = qualia.Scheduler(max_requests=4, num_blocks=1200, page_tokens=16, logical_pages=512,
+    s = qualia.Scheduler(max_requests=4, num_pages=1200, page_tokens=16, logical_pages=512,
                          prefix_caching="explicit")
     prompts = [list(range(k, k + 8192)) for k in (0, 100_000)]
     expected = [qualia.PrefixIdentity.of_tokens(p) for p in prompts]
@@ -564,7 +564,7 @@ def test_finding_09_concurrent_identities_are_right():
 
 
 def test_finding_10_decode_page_check_at_u32_max():
-    s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=1, logical_pages=4,
+    s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=1, logical_pages=4,
                          prefix_caching="explicit")
     s.admit(1)
     assert s.advance(1, U32_MAX) == U32_MAX
@@ -601,7 +601,7 @@ def test_finding_11_misaligned_token_arrays(n):
     big = np.zeros(2 * n, np.uint32)
     big[::2] = tokens
     assert qualia.PrefixIdentity.of_tokens(big[::2]) == expected
-    s = qualia.Scheduler(max_requests=2, num_blocks=400, page_tokens=16, logical_pages=320,
+    s = qualia.Scheduler(max_requests=2, num_pages=400, page_tokens=16, logical_pages=320,
                          prefix_caching="explicit")
     assert s.identity_for(_misaligned(tokens)) == expected
     s.admit(1, _misaligned(tokens))
@@ -679,7 +679,7 @@ def test_finding_12_decode_outputs_are_read_only_and_the_backends_own():
 
 
 def test_finding_13_too_long_generator_prompt_is_a_value_error():
-    s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=4, logical_pages=2,
+    s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=4, logical_pages=2,
                          prefix_caching="explicit")
     before = state(s)
     for call in (lambda g: s.admit(1, g), lambda g: s.identity_for(g),
@@ -728,7 +728,7 @@ def test_finding_13_bytes_like_tokens_are_rejected(tokens):
     for mod in (qualia, twin):
         with pytest.raises(TypeError):
             mod.PrefixIdentity.of_tokens(tokens)
-    s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=4, logical_pages=2,
+    s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=4, logical_pages=2,
                          prefix_caching="explicit")
     s.admit(1)
     s.reserve(1, 4)
@@ -764,7 +764,7 @@ def test_block_pool_of_zero_pages(mod):
     if mod is qualia:
         assert pool.refcounts().tolist() == []
         with pytest.raises(ValueError):
-            qualia.Scheduler(max_requests=1, num_blocks=0, page_tokens=1, logical_pages=1,
+            qualia.Scheduler(max_requests=1, num_pages=0, page_tokens=1, logical_pages=1,
                              prefix_caching="explicit")
 
 
@@ -774,7 +774,7 @@ def test_rejected_token_lists_free_their_scratch():
     import tracemalloc
 
     bad = list(range(1000)) + [2**32]
-    s = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=1024, logical_pages=2,
+    s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=1024, logical_pages=2,
                          prefix_caching="explicit")
     calls = (lambda: qualia.PrefixIdentity.of_tokens(bad), lambda: s.identity_for(bad),
              lambda: s.admit(1, bad), lambda: s.publish_prefix(1, bad))

@@ -341,8 +341,8 @@ def test_twin_plans_match_dense_reference(small, seed, budget, chunk, blocks):
     from qualia.twin import StepScheduler
 
     pt = 4
-    sched = StepScheduler(8, blocks, pt, 16, max_num_batched_tokens=budget, max_num_seqs=6,
-                          max_prefill_chunk=chunk, vocab_size=SMALL.vocab)
+    sched = StepScheduler(blocks, pt, 16, 6, max_num_batched_tokens=budget, max_prefill_chunk=chunk,
+                          vocab_size=SMALL.vocab, max_queued=32)
     # odd seeds read the pages through the CSR form (kv_indptr / kv_indices)
     backend = PagedModelBackend(small, blocks, pt, page_table="csr" if seed % 2 else
                                 "block_table")
@@ -367,8 +367,8 @@ def test_twin_plans_exercise_preemption_and_copies(small):
     totals = dict(preempted=0, cached=0)
     dense = DenseModel(small)
     for seed, blocks in ((10, 14), (11, 16), (12, 12)):
-        sched = StepScheduler(8, blocks, pt, 16, max_num_batched_tokens=20, max_num_seqs=8,
-                              max_prefill_chunk=8, vocab_size=SMALL.vocab)
+        sched = StepScheduler(blocks, pt, 16, 8, max_num_batched_tokens=20, max_prefill_chunk=8,
+                              vocab_size=SMALL.vocab)
         backend = PagedModelBackend(small, blocks, pt)
         prompts, max_new = _scenario(seed, SMALL.vocab)
         max_new = {r: 6 + n for r, n in max_new.items()}
@@ -394,8 +394,8 @@ def test_twin_plans_seeded_sampling_and_stops(small):
 
     results = []
     for budget, chunk in ((7, 3), (48, None)):
-        sched = StepScheduler(8, 40, pt, 16, max_num_batched_tokens=budget, max_num_seqs=6,
-                              max_prefill_chunk=chunk, vocab_size=SMALL.vocab)
+        sched = StepScheduler(40, pt, 16, 6, max_num_batched_tokens=budget, max_prefill_chunk=chunk,
+                              vocab_size=SMALL.vocab, max_queued=32)
         backend = PagedModelBackend(small, 40, pt)
         outputs, _ = _drive(small, sched, backend, prompts, max_new, sampling=params, eos=5,
                             stop_ids=(9, 11), arrive_every=3)
@@ -417,7 +417,7 @@ def test_decode_round_and_step_agree(small):
     from qualia.twin import StepScheduler
 
     prompt = _prompt(30, 13, SMALL.vocab)
-    sched = StepScheduler(2, 8, 4, 8, max_num_batched_tokens=5, vocab_size=SMALL.vocab)
+    sched = StepScheduler(8, 4, 8, 2, max_num_batched_tokens=5, vocab_size=SMALL.vocab)
     backend = PagedModelBackend(small, 8, 4)
     outputs, _ = _drive(small, sched, backend, {1: prompt}, {1: 9})
     paged = PagedModelBackend(small, 8, 4)

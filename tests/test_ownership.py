@@ -42,7 +42,7 @@ def state(s):
 
 
 def world():
-    s = qualia.Scheduler(max_requests=6, num_blocks=48, page_tokens=4, logical_pages=6,
+    s = qualia.Scheduler(max_requests=6, num_pages=48, page_tokens=4, logical_pages=6,
                          prefix_caching="explicit")
     prompt = list(range(1, 11))
     s.admit(1)
@@ -435,7 +435,7 @@ def test_threads_racing_on_one_scheduler():
     """Two decoders (a yielding Python backend and the C backend, which runs without the GIL)
     and two churners (admit with a prefix, reserve, advance, publish, finish, evict) on one
     scheduler: every call runs in full or raises a clean error, and the accounting is exact."""
-    s = qualia.Scheduler(max_requests=8, num_blocks=640, page_tokens=4, logical_pages=64,
+    s = qualia.Scheduler(max_requests=8, num_pages=640, page_tokens=4, logical_pages=64,
                          prefix_caching="explicit")
     prompt = list(range(1, 13))
     errors = []
@@ -511,7 +511,7 @@ def test_threads_racing_on_one_scheduler():
         s.finish(rid)
     while s.evict_lru() is not None:
         pass
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
 
 
 def test_concurrent_identities_without_the_scheduler():
@@ -519,7 +519,7 @@ def test_concurrent_identities_without_the_scheduler():
     even while a round owns the scheduler."""
     s, prompt = world()
     prompts = [list(range(k, k + 3000)) for k in (0, 10**6)]
-    s2 = qualia.Scheduler(max_requests=2, num_blocks=8, page_tokens=1000, logical_pages=3,
+    s2 = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=1000, logical_pages=3,
                           prefix_caching="explicit")
     expected = [qualia.PrefixIdentity.of_tokens(p) for p in prompts]
     wrong = []
@@ -571,8 +571,8 @@ def gil_free_backend(during):
 
 
 def step_world(**kw):
-    s = qualia.Scheduler(max_requests=4, num_blocks=64, page_tokens=4, logical_pages=8,
-                         cache_key=b"t" * 16, **kw)
+    s = qualia.StepScheduler(num_pages=64, page_tokens=4, logical_pages=8, max_num_seqs=4,
+                             cache_key=b"t" * 16, **kw)
     shared = list(range(1, 13))
     s.add_request(1, shared + [20], max_new_tokens=6)
     s.run(qualia.HashBackend())             # pages of `shared` are cached now
@@ -582,17 +582,12 @@ def step_world(**kw):
 
 
 def step_reads(s, shared):
-    """Every read of a facade with engine-step requests and of the raw objects it holds, by
-    name: under the contract each raises BusyError while a GIL-free section runs."""
-    ident = qualia.PrefixIdentity.of_tokens(shared)
-    out = np.zeros(4, qualia.REQUEST_VIEW)
+    """Every read of a StepScheduler and of the pool it lends, by name: under the contract each
+    raises BusyError while a GIL-free section runs."""
     return {
         "stats": lambda: s.stats(),
         "active_count": lambda: s.active_count,
         "free_pages": lambda: s.free_pages,
-        "block_table": lambda: s.block_table(2),
-        "token_count": lambda: s.token_count(2),
-        "runnable": lambda: s.runnable(),
         "cached_prefix": lambda: s.cached_prefix(shared + [1]),
         "cached_prefix_tokens": lambda: s.cached_prefix_tokens(shared + [1]),
         "cache_stats": lambda: s.cache_stats(),
@@ -606,24 +601,10 @@ def step_reads(s, shared):
         "forks": lambda: s.forks,
         "fork_fallbacks": lambda: s.fork_fallbacks,
         "parked": lambda: s.parked,
-        "step_requests": lambda: s.step_requests(),
+        "requests": lambda: s.requests(),
         "pool.free_count": lambda: s.pool.free_count,
         "pool.refcount": lambda: s.pool.refcount(0),
         "pool.refcounts": lambda: s.pool.refcounts(),
-        "prefixes.hits": lambda: s.prefixes.hits,
-        "prefixes.misses": lambda: s.prefixes.misses,
-        "prefixes.__len__": lambda: len(s.prefixes),
-        "prefixes.contains": lambda: s.prefixes.contains(ident),
-        "prefixes.__contains__": lambda: ident in s.prefixes,
-        "prefixes.pages_of": lambda: s.prefixes.pages_of(ident),
-        "prefixes.tokens_of": lambda: s.prefixes.tokens_of(ident),
-        "prefixes.identities": lambda: s.prefixes.identities(),
-        "requests.active_count": lambda: s.requests.active_count(),
-        "requests.block_table": lambda: s.requests.block_table(2),
-        "requests.pending_token": lambda: s.requests.pending_token(2),
-        "requests.request_view": lambda: s.requests.request_view(2),
-        "requests.runnable": lambda: s.requests.runnable(),
-        "requests.runnable_into": lambda: s.requests.runnable_into(out),
     }
 
 
@@ -634,8 +615,7 @@ def step_calls_that_work(s, shared):
         "drain_events": lambda: s.drain_events(),
         "drain_events_out": lambda: s.drain_events(np.zeros(4, qualia.KV_EVENT)),
         "page_identities": lambda: s.page_identities(shared),
-        "max_requests": lambda: s.max_requests,
-        "num_blocks": lambda: s.num_blocks,
+        "num_pages": lambda: s.num_pages,
         "logical_pages": lambda: s.logical_pages,
         "page_tokens": lambda: s.page_tokens,
         "prefix_caching": lambda: s.prefix_caching,
@@ -645,9 +625,7 @@ def step_calls_that_work(s, shared):
         "max_prefill_chunk": lambda: s.max_prefill_chunk,
         "vocab_size": lambda: s.vocab_size,
         "pool.num_blocks": lambda: s.pool.num_blocks,
-        "prefixes.capacity": lambda: s.prefixes.capacity,
-        "requests.max_requests": lambda: s.requests.max_requests,
-        "repr": lambda: (repr(s), repr(s.pool), repr(s.prefixes), repr(s.requests)),
+        "repr": lambda: (repr(s), repr(s.pool)),
     }
 
 
@@ -673,7 +651,7 @@ def run_record(s, backend):
 
 def test_every_read_is_busy_inside_the_gil_free_loop_and_changes_nothing():
     """A C step backend calling back into the scheduler from inside run()'s GIL-free section:
-    every read of the facade and of its raw objects raises BusyError (the loop owns the
+    every read of the scheduler and of its pool raises BusyError (the loop owns the
     state); the event ring, reads of no loop state, and repr keep working; the run is the run
     without the calls."""
     s, shared = step_world()
@@ -747,7 +725,7 @@ def test_reads_from_a_python_backend_mid_step_see_the_state_and_change_nothing()
             rids = plan.request_ids.tolist()
             seen.append((s.num_running, s.cached_prefix(shared + [1]).tokens,
                          {r: len(s.request_tokens(r)) for r in rids if r in (1, 2)},
-                         s.stats()["active"], len(s.runnable())))
+                         s.stats()["active"], s.active_count))
             for call in step_reads(s, shared).values():
                 try:
                     call()
@@ -786,8 +764,7 @@ def test_cached_prefix_racing_the_gil_free_loop_never_half_admits():
     requests with cache hits: each read runs in full or raises BusyError, no run fails, and
     every run, the events and the state equal a single-threaded replay."""
     def make():
-        return qualia.Scheduler(max_requests=8, num_blocks=600, page_tokens=4, logical_pages=64,
-                                cache_key=b"r" * 16, max_num_batched_tokens=1024)
+        return qualia.StepScheduler(600, 4, 64, 8, cache_key=b"r" * 16, max_num_batched_tokens=1024)
 
     s = make()
     probe = list(range(5000, 5256))
@@ -828,9 +805,8 @@ def test_a_router_thread_draining_events_during_run_gets_every_event_once_in_ord
     the concatenated drains equal the events of a single-threaded replay (none lost,
     duplicated or made up), and nothing is dropped while the ring has room."""
     def make():
-        return qualia.Scheduler(max_requests=8, num_blocks=96, page_tokens=2, logical_pages=16,
-                                cache_key=b"e" * 16, max_num_batched_tokens=64,
-                                max_queued=512, event_capacity=1 << 16)
+        return qualia.StepScheduler(96, 2, 16, 8, cache_key=b"e" * 16, max_num_batched_tokens=64,
+                                    max_queued=512, event_capacity=1 << 16)
 
     def workload(s):
         rng = np.random.default_rng(7)

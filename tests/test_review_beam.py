@@ -32,14 +32,14 @@ HB = qualia.HashBackend(vocab=V)
 
 def both(*args, **kw):
     kw.setdefault("vocab_size", V)
-    return qualia.Scheduler(*args, **kw), TwinStepScheduler(*args, **kw)
+    return qualia.StepScheduler(*args, **kw), TwinStepScheduler(*args, **kw)
 
 
 def state(s, groups=()):
     """Everything a refused call must leave as it was (core or twin)."""
-    core = isinstance(s, qualia.Scheduler)
+    core = isinstance(s, qualia.StepScheduler)
     f = s if core else s.facade
-    reqs = sorted(s.step_requests() if core else s.requests())
+    reqs = sorted(s.requests())
     members = {}
     for g in groups:
         try:
@@ -47,7 +47,7 @@ def state(s, groups=()):
         except StepError.UnknownRequest:
             members[g] = None
     return (reqs, {r: s.request_tokens(r).tolist() for r in reqs}, s.num_waiting,
-            s.num_running, f.free_pages, [f.pool.refcount(p) for p in range(f.num_blocks)],
+            s.num_running, f.free_pages, [f.pool.refcount(p) for p in range(f.num_pages)],
             members, s.parked, s.forks, s.fork_fallbacks, s.has_unfinished())
 
 
@@ -87,7 +87,7 @@ def lockstep(c, t, limit=500, hb=HB):
 
 def all_pages_back(c):
     c.clear_cache()
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
 
 
 # -- 1. candidates: values that would make the selection silently wrong -------------------------
@@ -97,7 +97,7 @@ class Sub(np.ndarray):
 
 
 def beam_plan():
-    c, t = both(8, 64, 4, 16)
+    c, t = both(64, 4, 16, 8)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=4, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=4)
@@ -149,7 +149,7 @@ def test_minus_inf_and_a_repeat_past_a_narrower_beams_width_are_accepted():
     """-inf is a token of probability 0 (its beam sorts last); a plan's num_topk is its widest
     group's, and a narrower group reads only its first w candidates, so a repeat past them is
     not an error."""
-    c, t = both(8, 64, 4, 16)
+    c, t = both(64, 4, 16, 8)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
         s.add_request(2, PROMPT[2:], max_new_tokens=3, beam_width=4)
@@ -249,8 +249,8 @@ def test_a_c_backend_writing_garbage_candidates_fails_its_step_applying_nothing(
     """The step is discarded: the scheduler is as schedule() + discard_plan() leave it (the
     admissions stay, no token, fork or selection applied), and a good backend then finishes
     the group as from a fresh start."""
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
-    ref = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
+    ref = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
     for s in (c, ref):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         s.add_request(2, PROMPT[:3], max_new_tokens=2)
@@ -267,7 +267,7 @@ def test_a_c_backend_writing_garbage_candidates_fails_its_step_applying_nothing(
 
 def test_a_c_backend_without_the_flag_is_refused_even_with_a_beam_group_added_later():
     # a beam group queued after a run() that had none: the next run() refuses before any step
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
     c.add_request(2, PROMPT[:3], max_new_tokens=2)
     assert len(c.run(c_backend(GOOD, flags=0)).finished) == 1
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
@@ -297,8 +297,8 @@ class TupleThatRaises(tuple):
      ValueError),
 ])
 def test_a_python_backend_returning_malformed_tuples_fails_its_step_applying_nothing(shape, exc):
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
-    ref = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
+    ref = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
     for s in (c, ref):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
     ref.schedule()
@@ -324,8 +324,8 @@ def test_beams_without_a_prefix_cache_need_their_whole_sequences_side_by_side():
     own, so a group whose beams fit only by sharing the prompt would park forever (run() never
     returned).  Such a group is NeverFits; one that fits whole runs to its end."""
     def go(num_blocks):
-        c = qualia.Scheduler(4, num_blocks, 4, 16, max_num_seqs=2, prefix_caching="off",
-                             vocab_size=V)
+        c = qualia.StepScheduler(num_blocks, 4, 16, 2, prefix_caching="off", vocab_size=V,
+                                 max_queued=16)
         c.add_request(2, [7, 7], max_new_tokens=3)         # holds a row: the child is queued
         c.add_request(1, list(range(8)), max_new_tokens=4, beam_width=2)
         return c
@@ -335,9 +335,9 @@ def test_beams_without_a_prefix_cache_need_their_whole_sequences_side_by_side():
     c = go(6)
     r = c.run(HB, max_steps=200)
     assert not c.has_unfinished() and len(r.finished) == 2 and c.fork_fallbacks > 0
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
     # with the cache, sharing the prompt is enough
-    a = qualia.Scheduler(4, 4, 4, 16, max_num_seqs=2, vocab_size=V)
+    a = qualia.StepScheduler(4, 4, 16, 2, vocab_size=V, max_queued=16)
     a.add_request(1, list(range(8)), max_new_tokens=4, beam_width=2)
     assert len(a.run(HB, max_steps=200).finished) == 1
 
@@ -355,8 +355,8 @@ def phases():
 @pytest.mark.parametrize("name,steps,pending", phases())
 def test_aborting_a_beam_group_at_each_phase_equals_the_twin_and_frees_everything(name, steps,
                                                                                     pending):
-    kw = dict(max_num_batched_tokens=6, max_num_seqs=3, max_prefill_chunk=4)
-    c, t = both(6, 12, 2, 12, **kw)
+    kw = dict(max_num_batched_tokens=6, max_num_seqs=3, max_prefill_chunk=4, max_queued=24)
+    c, t = both(12, 2, 12, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3, eos_token_id=17)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
@@ -402,7 +402,7 @@ def test_aborting_a_beam_group_at_each_phase_equals_the_twin_and_frees_everythin
 def test_an_aborted_groups_rows_in_the_pending_plan_are_skipped_and_its_id_reusable():
     """Abort a beam group whose beams are in the pending plan, add a new beam group under the
     same id, then apply the plan (candidates for the dead rows are not read)."""
-    c, t = both(8, 64, 4, 16, max_num_seqs=6)
+    c, t = both(64, 4, 16, 6, max_queued=32)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=4, beam_width=3)
     for _ in range(2):
@@ -423,7 +423,7 @@ def test_an_aborted_groups_rows_in_the_pending_plan_are_skipped_and_its_id_reusa
 
 
 def test_discarding_beam_plans_repeats_them_and_equals_the_twin():
-    c, t = both(8, 24, 2, 16, max_num_batched_tokens=8, max_num_seqs=4)
+    c, t = both(24, 2, 16, 4, max_num_batched_tokens=8, max_queued=32)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=4, stop_token_ids=[9])
         s.add_request(2, PROMPT[:5], max_new_tokens=3, beam_width=2)
@@ -455,7 +455,7 @@ def test_edges_width_equal_to_max_num_seqs_one_token_and_all_stop_candidates(wid
     (greedy)."""
     vocab = 16
     hb = qualia.HashBackend(vocab=vocab)
-    c, t = both(4, 64, 4, 16, max_num_seqs=width, max_queued=width, vocab_size=vocab)
+    c, t = both(64, 4, 16, width, max_queued=width, vocab_size=vocab)
     for s in (c, t):
         s.add_request(1, [p % vocab for p in PROMPT], max_new_tokens=max_new, beam_width=width,
                       stop_token_ids=list(range(vocab)) if stops else [])
@@ -473,7 +473,7 @@ def test_edges_width_equal_to_max_num_seqs_one_token_and_all_stop_candidates(wid
 
 
 def test_children_skip_user_ids_at_the_child_base():
-    c, t = both(8, 64, 4, 16, max_queued=12)
+    c, t = both(64, 4, 16, 8, max_queued=12)
     base = CHILD_BASE
     for s in (c, t):
         s.add_request(base, [1, 2], max_new_tokens=9)
@@ -510,7 +510,7 @@ class ArrayLike:
 
 @pytest.mark.parametrize("what", ["abort", "add", "update", "discard", "raise"])
 def test_array_hooks_that_touch_the_scheduler_run_before_it_is_owned(what):
-    c, t = both(8, 64, 4, 16, max_num_seqs=6)
+    c, t = both(64, 4, 16, 6, max_queued=32)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         s.add_request(2, PROMPT[:3], max_new_tokens=3)
@@ -549,7 +549,7 @@ def test_array_hooks_that_touch_the_scheduler_run_before_it_is_owned(what):
 def test_gc_callbacks_during_beam_updates_and_runs_get_busy_error():
     """A GC callback that aborts, adds or discards while update() or run() owns the scheduler
     gets BusyError; whatever ran outside the owned sections leaves a consistent scheduler."""
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V, max_num_seqs=6)
+    c = qualia.StepScheduler(64, 4, 16, 6, vocab_size=V, max_queued=32)
     c.add_request(1, PROMPT, max_new_tokens=6, beam_width=3)
     c.add_request(2, PROMPT[:3], max_new_tokens=6, beam_width=2)
     seen = []
@@ -589,7 +589,7 @@ def test_gc_callbacks_during_beam_updates_and_runs_get_busy_error():
 # -- 6. memory ---------------------------------------------------------------------------------
 
 def test_beam_groups_leak_nothing_across_full_runs_and_aborts():
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V, max_num_seqs=4)
+    c = qualia.StepScheduler(64, 4, 16, 4, vocab_size=V, max_queued=32)
 
     def cycle(i):
         c.add_request(1, PROMPT, max_new_tokens=4, beam_width=3, namespace=b"ns%d" % (i % 3))
@@ -615,8 +615,8 @@ def beams_decoding(groups=8, width=4):
     steps = 8 * ROUNDS
     lp = (64 + steps) // 16 + 2
     n = groups * width
-    s = qualia.Scheduler(n, n * lp, 16, lp, max_num_batched_tokens=groups * 128,
-                         max_queued=n, max_num_seqs=n, cache_key=b"a" * 16, vocab_size=1000)
+    s = qualia.StepScheduler(n * lp, 16, lp, n, max_num_batched_tokens=groups * 128, max_queued=n,
+                             cache_key=b"a" * 16, vocab_size=1000)
     for i in range(groups):
         s.add_request(i, np.arange(64, dtype=np.uint32) + i, max_new_tokens=steps,
                       beam_width=width)
@@ -651,7 +651,7 @@ def test_the_steady_beam_step_allocates_nothing_in_run_and_by_hand():
 def test_a_beam_wider_than_the_vocabulary_is_refused():
     """w continuations of a beam are w distinct tokens: beam_width past vocab_size could never
     get valid candidates (every update would fail), so add_request refuses it."""
-    c, t = both(4, 64, 4, 16, vocab_size=3)
+    c, t = both(64, 4, 16, 4, vocab_size=3)
     for s in (c, t):
         with pytest.raises(ValueError, match="vocab_size=3"):
             s.add_request(1, [1, 2], max_new_tokens=2, beam_width=4)
@@ -659,7 +659,7 @@ def test_a_beam_wider_than_the_vocabulary_is_refused():
         s.add_request(1, [1, 2], max_new_tokens=2, beam_width=3)
     assert len(lockstep(c, t, hb=qualia.HashBackend(vocab=3))[0].outputs) == 3
     # the hash backend refuses to write more candidates than it has tokens
-    u = qualia.Scheduler(4, 64, 4, 16)
+    u = qualia.StepScheduler(64, 4, 16, 4)
     u.add_request(1, [1, 2], max_new_tokens=2, beam_width=4)
     with pytest.raises(ValueError, match="exceeds the backend's vocabulary"):
         qualia.HashBackend(vocab=3).execute_step_topk(u.schedule())
@@ -672,7 +672,7 @@ def test_a_beam_wider_than_the_vocabulary_is_refused():
 def test_a_c_backend_that_declares_candidates_but_leaves_them_unwritten_fails_its_step():
     """The candidate log-probabilities start NaN before each call: a backend that writes only
     the ids (or nothing) fails the step instead of reusing the previous step's candidates."""
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
     calls = []
 

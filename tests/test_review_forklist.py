@@ -14,12 +14,13 @@ from test_step_harden import c_backend, snapshot
 import qualia
 from qualia.twin import StepScheduler as TwinStepScheduler
 
-KW = dict(max_num_batched_tokens=64, max_num_seqs=4, vocab_size=64, cache_key=b"f" * 16)
+KW = dict(max_num_batched_tokens=64, max_num_seqs=4, max_queued=32, vocab_size=64,
+          cache_key=b"f" * 16)
 
 
 def both(**kw):
     kw = {**KW, **kw}
-    return [qualia.Scheduler(8, 64, 4, 16, **kw), TwinStepScheduler(8, 64, 4, 16, **kw)]
+    return [qualia.StepScheduler(64, 4, 16, **kw), TwinStepScheduler(64, 4, 16, **kw)]
 
 
 def short_lived_groups(s):
@@ -72,7 +73,7 @@ def test_the_c_abi_plan_carries_more_forks_than_rows():
         return 0
 
     cb = EXECUTE_STEP(execute)
-    s = qualia.Scheduler(8, 64, 4, 16, **KW)
+    s = qualia.StepScheduler(64, 4, 16, **KW)
     s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=1, n=2)
     s.add_request(2, [1, 2, 3, 4, 6], max_new_tokens=1, n=2)
     s.add_request(3, [1, 2, 3, 4, 7], max_new_tokens=2, n=4)
@@ -160,7 +161,7 @@ def test_an_unsorted_row_changes_nothing_alike():
         tids = np.tile(np.arange(k, dtype=np.uint32), (m, 1))
         tlps = np.tile(-1.0 - np.arange(k, dtype=np.float64), (m, 1))
         tlps[0, k - 1] = np.nextafter(tlps[0, k - 2], 0.0)
-        before = snapshot(s) if isinstance(s, qualia.Scheduler) else None
+        before = snapshot(s) if isinstance(s, qualia.StepScheduler) else None
         with pytest.raises(ValueError, match="best first"):
             s.update(np.zeros(m, np.uint32), tids, tlps)
         if before is not None:
@@ -199,7 +200,7 @@ def fork_seeing_backend(seen):
 
 
 def a_plan():
-    s = qualia.Scheduler(8, 64, 4, 16, **KW)
+    s = qualia.StepScheduler(64, 4, 16, **KW)
     s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3)
     return s.schedule()
 
@@ -308,7 +309,7 @@ def lockstep(seed, stats):
     kw = dict(max_num_batched_tokens=int(rng.integers(4, 40)), max_num_seqs=seqs,
               vocab_size=64, cache_key=b"z" * 16, max_queued=24)
     nb = int(rng.integers(8, 40))
-    ss = [qualia.Scheduler(5, nb, 4, 16, **kw), TwinStepScheduler(5, nb, 4, 16, **kw)]
+    ss = [qualia.StepScheduler(nb, 4, 16, **kw), TwinStepScheduler(nb, 4, 16, **kw)]
     nid = 0
     for _ in range(80):
         a = rng.integers(0, 10)

@@ -31,13 +31,13 @@ IDS = [0, 1, 2, 3, CHILD, CHILD + 1, CHILD + 2, CHILD + 3, 2**64 - 1, 2**64 - 2]
 
 
 def queued(s):
-    return list(s.step_requests() if hasattr(s, "step_requests") else s.requests())
+    return list(s.requests())
 
 
 def snapshot(s):
     """Everything a refused call must leave as it was (core or twin)."""
     f = getattr(s, "facade", s)
-    reqs = s.step_requests() if hasattr(s, "step_requests") else list(s.requests())
+    reqs = list(s.requests())
     groups = {}
     for rid in IDS + list(range(0, 64)):
         try:
@@ -46,7 +46,7 @@ def snapshot(s):
             pass
     return (s.num_waiting, s.num_running, s.has_unfinished(), f.free_pages,
             sorted(reqs), {r: s.request_tokens(r).tolist() for r in reqs}, groups,
-            [f.pool.refcount(p) for p in range(f.num_blocks)], s.forks, s.fork_fallbacks)
+            [f.pool.refcount(p) for p in range(f.num_pages)], s.forks, s.fork_fallbacks)
 
 
 class HostileForks(ForksVsTwin):
@@ -103,9 +103,11 @@ HB = qualia.HashBackend(vocab=VOCAB)
 
 
 def both_kinds(**kw):
-    args = (8, 64, 4, 16)
+    args = (64, 4, 16)
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("max_queued", 32)
     kw.setdefault("vocab_size", VOCAB)
-    return qualia.Scheduler(*args, **kw), TwinStepScheduler(*args, **kw)
+    return qualia.StepScheduler(*args, **kw), TwinStepScheduler(*args, **kw)
 
 
 class PyHash:
@@ -322,7 +324,7 @@ def test_abort_the_group_at_every_phase_agrees_with_the_twin(phase):
         seen.append((snapshot(s), [getattr(f, "member_ids", f.request_id) for f in r.finished],
                      fins))
         assert not s.has_unfinished()
-        assert getattr(s, "facade", s).free_pages == getattr(s, "facade", s).num_blocks
+        assert getattr(s, "facade", s).free_pages == getattr(s, "facade", s).num_pages
         # every id of the group is free again
         for m in members:
             s.add_request(m, PROMPT[:2], max_new_tokens=1)
@@ -331,9 +333,8 @@ def test_abort_the_group_at_every_phase_agrees_with_the_twin(phase):
 
 def test_queue_of_exactly_n_entries_and_fewer_seqs_than_requests():
     # max_queued == max_num_seqs == n: the group takes the whole queue until its result
-    for s in (qualia.Scheduler(4, 64, 4, 16, max_num_seqs=3, max_queued=3, vocab_size=VOCAB),
-              TwinStepScheduler(4, 64, 4, 16, max_num_seqs=3, max_queued=3,
-                                   vocab_size=VOCAB)):
+    for s in (qualia.StepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB),
+              TwinStepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB)):
         s.add_request(1, PROMPT, max_new_tokens=2, n=3)
         before = snapshot(s)
         with pytest.raises(StepError.QueueFull):
@@ -364,12 +365,12 @@ def test_a_backend_failing_mid_group_reports_what_finished_and_resumes_exactly()
         g = r.finished[0]
         assert [o.tolist() for o in g.outputs] == [ref(m, PROMPT, 5) for m in members]
         outcome.append((done, mid, s.forks, s.fork_fallbacks))
-        assert getattr(s, "facade", s).free_pages == getattr(s, "facade", s).num_blocks
+        assert getattr(s, "facade", s).free_pages == getattr(s, "facade", s).num_pages
     assert outcome[0] == outcome[1] and outcome[0][0] == [2]
 
 
 def test_calls_from_the_backend_thread_or_another_thread_are_busy_and_change_nothing():
-    s = qualia.Scheduler(8, 64, 4, 16, vocab_size=VOCAB)
+    s = qualia.StepScheduler(64, 4, 16, 8, vocab_size=VOCAB)
     s.add_request(1, PROMPT, max_new_tokens=4, n=3)
     got = []
 
@@ -395,7 +396,7 @@ def test_calls_from_the_backend_thread_or_another_thread_are_busy_and_change_not
 
 
 def test_gc_callbacks_during_update_are_busy_and_the_group_result_is_whole():
-    s = qualia.Scheduler(8, 64, 4, 16, vocab_size=VOCAB)
+    s = qualia.StepScheduler(64, 4, 16, 8, vocab_size=VOCAB)
     s.add_request(1, PROMPT, max_new_tokens=1, n=4)
     members = s.group_members(1)
     plan = s.schedule()
@@ -423,7 +424,7 @@ def test_gc_callbacks_during_update_are_busy_and_the_group_result_is_whole():
     assert hits and set(hits) == {"busy"}
     assert len(out) == 1 and out[0].member_ids == members
     assert [o.tolist() for o in out[0].outputs] == [ref(m, PROMPT, 1) for m in members]
-    assert not s.has_unfinished() and s.free_pages == s.num_blocks
+    assert not s.has_unfinished() and s.free_pages == s.num_pages
 
 
 # -- the engine and its check ------------------------------------------------------------------
@@ -630,9 +631,9 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
     prefix caching off or automatic, user ids among the child ids, the C loop or a Python
     backend: every member is its own hash-rule run and every page comes back (the twin models
     'auto' only, so 'off' is checked against the rule alone)."""
-    s = qualia.Scheduler(6, num_blocks, page_tokens, 16, prefix_caching=mode,
-                         max_num_seqs=seqs, max_num_batched_tokens=budget,
-                         max_prefill_chunk=chunk, vocab_size=VOCAB)
+    s = qualia.StepScheduler(num_blocks, page_tokens, 16, seqs, prefix_caching=mode,
+                             max_num_batched_tokens=budget, max_prefill_chunk=chunk,
+                             vocab_size=VOCAB, max_queued=24)
     want = {}
     for i, (n, length, max_new, high) in enumerate(reqs):
         rid = CHILD + i if high else i
@@ -657,5 +658,5 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
             assert f.member_ids == members and len(set(members)) == len(members)
             assert [o.tolist() for o in f.outputs] == [ref(m, prompt, max_new)
                                                       for m in members]
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
     assert all(s.pool.refcount(p) in (0, 1) for p in range(num_blocks))

@@ -166,7 +166,7 @@ def test_work_of_a_plan_reads_its_lengths_rows_and_copies():
 def test_work_of_a_real_plan_matches_its_token_counts():
     import qualia
 
-    s = qualia.Scheduler(8, 64, 16, 16, max_num_batched_tokens=64)
+    s = qualia.StepScheduler(64, 16, 16, 8, max_num_batched_tokens=64)
     s.add_request(0, np.arange(40, dtype=np.uint32), max_new_tokens=4)
     s.add_request(1, np.arange(7, dtype=np.uint32), max_new_tokens=4)
     plan = s.schedule()

@@ -18,13 +18,6 @@ from qualia.sim.config import step_scheduler_class
 from qualia.sim.engine import Engine
 from qualia.sim.workload import Request
 
-#: The scheduler's plan counts a running request's step of one token as a decode, whether that
-#: token is the last of its prompt or a generated one (the core's ``decode = rem == 1`` in
-#: schedule, the twin's ``decodes`` list).  The fix belongs to the compiled core and its twin,
-#: which this branch does not change.
-ONE_TOKEN_CHUNK = ("the plan counts a 1-token final prompt chunk as a decode (core and twin "
-                   "plan counters)")
-
 
 def _plans(kind: str, prompt: int, budget: int, new: int):
     """Every plan of one request of ``prompt`` tokens and ``new`` tokens to generate, on the
@@ -47,7 +40,6 @@ def test_a_prompt_prefilled_in_whole_chunks_counts_every_token_once(kind):
     assert all(p + d == t for p, d, t in plans)
 
 
-@pytest.mark.xfail(strict=True, reason=ONE_TOKEN_CHUNK)
 @pytest.mark.parametrize("kind", ["core", "twin"])
 def test_a_one_token_final_prompt_chunk_is_prefill_in_the_plan(kind):
     # 33 prompt tokens in steps of 32: the second step computes the 33rd prompt token (and
@@ -71,7 +63,6 @@ def test_the_books_add_up_what_the_plans_count():
     assert st["tokens_decoded"] == sum(d for _, d in seen) == 4
 
 
-@pytest.mark.xfail(strict=True, reason=ONE_TOKEN_CHUNK)
 def test_the_summary_counts_a_one_token_final_prompt_chunk_as_prefilled(capsys):
     assert main(["simulate", "--backend", "c", "--requests", "1", "--turns", "1",
                  "--prompt-len", "33", "--output-len", "4", "--system-prompts", "0",

@@ -1052,12 +1052,12 @@ class FacadeInvariants(RuleBasedStateMachine):
         store = s.prefixes
         for i in store.identities():
             expect.update(store.pages_of(i))
-        assert refs == [expect[p] for p in range(s.num_blocks)], (refs, dict(expect))
-        assert s.free_pages + sum(1 for x in refs if x) == s.num_blocks
+        assert refs == [expect[p] for p in range(s.num_pages)], (refs, dict(expect))
+        assert s.free_pages + sum(1 for x in refs if x) == s.num_pages
         st_ = s.stats()
         assert st_["active"] == len(rids) == s.active_count
         assert st_["free_pages"] == s.free_pages == s.pool.free_count
-        assert st_["used_pages"] == s.num_blocks - s.free_pages
+        assert st_["used_pages"] == s.num_pages - s.free_pages
         assert st_["prefix_entries"] == len(store)
         assert (st_["prefix_hits"], st_["prefix_misses"]) == (store.hits, store.misses)
         assert {k: st_[k] for k in self.pages} == self.pages
@@ -1071,10 +1071,10 @@ class FacadeInvariants(RuleBasedStateMachine):
         occurrences = Counter()
         for i in s.prefixes.identities():
             occurrences.update(s.prefixes.pages_of(i))
-        assert s.pool.refcounts().tolist() == [occurrences[p] for p in range(s.num_blocks)]
+        assert s.pool.refcounts().tolist() == [occurrences[p] for p in range(s.num_pages)]
         while s.evict_lru() is not None:
             pass
-        assert s.free_pages == s.num_blocks
+        assert s.free_pages == s.num_pages
 
 
 TestFacadeInvariants = FacadeInvariants.TestCase

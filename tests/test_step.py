@@ -1,4 +1,4 @@
-"""The engine step of the compiled core (``qualia.Scheduler``: add_request / abort / schedule /
+"""The engine step of the compiled core (``qualia.StepScheduler``: add_request / abort / schedule /
 update / run), one test per rule of docs/DESIGN.md, "The engine step".  Where a rule is about the
 plan, the test also checks the pure-Python twin (``qualia.twin.StepScheduler``) gives the
 same plan; tests/test_step_stateful.py drives both at random."""
@@ -16,7 +16,7 @@ from qualia.twin import StepScheduler
 
 def make(*args, twin=False, **kw):
     kw.setdefault("cache_key", b"k" * 16)
-    cls = StepScheduler if twin else qualia.Scheduler
+    cls = StepScheduler if twin else qualia.StepScheduler
     return cls(*args, **kw)
 
 
@@ -59,7 +59,7 @@ def step_both(a, b):
 
 def snapshot(s):
     """Everything a failed call must leave as it was."""
-    reqs = s.step_requests()
+    reqs = s.requests()
     return {
         "requests": reqs,
         "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
@@ -77,7 +77,7 @@ def snapshot(s):
 # -- ordering ------------------------------------------------------------------------------------
 
 def test_plan_order_is_decodes_then_prefills_then_admissions():
-    a, b = pair(4, 64, 4, 16, max_num_batched_tokens=12, max_prefill_chunk=4)
+    a, b = pair(64, 4, 16, 4, max_num_batched_tokens=12, max_prefill_chunk=4)
     for s in (a, b):
         s.add_request(1, list(range(1, 3)), max_new_tokens=5)    # 2 tokens: decodes soon
         s.add_request(2, list(range(10, 22)), max_new_tokens=5)  # 12 tokens: 3 chunks
@@ -91,7 +91,7 @@ def test_plan_order_is_decodes_then_prefills_then_admissions():
 
 
 def test_waiting_requests_are_admitted_by_priority_then_arrival():
-    a, b = pair(4, 64, 4, 16, max_num_batched_tokens=64)
+    a, b = pair(64, 4, 16, 4, max_num_batched_tokens=64)
     for s in (a, b):
         s.add_request(10, [1, 2], max_new_tokens=1, priority=2)
         s.add_request(11, [3, 4], max_new_tokens=1, priority=0)
@@ -103,7 +103,7 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival():
 
 def test_negative_priorities_come_first():
     # (core only: the twin's integer helper refuses negative values)
-    s = make(4, 64, 4, 16, max_num_batched_tokens=64)
+    s = make(64, 4, 16, 4, max_num_batched_tokens=64)
     s.add_request(1, [1], max_new_tokens=1, priority=0)
     s.add_request(2, [2], max_new_tokens=1, priority=-5)
     s.add_request(3, [3], max_new_tokens=1, priority=-(2**31))
@@ -111,7 +111,7 @@ def test_negative_priorities_come_first():
 
 
 def test_the_first_waiting_request_that_does_not_fit_stops_admissions():
-    a, b = pair(4, 64, 4, 16, max_num_batched_tokens=6)
+    a, b = pair(64, 4, 16, 4, max_num_batched_tokens=6)
     for s in (a, b):
         s.add_request(1, [1, 2, 3, 4], max_new_tokens=1)
         s.add_request(2, [1] * 10, max_new_tokens=1)   # chunked: takes the rest of the budget
@@ -124,7 +124,7 @@ def test_the_first_waiting_request_that_does_not_fit_stops_admissions():
 # -- budget, max_num_seqs, chunking --------------------------------------------------------------
 
 def test_token_budget_bounds_every_plan():
-    a, b = pair(8, 200, 4, 16, max_num_batched_tokens=7)
+    a, b = pair(200, 4, 16, 8, max_num_batched_tokens=7)
     for s in (a, b):
         for i in range(6):
             s.add_request(i, list(range(i, i + 9)), max_new_tokens=4)
@@ -135,7 +135,7 @@ def test_token_budget_bounds_every_plan():
 
 
 def test_max_num_seqs_bounds_running_requests():
-    a, b = pair(8, 200, 4, 16, max_num_batched_tokens=100, max_num_seqs=3)
+    a, b = pair(200, 4, 16, 3, max_num_batched_tokens=100, max_queued=32)
     for s in (a, b):
         for i in range(6):
             s.add_request(i, [i + 1] * 3, max_new_tokens=3)
@@ -146,7 +146,7 @@ def test_max_num_seqs_bounds_running_requests():
 
 
 def test_long_prompts_are_chunked_and_sampled_only_at_their_last_chunk():
-    a, b = pair(2, 64, 4, 16, max_num_batched_tokens=100, max_prefill_chunk=5)
+    a, b = pair(64, 4, 16, 2, max_num_batched_tokens=100, max_prefill_chunk=5)
     for s in (a, b):
         s.add_request(1, list(range(1, 13)), max_new_tokens=2)
     chunks = []
@@ -163,7 +163,7 @@ def test_long_prompts_are_chunked_and_sampled_only_at_their_last_chunk():
 
 def test_preemption_picks_the_largest_priority_value_then_the_latest_admitted():
     # 6 pages of 4 tokens; three requests of 2 pages each, then decodes need a third page each
-    a, b = pair(4, 6, 4, 8, max_num_batched_tokens=64)
+    a, b = pair(6, 4, 8, 4, max_num_batched_tokens=64)
     for s in (a, b):
         s.add_request(1, [1] * 8, max_new_tokens=8, priority=0)
         s.add_request(2, [2] * 8, max_new_tokens=8, priority=1)
@@ -178,7 +178,7 @@ def test_preemption_picks_the_largest_priority_value_then_the_latest_admitted():
 
 def test_a_preempted_request_recomputes_and_generates_the_same_tokens():
     def outputs(num_blocks):
-        s = make(4, num_blocks, 4, 8, max_num_batched_tokens=64)
+        s = make(num_blocks, 4, 8, 4, max_num_batched_tokens=64)
         for i in range(3):
             s.add_request(i, [i + 1] * 9, max_new_tokens=12)
         got, preempted = {}, 0
@@ -196,7 +196,7 @@ def test_a_preempted_request_recomputes_and_generates_the_same_tokens():
 
 
 def test_preempted_request_keeps_its_outputs_and_waits_again():
-    a, b = pair(4, 5, 4, 8, max_num_batched_tokens=64)
+    a, b = pair(5, 4, 8, 4, max_num_batched_tokens=64)
     for s in (a, b):
         s.add_request(1, [1] * 8, max_new_tokens=10)
         s.add_request(2, [2] * 8, max_new_tokens=10)
@@ -205,7 +205,7 @@ def test_preempted_request_keeps_its_outputs_and_waits_again():
         if len(plan.preempted_request_ids):
             break
     victim = int(plan.preempted_request_ids[0])
-    assert victim in a.step_requests()
+    assert victim in a.requests()
     assert len(a.request_tokens(victim)) > 8          # its outputs stay
     assert a.num_waiting == 1
 
@@ -213,7 +213,7 @@ def test_preempted_request_keeps_its_outputs_and_waits_again():
 # -- prefix hits ---------------------------------------------------------------------------------
 
 def test_an_admission_skips_the_cached_pages_of_its_tokens():
-    a, b = pair(4, 64, 4, 16, max_num_batched_tokens=64)
+    a, b = pair(64, 4, 16, 4, max_num_batched_tokens=64)
     shared = list(range(100, 112))
     for s in (a, b):
         s.add_request(1, shared + [1, 2], max_new_tokens=1)
@@ -228,7 +228,7 @@ def test_an_admission_skips_the_cached_pages_of_its_tokens():
 
 def test_off_mode_has_no_hits_and_generates_the_same_tokens():
     def run(mode):
-        s = make(4, 64, 4, 16, prefix_caching=mode, max_num_batched_tokens=8)
+        s = make(64, 4, 16, 4, prefix_caching=mode, max_num_batched_tokens=8)
         for i in range(4):
             s.add_request(i, [9, 9, 9, 9, 9, 9, 9, 9, i], max_new_tokens=5)
         got, cached = {}, 0
@@ -247,7 +247,7 @@ def test_off_mode_has_no_hits_and_generates_the_same_tokens():
 # -- rows, changed rows, CSR ---------------------------------------------------------------------
 
 def test_rows_are_lowest_free_kept_while_running_and_cleared_when_done():
-    a, b = pair(4, 64, 4, 8, max_num_batched_tokens=64)
+    a, b = pair(64, 4, 8, 4, max_num_batched_tokens=64)
     for s in (a, b):
         s.add_request(1, [1, 2, 3], max_new_tokens=1)
         s.add_request(2, [4, 5, 6], max_new_tokens=6)
@@ -265,7 +265,7 @@ def test_rows_are_lowest_free_kept_while_running_and_cleared_when_done():
 
 
 def test_changed_rows_lists_only_rows_whose_pages_changed():
-    a, b = pair(2, 64, 4, 8, max_num_batched_tokens=64)
+    a, b = pair(64, 4, 8, 2, max_num_batched_tokens=64)
     for s in (a, b):
         s.add_request(1, [1, 2], max_new_tokens=10)
     plan, _ = step_both(a, b)
@@ -278,7 +278,7 @@ def test_changed_rows_lists_only_rows_whose_pages_changed():
 
 
 def test_csr_form_matches_the_block_table_and_seq_lens():
-    s = make(4, 64, 4, 16, max_num_batched_tokens=9, max_prefill_chunk=5)
+    s = make(64, 4, 16, 4, max_num_batched_tokens=9, max_prefill_chunk=5)
     for i in range(4):
         s.add_request(i, list(range(i, i + 11)), max_new_tokens=6)
     while s.has_unfinished():
@@ -297,7 +297,7 @@ def test_csr_form_matches_the_block_table_and_seq_lens():
 
 
 def test_plan_arrays_are_read_only_views():
-    s = make(2, 16, 4, 8)
+    s = make(16, 4, 8, 2)
     s.add_request(1, [1, 2, 3], max_new_tokens=2)
     plan = s.schedule()
     for name in PLAN_ARRAYS:
@@ -330,7 +330,7 @@ def drive(s, tokens):
 ])
 def test_stop_conditions(kw, tokens, want):
     for twin in (False, True):
-        s = make(2, 16, 4, 8, twin=twin)
+        s = make(16, 4, 8, 2, twin=twin)
         s.add_request(1, [1, 2], **kw)
         f = drive(s, tokens)
         if want is None:
@@ -344,7 +344,7 @@ def test_stop_conditions(kw, tokens, want):
 # -- abort ---------------------------------------------------------------------------------------
 
 def test_abort_a_waiting_request():
-    a, b = pair(2, 16, 4, 8, max_num_seqs=1)
+    a, b = pair(16, 4, 8, 1, max_queued=8)
     for s in (a, b):
         s.add_request(1, [1], max_new_tokens=3)
         s.add_request(2, [2], max_new_tokens=3)
@@ -356,7 +356,7 @@ def test_abort_a_waiting_request():
 
 
 def test_abort_a_running_request_between_plans():
-    a, b = pair(2, 16, 4, 8)
+    a, b = pair(16, 4, 8, 2)
     for s in (a, b):
         s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3)
     step_both(a, b)
@@ -364,14 +364,14 @@ def test_abort_a_running_request_between_plans():
     for s in (a, b):
         s.abort(1)
         assert not s.has_unfinished()
-    assert a.free_pages > free and a.free_pages == a.num_blocks
+    assert a.free_pages > free and a.free_pages == a.num_pages
     plan, _ = step_both(a, b)
     assert plan.finished_request_ids.tolist() == [1]
     assert plan.changed_rows.tolist() == [0]
 
 
 def test_abort_a_request_in_the_pending_plan_skips_it_at_update():
-    a, b = pair(2, 16, 4, 8)
+    a, b = pair(16, 4, 8, 2)
     for s in (a, b):
         s.add_request(1, [1, 2], max_new_tokens=3)
         s.add_request(2, [3, 4], max_new_tokens=1)
@@ -382,12 +382,12 @@ def test_abort_a_request_in_the_pending_plan_skips_it_at_update():
     assert len(ids) == 2                      # the aborted request's row is still there...
     fa, fb = a.update(ids), b.update(ids)
     assert fa == [] and fb == []              # ...and ignored
-    assert a.step_requests() == list(b.requests()) == [1]
+    assert a.requests() == list(b.requests()) == [1]
     assert a.request_tokens(1).tolist() == b.request_tokens(1).tolist()
 
 
 def test_abort_unknown_or_finished_is_an_error():
-    s = make(2, 16, 4, 8)
+    s = make(16, 4, 8, 2)
     with pytest.raises(StepError.UnknownRequest):
         s.abort(5)
     s.add_request(5, [1], max_new_tokens=1)
@@ -408,8 +408,8 @@ def workload(s, n=16, seed=0):
 
 def test_run_with_the_c_hash_backend_equals_a_python_loop():
     hb = qualia.HashBackend()
-    a = make(8, 14, 4, 16, max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
-    b = make(8, 14, 4, 16, max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
+    a = make(14, 4, 16, 4, max_num_batched_tokens=16, max_prefill_chunk=6, max_queued=32)
+    b = make(14, 4, 16, 4, max_num_batched_tokens=16, max_prefill_chunk=6, max_queued=32)
     workload(a)
     workload(b)
     result = a.run(hb)
@@ -422,15 +422,15 @@ def test_run_with_the_c_hash_backend_equals_a_python_loop():
     assert [(f.request_id, f.output_tokens.tolist(), f.finish_reason) for f in result.finished] \
         == [(f.request_id, f.output_tokens.tolist(), f.finish_reason) for f in finished]
     assert result.stats["num_preempted"].sum() > 0       # the pool is tight enough
-    assert a.free_pages == a.num_blocks
+    assert a.free_pages == a.num_pages
 
 
 def test_run_with_a_python_backend_matches_the_twin_run():
     class Backend:
         def execute_step(self, plan):
             return sample(plan)
-    a = make(8, 14, 4, 16, max_num_batched_tokens=16, max_num_seqs=4)
-    b = make(8, 14, 4, 16, max_num_batched_tokens=16, max_num_seqs=4, twin=True)
+    a = make(14, 4, 16, 4, max_num_batched_tokens=16, max_queued=32)
+    b = make(14, 4, 16, 4, max_num_batched_tokens=16, twin=True, max_queued=32)
     workload(a, seed=3)
     workload(b, seed=3)
     ra, rb = a.run(Backend()), b.run(Backend())
@@ -446,15 +446,15 @@ def test_run_c_backend_stats_match_the_python_backend_run():
     class Py:
         def execute_step(self, plan):
             return hb.execute_step(plan)
-    a = make(8, 40, 4, 16, max_num_batched_tokens=16, max_num_seqs=4)
-    b = make(8, 40, 4, 16, max_num_batched_tokens=16, max_num_seqs=4)
+    a = make(40, 4, 16, 4, max_num_batched_tokens=16, max_queued=32)
+    b = make(40, 4, 16, 4, max_num_batched_tokens=16, max_queued=32)
     workload(a, seed=5)
     workload(b, seed=5)
     assert np.array_equal(a.run(hb).stats, b.run(Py()).stats)
 
 
 def test_run_stops_after_max_steps():
-    s = make(4, 64, 4, 16)
+    s = make(64, 4, 16, 4)
     workload(s, n=4)
     r = s.run(qualia.HashBackend(), max_steps=3)
     assert len(r.stats) == 3
@@ -465,7 +465,7 @@ def test_run_stops_after_max_steps():
 
 
 def test_a_failing_backend_discards_the_step():
-    s = make(4, 64, 4, 16)
+    s = make(64, 4, 16, 4)
     s.add_request(1, [1, 2, 3], max_new_tokens=4)
 
     class Boom:
@@ -482,7 +482,7 @@ def test_a_failing_backend_discards_the_step():
 
 
 def test_c_backend_failure_discards_the_step():
-    s = make(4, 64, 4, 16)
+    s = make(64, 4, 16, 4)
     s.add_request(1, [1, 2, 3], max_new_tokens=4)
     with pytest.raises(qualia.RaggedBackendError):
         s.run(qualia.HashBackend(fault="error"))
@@ -493,7 +493,7 @@ def test_c_backend_failure_discards_the_step():
 # -- bad input: a clear exception, nothing changed -----------------------------------------------
 
 def busy_scheduler():
-    s = make(4, 12, 4, 8, max_num_batched_tokens=6, max_queued=6, vocab_size=100)
+    s = make(12, 4, 8, 4, max_num_batched_tokens=6, max_queued=6, vocab_size=100)
     s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=6)
     s.add_request(2, [1, 2, 3, 4, 9], max_new_tokens=6, priority=1)
     s.add_request(3, [7], max_new_tokens=2)
@@ -513,10 +513,8 @@ def busy_scheduler():
     (lambda s: s.add_request(9, "abc", max_new_tokens=1), TypeError),
     (lambda s: s.abort(99), StepError.UnknownRequest),
     (lambda s: s.update([1]), StepError.NoPlan),
-    (lambda s: s.admit(50, [1]), StepError.ModeConflict),
-    (lambda s: s.finish(1), StepError.ModeConflict),
-    (lambda s: s.reserve(1, 1), StepError.ModeConflict),
-    (lambda s: s.advance(1, 1), StepError.ModeConflict),
+    (lambda s: s.pool.allocate(), qualia.BusyError),      # the lent pool is the scheduler's
+    (lambda s: s.pool.release(0), qualia.BusyError),
 ])
 def test_bad_input_changes_nothing(call, exc):
     s = busy_scheduler()
@@ -527,7 +525,7 @@ def test_bad_input_changes_nothing(call, exc):
 
 
 def test_never_fits_the_pool():
-    s = make(4, 3, 4, 8)
+    s = make(3, 4, 8, 4)
     before = snapshot(s)
     with pytest.raises(StepError.NeverFits):
         s.add_request(1, [1] * 10, max_new_tokens=4)   # 13 positions need 4 pages
@@ -578,34 +576,41 @@ def test_schedule_while_a_plan_is_pending_changes_nothing():
 
 @pytest.mark.parametrize("kw", [{"max_num_batched_tokens": 0}, {"max_num_seqs": 0},
                                 {"max_prefill_chunk": 0}, {"vocab_size": 0},
-                                {"max_num_seqs": 5}, {"max_queued": 1, "max_num_seqs": 2}])
+                                {"max_num_seqs": 65537}, {"max_queued": 1, "max_num_seqs": 2}])
 def test_zero_budgets_are_refused(kw):
+    kw = {"max_num_seqs": 4, **kw}
     for twin in (False, True):
         with pytest.raises(ValueError):
-            make(4, 16, 4, 8, twin=twin, **kw)
+            make(16, 4, 8, twin=twin, **kw)
 
 
-def test_explicit_mode_refuses_the_step_api():
-    s = make(2, 16, 4, 8, prefix_caching="explicit")
-    with pytest.raises(StepError.ModeConflict):
-        s.add_request(1, [1], max_new_tokens=1)
+def test_the_step_scheduler_has_no_explicit_prefix_mode():
+    for twin in (False, True):
+        with pytest.raises(ValueError, match="prefix_caching"):
+            make(16, 4, 8, 2, twin=twin, prefix_caching="explicit")
 
 
-def test_add_request_refused_while_manual_requests_are_active():
-    s = make(2, 16, 4, 8)
-    s.admit(1, [1, 2])
-    with pytest.raises(StepError.ModeConflict):
-        s.add_request(2, [1], max_new_tokens=1)
-    s.finish(1)
-    s.add_request(2, [1], max_new_tokens=1)
+def test_the_step_scheduler_and_the_facade_each_have_their_own_verbs():
+    """qualia.StepScheduler has the engine step and no admit/decode/finish; qualia.Scheduler
+    the admit/decode/finish facade and no engine step: neither can reach into the other's
+    requests, so there is no mode to switch between."""
+    step_verbs = {"add_request", "abort", "schedule", "update", "discard_plan", "run"}
+    facade_verbs = {"admit", "reserve", "advance", "complete_prefill", "publish_prefix",
+                    "decode", "finish", "fork", "evict", "evict_lru", "block_table"}
+    for verb in step_verbs:
+        assert callable(getattr(qualia.StepScheduler, verb))
+        assert not hasattr(qualia.Scheduler, verb)
+    for verb in facade_verbs:
+        assert callable(getattr(qualia.Scheduler, verb))
+        assert not hasattr(qualia.StepScheduler, verb)
 
 
 def test_add_request_from_numpy_and_from_a_list_agree():
-    a, b = make(2, 16, 4, 8), make(2, 16, 4, 8)
+    a, b = make(16, 4, 8, 2), make(16, 4, 8, 2)
     prompt = [5, 6, 7, 2**32 - 1]
     a.add_request(1, np.array(prompt, dtype=np.uint32), max_new_tokens=1)
     b.add_request(1, prompt, max_new_tokens=1)
-    c = make(2, 16, 4, 8)
+    c = make(16, 4, 8, 2)
     c.add_request(1, iter(prompt), max_new_tokens=1)
     assert a.request_tokens(1).tolist() == b.request_tokens(1).tolist() == \
         c.request_tokens(1).tolist() == prompt
@@ -613,7 +618,7 @@ def test_add_request_from_numpy_and_from_a_list_agree():
 
 def test_many_aborts_between_plans_are_all_reported():
     # more aborts than the finished-id buffer was sized for: it grows (outside any step)
-    s = make(2, 64, 4, 8, max_queued=4)
+    s = make(64, 4, 8, 2, max_queued=4)
     rids = list(range(40))
     for rid in rids:
         s.add_request(rid, [1, 2], max_new_tokens=1)
@@ -631,10 +636,10 @@ def free(s):
 @pytest.mark.parametrize("retire", ["update", "discard_plan"])
 def test_pages_of_a_pending_plan_stay_pinned_after_the_last_request_is_aborted(retire):
     """Aborting the last request of a pending plan frees none of the pages the plan names (a
-    kernel may be executing it): the facade stays in step mode, so neither its manual verbs
-    nor the raw pool allocate, until update() or discard_plan() retires the plan; then the
-    pages come back and the manual verbs work."""
-    a, b = pair(2, 16, 4, 8)
+    kernel may be executing it): nothing allocates them -- the scheduler's pool is its own,
+    its mutating calls refuse -- until update() or discard_plan() retires the plan; then the
+    pages come back and new requests take them."""
+    a, b = pair(16, 4, 8, 2)
     for s in (a, b):
         s.add_request(1, list(range(1, 11)), max_new_tokens=3)
     plan = a.schedule()
@@ -646,10 +651,9 @@ def test_pages_of_a_pending_plan_stay_pinned_after_the_last_request_is_aborted(r
         s.abort(1)
         assert not s.has_unfinished()
         assert free(s) == pages               # nothing was handed back yet
-    for call in (lambda: a.reserve(7, 4), lambda: a.admit(7, [1, 2, 3]),
-                 lambda: a.decode(qualia.HashBackend()), lambda: a.finish(1),
-                 lambda: a.pool.allocate(), lambda: a.requests.finish(1, a.pool)):
-        with pytest.raises(StepError.ModeConflict):
+    for call in (lambda: a.pool.allocate(), lambda: a.pool.release(min(named)),
+                 lambda: a.pool.retain(min(named))):
+        with pytest.raises(qualia.BusyError):
             call()
     assert free(a) == pages
     a.add_request(2, [5, 6], max_new_tokens=1)    # queuing allocates nothing: allowed
@@ -662,15 +666,15 @@ def test_pages_of_a_pending_plan_stay_pinned_after_the_last_request_is_aborted(r
         b.discard_plan()
     assert free(a) == free(b) == 16
     for rid in (7, 8):                            # two requests of 8 pages take all 16
-        a.admit(rid)
-        a.reserve(rid, 8 * 4)
-    assert named <= set(a.block_table(7).tolist()) | set(a.block_table(8).tolist())
+        a.add_request(rid, [rid] * 29, max_new_tokens=3)
+    taken = a.schedule()
+    assert named <= set(taken.kv_indices.tolist()) and len(set(taken.kv_indices.tolist())) == 16
 
 
 def test_an_abort_in_the_pending_plan_returns_its_pages_when_the_plan_is_retired():
     """While other requests keep the step busy, the aborted request's pages are held until the
     plan is applied, and core and twin agree page for page on the way."""
-    a, b = pair(4, 32, 4, 8)
+    a, b = pair(32, 4, 8, 4)
     for s in (a, b):
         s.add_request(1, list(range(1, 11)), max_new_tokens=4)
         s.add_request(2, list(range(1, 7)), max_new_tokens=4)

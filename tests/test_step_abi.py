@@ -644,7 +644,7 @@ def test_step_backends_match_their_rules_on_any_plan(example_backend, plan, voca
 def _twin(**kw):
     from qualia.twin import StepScheduler
 
-    args = dict(max_requests=6, num_blocks=40, page_tokens=4, logical_pages=16,
+    args = dict(num_pages=40, page_tokens=4, logical_pages=16, max_num_seqs=6,
                 max_num_batched_tokens=24, max_prefill_chunk=10)
     args.update(kw)
     return StepScheduler(**args)
@@ -684,7 +684,7 @@ def test_twin_plans_pass_the_compiled_example_and_match_the_python_twin(example_
     hash backend (capsule and method) and its Python twin."""
     from qualia.twin import PyHashBackend
 
-    s = _twin(num_blocks=14)
+    s = _twin(num_pages=14)
     _add_requests(s, seed=5, n=12)
     hb, twin = qualia.HashBackend(vocab=777), PyHashBackend(vocab=777)
     cap = example_backend.new_step(777)
@@ -710,17 +710,17 @@ class PyExampleStep:
         return example_rule(plan, self.vocab)
 
 
-@pytest.mark.skipif(not hasattr(qualia.Scheduler, "run"), reason="the engine step is not built")
+@pytest.mark.skipif(not hasattr(qualia, "StepScheduler"), reason="the engine step is not built")
 @pytest.mark.parametrize("kind", ["hash", "example"])
 def test_core_run_with_c_step_backends_matches_the_twin(example_backend, kind):
-    """Scheduler.run drives a separately compiled step backend (the example checks every plan's
+    """StepScheduler.run drives a separately compiled step backend (the example checks every plan's
     block-table rows and slot mapping against its CSR pages) or the C hash backend without the
     GIL, and finishes every request with the outputs the twin gets from the same rule."""
     from qualia.twin import PyHashBackend
 
-    kw = dict(max_requests=6, num_blocks=14, page_tokens=4, logical_pages=16,
+    kw = dict(num_pages=14, page_tokens=4, logical_pages=16, max_num_seqs=6,
               max_num_batched_tokens=24, max_prefill_chunk=10)
-    core, twin = qualia.Scheduler(**kw), _twin(**kw)
+    core, twin = qualia.StepScheduler(**kw), _twin(**kw)
     _add_requests(core, seed=5, n=12)
     _add_requests(twin, seed=5, n=12)
     if kind == "hash":

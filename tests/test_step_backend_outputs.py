@@ -102,7 +102,7 @@ def test_zero_and_minus_zero_are_log_probabilities():
 def test_scores_stay_numbers_when_a_backend_offers_1e308_then_minus_inf():
     """A 1e308 candidate is refused at its step; a group fed -inf candidates afterwards still
     ends with real scores (none NaN)."""
-    c, t = both(8, 64, 4, 16)
+    c, t = both(64, 4, 16, 8)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=2, beam_width=2)
     for s in (c, t):
@@ -127,8 +127,8 @@ def test_run_with_a_python_backend_refuses_a_log_probability_above_zero(value):
             tlps = tlps.astype(np.float64)
             tlps[:, 0] = value
             return ids, tids, tlps
-    c, t = both(8, 64, 4, 16)
-    ref = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c, t = both(64, 4, 16, 8)
+    ref = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
     for s in (c, t, ref):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         s.add_request(2, PROMPT[:3], max_new_tokens=2)
@@ -144,8 +144,8 @@ def test_run_with_a_python_backend_refuses_a_log_probability_above_zero(value):
 
 @pytest.mark.parametrize("value", POSITIVE_F32)
 def test_run_with_a_c_backend_refuses_a_log_probability_above_zero(value):
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
-    ref = qualia.Scheduler(8, 64, 4, 16, vocab_size=V)
+    c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
+    ref = qualia.StepScheduler(64, 4, 16, 8, vocab_size=V)
     for s in (c, ref):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         s.add_request(2, PROMPT[:3], max_new_tokens=2)
@@ -164,7 +164,7 @@ def test_run_with_a_c_backend_refuses_a_log_probability_above_zero(value):
 # -- sampled ids a C backend did not write --------------------------------------------------------
 
 def plain(vocab=V):
-    s = qualia.Scheduler(4, 64, 4, 16, vocab_size=vocab)
+    s = qualia.StepScheduler(64, 4, 16, 4, vocab_size=vocab)
     for i in range(3):
         s.add_request(i, PROMPT[i:], max_new_tokens=4)
     return s

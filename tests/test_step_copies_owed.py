@@ -21,24 +21,21 @@ KINDS = ["core", "twin"]
 
 
 def make(kind, *args, **kw):
-    cls = qualia.Scheduler if kind == "core" else TwinStepScheduler
+    cls = qualia.StepScheduler if kind == "core" else TwinStepScheduler
     return cls(*args, **kw)
 
 
 def facade(s):
-    # the facade's pool, pages and block tables: the core's own, the twin's facade twin
-    return s if isinstance(s, qualia.Scheduler) else s.facade
+    # the pool and its pages: the core's own, the twin's facade twin
+    return s if isinstance(s, qualia.StepScheduler) else s.facade
 
 
-def live_ids(s):
-    return s.step_requests() if isinstance(s, qualia.Scheduler) else list(s.requests())
-
-
-def table(s, rid):
-    try:
-        return facade(s).block_table(rid).tolist()
-    except qualia.QualiaError:
-        return []       # waiting: no pages
+def tables(plan):
+    """Every scheduled request's pages, read from its block-table row (a row mirrors its
+    request's table; entries past its pages are -1)."""
+    rows = plan.block_table
+    return {rid: [p for p in rows[row].tolist() if p >= 0]
+            for rid, row in zip(plan.request_ids.tolist(), plan.block_table_rows.tolist())}
 
 
 def step(s, shadow, ids=7):
@@ -60,7 +57,7 @@ def copies_of(plan):
 def forked_group(kind, n=3, **kw):
     """A scheduler whose n group was just forked: its next plan copies the shared partial
     page for every member but the last."""
-    s = make(kind, 8, 64, 4, 16, **kw)
+    s = make(kind, 64, 4, 16, 8, **kw)
     shadow = ShadowKV(64, 4)
     s.add_request(1, PROMPT, max_new_tokens=6, n=n)
     plan, _ = step(s, shadow)
@@ -68,9 +65,10 @@ def forked_group(kind, n=3, **kw):
     return s, shadow
 
 
-def pages_in_tables(s, pages):
-    # how many requests' tables name each page
-    return [sum(p in table(s, rid) for rid in live_ids(s)) for p in pages]
+def pages_in_tables(s, plan, pages):
+    # how many requests' tables name each page: the plan schedules every running request
+    assert s.num_running == len(plan.request_ids)
+    return [sum(p in t for t in tables(plan).values()) for p in pages]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -95,7 +93,7 @@ def test_a_discarded_plans_copies_are_listed_again_until_applied(kind, times):
 def test_a_discarded_plans_copies_come_before_the_next_plans_own(kind):
     # budget 2: the plan after the fork holds request 2 and the parent only (copy 1); with
     # request 2 aborted, the next one holds the parent and the first child (copy 2)
-    s = make(kind, 8, 64, 4, 16, max_num_batched_tokens=2)
+    s = make(kind, 64, 4, 16, 8, max_num_batched_tokens=2)
     shadow = ShadowKV(64, 4)
     s.add_request(2, [8, 8, 8], max_new_tokens=30)
     s.add_request(1, PROMPT, max_new_tokens=6, n=3)
@@ -124,7 +122,7 @@ def test_members_read_the_prompt_after_a_failed_execution(kind, how):
     s.discard_plan()
     while s.has_unfinished():
         step(s, shadow)
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -133,7 +131,7 @@ def test_aborting_the_group_drops_its_owed_copies_and_returns_every_page(kind):
     src = {c[0] for c in copies_of(s.schedule())}
     s.discard_plan()
     s.abort(1)
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages
     assert all(facade(s).pool.refcount(p) == 0 for p in src)
     s.add_request(5, [9, 9, 9, 9, 9], max_new_tokens=2)
     plan, _ = step(s, shadow)
@@ -149,7 +147,7 @@ def test_aborting_the_group_while_the_relisting_plan_is_pending(kind):
     assert len(plan.copies) == 2
     s.abort(1)                              # its pages stay pinned until the plan is retired
     s.discard_plan()
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages
     s.add_request(5, [9, 9, 9, 9, 9], max_new_tokens=2)
     plan, _ = step(s, shadow)
     assert copies_of(plan) == []
@@ -180,7 +178,7 @@ def test_an_owed_copys_source_outlives_its_last_holder(kind):
     # no table, referenced once) and handed to nobody, so request 2 could not be served
     assert plan.request_ids.tolist() == [1]
     assert sorted(plan.preempted_request_ids.tolist()) == sorted([child, 2])
-    assert facade(s).pool.refcount(src) == 1 and pages_in_tables(s, [src]) == [0]
+    assert facade(s).pool.refcount(src) == 1 and pages_in_tables(s, plan, [src]) == [0]
     written = set((plan.slot_mapping // 4).tolist())
     assert src not in written
     shadow.fail(plan, "full", None)
@@ -188,40 +186,41 @@ def test_an_owed_copys_source_outlives_its_last_holder(kind):
     plan = s.schedule()
     assert copies_of(plan)[0] == (src, dst)
     shadow.execute(plan, shadow.expect(s, plan))
-    s.update(np.full(len(plan.logits_indices), 7, np.uint32))
-    assert [facade(s).pool.refcount(src)] == pages_in_tables(s, [src])     # the hold is gone
+    assert not s.update(np.full(len(plan.logits_indices), 7, np.uint32))    # nobody finished
+    assert [facade(s).pool.refcount(src)] == pages_in_tables(s, plan, [src])   # the hold is gone
     while s.has_unfinished():
         step(s, shadow)
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_preempting_the_copys_owner_drops_the_copy(kind):
     # the child copies P in a discarded plan; the next schedule preempts the child (its page
     # goes back): the copy into it is dropped, not listed again
-    s = make(kind, 8, 9, 4, 8, max_num_batched_tokens=64)
+    s = make(kind, 9, 4, 8, 8, max_num_batched_tokens=64)
     shadow = ShadowKV(9, 4)
     s.add_request(1, [5, 6, 7, 8, 9, 10], max_new_tokens=6, n=3)
     step(s, shadow)
     plan = s.schedule()
     assert len(plan.copies) == 2
-    owner = {dst: rid for rid in live_ids(s) for dst in table(s, rid)}
+    owner = {dst: rid for rid, pages in tables(plan).items() for dst in pages}
+    assert all(dst in owner for _, dst in copies_of(plan))
     s.discard_plan()
     s.add_request(2, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], max_new_tokens=9,
                   priority=-1)
     while s.has_unfinished():
         plan = s.schedule()
         for _, dst in copies_of(plan):
-            assert dst in table(s, owner[dst])      # a live request's page
+            assert dst in tables(plan)[owner[dst]]  # a page of its running owner
         shadow.execute(plan, shadow.expect(s, plan))
         m = len(plan.logits_indices)
         s.update(np.full(m, 7, np.uint32))
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_beam_groups_copies_are_listed_again_after_a_discard(kind):
-    s = make(kind, 8, 64, 4, 16)
+    s = make(kind, 64, 4, 16, 8)
     shadow = ShadowKV(64, 4)
     s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
     rng = np.random.default_rng(0)
@@ -241,7 +240,7 @@ def test_beam_groups_copies_are_listed_again_after_a_discard(kind):
         tlps = -np.sort(rng.random((m, k)), axis=1)
         s.update(np.full(m, 7, np.uint32), tids, tlps)
     assert seen
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages
 
 
 def test_core_and_twin_agree_on_owed_copies_holds_and_drops():
@@ -281,7 +280,7 @@ def _lockstep(seed):
     nb = int(rng.integers(6, 20))
     kw = dict(max_num_batched_tokens=int(rng.integers(2, 24)), max_num_seqs=seqs,
               vocab_size=64, cache_key=b"o" * 16, max_queued=24)
-    c, t = qualia.Scheduler(5, nb, pt, 12, **kw), TwinStepScheduler(5, nb, pt, 12, **kw)
+    c, t = qualia.StepScheduler(nb, pt, 12, **kw), TwinStepScheduler(nb, pt, 12, **kw)
     shadow = ShadowKV(nb, pt)
     nid, relisted, owed = 0, 0, []
     for _ in range(120):
@@ -356,8 +355,7 @@ def test_the_model_gives_the_dense_tokens_when_plans_are_discarded_at_random(kin
     pt = int(rng.choice([2, 4]))
     nb = 48
     budget = int(rng.choice([3, 8, 64]))
-    s = make(kind, 6, nb, pt, 16, max_num_batched_tokens=budget, max_num_seqs=6,
-             vocab_size=64)
+    s = make(kind, nb, pt, 16, 6, max_num_batched_tokens=budget, vocab_size=64)
     be = PlanModelSteps(PagedModelBackend(W, nb, pt, sampling=HOT))
     prompts = {}
     for rid in range(4):
@@ -396,4 +394,4 @@ def test_the_model_gives_the_dense_tokens_when_plans_are_discarded_at_random(kin
     g = finished[1]
     assert [o.tolist() for o in g.outputs] == [b[0] for b in beams]
     assert g.scores == pytest.approx([b[1] for b in beams])
-    assert facade(s).free_pages == facade(s).num_blocks
+    assert facade(s).free_pages == facade(s).num_pages

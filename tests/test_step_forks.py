@@ -21,9 +21,9 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 HOT = SamplingParams(temperature=1.0, seed=11)
 
 
-def world(max_requests=8, num_blocks=64, page_tokens=4, logical_pages=16, sampling=HOT, **kw):
-    s = TwinStepScheduler(max_requests, num_blocks, page_tokens, logical_pages, **kw)
-    return s, PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=sampling))
+def world(num_pages=64, page_tokens=4, logical_pages=16, max_num_seqs=8, sampling=HOT, **kw):
+    s = TwinStepScheduler(num_pages, page_tokens, logical_pages, max_num_seqs, **kw)
+    return s, PlanModelSteps(PagedModelBackend(W, num_pages, page_tokens, sampling=sampling))
 
 
 def groups(finished):
@@ -60,7 +60,7 @@ def test_every_child_equals_its_dense_run(page_tokens, prompt_len, budget):
     plain = [f for f in finished if not isinstance(f, FinishedGroup)][0]
     assert plain.output_tokens.tolist() == dense(prompt[:3], 4, 2)
     assert s.forks == 3 and s.fork_fallbacks == 0
-    assert s.facade.free_pages == s.facade.num_blocks
+    assert s.facade.free_pages == s.facade.num_pages
 
 
 def test_the_prompt_row_is_sampled_once_per_member():
@@ -77,14 +77,14 @@ def test_the_prompt_row_is_sampled_once_per_member():
 
 def test_prompt_pages_are_held_once_and_the_partial_page_copied_per_child():
     pt, n, new = 4, 8, 8
-    s, b = world(max_requests=8, num_blocks=64, page_tokens=pt, logical_pages=8)
+    s, b = world(num_pages=64, page_tokens=pt, logical_pages=8)
     s.add_request(1, PROMPT, max_new_tokens=new, n=n)       # 10 tokens: 2 full + 2
     _, peak, _ = run_steps(s, b)
     assert s.stats()["pages_copied"] == n - 1
     tail = -(-(len(PROMPT) + new - 1) // pt) - len(PROMPT) // pt    # own pages per member
     assert peak == len(PROMPT) // pt + n * tail
     # n independent requests of the same prompt (no forks; full pages shared by the cache)
-    s2, b2 = world(max_requests=8, num_blocks=64, page_tokens=pt, logical_pages=8)
+    s2, b2 = world(num_pages=64, page_tokens=pt, logical_pages=8)
     for r in range(n):
         s2.add_request(10 + r, PROMPT, max_new_tokens=new)
     _, peak2, _ = run_steps(s2, b2)
@@ -103,7 +103,7 @@ def test_eos_and_stop_tokens_stop_members_independently():
 
 
 def test_children_without_a_free_slot_wait_and_still_match():
-    s, b = world(max_requests=2, max_num_seqs=2)
+    s, b = world(max_num_seqs=2)
     s.add_request(1, PROMPT, max_new_tokens=5, n=2)
     s.add_request(2, PROMPT, max_new_tokens=5, n=2)
     ids = {1: s.group_members(1), 2: s.group_members(2)}
@@ -111,11 +111,11 @@ def test_children_without_a_free_slot_wait_and_still_match():
     for rid in (1, 2):
         assert [o.tolist() for o in g[rid].outputs] == [dense(PROMPT, 5, m) for m in ids[rid]]
     assert s.fork_fallbacks >= 1
-    assert s.facade.free_pages == s.facade.num_blocks
+    assert s.facade.free_pages == s.facade.num_pages
 
 
 def test_preemption_keeps_every_member_exact():
-    s, b = world(max_requests=8, num_blocks=9, page_tokens=2, logical_pages=12)
+    s, b = world(num_pages=9, page_tokens=2, logical_pages=12)
     s.add_request(1, PROMPT[:6], max_new_tokens=6, n=3)
     s.add_request(2, PROMPT[:5], max_new_tokens=5, n=2, priority=1)
     ids = {1: s.group_members(1), 2: s.group_members(2)}
@@ -139,7 +139,7 @@ def test_beam_search_equals_the_dense_beam_search(width, eos):
     g = groups(run_steps(s, b)[0])[1]
     assert beams_of(g) == dense_beams(PROMPT, width, 6, eos_token_id=eos)
     assert g.scores == sorted(g.scores, reverse=True)
-    assert s.facade.free_pages == s.facade.num_blocks
+    assert s.facade.free_pages == s.facade.num_pages
 
 
 def test_beam_search_with_stop_ids_finishes_hypotheses_early():
@@ -154,7 +154,7 @@ def test_beam_search_with_stop_ids_finishes_hypotheses_early():
 
 
 def test_beam_search_under_preemption_and_beside_other_requests():
-    s, b = world(max_requests=6, num_blocks=12, page_tokens=2, logical_pages=12)
+    s, b = world(num_pages=12, page_tokens=2, logical_pages=12, max_num_seqs=6, max_queued=24)
     s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3)
     s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
     ids = s.group_members(2)
@@ -200,7 +200,7 @@ def test_member_ids_are_reserved_and_aborting_the_group_releases_everything():
     s.abort(1)
     assert not s.has_unfinished()
     s.facade.clear_cache()
-    assert s.facade.free_pages == s.facade.num_blocks
+    assert s.facade.free_pages == s.facade.num_pages
 
 
 def test_a_beam_plan_needs_its_candidates():
@@ -252,8 +252,8 @@ def test_random_groups_match_the_dense_references(requests, max_requests, num_bl
     """Any mix of plain requests, n groups and beam groups, under any pool, budget and slot
     count (preemption, fork fallbacks), each result equals its dense reference; an aborted
     request returns nothing; every page comes back."""
-    s, b = world(max_requests=max_requests, num_blocks=num_blocks, page_tokens=page_tokens,
-                 logical_pages=24, max_num_batched_tokens=budget, max_num_seqs=max_requests)
+    s, b = world(num_pages=num_blocks, page_tokens=page_tokens, logical_pages=24,
+                 max_num_seqs=max_requests, max_num_batched_tokens=budget)
     expect = {}
     for rid, (kind, k, plen, new, eos, prio, var) in enumerate(requests, start=1):
         prompt = [(t + var * 7) % 64 for t in PROMPT[:plen]]
@@ -301,4 +301,4 @@ def test_random_groups_match_the_dense_references(requests, max_requests, num_bl
         else:
             assert f.output_tokens.tolist() == dense(prompt, new, rid, eos_token_id=eos)
     s.facade.clear_cache()
-    assert s.facade.free_pages == s.facade.num_blocks
+    assert s.facade.free_pages == s.facade.num_pages

@@ -40,10 +40,11 @@ class ForksVsTwin(StepVsTwin):
                 events=st.sampled_from([4096, 4096, 6, 0]))
     def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens, events):
         kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
-                  max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16,
+                  max_queued=20 if queued is None else queued, vocab_size=VOCAB,
+                  cache_key=b"s" * 16,
                   event_capacity=events)
-        self.core = qualia.Scheduler(5, num_blocks, page_tokens, 12, **kw)
-        self.twin = TwinStepScheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.core = qualia.StepScheduler(num_blocks, page_tokens, 12, **kw)
+        self.twin = TwinStepScheduler(num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
         self.plan = None
         self.shadow = ShadowKV(num_blocks, page_tokens)
@@ -153,12 +154,12 @@ class ForksVsTwin(StepVsTwin):
         assert c.num_running == t.num_running
         assert c.has_unfinished() == t.has_unfinished()
         assert c.free_pages == t.facade.free_pages
-        assert [c.pool.refcount(p) for p in range(c.num_blocks)] == \
-            [t.facade.pool.refcount(p) for p in range(c.num_blocks)]
+        assert [c.pool.refcount(p) for p in range(c.num_pages)] == \
+            [t.facade.pool.refcount(p) for p in range(c.num_pages)]
         # members share their parent's arrival: the twin lists them in the order they became
         # requests, the core by (arrival, id)
-        assert sorted(c.step_requests()) == sorted(t.requests())
-        for rid in c.step_requests():
+        assert sorted(c.requests()) == sorted(t.requests())
+        for rid in c.requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
         assert_same_step_counters(c, t)
 
@@ -174,7 +175,8 @@ HOT = SamplingParams(temperature=1.0, seed=11)
 
 
 class CoreModelBackend:
-    """execute_step for qualia.Scheduler over the paged numpy model (the simulator's adapter)."""
+    """execute_step for qualia.StepScheduler over the paged numpy model (the simulator's
+    adapter)."""
 
     def __init__(self, num_blocks, page_tokens):
         self.b = PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=HOT))
@@ -189,9 +191,9 @@ def test_every_member_equals_its_dense_run_and_the_twin(page_tokens, prompt_len,
     """Each member's tokens equal DenseModel.generate with the member's id; the core's run
     equals the twin's step for step (stats and results)."""
     prompt = PROMPT[:prompt_len]
-    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs)
-    c = qualia.Scheduler(8, 64, page_tokens, 32, **kw)
-    t = TwinStepScheduler(8, 64, page_tokens, 32, **kw)
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_queued=32)
+    c = qualia.StepScheduler(64, page_tokens, 32, **kw)
+    t = TwinStepScheduler(64, page_tokens, 32, **kw)
     for s in (c, t):
         s.add_request(1, prompt, max_new_tokens=6, n=4)
         s.add_request(2, prompt[:3], max_new_tokens=4)
@@ -207,11 +209,11 @@ def test_every_member_equals_its_dense_run_and_the_twin(page_tokens, prompt_len,
     assert outs == [DENSE.generate(prompt, 6, sampling=HOT, request_id=m) for m in members]
     assert len({tuple(o) for o in outs}) > 1
     assert c.forks + c.fork_fallbacks == 3
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
 
 
 def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied():
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     c.add_request(1, PROMPT, max_new_tokens=3, n=3)
     plan = c.schedule()
     assert plan.logits_indices.tolist() == [len(PROMPT) - 1] * 3
@@ -225,8 +227,8 @@ def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied()
 
 
 def test_queue_capacity_counts_every_member():
-    c = qualia.Scheduler(4, 64, 4, 16, max_queued=5)
-    t = TwinStepScheduler(4, 64, 4, 16, max_queued=5)
+    c = qualia.StepScheduler(64, 4, 16, 4, max_queued=5)
+    t = TwinStepScheduler(64, 4, 16, 4, max_queued=5)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, n=4)
         with pytest.raises(StepError.QueueFull):
@@ -239,14 +241,14 @@ def test_queue_capacity_counts_every_member():
 @pytest.mark.parametrize("kw,exc", [(dict(n=0), ValueError), (dict(n=9), ValueError),
                                     (dict(n=True), TypeError), (dict(n=2.0), TypeError)])
 def test_bad_n_changes_nothing(kw, exc):
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     with pytest.raises(exc):
         c.add_request(1, PROMPT, max_new_tokens=3, **kw)
     assert not c.has_unfinished()
 
 
 def test_member_ids_are_taken_and_aborting_the_group_releases_everything():
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     c.add_request(1, PROMPT, max_new_tokens=5, n=3)
     members = c.group_members(1)
     with pytest.raises(StepError.DuplicateRequest):
@@ -255,7 +257,7 @@ def test_member_ids_are_taken_and_aborting_the_group_releases_everything():
     with pytest.raises(StepError.UnknownRequest):
         c.abort(members[2])                 # a member alone
     c.abort(1)
-    assert not c.has_unfinished() and c.free_pages == c.num_blocks
+    assert not c.has_unfinished() and c.free_pages == c.num_pages
     plan = c.schedule()
     assert sorted(plan.finished_request_ids.tolist()) == sorted(members)
     c.update([])
@@ -267,9 +269,9 @@ def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     """run() with a C step backend (the GIL-free loop) plans and finishes groups as the Python
     loop does, and as the twin does with the same (hash) sampler."""
     hb = qualia.HashBackend()
-    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
-    a, b = qualia.Scheduler(8, 14, 4, 16, **kw), qualia.Scheduler(8, 14, 4, 16, **kw)
-    t = TwinStepScheduler(8, 14, 4, 16, **kw)
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6, max_queued=32)
+    a, b = qualia.StepScheduler(14, 4, 16, **kw), qualia.StepScheduler(14, 4, 16, **kw)
+    t = TwinStepScheduler(14, 4, 16, **kw)
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, n=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=6, n=4)
@@ -285,14 +287,14 @@ def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
         finished_key(rt.finished)
     assert sorted(type(f).__name__ for f in result.finished) == \
         ["FinishedGroup", "FinishedGroup", "FinishedRequest"]
-    assert a.free_pages == a.num_blocks
+    assert a.free_pages == a.num_pages
 
 
 @pytest.mark.parametrize("seqs", [8, 4])
 def test_groups_without_prefix_caching_equal_their_dense_runs(seqs):
     """prefix_caching='off' (the twin models 'auto' only): the members still fork and share the
     prompt's pages, and a child queued for lack of a row recomputes its prompt."""
-    c = qualia.Scheduler(8, 64, 4, 32, prefix_caching="off", max_num_seqs=seqs)
+    c = qualia.StepScheduler(64, 4, 32, seqs, prefix_caching="off", max_queued=32)
     c.add_request(1, PROMPT, max_new_tokens=6, n=4)
     c.add_request(2, PROMPT[:3], max_new_tokens=4)
     members = c.group_members(1)
@@ -301,13 +303,13 @@ def test_groups_without_prefix_caching_equal_their_dense_runs(seqs):
     assert [o.tolist() for o in g.outputs] == \
         [DENSE.generate(PROMPT, 6, sampling=HOT, request_id=m) for m in members]
     assert c.forks + c.fork_fallbacks == 3 and (c.fork_fallbacks > 0) == (seqs == 4)
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
 
 
 # -- beam groups ---------------------------------------------------------------------------------
 
 class CoreBeamBackend:
-    """execute_step for qualia.Scheduler over the paged numpy model, with candidates for beam
+    """execute_step for qualia.StepScheduler over the paged numpy model, with candidates for beam
     rows (``(ids, topk_ids, topk_logprobs)`` when ``plan.num_topk > 0``)."""
 
     def __init__(self, num_blocks, page_tokens, sampling=HOT):
@@ -344,9 +346,9 @@ def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budge
     """The core's beam group, driven by hand beside an n group and a plain request, returns the
     dense beam search's hypotheses and scores, best first; the twin gives the same plans and
     results."""
-    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs)
-    c = qualia.Scheduler(8, 64, 4, 16, **kw)
-    t = TwinStepScheduler(8, 64, 4, 16, **kw)
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_queued=32)
+    c = qualia.StepScheduler(64, 4, 16, **kw)
+    t = TwinStepScheduler(64, 4, 16, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2)
@@ -360,7 +362,7 @@ def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budge
     assert beams_of(g) == dense_beams(PROMPT, width, 6, eos_token_id=eos)
     assert g.scores == sorted(g.scores, reverse=True)
     assert c.forks == t.forks and c.parked == t.parked
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
 
 
 def test_beam_search_with_stop_ids_and_run_with_a_python_backend():
@@ -368,22 +370,22 @@ def test_beam_search_with_stop_ids_and_run_with_a_python_backend():
     hypotheses early, as in the dense search."""
     first = [tk for tk, _ in dense_beams(PROMPT, 4, 1)]
     stop = [first[0][0], first[2][0]]
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     c.add_request(1, PROMPT, max_new_tokens=6, beam_width=4, stop_token_ids=stop)
     r = c.run(CoreBeamBackend(64, 4))
     g = r.finished[0]
     assert beams_of(g) == dense_beams(PROMPT, 4, 6, stop_token_ids=stop)
     assert "stop" in g.finish_reasons
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
 
 
 def test_beams_under_preemption_park_and_match_the_twin():
     """Two beam groups and an n group on a small pool: preemption, parking (a computed beam
     waits for a queued sibling) and fork fallbacks; plans, results and counters agree with the
     twin step for step, and each group equals its dense search."""
-    kw = dict(max_num_batched_tokens=6, max_num_seqs=3)
-    c = qualia.Scheduler(6, 12, 2, 12, **kw)
-    t = TwinStepScheduler(6, 12, 2, 12, **kw)
+    kw = dict(max_num_batched_tokens=6, max_num_seqs=3, max_queued=24)
+    c = qualia.StepScheduler(12, 2, 12, **kw)
+    t = TwinStepScheduler(12, 2, 12, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
@@ -407,8 +409,8 @@ def test_beams_under_preemption_park_and_match_the_twin():
 
 
 def test_a_beam_group_holds_its_width_of_queue_entries():
-    c = qualia.Scheduler(4, 64, 4, 16, max_queued=5)
-    t = TwinStepScheduler(4, 64, 4, 16, max_queued=5)
+    c = qualia.StepScheduler(64, 4, 16, 4, max_queued=5)
+    t = TwinStepScheduler(64, 4, 16, 4, max_queued=5)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         with pytest.raises(StepError.QueueFull):
@@ -427,8 +429,8 @@ def test_a_beam_group_holds_its_width_of_queue_entries():
                                     (dict(beam_width="2"), TypeError),
                                     (dict(beam_width=2, n=2), ValueError)])
 def test_bad_beam_width_changes_nothing(kw, exc):
-    c = qualia.Scheduler(8, 64, 4, 16)
-    t = TwinStepScheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
+    t = TwinStepScheduler(64, 4, 16, 8)
     for s in (c, t):
         with pytest.raises(exc):
             s.add_request(1, PROMPT, max_new_tokens=3, **kw)
@@ -438,7 +440,7 @@ def test_bad_beam_width_changes_nothing(kw, exc):
 
 def test_beams_that_cannot_fit_side_by_side_never_fit():
     # 4 beams of a 10-token prompt and 6 new tokens on 4-token pages: 2 shared + 4 x 2 pages
-    for s in (qualia.Scheduler(8, 9, 4, 16), TwinStepScheduler(8, 9, 4, 16)):
+    for s in (qualia.StepScheduler(9, 4, 16, 8), TwinStepScheduler(9, 4, 16, 8)):
         with pytest.raises(StepError.NeverFits):
             s.add_request(1, PROMPT, max_new_tokens=6, beam_width=4)
         s.add_request(1, PROMPT, max_new_tokens=6, beam_width=3)
@@ -450,8 +452,8 @@ def test_bad_candidates_change_nothing(bad):
     """A beam plan's update without valid [m, num_topk] candidates raises and leaves the plan
     pending with nothing applied; the same update with good candidates then matches the
     twin."""
-    c = qualia.Scheduler(8, 64, 4, 16, vocab_size=64)
-    t = TwinStepScheduler(8, 64, 4, 16, vocab_size=64)
+    c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=64)
+    t = TwinStepScheduler(64, 4, 16, 8, vocab_size=64)
     b = CoreBeamBackend(64, 4)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
@@ -474,7 +476,7 @@ def test_bad_candidates_change_nothing(bad):
 
 
 def test_a_plan_without_beam_rows_ignores_candidates():
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     c.add_request(1, PROMPT, max_new_tokens=3)
     plan = c.schedule()
     assert plan.num_topk == 0
@@ -485,9 +487,9 @@ def test_beams_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     """run(HashBackend()) runs beam groups without the GIL (the backend writes candidates);
     the same HashBackend through a Python loop, and the twin, plan and finish the same."""
     hb = qualia.HashBackend(vocab=64)
-    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6)
-    a, b = qualia.Scheduler(8, 40, 4, 16, **kw), qualia.Scheduler(8, 40, 4, 16, **kw)
-    t = TwinStepScheduler(8, 40, 4, 16, **kw)
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6, max_queued=32)
+    a, b = qualia.StepScheduler(40, 4, 16, **kw), qualia.StepScheduler(40, 4, 16, **kw)
+    t = TwinStepScheduler(40, 4, 16, **kw)
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=6, n=2)
@@ -502,12 +504,12 @@ def test_beams_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     assert finished_key(result.finished) == finished_key(rb.finished) == \
         finished_key(rt.finished)
     assert sorted(f.request_id for f in result.finished if f.scores is not None) == [1, 3]
-    assert a.forks == t.forks > 0 and a.free_pages == a.num_blocks
+    assert a.forks == t.forks > 0 and a.free_pages == a.num_pages
 
 
 def test_hash_backend_candidates_follow_its_rule():
     hb = qualia.HashBackend(vocab=50)
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=4)
     plan = c.schedule()
     ids, tids, tlps = hb.execute_step_topk(plan)
@@ -525,7 +527,7 @@ def test_run_refuses_a_beam_plan_for_a_c_backend_without_candidates(example_back
     """A C step backend that does not declare QUALIA_STEP_WRITES_TOPK (the examples built with
     topk=False) gets no beam plan: while a beam group is queued or running, run() refuses it
     before any step and changes nothing."""
-    c = qualia.Scheduler(8, 64, 4, 16)
+    c = qualia.StepScheduler(64, 4, 16, 8)
     c.add_request(2, PROMPT[:3], max_new_tokens=2)
     c.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
     before = (c.num_waiting, c.num_running, c.free_pages, c.request_tokens(1).tolist())
@@ -536,7 +538,7 @@ def test_run_refuses_a_beam_plan_for_a_c_backend_without_candidates(example_back
     assert (c.num_waiting, c.num_running, c.free_pages, c.request_tokens(1).tolist()) == before
     assert before[:2] == (2, 0)
     r = c.run(qualia.HashBackend(vocab=64))
-    assert len(r.finished) == 2 and c.free_pages == c.num_blocks
+    assert len(r.finished) == 2 and c.free_pages == c.num_pages
 
 
 class PyExampleBeams:
@@ -561,9 +563,10 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
     with `width` hypotheses, best first, and the run (preemptions included, on a small pool)
     equals driving schedule/update by hand with the same rule in Python, and the twin fed that
     rule."""
-    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=6)
-    a, b, t = (cls(8, blocks, page_tokens, 16, **kw)
-               for cls in (qualia.Scheduler, qualia.Scheduler, TwinStepScheduler))
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=6,
+              max_queued=32)
+    a, b, t = (cls(blocks, page_tokens, 16, **kw)
+               for cls in (qualia.StepScheduler, qualia.StepScheduler, TwinStepScheduler))
     widths = {1: 3, 3: 2, 4: 1}
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
@@ -585,7 +588,7 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
     for rid, g in groups.items():
         assert len(g.outputs) == len(g.scores) == widths[rid]
         assert g.scores == sorted(g.scores, reverse=True)
-    assert a.forks == t.forks and a.free_pages == a.num_blocks
+    assert a.forks == t.forks and a.free_pages == a.num_pages
 
 
 @pytest.mark.parametrize("kind", ["core", "twin"])
@@ -593,8 +596,8 @@ def test_plans_name_forks_and_a_discarded_plans_admissions(kind):
     """A plan names the forks made since the previous plan (child, parent), and a discarded
     plan's forks and new ids are named again by the next plan; a forked child is not new."""
     kw = dict(max_num_batched_tokens=64)
-    s = (qualia.Scheduler(8, 64, 4, 16, **kw) if kind == "core"
-         else TwinStepScheduler(8, 64, 4, 16, **kw))
+    s = (qualia.StepScheduler(64, 4, 16, 8, **kw) if kind == "core"
+         else TwinStepScheduler(64, 4, 16, 8, **kw))
     s.add_request(7, PROMPT, max_new_tokens=4, n=3)
     plan = s.schedule()
     assert plan.new_request_ids.tolist() == [7] and plan.fork_child_ids.tolist() == []
@@ -638,7 +641,7 @@ def test_the_c_abi_plan_carries_the_forks():
         return 0
 
     cb = EXECUTE_STEP(execute)
-    s = qualia.Scheduler(8, 64, 4, 16, max_num_batched_tokens=64)
+    s = qualia.StepScheduler(64, 4, 16, 8, max_num_batched_tokens=64)
     s.add_request(7, PROMPT, max_new_tokens=2, n=3)
     s.run(c_backend(cb))
     kids = sorted(c for step in seen for c, _ in step)

@@ -23,7 +23,7 @@ I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
 def make(*args, twin=False, **kw):
     kw.setdefault("cache_key", b"h" * 16)
-    return (StepScheduler if twin else qualia.Scheduler)(*args, **kw)
+    return (StepScheduler if twin else qualia.StepScheduler)(*args, **kw)
 
 
 def both_kinds(*args, **kw):
@@ -37,9 +37,9 @@ def snapshot(s):
         reqs = list(s.requests())
         return {"requests": reqs, "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
                 "waiting": s.num_waiting, "running": s.num_running, "free": f.free_pages,
-                "refcounts": [f.pool.refcount(p) for p in range(f.num_blocks)],
+                "refcounts": [f.pool.refcount(p) for p in range(f.num_pages)],
                 "pending": s._plan is not None}
-    reqs = s.step_requests()
+    reqs = s.requests()
     return {"requests": reqs, "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
             "waiting": s.num_waiting, "running": s.num_running, "free": s.free_pages,
             "refcounts": s.pool.refcounts().tolist(), "cache": s.cache_stats(),
@@ -63,7 +63,7 @@ class Py:
 
 @pytest.mark.parametrize("prio", [-1, -7, I32_MIN, I32_MAX])
 def test_the_twin_accepts_every_int32_priority(prio):
-    core, twin = both_kinds(4, 32, 4, 8)
+    core, twin = both_kinds(32, 4, 8, 4)
     for s in (core, twin):
         s.add_request(1, [1, 2, 3], max_new_tokens=2, priority=0)
         s.add_request(2, [4, 5, 6], max_new_tokens=2, priority=prio)
@@ -74,7 +74,7 @@ def test_the_twin_accepts_every_int32_priority(prio):
 @pytest.mark.parametrize("prio, exc", [(I32_MIN - 1, OverflowError), (I32_MAX + 1, OverflowError),
                                        (True, TypeError), (1.0, TypeError)])
 def test_priorities_outside_int32_are_refused_alike(prio, exc):
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         before = snapshot(s)
         with pytest.raises(exc):
             s.add_request(1, [1], max_new_tokens=1, priority=prio)
@@ -82,7 +82,7 @@ def test_priorities_outside_int32_are_refused_alike(prio, exc):
 
 
 def test_negative_priorities_order_the_queue_alike():
-    core, twin = both_kinds(4, 32, 4, 8, max_num_seqs=1, max_num_batched_tokens=3)
+    core, twin = both_kinds(32, 4, 8, 1, max_num_batched_tokens=3, max_queued=16)
     prios = [3, -2, I32_MIN, 0, -2, I32_MAX]
     for s in (core, twin):
         for rid, p in enumerate(prios):
@@ -116,67 +116,10 @@ class Hook:
         return self.value
 
 
-def test_admit_checks_for_step_requests_after_its_arguments():
-    """A request id whose __index__ adds a step request: admit must see it (ModeConflict)."""
-    for mode in ("auto", "off"):
-        s = make(4, 32, 4, 8, prefix_caching=mode)
-        rid = Hook(7, lambda: s.add_request(1, [1, 2], max_new_tokens=1))
-        with pytest.raises(StepError.ModeConflict):
-            s.admit(rid, [5, 6])
-        assert s.active_count == 0 and s.step_requests() == [1]
-        # the prompt resolves last: an iterator adding a step request is seen too
-        s2 = make(4, 32, 4, 8, prefix_caching=mode)
-
-        def prompt():
-            s2.add_request(2, [1], max_new_tokens=1)
-            yield 5
-        with pytest.raises(StepError.ModeConflict):
-            s2.admit(8, prompt())
-        assert s2.active_count == 0
-
-
-@pytest.mark.parametrize("verb", ["reserve", "advance", "complete_prefill"])
-def test_manual_verbs_check_for_step_requests_after_their_arguments(verb):
-    """The request's own admission is finished and a step request added from __index__: the
-    verb sees the step request (ModeConflict), not a stale 'no step requests'."""
-    s = make(4, 32, 4, 8)
-    s.admit(1, [1, 2, 3])
-    s.admit(2, [1, 2, 3])
-
-    def sneak():
-        s.finish(1)
-        s.finish(2)
-        s.add_request(3, [4], max_new_tokens=1)
-    with pytest.raises(StepError.ModeConflict):
-        getattr(s, verb)(2, Hook(1, sneak))
-    assert s.active_count == 0 and s.step_requests() == [3]
-
-
-def test_finish_and_decode_check_for_step_requests_after_resolving():
-    s = make(4, 32, 4, 8)
-    s.admit(1, [1, 2, 3])
-    s.admit(2, [1, 2])
-    with pytest.raises(StepError.ModeConflict):
-        s.finish(Hook(2, lambda: (s.finish(1), s.finish(2), s.add_request(3, [4],
-                                                                         max_new_tokens=1))))
-    assert s.step_requests() == [3] and s.active_count == 0
-
-    t = make(4, 32, 4, 8)
-
-    class Backend:
-        def __getattr__(self, name):
-            if name == "execute_ragged":
-                t.add_request(5, [1], max_new_tokens=1)
-                return lambda *a: 0
-            raise AttributeError(name)
-    with pytest.raises(StepError.ModeConflict):
-        t.decode(Backend())
-
-
 def test_update_resolves_its_ids_before_reading_the_plan():
     """A sampled id whose __index__ discards the plan and schedules a larger one: update must
     check the ids against the plan it applies (length mismatch), never apply stale ids."""
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2, 3], max_new_tokens=5)
         plan = s.schedule()
         assert len(plan.logits_indices) == 1
@@ -193,7 +136,7 @@ def test_update_resolves_its_ids_before_reading_the_plan():
 
 def test_update_with_ids_that_abort_changes_nothing_wrong():
     """__index__ aborting a planned request before update owns: update skips it."""
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2, 3], max_new_tokens=5)
         s.add_request(2, [4, 5, 6], max_new_tokens=5)
         s.schedule()
@@ -203,7 +146,7 @@ def test_update_with_ids_that_abort_changes_nothing_wrong():
 
 
 def test_add_request_and_abort_hooks_change_nothing_on_error():
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2, 3], max_new_tokens=5)
         hook = Hook(1, lambda: s.schedule())    # the id resolves to a duplicate
         with pytest.raises(StepError.DuplicateRequest):
@@ -226,7 +169,7 @@ def test_add_request_and_abort_hooks_change_nothing_on_error():
     lambda s: s.discard_plan(),
 ])
 def test_a_python_backend_calling_back_into_run_gets_busy_error(call):
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2, 3], max_new_tokens=3)
         seen = []
 
@@ -244,7 +187,7 @@ def test_a_python_backend_calling_back_into_run_gets_busy_error(call):
 
 
 def test_sampled_ids_from_a_backend_run_their_code_while_owned():
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2, 3], max_new_tokens=2)
         errors = []
 
@@ -262,7 +205,7 @@ def test_sampled_ids_from_a_backend_run_their_code_while_owned():
 
 
 def test_a_c_backend_calling_back_gets_busy_error():
-    s = make(4, 32, 4, 8)
+    s = make(32, 4, 8, 4)
     s.add_request(1, [1, 2, 3], max_new_tokens=2)
     seen = []
 
@@ -306,7 +249,7 @@ def failing_workload(s):
 
 
 def test_a_failing_python_backend_reports_the_requests_run_finished():
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         failing_workload(s)
         calls = []
 
@@ -326,7 +269,7 @@ def test_a_failing_python_backend_reports_the_requests_run_finished():
 
 
 def test_a_failing_c_backend_reports_the_requests_run_finished():
-    s = make(4, 32, 4, 8)
+    s = make(32, 4, 8, 4)
     failing_workload(s)
     calls = []
 
@@ -343,11 +286,11 @@ def test_a_failing_c_backend_reports_the_requests_run_finished():
     with pytest.raises(qualia.RaggedBackendError.Failed) as info:
         s.run(c_backend(execute))
     assert [f.request_id for f in info.value.finished] == [1, 2]
-    assert s.step_requests() == [3]
+    assert s.requests() == [3]
 
 
 def test_a_c_backend_sampling_past_the_vocabulary_reports_what_finished():
-    s = make(4, 32, 4, 8, vocab_size=10)
+    s = make(32, 4, 8, 4, vocab_size=10)
     failing_workload(s)
     calls = []
 
@@ -367,9 +310,9 @@ def test_a_c_backend_sampling_past_the_vocabulary_reports_what_finished():
 # -- 4. the plan's int32 arrays bound the sizes --------------------------------------------------
 
 @pytest.mark.parametrize("args, kw", [
-    ((1, 2**31 + 1, 1, 1), {}),                                  # page ids
-    ((1, 4, 2**16, 2**15), {}),                                  # positions: 2**31
-    ((1, 4, 4, 4), {"max_num_batched_tokens": 2**31}),           # token offsets
+    ((2**31 + 1, 1, 1, 1), {}),                                  # page ids
+    ((4, 2**16, 2**15, 1), {}),                                  # positions: 2**31
+    ((4, 4, 4, 1), {"max_num_batched_tokens": 2**31}),           # token offsets
 ])
 def test_sizes_past_the_plans_int32_arrays_are_refused(args, kw):
     for twin in (False, True):
@@ -379,14 +322,13 @@ def test_sizes_past_the_plans_int32_arrays_are_refused(args, kw):
 
 def test_the_largest_int32_sizes_are_accepted():
     for twin in (False, True):
-        make(1, 4, 2**16 - 1, 2**15, twin=twin, max_queued=1,
-             max_num_batched_tokens=2**31 - 1)
+        make(4, 2**16 - 1, 2**15, 1, twin=twin, max_queued=1, max_num_batched_tokens=2**31 - 1)
 
 
 # -- bad input of every kind: a clear exception, nothing changed ---------------------------------
 
 def pending(twin):
-    s = make(4, 16, 4, 8, twin=twin, vocab_size=100, max_num_batched_tokens=8)
+    s = make(16, 4, 8, 4, twin=twin, vocab_size=100, max_num_batched_tokens=8)
     s.add_request(1, [1, 2, 3], max_new_tokens=4)
     s.add_request(2, [4, 5], max_new_tokens=4, priority=-1)
     s.update(sample(s.schedule()))
@@ -469,7 +411,7 @@ def test_bad_prompts_change_nothing_alike(prompt, exc):
 def test_prompts_of_every_accepted_form_agree(prompt):
     got = []
     for twin in (False, True):
-        s = make(4, 16, 4, 8, twin=twin)
+        s = make(16, 4, 8, 4, twin=twin)
         p = iter([1, 3]) if isinstance(prompt, type(iter([]))) else prompt
         s.add_request(1, p, max_new_tokens=1)
         got.append(s.request_tokens(1).tolist())
@@ -494,7 +436,7 @@ def test_update_twice_and_schedule_twice_change_nothing():
 
 def test_abort_of_a_request_finished_in_that_update_and_id_reuse():
     for twin in (False, True):
-        s = make(4, 16, 4, 8, twin=twin)
+        s = make(16, 4, 8, 4, twin=twin)
         s.add_request(1, [1, 2], max_new_tokens=1)
         s.schedule()
         done = s.update([3])
@@ -525,7 +467,7 @@ def test_abort_during_a_pending_plan_then_update():
 
 
 def test_max_steps_zero_runs_nothing():
-    for s in both_kinds(4, 16, 4, 8):
+    for s in both_kinds(16, 4, 8, 4):
         s.add_request(1, [1, 2], max_new_tokens=2)
         before = snapshot(s)
         r = s.run(Py(), max_steps=0)
@@ -541,7 +483,7 @@ def test_max_steps_zero_runs_nothing():
 
 
 def test_gc_callbacks_during_steps_get_busy_error_or_run_cleanly():
-    s = make(4, 32, 4, 8)
+    s = make(32, 4, 8, 4)
     seen = []
 
     def cb(phase, info):
@@ -563,11 +505,11 @@ def test_gc_callbacks_during_steps_get_busy_error_or_run_cleanly():
         gc.callbacks.remove(cb)
     assert sorted(f.request_id for f in r.finished) == list(range(6))
     assert set(seen) <= {BusyError, StepError.UnknownRequest}
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
 
 
 def test_threads_racing_one_scheduler_neither_crash_nor_corrupt():
-    s = make(8, 64, 4, 8, max_queued=64)
+    s = make(64, 4, 8, 8, max_queued=64)
     stop = threading.Event()
     errors = []
 
@@ -633,7 +575,7 @@ def test_threads_racing_one_scheduler_neither_crash_nor_corrupt():
             pass
         s.run(qualia.HashBackend(vocab=50))
     assert not s.has_unfinished()
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
 
 
 @pytest.mark.parametrize("stops, exc", [
@@ -655,7 +597,7 @@ def test_an_abort_keeps_the_pending_plans_block_table_row_until_the_plan_is_done
     """A kernel executing the plan reads the aborted request's row: it keeps its pages (not -1)
     until update() or discard_plan(); the next plan lists the cleared row as changed."""
     rows = []
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=3)
         s.add_request(2, [6, 7, 8], max_new_tokens=3)
         plan = s.schedule()
@@ -679,7 +621,7 @@ def test_a_discarded_plan_reports_its_changed_rows_and_finished_ids_again():
     """A backend that failed may not have applied the plan's row changes or finished ids: the
     next plan lists them again (a discard with no plan pending changes nothing)."""
     got = []
-    for s in both_kinds(4, 32, 4, 8):
+    for s in both_kinds(32, 4, 8, 4):
         s.add_request(1, [1, 2], max_new_tokens=1)
         s.schedule()
         s.update([3])                      # 1 finished
@@ -710,7 +652,7 @@ def test_a_discarded_plan_reports_its_changed_rows_and_finished_ids_again():
 ])
 def test_bad_ids_from_a_python_backend_discard_the_step_and_report_what_finished(bad, exc):
     results = []
-    for s in both_kinds(4, 32, 4, 8, vocab_size=50):
+    for s in both_kinds(32, 4, 8, 4, vocab_size=50):
         failing_workload(s)
         calls = []
 
@@ -728,54 +670,39 @@ def test_bad_ids_from_a_python_backend_discard_the_step_and_report_what_finished
     assert results[0] == results[1]
 
 
-def test_fork_checks_for_step_requests_after_its_arguments():
-    """A child id whose __index__ finishes the parent's family and adds a step request: fork
-    sees the step request (ModeConflict), not a stale 'no step requests'."""
-    s = make(4, 32, 4, 8)
-    s.admit(1, [1, 2, 3])
-    s.reserve(1, 3)
-    s.advance(1, 3)
-    s.complete_prefill(1, 4)
-
-    def sneak():
-        s.finish(1)
-        s.add_request(3, [4], max_new_tokens=1)
-    with pytest.raises(StepError.ModeConflict):
-        s.fork(1, Hook(2, sneak))
-    assert s.active_count == 0 and s.step_requests() == [3]
+# -- the pool a StepScheduler lends ----------------------------------------------------------------
 
 
-# -- the raw objects while engine-step requests exist ----------------------------------------------
-
-
-def test_raw_objects_refuse_changes_while_step_requests_exist():
-    """s.pool / s.requests / s.prefixes changed behind the step would corrupt its pages (a raw
-    finish once made later plans list a page twice): while step requests exist, their mutating
-    calls raise StepError.ModeConflict and change nothing; reads still work; once the step is
-    idle they are free again."""
-    s = qualia.Scheduler(4, 32, 4, 8)
+def test_the_step_schedulers_pool_refuses_changes_for_its_whole_life():
+    """s.pool changed behind the step would corrupt its pages (a raw release once made later
+    plans list a page twice): the pool is the scheduler's for its whole life, queued requests
+    or not -- its mutating calls raise BusyError and change nothing, its reads work."""
+    s = qualia.StepScheduler(32, 4, 8, 4)
+    pool = s.pool
+    with pytest.raises(qualia.BusyError):
+        pool.allocate()                             # before any request
     s.add_request(1, list(range(1, 10)), max_new_tokens=3)
     plan = s.schedule()
     s.update([5] * len(plan.logits_indices))
-    page = int(s.block_table(1)[0]) if hasattr(s, "block_table") else 0
-    before = (s.pool.refcount(page), s.stats()["free_pages"], s.requests.active_count())
-    for call in (lambda: s.requests.finish(1, s.pool), lambda: s.pool.release(page),
-                 lambda: s.pool.allocate(), lambda: s.pool.retain(page),
-                 lambda: s.prefixes.evict_lru(s.pool), lambda: s.requests.record_token(1)):
-        with pytest.raises(qualia.StepError.ModeConflict):
+    page = int(plan.kv_indices[0])
+    before = (pool.refcount(page), s.stats()["free_pages"], pool.refcounts().tolist())
+    for call in (lambda: pool.release(page), lambda: pool.allocate(), lambda: pool.retain(page),
+                 lambda: pool._debug_set_refcount(page, 3),
+                 lambda: qualia.SequenceBlockTable(4).ensure_writable(0, pool)):
+        with pytest.raises(qualia.BusyError):
             call()
-    assert (s.pool.refcount(page), s.stats()["free_pages"], s.requests.active_count()) == before
-    result = s.run(qualia.HashBackend())          # the facade's own calls are unaffected
+    assert (pool.refcount(page), s.stats()["free_pages"], pool.refcounts().tolist()) == before
+    result = s.run(qualia.HashBackend())            # the scheduler's own calls are unaffected
     assert [f.request_id for f in result.finished] == [1]
-    free = s.pool.allocate()                       # idle: the raw objects are free again
-    s.pool.release(free)
+    with pytest.raises(qualia.BusyError):
+        pool.allocate()                             # idle: still the scheduler's
 
 
-def test_raw_objects_outliving_their_facade_are_free():
-    s = qualia.Scheduler(4, 32, 4, 8)
+def test_a_pool_outliving_its_step_scheduler_is_free():
+    s = qualia.StepScheduler(32, 4, 8, 4)
     s.add_request(1, [1, 2, 3], max_new_tokens=2)
     pool = s.pool
-    with pytest.raises(qualia.StepError.ModeConflict):
+    with pytest.raises(qualia.BusyError):
         pool.allocate()
     del s
     gc.collect()

@@ -39,8 +39,8 @@ def decoding(n=64, ctx=128, steps=8 * ROUNDS):
     """n requests decoding with room for `steps` more tokens (a page is allocated every 16
     steps: part of the steady state)."""
     lp = (ctx + steps) // 16 + 2
-    s = qualia.Scheduler(n, n * lp, 16, lp, max_num_batched_tokens=n * ctx, max_queued=n,
-                         cache_key=b"a" * 16)
+    s = qualia.StepScheduler(n * lp, 16, lp, n, max_num_batched_tokens=n * ctx, max_queued=n,
+                             cache_key=b"a" * 16)
     for i in range(n):
         s.add_request(i, np.arange(ctx, dtype=np.uint32) + i, max_new_tokens=steps)
     plan = s.schedule()

@@ -74,7 +74,7 @@ def results(finished):
 
 
 def run_core(args, kw, requests):
-    s = qualia.Scheduler(*args, vocab_size=V, **kw)
+    s = qualia.StepScheduler(*args, vocab_size=V, **kw)
     taken = add_all(s, requests)
     if not taken:
         return s, taken, None, 0
@@ -82,14 +82,14 @@ def run_core(args, kw, requests):
     r = s.run(HB, max_steps=bound)
     assert not s.has_unfinished(), (f"{len(taken)} requests, still unfinished after the bound "
                                     f"of {bound} steps ({s.parked} beams parked)")
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
     return s, taken, r, bound
 
 
 def drive_lockstep(args, kw, requests):
     """Core and twin step by step, plan for plan, until both are done or the bound is
     reached; returns (core, twin, finished, steps, bound)."""
-    c = qualia.Scheduler(*args, vocab_size=V, **kw)
+    c = qualia.StepScheduler(*args, vocab_size=V, **kw)
     t = TwinStepScheduler(*args, vocab_size=V, **kw)
     taken = add_all(c, requests)
     assert add_all(t, requests) == taken
@@ -109,7 +109,7 @@ def drive_lockstep(args, kw, requests):
 
 # beam groups only, one width, priority 0 (the shape `qualia simulate --beam-width` submits):
 # each group needs its two beams computed, and the two beams of one group never ran side by side
-SAME_WIDTH = ((3, 9, 2, 11), dict(max_num_batched_tokens=10, max_num_seqs=2, cache_key=b"s" * 16),
+SAME_WIDTH = ((9, 2, 11, 2), dict(max_num_batched_tokens=10, max_queued=12, cache_key=b"s" * 16),
               [(0, [1, 2, 3, 28], dict(max_new_tokens=1, beam_width=2)),
                (2, [1, 2, 3, 4, 26, 50, 33, 22, 34, 51, 11, 27, 44, 62],
                 dict(max_new_tokens=2, beam_width=2)),
@@ -117,7 +117,7 @@ SAME_WIDTH = ((3, 9, 2, 11), dict(max_num_batched_tokens=10, max_num_seqs=2, cac
 
 # a beam group of width 4 beside another beam group and a plain request, 13 pages: once its
 # beams had recomputed the prompt into pages of their own, two of them filled the pool
-MIXED = ((4, 13, 2, 12), dict(max_num_batched_tokens=12, max_num_seqs=4, max_prefill_chunk=8,
+MIXED = ((13, 2, 12, 4), dict(max_num_batched_tokens=12, max_prefill_chunk=8,
                              cache_key=b"s" * 16),
          [(0, [0, 1, 2, 3, 4, 5, 5, 62, 5, 38, 63, 57], dict(max_new_tokens=3, beam_width=4)),
           (1, [0, 1, 2, 3, 4, 5, 55, 46, 39, 35, 62, 63, 10, 28],
@@ -133,7 +133,7 @@ def test_parked_beams_keep_their_candidates_and_the_workload_finishes(workload):
         f"unfinished after {steps} steps (bound {bound}), {c.parked} beams parked"
     assert c.parked == t.parked > 0         # the case these workloads are about
     assert len(finished) == len(requests)
-    assert c.free_pages == c.num_blocks
+    assert c.free_pages == c.num_pages
     _, _, r, _ = run_core(args, kw, requests)
     assert results(r.finished) == results(finished)
 
@@ -149,9 +149,9 @@ def workload(seed):
     nb = int(rng.integers(4, 30))
     mr = int(rng.integers(1, 6))
     seqs = int(rng.integers(1, mr + 1))
-    kw = dict(max_num_batched_tokens=int(rng.integers(1, 25)), max_num_seqs=seqs,
+    kw = dict(max_num_batched_tokens=int(rng.integers(1, 25)),
               max_prefill_chunk=[None, None, 1, 3, 8][int(rng.integers(0, 5))],
-              max_queued=[None, 6, 12][int(rng.integers(0, 3))])
+              max_queued=[4 * mr, 6, 12][int(rng.integers(0, 3))])
     if rng.random() < 0.2:
         kw["prefix_caching"] = "off"
     else:
@@ -173,7 +173,7 @@ def workload(seed):
         elif kind == 2:
             rk["beam_width"] = width if beams_only else int(rng.integers(1, 6))
         requests.append((i, prompt, rk))
-    return (mr, nb, pt, lp), kw, requests
+    return (nb, pt, lp, seqs), kw, requests
 
 
 @pytest.mark.parametrize("block", range(8))

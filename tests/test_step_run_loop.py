@@ -42,9 +42,9 @@ def workload(s, n=10, seed=3):
 
 
 def make(twin=False):
-    cls = TwinStepScheduler if twin else qualia.Scheduler
-    s = cls(8, 40, 4, 16, max_num_batched_tokens=16, max_num_seqs=4, vocab_size=64,
-            cache_key=b"r" * 16)
+    cls = TwinStepScheduler if twin else qualia.StepScheduler
+    s = cls(40, 4, 16, 4, max_num_batched_tokens=16, vocab_size=64, cache_key=b"r" * 16,
+            max_queued=32)
     workload(s)
     return s
 
@@ -114,7 +114,7 @@ CHILD = textwrap.dedent("""
     from qualia.errors import BusyError, StepError
 
     def make():
-        s = qualia.Scheduler(4, 64, 16, 64, max_num_seqs=4, cache_key=b"k" * 16)
+        s = qualia.StepScheduler(64, 16, 64, 4, cache_key=b"k" * 16)
         for i in range(4):
             s.add_request(i, [1 + i, 2, 3], max_new_tokens=600)
         return s
@@ -155,7 +155,7 @@ CHILD = textwrap.dedent("""
     assert lens == [3 + steps] * 4 and 0 < steps < 600, (lens, steps)
     rest = s.run(example_backend.new_step(1000))
     assert tokens(rest.finished) == want
-    assert s.free_pages == s.num_blocks
+    assert s.free_pages == s.num_pages
     print("consistent", steps, flush=True)
 """)
 

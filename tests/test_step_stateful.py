@@ -1,6 +1,6 @@
 """The engine step: the compiled core and its pure-Python twin, call by call.
 
-``StepVsTwin`` drives ``qualia.Scheduler`` and ``qualia.twin.StepScheduler`` with the same
+``StepVsTwin`` drives ``qualia.StepScheduler`` and ``qualia.twin.StepScheduler`` with the same
 random calls, valid and invalid: arrivals of prompts that share prefixes (so admissions hit the
 cache), in several namespaces, with priorities, eos and stop tokens; random budgets, sequence
 limits, chunk caps and pools small enough to force reclaims and preemptions; aborts in every
@@ -77,10 +77,11 @@ class StepVsTwin(RuleBasedStateMachine):
                 events=st.sampled_from([4096, 4096, 6, 0]))
     def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens, events):
         kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
-                  max_queued=queued, vocab_size=VOCAB, cache_key=b"s" * 16,
+                  max_queued=20 if queued is None else queued, vocab_size=VOCAB,
+                  cache_key=b"s" * 16,
                   event_capacity=events)
-        self.core = qualia.Scheduler(5, num_blocks, page_tokens, 12, **kw)
-        self.twin = StepScheduler(5, num_blocks, page_tokens, 12, **kw)
+        self.core = qualia.StepScheduler(num_blocks, page_tokens, 12, **kw)
+        self.twin = StepScheduler(num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
         self.plan = None
         self.shadow = ShadowKV(num_blocks, page_tokens)
@@ -251,10 +252,10 @@ class StepVsTwin(RuleBasedStateMachine):
         assert c.num_running == t.num_running
         assert c.has_unfinished() == t.has_unfinished()
         assert c.free_pages == t.facade.free_pages
-        assert [c.pool.refcount(p) for p in range(c.num_blocks)] == \
-            [t.facade.pool.refcount(p) for p in range(c.num_blocks)]
-        assert c.step_requests() == list(t.requests())
-        for rid in c.step_requests():
+        assert [c.pool.refcount(p) for p in range(c.num_pages)] == \
+            [t.facade.pool.refcount(p) for p in range(c.num_pages)]
+        assert c.requests() == list(t.requests())
+        for rid in c.requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
         assert_same_step_counters(c, t)
 
@@ -266,9 +267,9 @@ TestStepVsTwin.settings = SETTINGS
 def test_draining_every_request_returns_every_page():
     """A workload run to the end leaves every page free or reclaimable, and the twin agrees."""
     rng = np.random.default_rng(7)
-    kw = dict(max_num_batched_tokens=10, max_num_seqs=3, cache_key=b"d" * 16)
-    c = qualia.Scheduler(5, 16, 4, 12, **kw)
-    t = StepScheduler(5, 16, 4, 12, **kw)
+    kw = dict(max_num_batched_tokens=10, max_num_seqs=3, max_queued=20, cache_key=b"d" * 16)
+    c = qualia.StepScheduler(16, 4, 12, **kw)
+    t = StepScheduler(16, 4, 12, **kw)
     for i in range(12):
         prompt = (SYSTEM if i % 2 else []) + rng.integers(0, 50, size=int(rng.integers(1, 10))
                                                           ).tolist()
@@ -282,4 +283,4 @@ def test_draining_every_request_returns_every_page():
     rc, rt = c.run(Backend()), t.run(Backend())
     assert_same_run(rc, rt)
     assert_same_step_counters(c, t)
-    assert c.free_pages == c.num_blocks == t.facade.free_pages
+    assert c.free_pages == c.num_pages == t.facade.free_pages

@@ -36,10 +36,9 @@ class CheckingBackend:
 @pytest.mark.parametrize("seed", range(20))
 def test_twin_generates_the_dense_tokens(seed):
     rng = random.Random(seed)
-    s = StepScheduler(6, rng.randrange(12, 30), 4, 16,
+    s = StepScheduler(rng.randrange(12, 30), 4, 16, rng.randrange(1, 6),
                       max_num_batched_tokens=rng.randrange(1, 20),
-                      max_num_seqs=rng.randrange(1, 6),
-                      max_prefill_chunk=rng.choice([None, 3, 8]))
+                      max_prefill_chunk=rng.choice([None, 3, 8]), max_queued=24)
     want = {}
     for i in range(12):
         prompt = ([1, 2, 3, 4, 5, 6, 7, 8] if i % 2 else []) + \
@@ -58,4 +57,4 @@ def test_twin_generates_the_dense_tokens(seed):
         assert f.output_tokens.tolist() == want[f.request_id]
         assert f.finish_reason == "length"
     assert not s.has_unfinished()
-    assert s.facade.free_pages == s.facade.num_blocks
+    assert s.facade.free_pages == s.facade.num_pages

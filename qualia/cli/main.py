@@ -300,8 +300,9 @@ def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sim = sub.add_parser("simulate", help="serve a synthetic workload or a trace and report",
-                         description="Serve a synthetic workload or a trace on the engine step "
-                                     "and report vLLM's serving figures.")
+                         description="Serve a synthetic workload or a trace on "
+                                     "qualia.StepScheduler and report vLLM's serving "
+                                     "figures.")
     _add_simulate_options(sim, DEFAULTS, preflight.SYNTHETIC_SIZES)
     from .cluster import add_cluster_options  # imports no Ray: that waits for --replicas
     add_cluster_options(sim)

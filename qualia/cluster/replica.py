@@ -73,7 +73,7 @@ class Replica:
         self.config = config
         self.sched = make_scheduler(config)
         self.backend = make_backend(config)
-        # the twin keeps the cache in its facade; the core's Scheduler is its own facade
+        # the twin keeps the cache in its facade; the core's StepScheduler owns its cache
         self.facade = getattr(self.sched, "facade", self.sched)
         self.implementation = ("core" if isinstance(self.sched, step_scheduler_class("core"))
                                else "twin" if self.facade is not self.sched
@@ -84,7 +84,7 @@ class Replica:
         return self.replica_id
 
     def describe(self) -> Dict[str, Any]:
-        """What this replica runs: its scheduler (``"core"``: the compiled ``qualia.Scheduler``;
+        """What this replica runs: its scheduler (``"core"``: the compiled ``qualia.StepScheduler``;
         ``"twin"``) and its backend's class."""
         return dict(replica=self.replica_id, implementation=self.implementation,
                     backend=type(self.backend).__name__)

@@ -243,9 +243,9 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
                      pending: int = 0) -> None:
     """Raise ``RuntimeError`` unless every request of ``submitted`` completed exactly once
     (``completions`` maps request id -> times completed), none is ``pending`` or active in
-    ``scheduler`` (a ``qualia.Scheduler``), and the pool holds nothing but the prefix store's
-    pages, each with the refcount of the entries that hold it, and cached pages that only the
-    cache holds."""
+    ``scheduler`` (a ``qualia.StepScheduler`` or ``qualia.Scheduler``), and the pool holds
+    nothing but the prefix store's pages, each with the refcount of the entries that hold it,
+    and cached pages that only the cache holds."""
     s = scheduler
     problems = []
     done = set(completions)

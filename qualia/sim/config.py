@@ -148,15 +148,14 @@ class EngineConfig:
     def scheduler_arguments(self) -> Tuple[Tuple[int, ...], Dict[str, Any]]:
         """The step scheduler's constructor arguments, positional and keyword."""
         kw: Dict[str, Any] = dict(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-            max_queued=self.max_queued, max_prefill_chunk=self.max_prefill_chunk,
-            vocab_size=self.vocab_size, prefix_caching=self.prefix_caching)
+            max_num_batched_tokens=self.max_num_batched_tokens, max_queued=self.max_queued,
+            max_prefill_chunk=self.max_prefill_chunk, vocab_size=self.vocab_size,
+            prefix_caching=self.prefix_caching)
         if self.cache_key is not None:
             kw["cache_key"] = self.cache_key
         if self.event_capacity is not None:
             kw["event_capacity"] = self.event_capacity
-        # one slot per running sequence: the slot count is max_num_seqs
-        return (self.max_num_seqs, self.num_pages, self.page_tokens, self.logical_pages), kw
+        return (self.num_pages, self.page_tokens, self.logical_pages, self.max_num_seqs), kw
 
 
 def _group_sizes(n, beam_width, max_num_seqs: int, max_queued: Optional[int]
@@ -195,7 +194,7 @@ def step_scheduler_class(kind: str = "auto") -> type:
         return StepScheduler
     import qualia
 
-    return qualia.Scheduler
+    return qualia.StepScheduler
 
 
 def engine_config_of(args) -> EngineConfig:

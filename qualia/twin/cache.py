@@ -8,7 +8,8 @@ order, every event and counter, every page id the pool hands out), so the statef
 compare the two after every step.  It takes Python decode backends only (``execute_ragged``).
 
 It is a model, not a fast path.  It stays one file past 600 lines on purpose: it is read beside
-core/pagecache.pxi, core/autoprefix.pxi and the facade's automatic mode, function by function.
+core/cache/pagecache.pxi, core/cache/autoprefix.pxi and the facade's automatic mode, function by
+function.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _cache_key(cache_key) -> bytes:
 # -- the cache -------------------------------------------------------------------------------------
 
 class _Entry:
-    """One cached page (a record of core/pagecache.pxi)."""
+    """One cached page (a record of core/cache/pagecache.pxi)."""
 
     __slots__ = ("ident", "parent_ident", "has_parent", "parent", "parent_gen", "gen", "ns",
                  "tokens")
@@ -162,7 +163,7 @@ class _Entry:
 
 
 class _Stream:
-    """One slot's token stream (core/autoprefix.pxi): known tokens, chain values (``ids``),
+    """One slot's token stream (core/cache/autoprefix.pxi): known tokens, chain values (``ids``),
     and the entry standing for each handed-over page (``canon``: (page, generation))."""
 
     __slots__ = ("known", "hashed", "done", "ns", "live", "broken", "tokens", "ids", "canon",
@@ -184,7 +185,7 @@ class _Stream:
 class Scheduler:
     """``qualia.Scheduler(..., prefix_caching="auto")`` in plain Python."""
 
-    def __init__(self, max_requests, num_blocks, page_tokens, logical_pages, prefix_entries=64,
+    def __init__(self, max_requests, num_pages, page_tokens, logical_pages, prefix_entries=64,
                  prefix_pages=None, prefix_caching="auto", cache_key=None, max_namespaces=1024,
                  event_capacity=4096) -> None:
         pt = _u32(page_tokens, "page_tokens")
@@ -200,7 +201,7 @@ class Scheduler:
         if ev_cap > (1 << 26):
             raise ValueError(f"event_capacity must be in [0, 67108864], got {ev_cap}")
         self.page_tokens = pt
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_pages)
         mr = _int(max_requests, "max_requests", 65536, minimum=1)
         self._lp = _u32(logical_pages, "logical_pages")
         self._slots = [_RequestSlot(self._lp) for _ in range(mr)]
@@ -241,7 +242,7 @@ class Scheduler:
         return self._lp
 
     @property
-    def num_blocks(self) -> int:
+    def num_pages(self) -> int:
         return self.pool.num_blocks
 
     @property
@@ -790,7 +791,7 @@ class Scheduler:
 
     def fork(self, parent_id, child_id) -> int:
         """``qualia.Scheduler.fork``: the child shares every page of the decoding parent and
-        continues its token stream (core/fork.pxi)."""
+        continues its token stream (core/pages/fork.pxi)."""
         prid = _u64(parent_id, "parent_id")
         crid = _u64(child_id, "child_id")
         parent = self._slots[self._find(prid)]
@@ -892,7 +893,7 @@ class Scheduler:
         return {
             "active": self.active_count,
             "max_requests": self.max_requests,
-            "num_blocks": nb,
+            "num_pages": nb,
             "free_pages": free,
             "used_pages": nb - free,
             "cached_pages": len(self._entries),
@@ -961,5 +962,5 @@ class Scheduler:
 
     def __repr__(self) -> str:
         return (f"twin_cache.Scheduler(max_requests={self.max_requests}, "
-                f"num_blocks={self.num_blocks}, page_tokens={self.page_tokens}, "
+                f"num_pages={self.num_pages}, page_tokens={self.page_tokens}, "
                 f"logical_pages={self._lp}, active={self.active_count})")

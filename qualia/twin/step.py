@@ -1,13 +1,13 @@
 """Pure-Python twin of the engine step (docs/DESIGN.md, "The engine step", "Forks at the step
 level", "Beam search at the step level").
 
-``StepScheduler`` is the step API of ``qualia.Scheduler`` (``add_request`` / ``abort`` /
-``schedule`` / ``update`` / ``discard_plan`` / ``run`` and its reads) written plainly, as a
-policy over the facade twin ``qualia.twin.cache.Scheduler``: every page decision goes through
-the facade's verbs (admit, reserve, advance, fork, finish) in the order the compiled core makes
-them, so the plans agree with the core's array for array, physical page numbers included.  It
-is the executable statement of the policy; the stateful differential tests drive both and
-compare every plan, every result and every counter.
+``StepScheduler`` is ``qualia.StepScheduler`` (``add_request`` / ``abort`` / ``schedule`` /
+``update`` / ``discard_plan`` / ``run`` and its reads) written plainly, as a policy over the
+facade twin ``qualia.twin.cache.Scheduler``: every page decision goes through the facade's verbs
+(admit, reserve, advance, fork, finish) in the order the compiled core makes them, so the plans
+agree with the core's array for array, physical page numbers included.  It is the executable
+statement of the policy; the stateful differential tests drive both and compare every plan,
+every result and every counter.
 
 It is composed as the core's step is (core/step/): request entries (``_Req``), the waiting
 queue, the running set with its block-table rows, the groups (``n`` groups and beam groups,
@@ -191,46 +191,44 @@ def _i32(value: Any, name: str) -> int:
 
 
 class StepScheduler:
-    """The engine step of ``qualia.Scheduler`` in plain Python (``prefix_caching="auto"``),
-    ``n`` groups and beam groups included."""
+    """``qualia.StepScheduler`` in plain Python (``prefix_caching="auto"``), ``n`` groups and
+    beam groups included."""
 
-    def __init__(self, max_requests, num_blocks, page_tokens, logical_pages, prefix_entries=64,
-                 prefix_pages=None, prefix_caching="auto", cache_key=None, max_namespaces=1024,
-                 event_capacity=4096, max_num_batched_tokens=2048, max_num_seqs=None,
-                 max_queued=None, max_prefill_chunk=None, vocab_size=None) -> None:
+    def __init__(self, num_pages, page_tokens, logical_pages, max_num_seqs, *,
+                 max_num_batched_tokens=2048, max_queued=None, max_prefill_chunk=None,
+                 vocab_size=None, prefix_caching="auto", cache_key=None, max_namespaces=1024,
+                 event_capacity=4096) -> None:
         # the plan's arrays are int32: refuse sizes whose page ids or offsets would not fit
         # (checked before the pool is built: the core checks before allocating it)
-        nb = _u32(num_blocks, "num_blocks")
+        nb = _u32(num_pages, "num_pages")
         budget = _u32(max_num_batched_tokens, "max_num_batched_tokens")
         if nb > I32_MAX + 1:
-            raise ValueError(f"num_blocks must be at most 2**31 (page ids are int32 in the step "
+            raise ValueError(f"num_pages must be at most 2**31 (page ids are int32 in the step "
                              f"plan), got {nb}")
         if budget > I32_MAX:
             raise ValueError(f"max_num_batched_tokens must be at most 2**31-1 (token offsets "
                              f"are int32 in the step plan), got {budget}")
         lp, pt = _u32(logical_pages, "logical_pages"), _u32(page_tokens, "page_tokens")
+        seqs = _u32(max_num_seqs, "max_num_seqs")
+        if not 1 <= seqs <= 65536:
+            raise ValueError(f"max_num_seqs must be in [1, 65536], got {seqs}")
         if lp * pt > I32_MAX:
             raise ValueError(f"logical_pages x page_tokens must be at most 2**31-1 (positions "
                              f"are int32 in the step plan), got {lp} x {pt}")
-        mr = _u32(max_requests, "max_requests")
-        seqs = mr if max_num_seqs is None else _u32(max_num_seqs, "max_num_seqs")
         if lp * seqs > I32_MAX:
             raise ValueError("max_num_seqs x logical_pages must be at most 2**31-1 (the "
                              "paged-KV offsets are int32 in the step plan)")
-        self.facade = _Facade(max_requests, num_blocks, page_tokens, logical_pages,
-                              prefix_entries, prefix_pages, prefix_caching, cache_key,
-                              max_namespaces, event_capacity)
+        # one slot per running request: the facade twin's max_requests is max_num_seqs
+        self.facade = _Facade(seqs, num_pages, page_tokens, logical_pages,
+                              prefix_caching=prefix_caching, cache_key=cache_key,
+                              max_namespaces=max_namespaces, event_capacity=event_capacity)
         f = self.facade
         self.page_tokens = f.page_tokens
         self.budget = _u32(max_num_batched_tokens, "max_num_batched_tokens")
         if self.budget == 0:
             raise ValueError("max_num_batched_tokens must be at least 1")
-        mr = f.max_requests
-        self.max_num_seqs = mr if max_num_seqs is None else _u32(max_num_seqs, "max_num_seqs")
-        if not 1 <= self.max_num_seqs <= mr:
-            raise ValueError(f"max_num_seqs must be in [1, max_requests={mr}], "
-                             f"got {self.max_num_seqs}")
-        self.max_queued = 4 * mr if max_queued is None else _u32(max_queued, "max_queued")
+        self.max_num_seqs = seqs
+        self.max_queued = 4 * seqs if max_queued is None else _u32(max_queued, "max_queued")
         if self.max_queued < self.max_num_seqs:
             raise ValueError(f"max_queued must be at least max_num_seqs={self.max_num_seqs}, "
                              f"got {self.max_queued}")
@@ -322,8 +320,20 @@ class StepScheduler:
         return list(g.members)
 
     def stats(self) -> Dict[str, int]:
-        """The page counters of ``qualia.Scheduler.stats()`` (the facade's)."""
-        return self.facade.stats()
+        """``qualia.StepScheduler.stats()``: running requests' slots, pages free, used, cached
+        and reclaimable, pages copied (copy-on-write) and allocated so far."""
+        st = self.facade.stats()
+        return {
+            "active": st["active"],
+            "max_num_seqs": self.max_num_seqs,
+            "num_pages": st["num_pages"],
+            "free_pages": st["free_pages"],
+            "used_pages": st["used_pages"],
+            "cached_pages": st["cached_pages"],
+            "reclaimable_pages": st["reclaimable_pages"],
+            "pages_copied": st["pages_copied"],
+            "pages_allocated": st["pages_allocated"],
+        }
 
     def cache_stats(self) -> CacheStats:
         return self.facade.cache_stats()
@@ -368,9 +378,9 @@ class StepScheduler:
             n_prompt = len(prompt_tokens)
             tail = -(-(n_prompt + new - 1) // pt) - n_prompt // pt
             need = n_prompt // pt + beam_width * tail
-            if n_prompt and new and need > self.facade.num_blocks:
+            if n_prompt and new and need > self.facade.num_pages:
                 raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
-                                                f"side, the pool has {self.facade.num_blocks}")
+                                                f"side, the pool has {self.facade.num_pages}")
         max_new = _u32(max_new_tokens, "max_new_tokens")
         if max_new == 0:
             raise ValueError("max_new_tokens must be at least 1")
@@ -389,8 +399,6 @@ class StepScheduler:
         if not tokens:
             raise ValueError("the prompt must have at least one token")
         self._enter()
-        if self.facade.active_count > len(self._running) + len(self._deferred_finish):
-            raise StepError.ModeConflict(None, "requests admitted with admit() are active")
         if self._taken(rid):
             raise StepError.DuplicateRequest(None, f"request {rid}")
         total = len(tokens) + max_new
@@ -398,9 +406,9 @@ class StepScheduler:
             raise StepError.NeverFits(None, f"{len(tokens)} prompt + {max_new} new tokens pass "
                                             f"the table's {self.max_tokens} tokens")
         pages = -(-(total - 1) // self.page_tokens)
-        if pages > self.facade.num_blocks:
+        if pages > self.facade.num_pages:
             raise StepError.NeverFits(None, f"{pages} pages needed, the pool has "
-                                            f"{self.facade.num_blocks}")
+                                            f"{self.facade.num_pages}")
         # a group takes its width of queue entries at once
         entries = n if beam_width is None else beam_width
         if self._entries_used() + entries > self.max_queued:
@@ -644,7 +652,9 @@ class StepScheduler:
             if not r.running:
                 continue
             scheduled.add(r.request_id)
-            chunks.append((r, r.num_computed, n, remaining == 1))
+            # a decode feeds back a generated token: the last token of a prompt is prefilled
+            chunks.append((r, r.num_computed, n,
+                           remaining == 1 and r.num_computed >= r.prompt_len))
             if r.unseen:
                 # admitted by a discarded plan: named until a plan with it is applied
                 new.append(r.request_id)

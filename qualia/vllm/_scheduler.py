@@ -34,7 +34,7 @@ from vllm.v1.request import Request, RequestStatus
 
 # The one place that names the core class: the engine step's methods (add_request, schedule,
 # update, abort, clear_cache, ...) are reached through _Core only.
-from qualia import Scheduler as _Core
+from qualia import StepScheduler as _Core
 
 #: Stop token ids the core holds per request; a request with more has the rest checked here.
 _CORE_MAX_STOPS = 16
@@ -195,13 +195,12 @@ class Scheduler(_VllmScheduler):
         threshold = int(sc.long_prefill_token_threshold or 0)
         self._prefix_caching = bool(self.cache_config.enable_prefix_caching)
         self._core = _Core(
-            max_requests=max_seqs,
-            num_blocks=self._num_pages,
+            num_pages=self._num_pages,
             page_tokens=block_size,
             logical_pages=logical_pages,
+            max_num_seqs=max_seqs,
             prefix_caching="auto" if self._prefix_caching else "off",
             max_num_batched_tokens=int(self.max_num_scheduled_tokens),
-            max_num_seqs=max_seqs,
             max_queued=max_queued,
             max_prefill_chunk=threshold if threshold > 0 else None,
         )

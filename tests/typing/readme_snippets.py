@@ -11,56 +11,57 @@ that every snippet of README.md is here unchanged.
 import numpy as np
 import qualia
 
-s = qualia.Scheduler(max_requests=16, num_blocks=1024, page_tokens=16, logical_pages=64,
-                     max_num_batched_tokens=512, max_prefill_chunk=256)
+scheduler = qualia.StepScheduler(num_pages=1024, page_tokens=16, logical_pages=64,
+                                 max_num_seqs=16, max_num_batched_tokens=512,
+                                 max_prefill_chunk=256)
 header = np.arange(1000, 1400, dtype=np.uint32)  # a 400-token system prompt
 for rid in range(8):
     ids = np.concatenate([header, np.array([rid, 7, 8], dtype=np.uint32)])
-    s.add_request(rid, ids, max_new_tokens=16)
+    scheduler.add_request(rid, ids, max_new_tokens=16)
 
 backend = qualia.HashBackend()  # stands in for a model: see "Backends"
-while s.has_unfinished():
-    plan = s.schedule()  # input_ids, positions, slot_mapping, block_table, kv_indptr, ...
+while scheduler.has_unfinished():
+    plan = scheduler.schedule()  # input_ids, positions, slot_mapping, block_table, kv_indptr, ...
     sampled = backend.execute_step(plan)  # one forward over the mixed batch
-    for done in s.update(sampled):  # stop conditions applied; pages go to the cache
+    for done in scheduler.update(sampled):  # stop conditions applied; pages go to the cache
         assert isinstance(done, qualia.FinishedRequest)  # a FinishedGroup for n > 1
         print(done.request_id, done.finish_reason, done.output_tokens[:4])
 
 for rid in range(8, 16):
-    s.add_request(rid, np.arange(rid, rid + 40, dtype=np.uint32), max_new_tokens=16)
-result = s.run(backend)  # the whole loop in C without the GIL (a C backend)
-print(len(result.finished), result.totals["num_tokens"], s.cache_stats().hit_tokens)
+    scheduler.add_request(rid, np.arange(rid, rid + 40, dtype=np.uint32), max_new_tokens=16)
+result = scheduler.run(backend)  # the whole loop in C without the GIL (a C backend)
+print(len(result.finished), result.totals["num_tokens"], scheduler.cache_stats().hit_tokens)
 
 # -- README "The engine step": parallel sampling and beam search -----------------
 import numpy as np
 import qualia
 
-s = qualia.Scheduler(max_requests=8, num_blocks=256, page_tokens=16, logical_pages=16)
+scheduler = qualia.StepScheduler(num_pages=256, page_tokens=16, logical_pages=16, max_num_seqs=8)
 question = np.arange(1, 41, dtype=np.uint32)  # 40 tokens: 2 full pages and a partial one
-s.add_request(1, question, max_new_tokens=8, n=4)  # 4 samples of one prefill
-s.add_request(2, question, max_new_tokens=8, beam_width=3)  # beam search of width 3
+scheduler.add_request(1, question, max_new_tokens=8, n=4)  # 4 samples of one prefill
+scheduler.add_request(2, question, max_new_tokens=8, beam_width=3)  # beam search of width 3
 backend = qualia.HashBackend()
 copied = 0
-while s.has_unfinished():
-    plan = s.schedule()
+while scheduler.has_unfinished():
+    plan = scheduler.schedule()
     # plan.fork_child_ids / fork_parent_ids: the forks since the last plan (a backend copies
-    # its per-request state to each child); plan.copies: pages a child's first write copies
+    # its per-request state to each child); plan.copies: pages a child'scheduler first write copies
     copied += len(plan.copies)
-    if plan.num_topk:  # beam rows: each row's num_topk best next tokens, with log-probs
+    if plan.num_topk:  # beam rows: each row'scheduler num_topk best next tokens, with log-probs
         ids, topk_ids, topk_logprobs = backend.execute_step_topk(plan)
-        finished = s.update(ids, topk_ids, topk_logprobs)
+        finished = scheduler.update(ids, topk_ids, topk_logprobs)
     else:
-        finished = s.update(backend.execute_step(plan))
+        finished = scheduler.update(backend.execute_step(plan))
     for group in finished:
         assert isinstance(group, qualia.FinishedGroup)
         print(group.request_id, len(group.outputs), group.finish_reasons, group.scores)
-print(s.forks, "forks,", copied, "pages copied")
+print(scheduler.forks, "forks,", copied, "pages copied")
 
 # -- README "The facade: admit / decode / finish" ------------------------------------------------
 
 import qualia
 
-s = qualia.Scheduler(max_requests=64, num_blocks=4096, page_tokens=16, logical_pages=256)
+s = qualia.Scheduler(max_requests=64, num_pages=4096, page_tokens=16, logical_pages=256)
 backend = qualia.HashBackend()          # or your model: see "Backends"
 
 system = list(range(1000, 1040))             # a shared system prompt

@@ -1,6 +1,6 @@
 # Status codes -> exception classes: one table, built and checked when the module is imported.
 #
-# A nogil operation returns Q_OK or the code of one variant (core/structs.pxi).  The same code
+# A nogil operation returns Q_OK or the code of one variant (core/base/structs.pxi).  The same code
 # surfaces differently depending on the layer that called: a pool's Exhausted is
 # PoolError.Exhausted from BlockPool.allocate, TableError.Exhausted from ensure_writable (pool
 # errors met by a table are flattened into it), SchedulerError.Table(TableError.Exhausted) from
@@ -35,8 +35,8 @@ cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Ove
                           "ItemBufferTooSmall", "OutputBufferTooSmall", "BlockTableBufferTooSmall",
                           "MissingInputToken", "OutputIdentityMismatch", "BackendLaunchCount",
                           None, "NamespaceTableFull", "DuplicateRequest", "UnknownRequest",
-                          "NeverFits", "QueueFull", "PlanPending", "NoPlan", "ModeConflict",
-                          "ForkInPrefill")
+                          "NeverFits", "QueueFull", "PlanPending", "NoPlan", "ForkInPrefill",
+                          None, None, None, None, None, None, None, None)
 
 
 def _error_table():
@@ -47,7 +47,7 @@ def _error_table():
     round_codes = range(Q_ITEM_BUFFER_TOO_SMALL, Q_BACKEND_LAUNCH_COUNT + 1)
     cache_codes = range(Q_NAMESPACES_FULL, Q_NAMESPACES_FULL + 1)
     fork_codes = range(Q_FORK_IN_PREFILL, Q_FORK_IN_PREFILL + 1)
-    step_codes = range(Q_STEP_DUPLICATE, Q_MODE_CONFLICT + 1)
+    step_codes = range(Q_STEP_DUPLICATE, Q_NO_PLAN + 1)
     # layer -> [(codes, wrappers outermost first, family of the leaf)]
     rules = {
         E_POOL: [(pool_codes, (), PoolError)],
@@ -71,6 +71,8 @@ def _error_table():
                  (table_codes, (SchedulerError.Table,), TableError),
                  (cache_codes, (), PrefixCacheError)],
     }
+    if len(_CODE_NAMES) != Q_CODES:
+        raise ImportError("the status codes and their names differ in number")
     table = []
     for layer in range(E_LAYERS):
         row = [None] * len(_CODE_NAMES)
@@ -88,11 +90,41 @@ def _error_table():
 cdef tuple _ERRORS = _error_table()
 
 
-cdef object _error(int layer, int rc):
-    """The exception for status code `rc` returned to `layer` (see the table above)."""
-    if rc == Q_ROUND_TOO_LARGE:  # not an error variant of the seed: a plain OverflowError
-        return OverflowError("the lowered block table exceeds 2**32-1 entries")
-    chain = (<tuple>_ERRORS[layer])[rc]
+# Codes that are no variant of a family, whatever the layer: a built-in exception with a message
+# ({row}: the row that failed, {token}: its token id, {limit}: the largest id of the
+# vocabulary), or, with no message, RaggedBackendError.Failed of the backend's own status.
+cdef dict _PLAIN = {
+    Q_ROUND_TOO_LARGE: (OverflowError, "the lowered block table exceeds 2**32-1 entries"),
+    Q_RUN_BACKEND_FAILED: (RaggedBackendError.Failed, None),
+    Q_RUN_UNWRITTEN: (ValueError, "the step backend returned 0 without writing sampled row {row} "
+                                  "(or wrote 4294967295, which is no token id); the step was "
+                                  "discarded"),
+    Q_RUN_BAD_TOKEN: (ValueError, "the step backend sampled token id {token} (row {row}), "
+                                  "outside [0, {limit}]"),
+    Q_RUN_NO_TOPK: (TypeError, "the plan has beam rows (num_topk > 0) and the C step backend "
+                               "does not declare QUALIA_STEP_WRITES_TOPK; the step was discarded"),
+    Q_RUN_BAD_TOPK: (ValueError, "the step backend wrote a candidate token id outside "
+                                 "[0, {limit}] (row {row})"),
+    Q_RUN_BAD_TOPK_LOGPROB: (ValueError, "the step backend wrote a candidate log-probability "
+                                         "that is NaN or above 0 (a log-probability is at most "
+                                         "0), or left it unwritten (row {row})"),
+    Q_RUN_REPEATED_TOPK: (ValueError, "the step backend repeated a token among a beam's "
+                                      "candidates (row {row})"),
+    Q_RUN_UNSORTED_TOPK: (ValueError, "the step backend wrote a beam row's candidates out of "
+                                      "order: not best first (row {row})"),
+}
+
+
+cdef object _error(int layer, int rc, int64_t arg=0, int64_t token=0, uint64_t limit=0):
+    """The exception for status code `rc` returned to `layer` (see the tables above); `arg` is
+    the failing row (or a backend's status), `token` and `limit` what a message names."""
+    plain = _PLAIN.get(rc)
+    if plain is not None:
+        cls, text = <tuple>plain
+        if text is None:
+            return cls(arg)
+        return cls((<str>text).format(row=arg, token=token, limit=limit))
+    chain = (<tuple>_ERRORS[layer])[rc] if 0 <= rc < Q_CODES else None
     if chain is None:
         return SystemError(f"qualia internal error: status {rc} in error layer {layer}")
     err = None

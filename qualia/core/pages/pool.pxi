@@ -1,6 +1,13 @@
 # Block pool (docs/DESIGN.md, "Block pool").  One free stack: pages pushed in descending
 # order so never-used pages come out ascending; a released page goes on top and is reused first.
 
+cdef struct Pool:
+    uint32_t num_blocks
+    uint32_t free_top
+    uint32_t *refcount
+    uint32_t *free_stack
+
+
 cdef int pool_init(Pool *p, uint32_t n) except -1:
     # n == 0 is a valid pool: every allocate is Exhausted, every page id InvalidPage
     cdef uint32_t i
@@ -63,7 +70,7 @@ cdef class BlockPool:
     id ``InvalidPage``."""
     cdef Pool pool
     cdef uint64_t owner
-    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
+    cdef uint8_t gil_free   # its StepScheduler's GIL-free loop is changing it (ownership.pxi)
 
     def __cinit__(self, num_blocks):
         cdef uint64_t n = _int(num_blocks, "num_blocks", U32_MAX)

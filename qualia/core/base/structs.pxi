@@ -1,6 +1,6 @@
-# The C structs of the core, its status codes, and the C declarations it uses.
-# Every struct here is private to the extension module: the public ABI is csrc/qualia.h
-# (mirrored by qualia/_abi.pxd), and nothing here is exported.
+# The core's status codes and the C declarations every part uses.  Each struct is declared with
+# its concept (core/pages/pool.pxi: Pool, ...); all are private to the extension module: the
+# public ABI is csrc/qualia.h (mirrored by qualia/_abi.pxd), and nothing here is exported.
 
 # Status codes of the nogil core.  0 is success; the names match the error variants, and the
 # def wrappers turn each code into the exception class of the layer that called.
@@ -30,89 +30,25 @@ cdef enum:
     Q_BACKEND_LAUNCH_COUNT = 22
     Q_ROUND_TOO_LARGE = 23      # the lowered block table passes 2**32-1 entries (OverflowError)
     Q_NAMESPACES_FULL = 24      # automatic prefix caching: every namespace id is in use
-    Q_STEP_DUPLICATE = 25       # the engine step (core/step.pxi): StepError variants
+    Q_STEP_DUPLICATE = 25       # the engine step (core/step/): StepError variants
     Q_STEP_UNKNOWN = 26
     Q_NEVER_FITS = 27
     Q_QUEUE_FULL = 28
     Q_PLAN_PENDING = 29
     Q_NO_PLAN = 30
-    Q_MODE_CONFLICT = 31
-    Q_FORK_IN_PREFILL = 32      # fork of a request that is still in its prefill
-
-cdef enum:
-    COW_EXCLUSIVE = 0
-    COW_ALLOCATED = 1
-    COW_COPY = 2
-
-cdef struct Pool:
-    uint32_t num_blocks
-    uint32_t free_top
-    uint32_t *refcount
-    uint32_t *free_stack
-
-cdef struct Table:
-    uint32_t *entries
-    uint32_t len
-    uint32_t capacity
-
-cdef struct Cow:
-    int kind
-    uint32_t page
-    uint32_t src
-
-cdef struct StoreEntry:
-    uint64_t hi
-    uint64_t lo
-    uint32_t tokens
-    uint32_t npages
-    int32_t prev
-    int32_t next
-    uint32_t used
-
-cdef struct Store:
-    StoreEntry *entries
-    uint32_t *pages
-    int32_t *index
-    uint32_t index_mask
-    uint32_t capacity
-    uint32_t max_pages
-    uint32_t count
-    int32_t lru_head
-    int32_t lru_tail
-    int32_t free_head
-    uint64_t hits
-    uint64_t misses
-
-cdef struct Slot:
-    uint64_t request_id
-    uint32_t token_count
-    uint32_t prefix_tokens
-    uint32_t next_token_id
-    uint8_t state
-    uint8_t token_ready
-    Table blocks
-
-cdef struct Sched:
-    Slot *slots
-    uint32_t *table_storage
-    int32_t *index
-    uint32_t index_mask
-    uint64_t *free_bits
-    uint64_t *decode_bits
-    uint32_t n_decode
-    uint32_t n_words
-    uint32_t max_requests
-    uint32_t logical_pages
-    uint32_t active
-    uint32_t *lowered
-
-cdef struct Undo:
-    uint32_t slot
-    uint32_t logical_page
-    int kind
-    uint32_t src
-    uint32_t dst
-
+    Q_FORK_IN_PREFILL = 31      # fork of a request that is still in its prefill
+    # a C step backend's failed step in StepScheduler.run() (core/step/loop.pxi): no error
+    # variant of the families but RaggedBackendError.Failed(status) and ValueError / TypeError
+    # with the row that failed (core/base/errors.pxi, _PLAIN)
+    Q_RUN_BACKEND_FAILED = 32   # the backend returned nonzero (its status)
+    Q_RUN_UNWRITTEN = 33        # a sampled row left unwritten
+    Q_RUN_BAD_TOKEN = 34        # a sampled id past vocab_size
+    Q_RUN_NO_TOPK = 35          # a plan with beam rows, a backend that writes no candidates
+    Q_RUN_BAD_TOPK = 36         # a candidate id past vocab_size
+    Q_RUN_BAD_TOPK_LOGPROB = 37  # a candidate log-probability NaN, above 0, or unwritten
+    Q_RUN_REPEATED_TOPK = 38    # a beam row repeats a candidate id
+    Q_RUN_UNSORTED_TOPK = 39    # a beam row's candidates are not best first
+    Q_CODES = 40
 
 cdef extern from "Python.h":
     unsigned long long _as_ull "PyLong_AsUnsignedLongLong"(object o)

@@ -2,10 +2,10 @@
 #
 # Which replicas hold which page identities, built from the KV events their automatic prefix
 # caches emit.  One open-addressing table (linear probing, load <= 1/2, deletion by shifting back,
-# as core/index.pxi) of 16-byte slots keyed inline: the page identity and a bitset of the replicas
-# holding it (up to 64).  A slot whose bitset is zero is empty, so a lookup touches one cache line
-# and an identity can be any 64-bit value.  Sized at construction; applying events and matching
-# allocate nothing.
+# as core/cache/index.pxi) of 16-byte slots keyed inline: the page identity and a bitset of the
+# replicas holding it (up to 64).  A slot whose bitset is zero is empty, so a lookup touches one
+# cache line and an identity can be any 64-bit value.  Sized at construction; applying events and
+# matching allocate nothing.
 #
 # A full table drops the new identity and counts it (as the event ring does): the router then
 # sees a miss for that page, never a wrong hit.  A removal of an identity the table does not hold

@@ -329,3 +329,78 @@ cdef void auto_after_cow(PageCache *c, Pool *p, Undo *log, Py_ssize_t n) noexcep
     for k in range(n):
         if log[k].kind == COW_COPY:
             pc_on_release(c, p, log[k].src)
+
+
+cdef int auto_decode_prepare(Sched *s, Pool *p, PageCache *c, Streams *ss, Undo *undo,
+                             uint32_t page_tokens) noexcept nogil:
+    # The facade's decode round: note each decoding slot's input token and position (streams
+    # still cached); reclaim what the round's make-writable will allocate, or fail before
+    # changing anything.
+    # With no reclaimable page there is nothing to reclaim, and the make-writable loop fails
+    # with the same first error, changing nothing, so the count is skipped.  A page several
+    # decoding forks share is counted as the round will find it: each writer but the last
+    # holder copies it (fork_writer_seen, undone before returning).
+    cdef uint64_t need = 0
+    cdef uint64_t avail = <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]
+    cdef bint count = c.n_state[PC_RECLAIMABLE] != 0
+    cdef bint note = ss.cacheable != 0
+    cdef uint32_t i, w, lp
+    cdef uint64_t bits
+    cdef int rc = Q_OK
+    cdef Py_ssize_t n_seen = 0
+    cdef Slot *sl
+    cdef Stream *st
+    if not count and not note:
+        return Q_OK
+    for w in range(s.n_words):
+        bits = s.decode_bits[w]
+        while bits:
+            i = w * 64 + __builtin_ctzll(bits)
+            bits &= bits - 1
+            sl = &s.slots[i]
+            if note:
+                st = &ss.st[i]
+                st.has_pending = st.live and not st.broken and sl.token_ready
+                st.pending = sl.next_token_id
+                st.pending_pos = sl.token_count
+            if not count:
+                continue
+            lp = sl.token_count // page_tokens
+            if lp == sl.blocks.len and lp < sl.blocks.capacity:
+                need += 1                      # the usual cases, inline
+                if need > avail:
+                    rc = Q_EXHAUSTED
+                    break
+            elif lp < sl.blocks.len and sl.blocks.entries[lp] < p.num_blocks \
+                    and p.refcount[sl.blocks.entries[lp]] == 1:
+                pass
+            else:
+                rc = auto_need_pages(&sl.blocks, lp, lp, p, c, &need)
+                if rc:
+                    break
+                fork_writer_seen(p, &sl.blocks, lp, undo, &n_seen)
+        if rc:
+            break
+    fork_writers_restore(p, undo, n_seen)
+    if rc:
+        return rc
+    if count:
+        return pc_make_room(c, p, need)
+    return Q_OK
+
+
+cdef void auto_after_round(Sched *s, Pool *p, PageCache *c, Streams *ss,
+                           uint32_t n) noexcept nogil:
+    # the round computed each item's input token at its position: record it, cache what
+    # filled
+    cdef uint32_t j, i
+    cdef Stream *st
+    if ss.cacheable == 0:
+        return
+    for j in range(n):
+        i = s.lowered[j]
+        st = &ss.st[i]
+        if st.has_pending:
+            auto_note_token(s, ss, i, st.pending_pos, st.pending)
+            st.has_pending = 0
+        auto_fill(s, p, c, ss, i)

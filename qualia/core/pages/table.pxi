@@ -1,5 +1,29 @@
 # Sequence block table (docs/DESIGN.md, "Block table").
 
+cdef enum:
+    COW_EXCLUSIVE = 0
+    COW_ALLOCATED = 1
+    COW_COPY = 2
+
+cdef struct Table:
+    uint32_t *entries
+    uint32_t len
+    uint32_t capacity
+
+cdef struct Cow:
+    int kind
+    uint32_t page
+    uint32_t src
+
+# One change a reservation made to a slot's table, for undoing it (seed/reserve.pxi)
+cdef struct Undo:
+    uint32_t slot
+    uint32_t logical_page
+    int kind
+    uint32_t src
+    uint32_t dst
+
+
 cdef int table_ensure_writable(Table *t, uint32_t logical_page, Pool *p, Cow *out) noexcept nogil:
     cdef uint32_t page, dst
     cdef int rc

@@ -1,7 +1,8 @@
 # Ownership (docs/DESIGN.md, "Ownership"): who may mutate an object, and when.
 #
-# BlockPool, PrefixKvStore, RequestScheduler and the facade Scheduler each have an `owner` field:
-# 0 when free, otherwise the token of the call that holds the object.  Every mutating call
+# BlockPool, PrefixKvStore, RequestScheduler, Scheduler and StepScheduler each have an `owner`
+# field: 0 when free, otherwise the token of the call (or, for the pool a StepScheduler lends,
+# of the StepScheduler itself, for its whole life) that holds the object.  Every mutating call
 #
 #   1. RESOLVES everything that can run Python code before it looks at any state: integer
 #      arguments (__index__), namespaces, tokens (into private memory), the backend (capsule
@@ -18,32 +19,22 @@
 # every mutating call on it and changes nothing.  Read-only calls take no ownership: they copy
 # the state they read into C memory before they build Python objects (an allocation can run a GC
 # callback that mutates).  The core changes state without the GIL in one place, the loop of
-# Scheduler.run() with a C step backend; reads are refused while it runs (own_readable below).
+# StepScheduler.run() with a C step backend; reads are refused while it runs (own_readable below).
 
 cdef uint64_t _own_seq = 0
-
-# A facade with engine-step requests lends its raw objects (`s.pool`, `s.prefixes`,
-# `s.requests`) to nobody: between its calls their owner fields hold OWN_STEP_HELD, so a raw
-# mutating call gets StepError.ModeConflict instead of changing pages or slots the step holds
-# (the facade's own calls take them over; core/facade.pxi, _own/_unown).
-cdef uint64_t OWN_STEP_HELD = 0xFFFFFFFFFFFFFFFF
 
 
 cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) except 0:
     """Stamp every non-NULL owner field with a fresh token if all are free; else BusyError."""
     global _own_seq
     cdef uint64_t token
-    if ((a != NULL and a[0] == OWN_STEP_HELD) or (b != NULL and b[0] == OWN_STEP_HELD)
-            or (c != NULL and c[0] == OWN_STEP_HELD) or (d != NULL and d[0] == OWN_STEP_HELD)):
-        raise StepError.ModeConflict(None, "this object belongs to a Scheduler that has "
-                                           "engine-step requests: use the Scheduler's verbs; "
-                                           "nothing was changed")
     if ((a != NULL and a[0] != 0) or (b != NULL and b[0] != 0)
             or (c != NULL and c[0] != 0) or (d != NULL and d[0] != 0)):
         raise BusyError(None, "the object is in use by another call (a decode round, its "
-                              "backend, or another thread); nothing was changed, retry after it")
+                              "backend, or another thread) or belongs to the StepScheduler "
+                              "that lends it; nothing was changed")
     _own_seq += 1
-    if _own_seq == 0 or _own_seq == OWN_STEP_HELD:  # 2**64 calls later
+    if _own_seq == 0:   # 2**64 calls later
         _own_seq = 1
     token = _own_seq
     if a != NULL:
@@ -57,18 +48,18 @@ cdef uint64_t own_acquire(uint64_t *a, uint64_t *b, uint64_t *c, uint64_t *d) ex
     return token
 
 
-# A GIL-free section that changes state (Scheduler.run() with a C step backend: the whole
-# schedule -> execute -> update loop runs without the GIL) sets `gil_free` on the facade and on
-# each raw object it holds, with the GIL, before it lets the GIL go, and clears it after it has
+# A GIL-free section that changes state (StepScheduler.run() with a C step backend: the whole
+# schedule -> execute -> update loop runs without the GIL) sets `gil_free` on the scheduler and
+# on the pool it lends, with the GIL, before it lets the GIL go, and clears it after it has
 # the GIL back.  While it is set every read of those objects raises BusyError (reads included:
 # the loop changes what they would read); the one exception is the KV event ring, a
 # single-producer, single-consumer ring that drain_events() consumes concurrently
-# (core/pagecache.pxi).  A read calls own_readable() after it has resolved its arguments (user
+# (core/cache/pagecache.pxi).  A read calls own_readable() after it has resolved its arguments (user
 # code may run there, and with it another thread) and before it reads any state, with no
 # Python code in between, so the check and the read happen under one holding of the GIL.
 cdef inline int own_readable(uint8_t gil_free) except -1:
     if gil_free:
-        raise BusyError(None, "a GIL-free section (Scheduler.run() with a C step backend) is "
+        raise BusyError(None, "a GIL-free section (StepScheduler.run() with a C step backend) is "
                               "changing this object; nothing was read, retry after it")
     return 0
 

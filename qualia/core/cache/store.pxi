@@ -1,6 +1,30 @@
 # Prefix KV store (docs/DESIGN.md, "Prefix store"): fixed entries, an open-addressing index
 # by digest (backward-shift deletion, load <= 1/2), an intrusive LRU list (head = least recent).
 
+cdef struct StoreEntry:
+    uint64_t hi
+    uint64_t lo
+    uint32_t tokens
+    uint32_t npages
+    int32_t prev
+    int32_t next
+    uint32_t used
+
+cdef struct Store:
+    StoreEntry *entries
+    uint32_t *pages
+    int32_t *index
+    uint32_t index_mask
+    uint32_t capacity
+    uint32_t max_pages
+    uint32_t count
+    int32_t lru_head
+    int32_t lru_tail
+    int32_t free_head
+    uint64_t hits
+    uint64_t misses
+
+
 cdef inline uint32_t _home(Store *st, uint64_t hi, uint64_t lo) noexcept nogil:
     return <uint32_t>((lo ^ (hi >> 7)) & st.index_mask)
 
@@ -137,7 +161,6 @@ cdef class PrefixKvStore:
     (docs/DESIGN.md, "Prefix store")."""
     cdef Store store
     cdef uint64_t owner
-    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
 
     def __cinit__(self, entries, pages):
         cdef uint32_t ne = _u32(entries, "entries")
@@ -181,31 +204,25 @@ cdef class PrefixKvStore:
 
     @property
     def hits(self):
-        own_readable(self.gil_free)
         return self.store.hits
 
     @property
     def misses(self):
-        own_readable(self.gil_free)
         return self.store.misses
 
     def __len__(self):
-        own_readable(self.gil_free)
         return self.store.count
 
     def contains(self, PrefixIdentity identity not None):
-        own_readable(self.gil_free)
         return store_find(&self.store, identity.hi, identity.lo) >= 0
 
     def __contains__(self, identity):
         if not isinstance(identity, PrefixIdentity):
             return False
-        own_readable(self.gil_free)
         return store_find(&self.store, (<PrefixIdentity>identity).hi,
                           (<PrefixIdentity>identity).lo) >= 0
 
     cdef int32_t _entry(self, PrefixIdentity identity) except -2:
-        own_readable(self.gil_free)
         cdef int32_t e = store_find(&self.store, identity.hi, identity.lo)
         if e < 0:
             raise PrefixKvError.Unknown()
@@ -287,7 +304,6 @@ cdef class PrefixKvStore:
         # snapshot the LRU order into C memory first (see _list_of)
         cdef uint32_t j, k, n
         cdef int32_t e
-        own_readable(self.gil_free)
         n = self.store.count
         e = self.store.lru_head
         cdef uint64_t *tmp = <uint64_t *>PyMem_Malloc((2 * n if n else 1) * sizeof(uint64_t))
@@ -305,8 +321,5 @@ cdef class PrefixKvStore:
             PyMem_Free(tmp)
 
     def __repr__(self):
-        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
-            return (f"PrefixKvStore(entries={self.store.capacity}, "
-                    f"pages={self.store.max_pages}, busy)")
         return (f"PrefixKvStore(entries={self.store.capacity}, pages={self.store.max_pages}, "
                 f"len={self.store.count}, hits={self.store.hits}, misses={self.store.misses})")

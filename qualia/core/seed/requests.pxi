@@ -1,26 +1,37 @@
 # The seed's request scheduler.  Request lookup goes through an open-addressing index keyed by
 # request id (the seed scans; results are identical because ids of active requests are unique).
 
-cdef inline uint32_t _rid_home(Sched *s, uint64_t rid) noexcept nogil:
-    cdef uint64_t h = rid * <uint64_t>0x9E3779B97F4A7C15
-    return <uint32_t>((h >> 32) & s.index_mask)
+cdef struct Slot:
+    uint64_t request_id
+    uint32_t token_count
+    uint32_t prefix_tokens
+    uint32_t next_token_id
+    uint8_t state
+    uint8_t token_ready
+    Table blocks
+
+cdef struct Sched:
+    Slot *slots
+    uint32_t *table_storage
+    int32_t *index
+    uint32_t index_mask
+    uint64_t *free_bits
+    uint64_t *decode_bits
+    uint32_t n_decode
+    uint32_t n_words
+    uint32_t max_requests
+    uint32_t logical_pages
+    uint32_t active
+    uint32_t *lowered
 
 
-cdef int32_t sched_find(Sched *s, uint64_t rid) noexcept nogil:
-    cdef uint32_t i = _rid_home(s, rid)
-    cdef int32_t e
-    while True:
-        e = s.index[i]
-        if e < 0:
-            return -1
-        if s.slots[e].request_id == rid:
-            return e
-        i = (i + 1) & s.index_mask
+cdef inline int32_t sched_find(Sched *s, uint64_t rid) noexcept nogil:
+    return id_find(s.index, s.index_mask, s.slots, sizeof(Slot), rid)
 
 
 cdef uint32_t _sched_home_of(void *ctx, int32_t slot) noexcept nogil:
     cdef Sched *s = <Sched *>ctx
-    return _rid_home(s, s.slots[slot].request_id)
+    return id_home(s.slots[slot].request_id, s.index_mask)
 
 
 cdef inline void sched_index_insert(Sched *s, int32_t slot) noexcept nogil:
@@ -245,6 +256,44 @@ cdef int32_t _slot_of(Sched *s, uint64_t rid) except -2:
     return index
 
 
+cdef int sched_init(Sched *s, uint32_t mr, uint32_t lp) except -1:
+    # mr slots (1 .. 65536) of lp logical pages each, all free
+    cdef uint32_t i, size = 2
+    while size < 2 * mr:
+        size <<= 1
+    memset(s, 0, sizeof(Sched))
+    s.slots = <Slot *>PyMem_Calloc(mr, sizeof(Slot))
+    s.table_storage = <uint32_t *>PyMem_Malloc((<size_t>mr * lp if lp else 1) * sizeof(uint32_t))
+    s.index = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
+    s.n_words = (mr + 63) // 64
+    s.free_bits = <uint64_t *>PyMem_Calloc(s.n_words, sizeof(uint64_t))
+    s.decode_bits = <uint64_t *>PyMem_Calloc(s.n_words, sizeof(uint64_t))
+    s.lowered = <uint32_t *>PyMem_Malloc(mr * sizeof(uint32_t))
+    if (s.slots == NULL or s.table_storage == NULL or s.index == NULL or s.free_bits == NULL
+            or s.decode_bits == NULL or s.lowered == NULL):
+        raise MemoryError(f"cannot allocate a scheduler of {mr} x {lp} pages")
+    for i in range(size):
+        s.index[i] = -1
+    s.index_mask = size - 1
+    for i in range(mr):
+        s.slots[i].blocks.entries = &s.table_storage[<size_t>i * lp]
+        s.slots[i].blocks.capacity = lp
+        s.free_bits[i >> 6] |= (<uint64_t>1) << (i & 63)
+    s.max_requests = mr
+    s.logical_pages = lp
+    return 0
+
+
+cdef void sched_free(Sched *s) noexcept:
+    PyMem_Free(s.slots)
+    PyMem_Free(s.table_storage)
+    PyMem_Free(s.index)
+    PyMem_Free(s.free_bits)
+    PyMem_Free(s.decode_bits)
+    PyMem_Free(s.lowered)
+    memset(s, 0, sizeof(Sched))
+
+
 cdef class RequestScheduler:
     """The seed's fixed-capacity request scheduler (``RequestScheduler<REQUESTS>``).
 
@@ -253,49 +302,20 @@ cdef class RequestScheduler:
     callback, or another thread -- raises ``BusyError`` and changes nothing."""
     cdef Sched s
     cdef uint64_t owner
-    cdef uint8_t gil_free   # a Scheduler's GIL-free section is changing it (ownership.pxi)
     cdef list _receipts
 
     def __cinit__(self, max_requests, logical_pages):
         cdef uint32_t mr = _u32(max_requests, "max_requests")
         cdef uint32_t lp = _u32(logical_pages, "logical_pages")
-        cdef uint32_t i, size = 2
         if mr == 0:
             raise ValueError("max_requests must be at least 1")
         if mr > 65536:
             raise OverflowError("max_requests must be at most 65536 (slots are u16)")
-        while size < 2 * mr:
-            size <<= 1
-        self.s.slots = <Slot *>PyMem_Calloc(mr, sizeof(Slot))
-        self.s.table_storage = <uint32_t *>PyMem_Malloc(
-            (<size_t>mr * lp if lp else 1) * sizeof(uint32_t))
-        self.s.index = <int32_t *>PyMem_Malloc(size * sizeof(int32_t))
-        self.s.n_words = (mr + 63) // 64
-        self.s.free_bits = <uint64_t *>PyMem_Calloc(self.s.n_words, sizeof(uint64_t))
-        self.s.decode_bits = <uint64_t *>PyMem_Calloc(self.s.n_words, sizeof(uint64_t))
-        self.s.lowered = <uint32_t *>PyMem_Malloc(mr * sizeof(uint32_t))
-        if (self.s.slots == NULL or self.s.table_storage == NULL or self.s.index == NULL
-                or self.s.free_bits == NULL or self.s.decode_bits == NULL
-                or self.s.lowered == NULL):
-            raise MemoryError(f"cannot allocate a scheduler of {mr} x {lp} pages")
-        for i in range(size):
-            self.s.index[i] = -1
-        self.s.index_mask = size - 1
-        for i in range(mr):
-            self.s.slots[i].blocks.entries = &self.s.table_storage[<size_t>i * lp]
-            self.s.slots[i].blocks.capacity = lp
-            self.s.free_bits[i >> 6] |= (<uint64_t>1) << (i & 63)
-        self.s.max_requests = mr
-        self.s.logical_pages = lp
+        sched_init(&self.s, mr, lp)
         self._receipts = [None] * (mr + 1)
 
     def __dealloc__(self):
-        PyMem_Free(self.s.slots)
-        PyMem_Free(self.s.table_storage)
-        PyMem_Free(self.s.index)
-        PyMem_Free(self.s.free_bits)
-        PyMem_Free(self.s.decode_bits)
-        PyMem_Free(self.s.lowered)
+        sched_free(&self.s)
 
     @property
     def max_requests(self):
@@ -306,7 +326,6 @@ cdef class RequestScheduler:
         return self.s.logical_pages
 
     def active_count(self):
-        own_readable(self.gil_free)
         return self.s.active
 
     cdef int32_t _find(self, object request_id) except -2:
@@ -314,7 +333,6 @@ cdef class RequestScheduler:
         # ownership, then the lookup, so a call made mid-round gets BusyError whatever id it
         # passes)
         cdef uint64_t rid = _u64(request_id, "request_id")
-        own_readable(self.gil_free)
         return _slot_of(&self.s, rid)
 
     def admit_with_prefix(self, request_id, identity, PrefixKvStore prefixes not None,
@@ -439,7 +457,6 @@ cdef class RequestScheduler:
         cdef Py_ssize_t written = 0
         cdef _Buffer b = _acquire(out, "out", "request_view", sizeof(qualia_request_view),
                                   QUALIA_ALIGN_VIEW, True)
-        own_readable(self.gil_free)
         cdef int rc = sched_views(&self.s, <qualia_request_view *>b.ptr, b.length, &written)
         if rc:
             raise _error(E_SCHED, rc)
@@ -447,7 +464,6 @@ cdef class RequestScheduler:
 
     def runnable(self):
         """Every active request's view, as a fresh REQUEST_VIEW array."""
-        own_readable(self.gil_free)
         return _views_array(&self.s)
 
     def execute_decode_round(self, backend, item_scratch, block_table_scratch, output_scratch):
@@ -574,8 +590,5 @@ cdef class RequestScheduler:
         return receipt
 
     def __repr__(self):
-        if self.gil_free:   # a repr never raises: it leaves out what the loop is changing
-            return (f"RequestScheduler(max_requests={self.s.max_requests}, "
-                    f"logical_pages={self.s.logical_pages}, busy)")
         return (f"RequestScheduler(max_requests={self.s.max_requests}, "
                 f"logical_pages={self.s.logical_pages}, active={self.s.active})")
