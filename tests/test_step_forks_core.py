@@ -226,6 +226,29 @@ def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied()
     assert plan.kv_indices.tolist()[:2] == plan.kv_indices.tolist()[3:5]   # full pages shared
 
 
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_step_page_counters_count_the_shared_page_copies_as_copies(kind):
+    cls = qualia.StepScheduler if kind == "core" else TwinStepScheduler
+    s = cls(64, 4, 16, 8)
+    s.add_request(1, PROMPT, max_new_tokens=6, n=3)          # 10 tokens: pages 0, 1, 2
+
+    def step(tokens):
+        s.schedule()
+        s.update(np.array(tokens, np.uint32))
+
+    def pages():
+        return s.stats()["pages_allocated"], s.stats()["pages_copied"]
+
+    step([1, 2, 3])                         # the prompt, then the forks
+    assert pages() == (3, 0)
+    step([4, 5, 6])                         # each child but the last copies the partial page
+    assert pages() == (3, 2)
+    step([7, 8, 9])                         # position 11: in place
+    step([7, 8, 9])                         # position 12: one fresh page per member
+    assert pages() == (6, 2)
+    assert s.stats()["used_pages"] == 2 + 3 * 2 and s.stats()["num_pages"] == 64
+
+
 def test_queue_capacity_counts_every_member():
     c = qualia.StepScheduler(64, 4, 16, 4, max_queued=5)
     t = TwinStepScheduler(64, 4, 16, 4, max_queued=5)
