@@ -15,8 +15,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from ctypes_abi import EXECUTE_STEP, CStepBackend
-from test_review_beam import GOOD, HB, PROMPT, V, all_pages_back, beam_plan, both, state
+from helpers.ctypes_abi import EXECUTE_STEP, CStepBackend
+from helpers.groups import GOOD, HB, PROMPT, V, all_pages_back, beam_plan, both, state
 
 import qualia
 

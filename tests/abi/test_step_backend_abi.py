@@ -12,13 +12,14 @@ import types
 
 import numpy as np
 import pytest
-from ctypes_abi import (
+from helpers.ctypes_abi import (
     EXECUTE_STEP,
     STEP_PLAN_COUNTS,
     STEP_PLAN_POINTERS,
     CStepBackend,
     CStepPlan,
 )
+from helpers.step_checks import example_rule, example_topk_rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,27 +112,6 @@ def hash_rule(plan, vocab):
         out.append(qualia.hash_next_token(rid, int(plan.positions[t]), int(plan.input_ids[t]),
                                           vocab))
     return np.array(out, np.uint32)
-
-
-def example_rule(plan, vocab):
-    """examples/c_backend's step model, in Python."""
-    out = []
-    for t in plan.logits_indices.tolist():
-        i = int(np.searchsorted(plan.query_start_loc, t, side="right")) - 1
-        pages = plan.kv_indices[plan.kv_indptr[i]: plan.kv_indptr[i + 1]].astype(np.uint64)
-        out.append((31 * int(plan.input_ids[t]) + int(plan.positions[t]) + int(plan.seq_lens[i])
-                    + int(pages.sum())) % vocab)
-    return np.array(out, np.uint32)
-
-
-def example_topk_rule(plan, vocab, k):
-    """examples/c_backend's beam candidates, in Python: (sampled, topk_ids, topk_logprobs) with
-    row r's candidate j = (next + j) % vocab at log-probability (-next / vocab) - j in float32."""
-    ids = example_rule(plan, vocab)
-    j = np.arange(k, dtype=np.uint64)
-    tids = ((ids.astype(np.uint64)[:, None] + j[None, :]) % vocab).astype(np.uint32)
-    lp = -ids.astype(np.float32) / np.float32(vocab)
-    return ids, tids, lp[:, None] - j.astype(np.float32)[None, :]
 
 
 # -- layout ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from step_checks import ShadowKV, assert_same_plan
+from helpers.step_checks import ShadowKV, assert_same_plan
 
 import qualia
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams

@@ -6,58 +6,28 @@ the core, numpy data) to come back to within SLACK of where it was after the war
 resident set size (/proc/self/statm) to within RSS_SLACK.  A leak of one 8-byte block per cycle
 shows as 80 KB, past SLACK; `test_harness_detects_a_small_leak` checks that it does.
 
-    pytest tests/test_leaks.py -q -p no:cacheprovider
+    pytest tests/core/test_leaks.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations
 
-import gc
 import os
-import tracemalloc
 
 import numpy as np
 import pytest
+from helpers.memory import CYCLES, SLACK, measure
 
 import qualia
 from qualia import twin as R
 from qualia._types import RaggedBatchReceipt
 from qualia.errors import QualiaError
 
-CYCLES = int(os.environ.get("QUALIA_LEAK_CYCLES", "10000"))
-WARMUP = 300
-SLACK = 64 * 1024
 RSS_SLACK = 4 * 1024 * 1024
 # AddressSanitizer's quarantine keeps freed memory resident: RSS says nothing under it
 UNDER_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 ITEM, OUTPUT, VIEW, COPY = (qualia.RAGGED_BATCH_ITEM, qualia.RAGGED_BATCH_OUTPUT,
                             qualia.REQUEST_VIEW, qualia.COPY_OP)
-
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-def measure(cycle, cycles=CYCLES, warmup=WARMUP):
-    """(traced growth, rss growth) in bytes over `cycles` calls of cycle(i), after a warm-up."""
-    gc.collect()
-    tracemalloc.start()
-    try:
-        for i in range(warmup):
-            cycle(i)
-        gc.collect()
-        traced0 = tracemalloc.get_traced_memory()[0]
-        rss0 = rss()
-        for i in range(cycles):
-            cycle(i)
-        gc.collect()
-        traced1 = tracemalloc.get_traced_memory()[0]
-        rss1 = rss()
-    finally:
-        tracemalloc.stop()
-    return traced1 - traced0, rss1 - rss0
 
 
 def assert_flat(cycle, cycles=CYCLES):

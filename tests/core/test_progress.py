@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from step_checks import assert_same_plan
+from helpers.step_checks import assert_same_plan
 
 import qualia
 from qualia.errors import StepError

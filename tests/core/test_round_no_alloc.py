@@ -13,18 +13,15 @@ does not hold yet: see ``test_execute_decode_round_no_transient_allocation``.
 
 from __future__ import annotations
 
-import gc
 import os
-import sys
-import tracemalloc
 from itertools import repeat
 
 import numpy as np
 import pytest
+from helpers.memory import ROUNDS, probe
 
 import qualia
 
-ROUNDS = 1000
 PAGE_TOKENS = 16
 
 
@@ -82,54 +79,6 @@ def facade_runner(n=64, ctx=128, rounds=8 * ROUNDS):
             dec(b)
     run.reset = reset
     return s, run
-
-
-def _noop(k):
-    for _ in repeat(None, k):
-        pass
-
-
-def _measure(run, rounds=ROUNDS):
-    run(rounds)  # warm-up: caches, specialised bytecode, first-touch of scratch pages
-    gc.collect()
-    gc.disable()
-    try:
-        b0 = sys.getallocatedblocks()
-        run(rounds)
-        b1 = sys.getallocatedblocks()
-        tracemalloc.start(25)
-        try:
-            ballast = bytearray(1 << 16)  # traced sizes stay in the same int range as the baseline
-            run(4)
-            s0 = tracemalloc.take_snapshot()
-            c0 = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
-            run(rounds)
-            c1, p1 = tracemalloc.get_traced_memory()
-            s1 = tracemalloc.take_snapshot()
-            del ballast
-        finally:
-            tracemalloc.stop()
-    finally:
-        gc.enable()
-    return {"blocks": b1 - b0, "traced": c1 - c0, "peak": p1 - c0, "s0": s0, "s1": s1}
-
-
-def probe(run, rounds=ROUNDS):
-    _measure(_noop, rounds)  # (the process's first probe traces 56 B less on CPython 3.13)
-    base = _measure(_noop, rounds)
-    got = _measure(run, rounds)
-    grown = [st for st in got["s1"].compare_to(got["s0"], "traceback") if st.size_diff > 0]
-    detail = "\n".join(
-        f"  +{st.size_diff} B in {st.count_diff} blocks at "
-        + " <- ".join(f"{f.filename}:{f.lineno}" for f in st.traceback)
-        for st in grown[:8])
-    return {
-        "blocks": got["blocks"] - base["blocks"],
-        "traced": got["traced"] - base["traced"],
-        "peak": got["peak"] - base["peak"],
-        "detail": detail,
-    }
 
 
 def rss_bytes():

@@ -1,13 +1,13 @@
 """The engine step of the compiled core (``qualia.StepScheduler``: add_request / abort / schedule /
 update / run), one test per rule of docs/DESIGN.md, "The engine step".  Where a rule is about the
 plan, the test also checks the pure-Python twin (``qualia.twin.StepScheduler``) gives the
-same plan; tests/test_step_stateful.py drives both at random."""
+same plan; tests/differential/test_step_vs_twin.py drives both at random."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from step_checks import PLAN_ARRAYS, assert_same_plan
+from helpers.step_checks import PLAN_ARRAYS, assert_same_plan
 
 import qualia
 from qualia import StepError

@@ -7,32 +7,19 @@
 * ``schedule()`` + ``update()`` from Python: a plan is a handful of numpy views over buffers
   sized at construction; the previous plan's views are freed, so nothing grows.
 
-The probes are tests/test_no_alloc.py's (each compared against an empty loop).
+The probes are tests/core/test_round_no_alloc.py's (each compared against an empty loop).
 """
 
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import tracemalloc
 from itertools import repeat
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(__file__))
-from test_no_alloc import ROUNDS, probe  # noqa: E402
+from helpers.memory import ROUNDS, assert_no_growth_per_step, probe
 
 import qualia  # noqa: E402
-
-
-def assert_no_growth_per_step(r, what):
-    # over ROUNDS calls: a growth of a few dozen bytes (numpy's and the interpreter's own caches
-    # settling) is a constant; one allocation kept per call would be ROUNDS blocks
-    assert r["blocks"] <= 32, (f"{what}: sys.getallocatedblocks() grew by {r['blocks']} over "
-                               f"{ROUNDS} calls\n{r['detail']}")
-    assert r["traced"] <= 1024, (f"{what}: tracemalloc traced memory grew by {r['traced']} B "
-                                 f"over {ROUNDS} calls\n{r['detail']}")
 
 
 def decoding(n=64, ctx=128, steps=8 * ROUNDS):

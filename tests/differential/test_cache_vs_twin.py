@@ -24,10 +24,10 @@ import os
 from collections import Counter
 
 import numpy as np
+from helpers.step_checks import assert_same_facade_counters
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from step_checks import assert_same_facade_counters
 
 import qualia
 from qualia.errors import PrefixCacheError, QualiaError

@@ -2,7 +2,7 @@
 compiled engine step, against their pure-Python statement ``qualia.twin.StepScheduler``
 (docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
-``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
+``ForksVsTwin`` is the engine step's stateful differential test (tests/differential/test_step_vs_twin.py)
 with ``n`` groups and beam groups among the requests: every plan array (repeated logits rows,
 the members' ids, the copies of the shared partial page, rows of forked children, ``num_topk``),
 every result (one ``FinishedGroup`` per group, with the beams' scores), the queues, the pool's
@@ -19,11 +19,25 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.groups import IDS, group_snapshot
+from helpers.step_checks import (
+    ShadowKV,
+    assert_same_plan,
+    assert_same_step_counters,
+    example_rule,
+    example_topk_rule,
+)
+from helpers.step_machine import (
+    ALLOWED,
+    PREFIXES,
+    PRIORITIES,
+    SETTINGS,
+    VOCAB,
+    StepVsTwin,
+    finished_key,
+)
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from step_checks import ShadowKV, assert_same_plan, assert_same_step_counters
-from test_step_abi import example_rule, example_topk_rule
-from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
 import qualia
 from qualia.errors import StepError
@@ -648,8 +662,7 @@ def test_the_c_abi_plan_carries_the_forks():
     fork_parent_ids), as the Python plan names them."""
     import ctypes
 
-    from ctypes_abi import EXECUTE_STEP
-    from test_step_harden import c_backend
+    from helpers.ctypes_abi import EXECUTE_STEP, step_capsule
 
     seen = []
 
@@ -666,8 +679,58 @@ def test_the_c_abi_plan_carries_the_forks():
     cb = EXECUTE_STEP(execute)
     s = qualia.StepScheduler(64, 4, 16, 8, max_num_batched_tokens=64)
     s.add_request(7, PROMPT, max_new_tokens=2, n=3)
-    s.run(c_backend(cb))
+    s.run(step_capsule(cb))
     kids = sorted(c for step in seen for c, _ in step)
     assert seen[0] == [] and len(seen[1]) == 2 and all(p == 7 for _, p in seen[1])
     assert len(kids) == 2 and all(k >= CHILD_BASE for k in kids)
     assert all(step == [] for step in seen[2:])
+
+
+class HostileForks(ForksVsTwin):
+    def both(self, fn):
+        before = [group_snapshot(s) for s in (self.core, self.twin)]
+        out = []
+        for s, snap in zip((self.core, self.twin), before):
+            try:
+                out.append(("ok", fn(s)))
+            except ALLOWED as exc:
+                out.append(("err", type(exc)))
+                assert group_snapshot(s) == snap, (type(s).__name__, exc)
+        assert out[0][0] == out[1][0], out
+        if out[0][0] == "err":
+            assert out[0][1] is out[1][1], out
+        return out
+
+    @rule(pick=st.sampled_from(IDS), n=st.integers(1, 4), max_new=st.sampled_from([1, 2, 5]),
+          tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
+    def add_in_child_range(self, pick, n, max_new, tail):
+        # user ids where the children's ids live, and at the top of the u64 range
+        self.both(lambda s: s.add_request(pick, [7, 7] + tail, max_new_tokens=max_new, n=n))
+
+    @rule(pick=st.sampled_from(IDS))
+    def abort_any(self, pick):
+        self.both(lambda s: s.abort(pick))
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(n=st.integers(1, 4))
+    def abort_planned_group_and_add_it_again(self, n):
+        # the first group of the pending plan (by its parent id) aborted, its id added again
+        # before update(): the old plan's rows must be ignored, the new group left alone
+        for rid in self.plan.request_ids.tolist():
+            out = self.both(lambda s: s.group_members(rid))
+            if out[0][0] == "ok" and out[0][1][0] == rid:
+                self.both(lambda s: s.abort(rid))
+                self.both(lambda s: s.add_request(rid, PROMPT, max_new_tokens=3, n=n))
+                return
+
+    @rule()
+    def groups_agree(self):
+        for rid in IDS + list(range(self.next_id + 1)):
+            a = self.both(lambda s: s.group_members(rid))
+            assert a[0] == a[1]
+
+
+TestHostileForks = HostileForks.TestCase
+
+
+TestHostileForks.settings = SETTINGS

@@ -22,10 +22,10 @@ Two hypothesis state machines:
   block tables a reservation or a round wrote), and the decode rounds.
 
 Fast profile (default, a few seconds):
-    pytest tests/test_stateful.py -q -p no:cacheprovider
+    pytest tests/differential/test_seed_vs_twin.py -q -p no:cacheprovider
 Long profile (2000 examples x up to 60 steps per machine: about 110k steps per machine,
 220k in all; 4.5 minutes here):
-    QUALIA_LONG=1 pytest tests/test_stateful.py -q -p no:cacheprovider
+    QUALIA_LONG=1 pytest tests/differential/test_seed_vs_twin.py -q -p no:cacheprovider
 
 No hypothesis health check is suppressed: the machines draw small data quickly, and a slow or
 filter-heavy strategy should fail loudly rather than quietly shrink the search.
@@ -184,7 +184,7 @@ class PyBackend:
             block_table[:] = 0  # read-only (even when empty)
         if kind == "reenter":
             # BusyError (a live id: for an unknown id the core reports UnknownRequest first, see
-            # test_bad_input.py::test_reentrant_unknown_request_is_busy_in_both)
+            # tests/robustness/test_bad_input.py::test_reentrant_unknown_request_is_busy_in_both)
             self.world.sched.record_token(int(items["request_id"][0]))
         if kind == "keep":
             self.kept.append(outputs)
@@ -599,7 +599,7 @@ class CoreVsReference(RuleBasedStateMachine):
         self.both("_debug_set_refcount", lambda m, w: w.pool._debug_set_refcount(page, new))
         self.held[page] += new - old
 
-    # -- bad arguments (consistently ordered cases; see test_bad_input.py for the rest) ------------
+    # -- bad arguments (consistently ordered cases; see tests/robustness/test_bad_input.py for the rest) ------------
     @rule(bad=st.sampled_from(BAD_INTS),
           call=st.sampled_from(["retain", "release", "refcount", "record_token", "finish",
                                 "mark_prefill_complete", "seed_rid", "seed_token",

@@ -6,7 +6,7 @@ the same width, the prompt's pages are held once, and misuse is refused changing
 from __future__ import annotations
 
 import pytest
-from step_checks import run_steps
+from helpers.step_checks import run_steps
 
 from qualia import FinishedGroup
 from qualia.errors import StepError

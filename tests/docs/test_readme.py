@@ -7,7 +7,7 @@ import pathlib
 import re
 import runpy
 
-CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]
 SNIPPETS = CHECKOUT / "tests" / "typing" / "readme_snippets.py"
 
 

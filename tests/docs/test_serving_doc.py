@@ -13,7 +13,7 @@ import pytest
 
 from qualia.sim.clock import PROFILES, ModeledClock, StepWork
 
-PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "serving.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 def snippets():

@@ -13,97 +13,33 @@ from itertools import repeat
 
 import numpy as np
 import pytest
-from ctypes_abi import EXECUTE_STEP, CStepBackend
-from step_checks import assert_same_plan
-from test_leaks import SLACK, measure
-from test_no_alloc import ROUNDS, probe
-from test_step_no_alloc import assert_no_growth_per_step
-from test_step_stateful import finished_key
+from helpers.ctypes_abi import EXECUTE_STEP, CStepBackend
+from helpers.groups import (
+    GOOD,
+    HB,
+    PROMPT,
+    V,
+    all_pages_back,
+    beam_plan,
+    both,
+    drain,
+    execute,
+    lockstep,
+    state,
+    step,
+)
+from helpers.memory import ROUNDS, SLACK, assert_no_growth_per_step, measure, probe
+from helpers.step_checks import assert_same_plan
+from helpers.step_machine import finished_key
 
 import qualia
 from qualia.errors import BusyError, StepError
-from qualia.twin import StepScheduler as TwinStepScheduler
 from qualia.twin.groups import CHILD_BASE
-
-PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-V = 64
-HB = qualia.HashBackend(vocab=V)
-
-
-def both(*args, **kw):
-    kw.setdefault("vocab_size", V)
-    return qualia.StepScheduler(*args, **kw), TwinStepScheduler(*args, **kw)
-
-
-def state(s, groups=()):
-    """Everything a refused call must leave as it was (core or twin)."""
-    core = isinstance(s, qualia.StepScheduler)
-    f = s if core else s.facade
-    reqs = sorted(s.requests())
-    members = {}
-    for g in groups:
-        try:
-            members[g] = s.group_members(g)
-        except StepError.UnknownRequest:
-            members[g] = None
-    return (reqs, {r: s.request_tokens(r).tolist() for r in reqs}, s.num_waiting,
-            s.num_running, f.free_pages, [f.pool.refcount(p) for p in range(f.num_pages)],
-            members, s.parked, s.forks, s.fork_fallbacks, s.has_unfinished())
-
-
-def execute(plan, hb=HB):
-    return hb.execute_step_topk(plan) if plan.num_topk else (hb.execute_step(plan),)
-
-
-def step(s):
-    plan = s.schedule()
-    return plan, s.update(*execute(plan))
-
-
-def drain(s, limit=500):
-    done = []
-    while s.has_unfinished() and limit:
-        done += step(s)[1]
-        limit -= 1
-    assert not s.has_unfinished()
-    return done
-
-
-def lockstep(c, t, limit=500, hb=HB):
-    """Drive core and twin to the end with the hash backend's candidates; plans, states and
-    results agree at every step."""
-    fc, ft = [], []
-    while (c.has_unfinished() or t.has_unfinished()) and limit:
-        pc, pt = c.schedule(), t.schedule()
-        assert_same_plan(pc, pt)
-        assert pc.num_topk == pt.num_topk
-        fc += c.update(*execute(pc, hb))
-        ft += t.update(*execute(pt, hb))
-        assert state(c) == state(t)
-        limit -= 1
-    assert finished_key(fc) == finished_key(ft)
-    return fc
-
-
-def all_pages_back(c):
-    c.clear_cache()
-    assert c.free_pages == c.num_pages
-
 
 # -- 1. candidates: values that would make the selection silently wrong -------------------------
 
 class Sub(np.ndarray):
     """A numpy subclass (np.array(x) of it is a plain copy)."""
-
-
-def beam_plan():
-    c, t = both(64, 4, 16, 8)
-    for s in (c, t):
-        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=3)
-        s.add_request(2, PROMPT[:4], max_new_tokens=4)
-    pc, pt = c.schedule(), t.schedule()
-    assert pc.num_topk == pt.num_topk == 3 and len(pc.logits_indices) == 2
-    return c, t, pc
 
 
 @pytest.mark.parametrize("bad", ["nan", "+inf", "nan_in_plain_row", "bool", "strings", "complex",
@@ -231,10 +167,6 @@ def c_backend(fill, flags=2):
     new.restype = ctypes.py_object
     new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     return new(ctypes.addressof(iface), name, None)
-
-
-def GOOD(r, j):
-    return (7 * r + j) % V, -0.5 * j
 
 
 @pytest.mark.parametrize("fill,match", [

@@ -8,8 +8,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from step_checks import assert_same_plan
-from test_step_harden import c_backend, snapshot
+from helpers.ctypes_abi import step_capsule
+from helpers.step_checks import assert_same_plan, state_snapshot
 
 import qualia
 from qualia.twin import StepScheduler as TwinStepScheduler
@@ -58,7 +58,7 @@ def test_more_forks_than_rows_survive_a_discard():
 
 def test_the_c_abi_plan_carries_more_forks_than_rows():
     """run() with a C backend: num_forks and the two arrays name all five forks."""
-    from ctypes_abi import EXECUTE_STEP
+    from helpers.ctypes_abi import EXECUTE_STEP
 
     seen = []
 
@@ -77,7 +77,7 @@ def test_the_c_abi_plan_carries_more_forks_than_rows():
     s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=1, n=2)
     s.add_request(2, [1, 2, 3, 4, 6], max_new_tokens=1, n=2)
     s.add_request(3, [1, 2, 3, 4, 7], max_new_tokens=2, n=4)
-    s.run(c_backend(cb))
+    s.run(step_capsule(cb))
     assert [p for _, p in seen[1]] == [1, 2, 3, 3, 3]
     assert len({c for c, _ in seen[1]}) == 5
 
@@ -161,11 +161,11 @@ def test_an_unsorted_row_changes_nothing_alike():
         tids = np.tile(np.arange(k, dtype=np.uint32), (m, 1))
         tlps = np.tile(-1.0 - np.arange(k, dtype=np.float64), (m, 1))
         tlps[0, k - 1] = np.nextafter(tlps[0, k - 2], 0.0)
-        before = snapshot(s) if isinstance(s, qualia.StepScheduler) else None
+        before = state_snapshot(s) if isinstance(s, qualia.StepScheduler) else None
         with pytest.raises(ValueError, match="best first"):
             s.update(np.zeros(m, np.uint32), tids, tlps)
         if before is not None:
-            assert snapshot(s) == before
+            assert state_snapshot(s) == before
 
 
 class PlanWith:
@@ -183,7 +183,7 @@ class PlanWith:
 
 
 def fork_seeing_backend(seen):
-    from ctypes_abi import EXECUTE_STEP
+    from helpers.ctypes_abi import EXECUTE_STEP
 
     def execute(ctx, plan, sampled_out, logprobs_out):
         p = plan.contents
@@ -196,7 +196,7 @@ def fork_seeing_backend(seen):
         return 0
 
     cb = EXECUTE_STEP(execute)
-    return c_backend(cb)
+    return step_capsule(cb)
 
 
 def a_plan():
@@ -236,7 +236,7 @@ def test_python_fork_arrays_reach_the_c_backend_as_given(kids, pars):
 def recording_c_backend(seen, fail_at=None):
     """A C backend sampling token 9 everywhere that records each plan's (forks, new ids) and
     fails (status 7) on call number ``fail_at``."""
-    from ctypes_abi import EXECUTE_STEP
+    from helpers.ctypes_abi import EXECUTE_STEP
 
     def execute(ctx, plan, sampled_out, logprobs_out):
         p = plan.contents
@@ -252,7 +252,7 @@ def recording_c_backend(seen, fail_at=None):
             out[r] = 9
         return 0
 
-    return c_backend(EXECUTE_STEP(execute))
+    return step_capsule(EXECUTE_STEP(execute))
 
 
 def groups(s):

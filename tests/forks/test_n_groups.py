@@ -15,86 +15,19 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.groups import CHILD, group_snapshot
+from helpers.step_machine import VOCAB
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
-from test_step_forks_core import ForksVsTwin
-from test_step_stateful import ALLOWED, SETTINGS, VOCAB
 
 import qualia
 from qualia.errors import BusyError, StepError
 from qualia.twin import StepScheduler as TwinStepScheduler
-from qualia.twin.groups import CHILD_BASE
 
-CHILD = CHILD_BASE
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-IDS = [0, 1, 2, 3, CHILD, CHILD + 1, CHILD + 2, CHILD + 3, 2**64 - 1, 2**64 - 2]
 
 
 def queued(s):
     return list(s.requests())
-
-
-def snapshot(s):
-    """Everything a refused call must leave as it was (core or twin)."""
-    f = getattr(s, "facade", s)
-    reqs = list(s.requests())
-    groups = {}
-    for rid in IDS + list(range(0, 64)):
-        try:
-            groups[rid] = list(s.group_members(rid))
-        except StepError.UnknownRequest:
-            pass
-    return (s.num_waiting, s.num_running, s.has_unfinished(), f.free_pages,
-            sorted(reqs), {r: s.request_tokens(r).tolist() for r in reqs}, groups,
-            [f.pool.refcount(p) for p in range(f.num_pages)], s.forks, s.fork_fallbacks)
-
-
-class HostileForks(ForksVsTwin):
-    def both(self, fn):
-        before = [snapshot(s) for s in (self.core, self.twin)]
-        out = []
-        for s, snap in zip((self.core, self.twin), before):
-            try:
-                out.append(("ok", fn(s)))
-            except ALLOWED as exc:
-                out.append(("err", type(exc)))
-                assert snapshot(s) == snap, (type(s).__name__, exc)
-        assert out[0][0] == out[1][0], out
-        if out[0][0] == "err":
-            assert out[0][1] is out[1][1], out
-        return out
-
-    @rule(pick=st.sampled_from(IDS), n=st.integers(1, 4), max_new=st.sampled_from([1, 2, 5]),
-          tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
-    def add_in_child_range(self, pick, n, max_new, tail):
-        # user ids where the children's ids live, and at the top of the u64 range
-        self.both(lambda s: s.add_request(pick, [7, 7] + tail, max_new_tokens=max_new, n=n))
-
-    @rule(pick=st.sampled_from(IDS))
-    def abort_any(self, pick):
-        self.both(lambda s: s.abort(pick))
-
-    @precondition(lambda self: self.plan is not None)
-    @rule(n=st.integers(1, 4))
-    def abort_planned_group_and_add_it_again(self, n):
-        # the first group of the pending plan (by its parent id) aborted, its id added again
-        # before update(): the old plan's rows must be ignored, the new group left alone
-        for rid in self.plan.request_ids.tolist():
-            out = self.both(lambda s: s.group_members(rid))
-            if out[0][0] == "ok" and out[0][1][0] == rid:
-                self.both(lambda s: s.abort(rid))
-                self.both(lambda s: s.add_request(rid, PROMPT, max_new_tokens=3, n=n))
-                return
-
-    @rule()
-    def groups_agree(self):
-        for rid in IDS + list(range(self.next_id + 1)):
-            a = self.both(lambda s: s.group_members(rid))
-            assert a[0] == a[1]
-
-
-TestHostileForks = HostileForks.TestCase
-TestHostileForks.settings = SETTINGS
 
 
 # -- single rules, core and twin side by side --------------------------------------------------
@@ -168,10 +101,10 @@ def test_n_takes_any_integer(kind, make, name, request):
                          ids=["0", "-5", "2**40"])
 def test_n_range_is_checked_on_its_value(kind, n, request):
     s = both_kinds()[kind == "twin"]
-    before = snapshot(s)
+    before = group_snapshot(s)
     with pytest.raises(ValueError, match="n must be in"):
         s.add_request(1, PROMPT, max_new_tokens=2, n=n)
-    assert snapshot(s) == before
+    assert group_snapshot(s) == before
 
 
 @pytest.mark.parametrize("kind", ["core", "twin"])
@@ -181,10 +114,10 @@ def test_n_whose_index_raises_or_adds_the_same_id_changes_nothing_else(kind, req
     def boom():
         raise KeyError("user code")
 
-    before = snapshot(s)
+    before = group_snapshot(s)
     with pytest.raises(KeyError):
         s.add_request(1, PROMPT, max_new_tokens=2, n=Index(2, boom))
-    assert snapshot(s) == before
+    assert group_snapshot(s) == before
     # __index__ runs before the scheduler is owned: its own add_request of the same id is
     # seen by the duplicate check, and only its request remains
     n = Index(2, lambda: s.add_request(1, PROMPT[:3], max_new_tokens=1))
@@ -210,11 +143,11 @@ def test_user_ids_in_the_child_range_are_skipped_and_taken_ids_refused():
     assert c.group_members(2**64 - 1) == t.group_members(2**64 - 1) == \
         [2**64 - 1, CHILD + 1, CHILD + 3, CHILD + 4]
     for s in (c, t):
-        before = snapshot(s)
+        before = group_snapshot(s)
         for rid in (CHILD + 1, CHILD + 3, CHILD + 4, 2**64 - 1):
             with pytest.raises(StepError.DuplicateRequest):
                 s.add_request(rid, PROMPT, max_new_tokens=1)
-        assert snapshot(s) == before
+        assert group_snapshot(s) == before
         r = s.run(PyHash())
         g = [f for f in r.finished if isinstance(f, qualia.FinishedGroup)][0]
         assert [o.tolist() for o in g.outputs] == [ref(m, PROMPT, 3) for m in g.member_ids]
@@ -233,10 +166,10 @@ def test_update_with_the_wrong_number_of_ids_on_repeated_rows_changes_nothing(ro
         m = len(plan.logits_indices)
         assert m == 5 and len(plan.request_ids) == 2
         k = {"one per request": 2, "one more": m + 1, "one fewer": m - 1}[rows]
-        before = snapshot(s)
+        before = group_snapshot(s)
         with pytest.raises(ValueError, match="samples 5 rows"):
             s.update(np.ones(k, dtype=np.uint32))
-        assert snapshot(s) == before
+        assert group_snapshot(s) == before
         assert s.update(np.ones(m, dtype=np.uint32)) == [] and s.forks == 3
 
 
@@ -256,7 +189,7 @@ def test_discard_plan_around_the_fork_step_replans_the_same_rows():
         s.update(np.asarray(HB.execute_step(again), dtype=np.uint32))
         plan = s.schedule()              # the forked members' first decode, then discarded
         s.discard_plan()
-        plans.append(snapshot(s))
+        plans.append(group_snapshot(s))
         r = s.run(PyHash())
         g = r.finished[0]
         assert [o.tolist() for o in g.outputs] == [ref(m, PROMPT, 3) for m in g.member_ids]
@@ -308,10 +241,10 @@ def test_abort_the_group_at_every_phase_agrees_with_the_twin(phase):
                 s.abort(members[1])
         else:
             if phase != "pending fork plan":
-                before = snapshot(s)
+                before = group_snapshot(s)
                 with pytest.raises(StepError.UnknownRequest):
                     s.abort(members[2])         # a member alone
-                assert snapshot(s) == before
+                assert group_snapshot(s) == before
                 s.abort(1)
             if phase == "pending decode plan":
                 s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
@@ -321,8 +254,8 @@ def test_abort_the_group_at_every_phase_agrees_with_the_twin(phase):
         plan = s.schedule()
         fins = plan.finished_request_ids.tolist()
         s.update([])
-        seen.append((snapshot(s), [getattr(f, "member_ids", f.request_id) for f in r.finished],
-                     fins))
+        seen.append((group_snapshot(s),
+                     [getattr(f, "member_ids", f.request_id) for f in r.finished], fins))
         assert not s.has_unfinished()
         assert getattr(s, "facade", s).free_pages == getattr(s, "facade", s).num_pages
         # every id of the group is free again
@@ -336,10 +269,10 @@ def test_queue_of_exactly_n_entries_and_fewer_seqs_than_requests():
     for s in (qualia.StepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB),
               TwinStepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB)):
         s.add_request(1, PROMPT, max_new_tokens=2, n=3)
-        before = snapshot(s)
+        before = group_snapshot(s)
         with pytest.raises(StepError.QueueFull):
             s.add_request(2, PROMPT, max_new_tokens=1)
-        assert snapshot(s) == before
+        assert group_snapshot(s) == before
         with pytest.raises(ValueError, match="max_num_seqs=3"):
             s.add_request(2, PROMPT, max_new_tokens=1, n=4)
         r = s.run(PyHash())
@@ -360,7 +293,7 @@ def test_a_backend_failing_mid_group_reports_what_finished_and_resumes_exactly()
         with pytest.raises(RuntimeError) as err:
             s.run(fail)
         done = [f.request_id for f in err.value.finished]
-        mid = snapshot(s)
+        mid = group_snapshot(s)
         r = s.run(PyHash())
         g = r.finished[0]
         assert [o.tolist() for o in g.outputs] == [ref(m, PROMPT, 5) for m in members]
@@ -564,7 +497,7 @@ def test_an_add_request_made_by_the_prompt_iterator_leaves_the_group_whole(kind)
 
     before = None
     with pytest.raises(StepError.QueueFull):
-        before = snapshot(s)
+        before = group_snapshot(s)
         s.add_request(5, prompt2(), max_new_tokens=2, n=3)
     assert before is not None and 4 in queued(s) and 5 not in queued(s)
     with pytest.raises(StepError.UnknownRequest):

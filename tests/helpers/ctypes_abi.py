@@ -3,6 +3,8 @@
 
 import ctypes
 
+import qualia
+
 
 class CItem(ctypes.Structure):
     _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint32),
@@ -57,3 +59,18 @@ class CStepBackend(ctypes.Structure):
 
 
 EXECUTE_STEP = ctypes.CFUNCTYPE(ctypes.c_int32, _p, ctypes.POINTER(CStepPlan), _p, _p)
+
+
+_KEEP = []
+
+
+def step_capsule(execute):
+    """A C step backend over a ctypes callback (called without the GIL held; ctypes takes it)."""
+    iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), 0, 0, None,
+                         ctypes.cast(execute, ctypes.c_void_p), None)
+    name = qualia.STEP_CAPSULE_NAME.encode()
+    _KEEP.append((iface, execute, name))    # the capsule holds raw pointers into these
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(iface), name, None)

@@ -5,6 +5,8 @@ read through the names the compiled core and the twin share, whichever class car
 
 import numpy as np
 
+from qualia.twin import StepScheduler
+
 PLAN_ARRAYS = ("request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
                "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
                "block_table_rows", "changed_rows", "kv_indptr", "kv_indices", "kv_last_page_len",
@@ -161,3 +163,41 @@ def run_steps(sched, backend, max_steps=100000):
         finished.extend(sched.update(*out) if isinstance(out, tuple) else sched.update(out))
         steps += 1
     return finished, peak, steps
+
+
+def state_snapshot(s):
+    """Everything a failed call must leave as it was (core or twin)."""
+    if isinstance(s, StepScheduler):
+        f = s.facade
+        reqs = list(s.requests())
+        return {"requests": reqs, "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
+                "waiting": s.num_waiting, "running": s.num_running, "free": f.free_pages,
+                "refcounts": [f.pool.refcount(p) for p in range(f.num_pages)],
+                "pending": s._plan is not None}
+    reqs = s.requests()
+    return {"requests": reqs, "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
+            "waiting": s.num_waiting, "running": s.num_running, "free": s.free_pages,
+            "refcounts": s.pool.refcounts().tolist(), "cache": s.cache_stats(),
+            "stats": s.stats(), "reclaimable": s.reclaimable_pages().tolist(),
+            "active": s.active_count}
+
+
+def example_rule(plan, vocab):
+    """examples/c_backend's step model, in Python."""
+    out = []
+    for t in plan.logits_indices.tolist():
+        i = int(np.searchsorted(plan.query_start_loc, t, side="right")) - 1
+        pages = plan.kv_indices[plan.kv_indptr[i]: plan.kv_indptr[i + 1]].astype(np.uint64)
+        out.append((31 * int(plan.input_ids[t]) + int(plan.positions[t]) + int(plan.seq_lens[i])
+                    + int(pages.sum())) % vocab)
+    return np.array(out, np.uint32)
+
+
+def example_topk_rule(plan, vocab, k):
+    """examples/c_backend's beam candidates, in Python: (sampled, topk_ids, topk_logprobs) with
+    row r's candidate j = (next + j) % vocab at log-probability (-next / vocab) - j in float32."""
+    ids = example_rule(plan, vocab)
+    j = np.arange(k, dtype=np.uint64)
+    tids = ((ids.astype(np.uint64)[:, None] + j[None, :]) % vocab).astype(np.uint32)
+    lp = -ids.astype(np.float32) / np.float32(vocab)
+    return ids, tids, lp[:, None] - j.astype(np.float32)[None, :]

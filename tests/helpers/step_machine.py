@@ -1,4 +1,5 @@
-"""The engine step: the compiled core and its pure-Python twin, call by call.
+"""The engine step's stateful differential machine (a helper module: the tests in
+differential/ run it and extend it with forks).
 
 ``StepVsTwin`` drives ``qualia.StepScheduler`` and ``qualia.twin.StepScheduler`` with the same
 random calls, valid and invalid: arrivals of prompts that share prefixes (so admissions hit the
@@ -14,7 +15,7 @@ drained, and the ``STEP_STATS`` rows, totals and results of ``run()`` (with the 
 Python one).  A shadow of the backend's KV (``step_checks.ShadowKV``) executes every plan (the
 Python backend's in ``run()`` too): each request must read its own tokens through its pages.
 
-Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1.
+Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1 (``SETTINGS``).
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from step_checks import (
+
+import qualia
+from helpers.step_checks import (
     ShadowKV,
     assert_same_plan,
     assert_same_run,
     assert_same_step_counters,
     finished_key,
 )
-
-import qualia
 from qualia.errors import QualiaError
 from qualia.twin import StepScheduler
 
@@ -52,7 +53,6 @@ PREFIXES = [SYSTEM, SYSTEM[:5], [], [], [1, 2, 3, 4, 5, 6, 7, 8]]
 PRIORITIES = st.integers(-3, 3) | st.sampled_from([-(2**31), 2**31 - 1])
 
 
-__all__ = ["StepVsTwin", "finished_key", "PREFIXES", "PRIORITIES", "SETTINGS", "VOCAB"]
 HB = qualia.HashBackend(vocab=VOCAB)
 
 
@@ -260,27 +260,3 @@ class StepVsTwin(RuleBasedStateMachine):
         assert_same_step_counters(c, t)
 
 
-TestStepVsTwin = StepVsTwin.TestCase
-TestStepVsTwin.settings = SETTINGS
-
-
-def test_draining_every_request_returns_every_page():
-    """A workload run to the end leaves every page free or reclaimable, and the twin agrees."""
-    rng = np.random.default_rng(7)
-    kw = dict(max_num_batched_tokens=10, max_num_seqs=3, max_queued=20, cache_key=b"d" * 16)
-    c = qualia.StepScheduler(16, 4, 12, **kw)
-    t = StepScheduler(16, 4, 12, **kw)
-    for i in range(12):
-        prompt = (SYSTEM if i % 2 else []) + rng.integers(0, 50, size=int(rng.integers(1, 10))
-                                                          ).tolist()
-        max_new = int(rng.integers(1, 9))
-        for s in (c, t):
-            s.add_request(i, prompt, max_new_tokens=max_new)
-
-    class Backend:
-        def execute_step(self, plan):
-            return (plan.input_ids[plan.logits_indices] * 7 + 3) % 50
-    rc, rt = c.run(Backend()), t.run(Backend())
-    assert_same_run(rc, rt)
-    assert_same_step_counters(c, t)
-    assert c.free_pages == c.num_pages == t.facade.free_pages

@@ -6,7 +6,7 @@ Python backends that misbehave in every way we could think of.  Each must raise 
 exception with a clear message (TypeError / ValueError / OverflowError, or the seed's error
 class), never crash, and leave the state exactly as it was (snapshot before / after).
 
-    pytest tests/test_bad_input.py -q -p no:cacheprovider
+    pytest tests/robustness/test_bad_input.py -q -p no:cacheprovider
 """
 
 from __future__ import annotations

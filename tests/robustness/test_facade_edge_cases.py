@@ -3,7 +3,7 @@
 Each test fails on the code before the fix (a crash, a wrong result, or a missing error) and
 passes after it.  Findings 3-9 share one root, fixed by the ownership rule (docs/DESIGN.md,
 "Ownership"): every mutating call resolves everything that can run user code first, then owns
-every object it touches, then mutates.  tests/test_ownership.py and tests/test_fuzz.py test the
+every object it touches, then mutates.  tests/robustness/test_ownership.py and tests/robustness/test_seeded_stress.py test the
 rule itself.  Threads are bounded by iteration counts and event timeouts, never by timings.
 """
 
@@ -21,8 +21,8 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
-from ctypes_abi import CCopy, CItem, COutput, CView  # noqa: E402
-from facade_checks import invariants  # noqa: E402
+from helpers.ctypes_abi import CCopy, CItem, COutput, CView  # noqa: E402
+from helpers.facade_checks import invariants  # noqa: E402
 
 from qualia import twin  # noqa: E402
 from qualia.errors import BusyError, DecodeRoundError, PoolError, SchedulerError, TableError  # noqa: E402

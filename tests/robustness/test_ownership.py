@@ -22,7 +22,7 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
-from facade_checks import invariants  # noqa: E402
+from helpers.facade_checks import invariants  # noqa: E402
 
 from qualia.errors import BusyError, QualiaError  # noqa: E402
 
@@ -550,7 +550,7 @@ def gil_free_backend(during):
     then every sampled row gets token 5."""
     import ctypes
 
-    from ctypes_abi import EXECUTE_STEP, CStepBackend
+    from helpers.ctypes_abi import EXECUTE_STEP, CStepBackend
 
     @EXECUTE_STEP
     def execute(ctx, plan, out, logprobs):

@@ -30,8 +30,8 @@ qualia = pytest.importorskip("qualia")
 if not hasattr(qualia, "Scheduler"):  # pragma: no cover
     pytest.skip("compiled core not built", allow_module_level=True)
 
-from ctypes_abi import CItem, COutput  # noqa: E402
-from facade_checks import invariants  # noqa: E402
+from helpers.ctypes_abi import CItem, COutput  # noqa: E402
+from helpers.facade_checks import invariants  # noqa: E402
 
 from qualia.errors import BusyError, QualiaError  # noqa: E402
 

@@ -12,7 +12,8 @@ import threading
 
 import numpy as np
 import pytest
-from ctypes_abi import EXECUTE_STEP, CStepBackend
+from helpers.ctypes_abi import EXECUTE_STEP, step_capsule
+from helpers.step_checks import state_snapshot
 
 import qualia
 from qualia import BusyError, StepError
@@ -28,23 +29,6 @@ def make(*args, twin=False, **kw):
 
 def both_kinds(*args, **kw):
     return [make(*args, **kw), make(*args, twin=True, **kw)]
-
-
-def snapshot(s):
-    """Everything a failed call must leave as it was (core or twin)."""
-    if isinstance(s, StepScheduler):
-        f = s.facade
-        reqs = list(s.requests())
-        return {"requests": reqs, "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
-                "waiting": s.num_waiting, "running": s.num_running, "free": f.free_pages,
-                "refcounts": [f.pool.refcount(p) for p in range(f.num_pages)],
-                "pending": s._plan is not None}
-    reqs = s.requests()
-    return {"requests": reqs, "tokens": {r: s.request_tokens(r).tolist() for r in reqs},
-            "waiting": s.num_waiting, "running": s.num_running, "free": s.free_pages,
-            "refcounts": s.pool.refcounts().tolist(), "cache": s.cache_stats(),
-            "stats": s.stats(), "reclaimable": s.reclaimable_pages().tolist(),
-            "active": s.active_count}
 
 
 def sample(plan, vocab=50):
@@ -75,10 +59,10 @@ def test_the_twin_accepts_every_int32_priority(prio):
                                        (True, TypeError), (1.0, TypeError)])
 def test_priorities_outside_int32_are_refused_alike(prio, exc):
     for s in both_kinds(32, 4, 8, 4):
-        before = snapshot(s)
+        before = state_snapshot(s)
         with pytest.raises(exc):
             s.add_request(1, [1], max_new_tokens=1, priority=prio)
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
 
 
 def test_negative_priorities_order_the_queue_alike():
@@ -128,10 +112,10 @@ def test_update_resolves_its_ids_before_reading_the_plan():
             s.discard_plan()
             s.add_request(2, [7, 8], max_new_tokens=5)
             s.schedule()
-            swap.before = snapshot(s)
+            swap.before = state_snapshot(s)
         with pytest.raises(ValueError):
             s.update([Hook(4, swap)])
-        assert snapshot(s) == swap.before
+        assert state_snapshot(s) == swap.before
 
 
 def test_update_with_ids_that_abort_changes_nothing_wrong():
@@ -141,7 +125,7 @@ def test_update_with_ids_that_abort_changes_nothing_wrong():
         s.add_request(2, [4, 5, 6], max_new_tokens=5)
         s.schedule()
         s.update([Hook(4, lambda: s.abort(1)), 5])
-        assert snapshot(s)["requests"] == [2]
+        assert state_snapshot(s)["requests"] == [2]
         assert s.request_tokens(2).tolist() == [4, 5, 6, 5]
 
 
@@ -151,10 +135,10 @@ def test_add_request_and_abort_hooks_change_nothing_on_error():
         hook = Hook(1, lambda: s.schedule())    # the id resolves to a duplicate
         with pytest.raises(StepError.DuplicateRequest):
             s.add_request(hook, [1], max_new_tokens=1)
-        before = snapshot(s)
+        before = state_snapshot(s)
         with pytest.raises(StepError.UnknownRequest):
             s.abort(Hook(9, lambda: None))
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
         stops = iter([Hook(5, lambda: s.abort(1))])
         s.add_request(2, [1], max_new_tokens=1, stop_token_ids=stops)
         assert s.num_running == 0 and s.num_waiting == 1
@@ -220,26 +204,12 @@ def test_a_c_backend_calling_back_gets_busy_error():
         for i in range(p.num_sampled):
             arr[i] = 4
         return 0
-    r = s.run(c_backend(execute))
+    r = s.run(step_capsule(execute))
     assert seen == [BusyError, BusyError]
     assert [f.request_id for f in r.finished] == [1]
 
 
 # -- 3. a failing run() reports what its earlier steps finished --------------------------------
-
-_KEEP = []
-
-
-def c_backend(execute):
-    """A C step backend over a ctypes callback (called without the GIL held; ctypes takes it)."""
-    iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), 0, 0, None,
-                         ctypes.cast(execute, ctypes.c_void_p), None)
-    name = qualia.STEP_CAPSULE_NAME.encode()
-    _KEEP.append((iface, execute, name))    # the capsule holds raw pointers into these
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype = ctypes.py_object
-    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.addressof(iface), name, None)
 
 
 def failing_workload(s):
@@ -284,7 +254,7 @@ def test_a_failing_c_backend_reports_the_requests_run_finished():
             arr[i] = 4
         return 0
     with pytest.raises(qualia.RaggedBackendError.Failed) as info:
-        s.run(c_backend(execute))
+        s.run(step_capsule(execute))
     assert [f.request_id for f in info.value.finished] == [1, 2]
     assert s.requests() == [3]
 
@@ -303,7 +273,7 @@ def test_a_c_backend_sampling_past_the_vocabulary_reports_what_finished():
             arr[i] = 99 if len(calls) == 3 else 4
         return 0
     with pytest.raises(ValueError) as info:
-        s.run(c_backend(execute))
+        s.run(step_capsule(execute))
     assert [f.request_id for f in info.value.finished] == [1, 2]
 
 
@@ -365,16 +335,16 @@ def test_bad_sampled_ids_change_nothing_alike(ids, exc):
     results = []
     for twin in (False, True):
         s = pending(twin)
-        before = snapshot(s)
+        before = state_snapshot(s)
         if exc is None:
             s.update(ids)
-            results.append(snapshot(s)["tokens"])
+            results.append(state_snapshot(s)["tokens"])
             continue
         with pytest.raises(exc):
             s.update(ids)
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
         s.update([1, 2])       # the plan is still pending and applies
-        results.append(snapshot(s)["tokens"])
+        results.append(state_snapshot(s)["tokens"])
     assert results[0] == results[1]
 
 
@@ -394,10 +364,10 @@ def test_bad_sampled_ids_change_nothing_alike(ids, exc):
 def test_bad_prompts_change_nothing_alike(prompt, exc):
     for twin in (False, True):
         s = pending(twin)
-        before = snapshot(s)
+        before = state_snapshot(s)
         with pytest.raises(exc):
             s.add_request(9, prompt, max_new_tokens=1)
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
 
 
 @pytest.mark.parametrize("prompt", [
@@ -421,17 +391,17 @@ def test_prompts_of_every_accepted_form_agree(prompt):
 def test_update_twice_and_schedule_twice_change_nothing():
     for twin in (False, True):
         s = pending(twin)
-        before = snapshot(s)
+        before = state_snapshot(s)
         with pytest.raises(StepError.PlanPending):
             s.schedule()
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
         s.update([1, 2])
-        after = snapshot(s)
+        after = state_snapshot(s)
         with pytest.raises(StepError.NoPlan):
             s.update([1, 2])
         with pytest.raises(StepError.NoPlan):
             s.update("garbage")      # NoPlan is told first
-        assert snapshot(s) == after
+        assert state_snapshot(s) == after
 
 
 def test_abort_of_a_request_finished_in_that_update_and_id_reuse():
@@ -441,10 +411,10 @@ def test_abort_of_a_request_finished_in_that_update_and_id_reuse():
         s.schedule()
         done = s.update([3])
         assert [f.request_id for f in done] == [1]
-        before = snapshot(s)
+        before = state_snapshot(s)
         with pytest.raises(StepError.UnknownRequest):
             s.abort(1)
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
         # a finished id may be used again, and so may an aborted one
         s.add_request(1, [1, 2], max_new_tokens=1)
         s.abort(1)
@@ -469,17 +439,17 @@ def test_abort_during_a_pending_plan_then_update():
 def test_max_steps_zero_runs_nothing():
     for s in both_kinds(16, 4, 8, 4):
         s.add_request(1, [1, 2], max_new_tokens=2)
-        before = snapshot(s)
+        before = state_snapshot(s)
         r = s.run(Py(), max_steps=0)
         assert len(r.stats) == 0 and r.finished == []
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
         with pytest.raises(OverflowError):
             s.run(Py(), max_steps=-1)
         with pytest.raises(TypeError):
             s.run(Py(), max_steps=1.5)
         with pytest.raises(TypeError):
             s.run(object())
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
 
 
 def test_gc_callbacks_during_steps_get_busy_error_or_run_cleanly():
@@ -586,10 +556,10 @@ def test_threads_racing_one_scheduler_neither_crash_nor_corrupt():
 def test_bad_stop_token_ids_change_nothing_alike(stops, exc):
     for twin in (False, True):
         s = pending(twin)
-        before = snapshot(s)
+        before = state_snapshot(s)
         with pytest.raises(exc):
             s.add_request(9, [1], max_new_tokens=1, stop_token_ids=stops)
-        assert snapshot(s) == before
+        assert state_snapshot(s) == before
 
 
 @pytest.mark.parametrize("then", ["update", "discard"])
@@ -662,7 +632,7 @@ def test_bad_ids_from_a_python_backend_discard_the_step_and_report_what_finished
                 return bad(plan) if len(calls) == 3 else sample(plan)
         with pytest.raises(exc) as info:
             s.run(Bad())
-        before = snapshot(s)
+        before = state_snapshot(s)
         assert [f.request_id for f in info.value.finished] == [1, 2]
         r = s.run(Py())
         assert before["requests"] == [3]

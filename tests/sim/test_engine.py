@@ -1,5 +1,5 @@
 """The serving engine on the engine step (qualia.engine, qualia.workload, qualia.check,
-qualia.timing, qualia.report, qualia.plot); the CLI is in test_cli.py."""
+qualia.timing, qualia.report, qualia.plot); the CLI is in tests/sim/test_cli.py."""
 
 from __future__ import annotations
 

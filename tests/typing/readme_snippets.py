@@ -1,7 +1,7 @@
 """The Python snippets of README.md, word for word, with what they need around them.
 
 .ci/run type-checks this file with mypy against the installed package (so the README's own
-`except qualia.SchedulerError.Prefix` must type-check), and tests/test_readme.py runs it and checks
+`except qualia.SchedulerError.Prefix` must type-check), and tests/docs/test_readme.py runs it and checks
 that every snippet of README.md is here unchanged.
 """
 
