@@ -1,7 +1,7 @@
 """C backends (the capsule ABI and its checks), the built-in hash backend, the Python protocol,
 and concurrency while a round runs without the GIL (driven by examples/c_backend, compiled at test
-time by the `example_backend` fixture of conftest.py; tests/abi/test_out_of_tree_backends.py drives the
-out-of-tree examples themselves)."""
+time by the `example_backend` fixture of conftest.py; tests/abi/test_out_of_tree_backends.py
+drives the out-of-tree examples themselves)."""
 
 import ctypes
 import threading

@@ -1,4 +1,4 @@
-"""Steady-state decode rounds on the C-backend path allocate nothing (issue "Benchmarks", item 3).
+"""Steady-state decode rounds on the C-backend path allocate nothing.
 
 After warm-up, ``RequestScheduler.execute_decode_round`` with a C backend and
 ``qualia.Scheduler.decode`` with a C backend must leave the Python heap exactly as they found it:

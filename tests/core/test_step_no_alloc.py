@@ -1,4 +1,4 @@
-"""The engine step allocates nothing per step in steady state (issue 14, "Targets").
+"""The engine step allocates nothing per step in steady state.
 
 * ``run()`` with the C HashBackend: the whole schedule -> execute -> update loop runs in C
   without the GIL; the only Python allocations of a call are its result (the STEP_STATS rows, the

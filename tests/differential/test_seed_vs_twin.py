@@ -599,7 +599,7 @@ class CoreVsReference(RuleBasedStateMachine):
         self.both("_debug_set_refcount", lambda m, w: w.pool._debug_set_refcount(page, new))
         self.held[page] += new - old
 
-    # -- bad arguments (consistently ordered cases; see tests/robustness/test_bad_input.py for the rest) ------------
+    # -- bad arguments (consistently ordered cases; robustness/test_bad_input.py has the rest) --
     @rule(bad=st.sampled_from(BAD_INTS),
           call=st.sampled_from(["retain", "release", "refcount", "record_token", "finish",
                                 "mark_prefill_complete", "seed_rid", "seed_token",

@@ -1,5 +1,5 @@
-"""Review of the plans' fork lists (``fork_child_ids`` / ``fork_parent_ids``), of new ids named
-again after a discarded plan, and of best-first beam rows (docs/DESIGN.md, "fork_child_ids",
+"""The plans' fork lists (``fork_child_ids`` / ``fork_parent_ids``), new ids named again after
+a discarded plan, and best-first beam rows (docs/DESIGN.md, "fork_child_ids",
 "discarded plan", "best first"): the compiled core against the pure-Python twin."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import ctypes
 import numpy as np
 import pytest
 from helpers.ctypes_abi import step_capsule
+from helpers.groups import PROMPT
 from helpers.step_checks import assert_same_plan, state_snapshot
 
 import qualia
 from qualia.twin import StepScheduler as TwinStepScheduler
+from qualia.twin.groups import CHILD_BASE
 
 KW = dict(max_num_batched_tokens=64, max_num_seqs=4, max_queued=32, vocab_size=64,
           cache_key=b"f" * 16)
@@ -362,3 +364,61 @@ def test_random_lockstep_fork_lists_agree():
     for seed in range(150):
         lockstep(seed, stats)
     assert any(f > seqs for f, seqs in stats)       # more forks than rows were exercised
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_plans_name_forks_and_a_discarded_plans_admissions(kind):
+    """A plan names the forks made since the previous plan (child, parent), and a discarded
+    plan's forks and new ids are named again by the next plan; a forked child is not new."""
+    kw = dict(max_num_batched_tokens=64)
+    s = (qualia.StepScheduler(64, 4, 16, 8, **kw) if kind == "core"
+         else TwinStepScheduler(64, 4, 16, 8, **kw))
+    s.add_request(7, PROMPT, max_new_tokens=4, n=3)
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [7] and plan.fork_child_ids.tolist() == []
+    s.discard_plan()
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [7]          # the discarded plan's, named again
+    s.update(np.arange(len(plan.sampled_request_ids), dtype=np.uint32) + 11)
+    children = [m for m in s.group_members(7) if m != 7]
+    assert len(children) == 2
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == []
+    assert plan.fork_child_ids.tolist() == children
+    assert plan.fork_parent_ids.tolist() == [7, 7]
+    assert plan.fork_child_ids.dtype == plan.fork_parent_ids.dtype == np.uint64
+    s.discard_plan()
+    plan = s.schedule()
+    assert plan.fork_child_ids.tolist() == children      # named again after the discard
+    s.update(np.full(len(plan.sampled_request_ids), 12, dtype=np.uint32))
+    plan = s.schedule()
+    assert plan.new_request_ids.tolist() == [] and plan.fork_child_ids.tolist() == []
+
+
+def test_the_c_abi_plan_carries_the_forks():
+    """run() hands the forks to a C step backend in the plan struct (num_forks, fork_child_ids,
+    fork_parent_ids), as the Python plan names them."""
+    import ctypes
+
+    from helpers.ctypes_abi import EXECUTE_STEP, step_capsule
+
+    seen = []
+
+    def execute(ctx, plan, sampled_out, logprobs_out):
+        p = plan.contents
+        kids = ctypes.cast(p.fork_child_ids, ctypes.POINTER(ctypes.c_uint64))
+        pars = ctypes.cast(p.fork_parent_ids, ctypes.POINTER(ctypes.c_uint64))
+        seen.append([(kids[i], pars[i]) for i in range(p.num_forks)])
+        out = ctypes.cast(sampled_out, ctypes.POINTER(ctypes.c_uint32))
+        for r in range(p.num_sampled):
+            out[r] = 20 + r
+        return 0
+
+    cb = EXECUTE_STEP(execute)
+    s = qualia.StepScheduler(64, 4, 16, 8, max_num_batched_tokens=64)
+    s.add_request(7, PROMPT, max_new_tokens=2, n=3)
+    s.run(step_capsule(cb))
+    kids = sorted(c for step in seen for c, _ in step)
+    assert seen[0] == [] and len(seen[1]) == 2 and all(p == 7 for _, p in seen[1])
+    assert len(kids) == 2 and all(k >= CHILD_BASE for k in kids)
+    assert all(step == [] for step in seen[2:])

@@ -1,11 +1,10 @@
-"""Hostile review of parallel sampling (``add_request(..., n=k)``) in the compiled engine step
-and its twin ``qualia.twin.StepScheduler`` (docs/DESIGN.md, "Forks at the step level").
-
-The stateful test extends ``ForksVsTwin`` with what it does not reach: user ids in the range
-of the internal child ids (from 2**63 up) and at 2**64-1, a group aborted in its pending plan
-and its id added again at once, and every refused call checked to change nothing (a snapshot of
-the queues, every request's tokens, every group's members, every page's refcount and the fork
-counters before and after).  The other tests pin single rules.
+"""Parallel sampling (``add_request(..., n=k)``) in the compiled engine step and its twin
+``qualia.twin.StepScheduler`` (docs/DESIGN.md, "Forks at the step level"), one rule per test:
+``n`` as any integer and its checks, user ids in the child range, updates and discards around the
+fork step, aborts at every phase of a group, the queue's capacity, a backend failing mid-group,
+calls from other threads and from gc callbacks, the engine's counters and ``--check`` of groups,
+and every member's tokens equal to its dense run (``qualia.model``'s seeded per-member sampler)
+and to the twin's, in the C run loop and a Python loop, with and without prefix caching.
 """
 
 from __future__ import annotations
@@ -15,15 +14,16 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.groups import CHILD, group_snapshot
+from helpers.groups import CHILD, DENSE, HOT, PROMPT, W, group_snapshot
+from helpers.step_checks import finished_key
 from helpers.step_machine import VOCAB
 from hypothesis import strategies as st
 
 import qualia
 from qualia.errors import BusyError, StepError
+from qualia.model import PagedModelBackend
+from qualia.sim.adapters import PlanModelSteps
 from qualia.twin import StepScheduler as TwinStepScheduler
-
-PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
 def queued(s):
@@ -508,8 +508,8 @@ def test_an_add_request_made_by_the_prompt_iterator_leaves_the_group_whole(kind)
 
 def test_pages_saved_is_never_negative_when_a_forked_child_waits_for_the_budget():
     # n=4 of a one-token prompt, budget 3: after the fork three members decode and copy the
-    # shared partial page away; the fourth, in no plan yet, is its last holder.  It used to be
-    # left out of the non-sharing count: saved = 3 - 4 = -1
+    # shared partial page away; the fourth, in no plan yet, is its last holder, and counts
+    # among the pages a non-sharing run would hold (leaving it out would make saved = 3 - 4 = -1)
     for caching in ("auto", "off"):
         engine = Engine(RecordingHash(), num_pages=10, max_num_seqs=4, page_tokens=3,
                         logical_pages=8, max_num_batched_tokens=3, prefix_caching=caching, n=4)
@@ -593,3 +593,158 @@ def test_groups_under_pressure_equal_the_hash_rule_in_both_cache_modes(
                                                       for m in members]
     assert s.free_pages == s.num_pages
     assert all(s.pool.refcount(p) in (0, 1) for p in range(num_blocks))
+
+
+class CoreModelBackend:
+    """execute_step for qualia.StepScheduler over the paged numpy model (the simulator's
+    adapter)."""
+
+    def __init__(self, num_blocks, page_tokens):
+        self.b = PlanModelSteps(PagedModelBackend(W, num_blocks, page_tokens, sampling=HOT))
+
+    def execute_step(self, plan):
+        return np.asarray(self.b.execute_step(plan), dtype=np.uint32)
+
+
+@pytest.mark.parametrize("page_tokens,prompt_len", [(4, 10), (4, 8), (1, 5), (3, 10)])
+@pytest.mark.parametrize("budget,seqs", [(2048, 8), (3, 8), (64, 4)])
+def test_every_member_equals_its_dense_run_and_the_twin(page_tokens, prompt_len, budget, seqs):
+    """Each member's tokens equal DenseModel.generate with the member's id; the core's run
+    equals the twin's step for step (stats and results)."""
+    prompt = PROMPT[:prompt_len]
+    kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_queued=32)
+    c = qualia.StepScheduler(64, page_tokens, 32, **kw)
+    t = TwinStepScheduler(64, page_tokens, 32, **kw)
+    for s in (c, t):
+        s.add_request(1, prompt, max_new_tokens=6, n=4)
+        s.add_request(2, prompt[:3], max_new_tokens=4)
+    members = c.group_members(1)
+    assert members == t.group_members(1) and members[0] == 1 and len(set(members)) == 4
+    rc = c.run(CoreModelBackend(64, page_tokens))
+    rt = t.run(CoreModelBackend(64, page_tokens))
+    assert np.array_equal(rc.stats, rt.stats)
+    assert finished_key(rc.finished) == finished_key(rt.finished)
+    g = [f for f in rc.finished if isinstance(f, qualia.FinishedGroup)][0]
+    assert g.request_id == 1 and g.member_ids == members and g.scores is None
+    outs = [o.tolist() for o in g.outputs]
+    assert outs == [DENSE.generate(prompt, 6, sampling=HOT, request_id=m) for m in members]
+    assert len({tuple(o) for o in outs}) > 1
+    assert c.forks + c.fork_fallbacks == 3
+    assert c.free_pages == c.num_pages
+
+
+def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied():
+    c = qualia.StepScheduler(64, 4, 16, 8)
+    c.add_request(1, PROMPT, max_new_tokens=3, n=3)
+    plan = c.schedule()
+    assert plan.logits_indices.tolist() == [len(PROMPT) - 1] * 3
+    assert plan.sampled_request_ids.tolist() == c.group_members(1)
+    assert c.update([1, 2, 3]) == []
+    assert c.num_running == 3 and c.forks == 2
+    plan = c.schedule()
+    assert len(plan.copies) == 2            # the shared partial page, once per child but the last
+    assert plan.block_table_rows.tolist() == [0, 1, 2]
+    assert plan.kv_indices.tolist()[:2] == plan.kv_indices.tolist()[3:5]   # full pages shared
+
+
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_step_page_counters_count_the_shared_page_copies_as_copies(kind):
+    cls = qualia.StepScheduler if kind == "core" else TwinStepScheduler
+    s = cls(64, 4, 16, 8)
+    s.add_request(1, PROMPT, max_new_tokens=6, n=3)          # 10 tokens: pages 0, 1, 2
+
+    def step(tokens):
+        s.schedule()
+        s.update(np.array(tokens, np.uint32))
+
+    def pages():
+        return s.stats()["pages_allocated"], s.stats()["pages_copied"]
+
+    step([1, 2, 3])                         # the prompt, then the forks
+    assert pages() == (3, 0)
+    step([4, 5, 6])                         # each child but the last copies the partial page
+    assert pages() == (3, 2)
+    step([7, 8, 9])                         # position 11: in place
+    step([7, 8, 9])                         # position 12: one fresh page per member
+    assert pages() == (6, 2)
+    assert s.stats()["used_pages"] == 2 + 3 * 2 and s.stats()["num_pages"] == 64
+
+
+def test_queue_capacity_counts_every_member():
+    c = qualia.StepScheduler(64, 4, 16, 4, max_queued=5)
+    t = TwinStepScheduler(64, 4, 16, 4, max_queued=5)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=3, n=4)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(2, PROMPT, max_new_tokens=3, n=2)
+        s.add_request(3, PROMPT, max_new_tokens=3)
+        with pytest.raises(StepError.QueueFull):
+            s.add_request(4, PROMPT, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("kw,exc", [(dict(n=0), ValueError), (dict(n=9), ValueError),
+                                    (dict(n=True), TypeError), (dict(n=2.0), TypeError)])
+def test_bad_n_changes_nothing(kw, exc):
+    c = qualia.StepScheduler(64, 4, 16, 8)
+    with pytest.raises(exc):
+        c.add_request(1, PROMPT, max_new_tokens=3, **kw)
+    assert not c.has_unfinished()
+
+
+def test_member_ids_are_taken_and_aborting_the_group_releases_everything():
+    c = qualia.StepScheduler(64, 4, 16, 8)
+    c.add_request(1, PROMPT, max_new_tokens=5, n=3)
+    members = c.group_members(1)
+    with pytest.raises(StepError.DuplicateRequest):
+        c.add_request(members[1], PROMPT, max_new_tokens=3)
+    c.update([1, 2, 3]) if c.schedule() is not None else None
+    with pytest.raises(StepError.UnknownRequest):
+        c.abort(members[2])                 # a member alone
+    c.abort(1)
+    assert not c.has_unfinished() and c.free_pages == c.num_pages
+    plan = c.schedule()
+    assert sorted(plan.finished_request_ids.tolist()) == sorted(members)
+    c.update([])
+    with pytest.raises(StepError.UnknownRequest):
+        c.group_members(1)
+
+
+def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
+    """run() with a C step backend (the GIL-free loop) plans and finishes groups as the Python
+    loop does, and as the twin does with the same (hash) sampler."""
+    hb = qualia.HashBackend()
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6, max_queued=32)
+    a, b = qualia.StepScheduler(14, 4, 16, **kw), qualia.StepScheduler(14, 4, 16, **kw)
+    t = TwinStepScheduler(14, 4, 16, **kw)
+    for s in (a, b, t):
+        s.add_request(1, PROMPT, max_new_tokens=5, n=3)
+        s.add_request(2, PROMPT[:4], max_new_tokens=6, n=4)
+        s.add_request(3, PROMPT[2:], max_new_tokens=4)
+    result = a.run(hb)
+
+    class Py:
+        def execute_step(self, plan):
+            return hb.execute_step(plan)
+    rb, rt = b.run(Py()), t.run(Py())
+    assert np.array_equal(result.stats, rb.stats) and np.array_equal(result.stats, rt.stats)
+    assert finished_key(result.finished) == finished_key(rb.finished) == \
+        finished_key(rt.finished)
+    assert sorted(type(f).__name__ for f in result.finished) == \
+        ["FinishedGroup", "FinishedGroup", "FinishedRequest"]
+    assert a.free_pages == a.num_pages
+
+
+@pytest.mark.parametrize("seqs", [8, 4])
+def test_groups_without_prefix_caching_equal_their_dense_runs(seqs):
+    """prefix_caching='off' (the twin models 'auto' only): the members still fork and share the
+    prompt's pages, and a child queued for lack of a row recomputes its prompt."""
+    c = qualia.StepScheduler(64, 4, 32, seqs, prefix_caching="off", max_queued=32)
+    c.add_request(1, PROMPT, max_new_tokens=6, n=4)
+    c.add_request(2, PROMPT[:3], max_new_tokens=4)
+    members = c.group_members(1)
+    r = c.run(CoreModelBackend(64, 4))
+    g = [f for f in r.finished if isinstance(f, qualia.FinishedGroup)][0]
+    assert [o.tolist() for o in g.outputs] == \
+        [DENSE.generate(PROMPT, 6, sampling=HOT, request_id=m) for m in members]
+    assert c.forks + c.fork_fallbacks == 3 and (c.fork_fallbacks > 0) == (seqs == 4)
+    assert c.free_pages == c.num_pages

@@ -1,4 +1,5 @@
-"""Checks shared by the hardening, ownership and fuzz tests (a helper module, not a test file)."""
+"""Checks shared by the robustness tests: edge cases, ownership and seeded stress (a helper
+module)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import qualia
 from helpers.step_checks import assert_same_plan, finished_key
 from qualia.errors import StepError
+from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
 from qualia.twin import StepScheduler as TwinStepScheduler
 from qualia.twin.groups import CHILD_BASE
 
@@ -113,3 +114,12 @@ def group_snapshot(s):
     return (s.num_waiting, s.num_running, s.has_unfinished(), f.free_pages,
             sorted(reqs), {r: s.request_tokens(r).tolist() for r in reqs}, groups,
             [f.pool.refcount(p) for p in range(f.num_pages)], s.forks, s.fork_fallbacks)
+
+
+W = ModelWeights.random(ModelConfig(vocab=64, layers=1))
+
+
+DENSE = DenseModel(W)
+
+
+HOT = SamplingParams(temperature=1.0, seed=11)

@@ -1,4 +1,4 @@
-"""The numpy model as a step runner (issues 14 and 15): ``PagedModelBackend.execute_step`` runs a
+"""The numpy model as a step runner: ``PagedModelBackend.execute_step`` runs a
 step plan (prefill chunks and decodes in one forward, K/V through ``slot_mapping``, attention
 through the page table and ``seq_lens``, copy-on-write copies first) and its tokens equal the dense
 reference (no paging) token for token: hand-built plans first, then plans of the pure-Python step
@@ -534,7 +534,7 @@ def test_same_numbers_as_the_one_token_formulation(weights):
 
 
 def test_children_sample_from_one_prefill_row(small):
-    """n > 1 (issue 15): a plan may sample one logits row for several request ids (repeated
+    """n > 1: a plan may sample one logits row for several request ids (repeated
     ``logits_indices``, the children in ``sampled_request_ids``); child c's tokens then equal
     the dense run of the prompt with the same sampler keyed by c, whatever the batch."""
     pt = 4

@@ -1,10 +1,12 @@
-"""One regression test per finding of the hardening review (issue 10), named after the finding.
-
-Each test fails on the code before the fix (a crash, a wrong result, or a missing error) and
-passes after it.  Findings 3-9 share one root, fixed by the ownership rule (docs/DESIGN.md,
-"Ownership"): every mutating call resolves everything that can run user code first, then owns
-every object it touches, then mutates.  tests/robustness/test_ownership.py and tests/robustness/test_seeded_stress.py test the
-rule itself.  Threads are bounded by iteration counts and event timeouts, never by timings.
+"""Edge cases of the admit/decode/finish facade and the seed types, one test per case: one-shot
+iterables, ctypes buffers, calls made while a round resolves its backend, tokens whose
+``__index__`` changes their list, concurrent publishes, rounds and identities, the u32 limit of a
+token count, misaligned arrays, read-only views and the forms a prompt may take.  Each would
+otherwise crash, give a wrong result or miss an error.  The cases of calls made from user code
+rest on the ownership rule (docs/DESIGN.md, "Ownership"): every mutating call resolves
+everything that can run user code first, then owns every object it touches, then mutates;
+tests/robustness/test_ownership.py and tests/robustness/test_seeded_stress.py test the rule
+itself.  Threads are bounded by iteration counts and event timeouts, never by timings.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def decoding_sched(n_decode=1, n_prefill=1):
     return pool, store, sched
 
 
-# -- finding 1: one-shot iterables ---------------------------------------------------------------
+# -- one-shot iterables ----------------------------------------------------------------------------
 
 
 def _gen(xs):
@@ -109,7 +111,7 @@ def _gen(xs):
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 300, 5000])
 @pytest.mark.parametrize("make", [iter, _gen, lambda xs: map(int, xs)], ids=["iter", "gen", "map"])
-def test_finding_01_one_shot_iterable_prompt_identity(n, make):
+def test_a_one_shot_iterable_prompt_has_the_identity_of_its_list(n, make):
     tokens = list(range(n))
     expected = qualia.PrefixIdentity.of_tokens(tokens)
     assert qualia.PrefixIdentity.of_tokens(make(tokens)) == expected
@@ -119,7 +121,7 @@ def test_finding_01_one_shot_iterable_prompt_identity(n, make):
         qualia.PrefixIdentity.of_tokens(tokens, "ns")
 
 
-def test_finding_01_one_shot_iterable_prompt_admission():
+def test_one_shot_iterable_prompts_publish_and_admit_like_lists():
     s = qualia.Scheduler(max_requests=4, num_pages=256, page_tokens=16, logical_pages=32,
                          prefix_caching="explicit")
     published = list(range(1000, 1300))
@@ -141,7 +143,7 @@ def test_finding_01_one_shot_iterable_prompt_admission():
     assert not adm.prefix_hit
 
 
-# -- finding 2: ctypes buffers (NULL strides) ------------------------------------------------------
+# -- ctypes buffers (NULL strides) -----------------------------------------------------------------
 
 
 
@@ -153,7 +155,7 @@ class CWrongOutput(ctypes.Structure):  # same size as an output, wrong fields
                 ("next_token_id", ctypes.c_uint64)]
 
 
-def test_finding_02_ctypes_buffers_runnable_into():
+def test_runnable_into_takes_ctypes_buffers():
     pool, store, sched = decoding_sched(2, 1)
     out = (CView * 4)()
     assert sched.runnable_into(out) == 3
@@ -163,7 +165,7 @@ def test_finding_02_ctypes_buffers_runnable_into():
         sched.runnable_into((CView * 2)())
 
 
-def test_finding_02_ctypes_buffers_decode_round():
+def test_a_decode_round_takes_ctypes_buffers():
     expect_pool, _, expect = decoding_sched(2, 1)
     items, table, outs = np.zeros(4, ITEM), np.zeros(8, np.uint32), np.zeros(4, OUTPUT)
     assert expect.execute_decode_round(qualia.HashBackend(), items, table, outs) == (2, 1)
@@ -177,7 +179,7 @@ def test_finding_02_ctypes_buffers_decode_round():
         assert sched.runnable().tobytes() == expect.runnable().tobytes()
 
 
-def test_finding_02_ctypes_buffers_hash_backend_methods():
+def test_the_hash_backend_methods_take_ctypes_buffers():
     b = qualia.HashBackend()
     items = (CItem * 2)()
     items[0].request_id, items[0].slot, items[0].token_id, items[0].position = 5, 0, 9, 3
@@ -191,7 +193,7 @@ def test_finding_02_ctypes_buffers_hash_backend_methods():
     assert b.pages_copied == 3
 
 
-def test_finding_02_ctypes_buffers_of_the_wrong_layout():
+def test_ctypes_buffers_of_the_wrong_layout_are_refused():
     pool, store, sched = decoding_sched(2, 1)
     before = sched.runnable().tobytes()
     for bufs in [((ctypes.c_uint64 * 16)(), (ctypes.c_uint32 * 8)(), (COutput * 4)()),
@@ -207,7 +209,7 @@ def test_finding_02_ctypes_buffers_of_the_wrong_layout():
     assert sched.runnable().tobytes() == before
 
 
-# -- finding 3: a finish() while decode resolves its backend ---------------------------------------
+# -- a finish() while decode resolves its backend --------------------------------------------------
 
 
 class FinishOnLookup(PyBackend):
@@ -233,7 +235,7 @@ class FinishOnLookup(PyBackend):
 
 @pytest.mark.parametrize("victim, fail", [(2, False), (2, True), (3, True), (3, False)],
                          ids=["copy-ok", "copy-fail", "alloc-fail", "alloc-ok"])
-def test_finding_03_finish_inside_decode(victim, fail):
+def test_a_finish_while_decode_resolves_its_backend_leaves_the_round_whole(victim, fail):
     s = shared_world()
     b = FinishOnLookup(s, victim, fail=fail)
     if fail:
@@ -256,7 +258,7 @@ def test_finding_03_finish_inside_decode(victim, fail):
     assert s.free_pages == s.num_pages
 
 
-def test_finding_03_finish_from_a_backend_with_no_copy_pages():
+def test_a_finish_from_a_backend_without_copy_pages_leaves_the_round_whole():
     s = shared_world()
     b = FinishOnLookup(s, 2, copy=False)  # the round needs no copy once request 2 is gone
     receipt, out = s.decode(b)
@@ -264,7 +266,7 @@ def test_finding_03_finish_from_a_backend_with_no_copy_pages():
     invariants(s)
 
 
-# -- finding 4: the decode count is read after the backend is resolved -----------------------------
+# -- the decode count is read after the backend is resolved ----------------------------------------
 
 
 class PromoteOnLookup:
@@ -280,7 +282,7 @@ class PromoteOnLookup:
         return self.inner.__qualia_backend__
 
 
-def test_finding_04_decode_count_read_after_backend_resolution():
+def test_decode_counts_its_requests_after_resolving_the_backend():
     pool, store, sched = decoding_sched(1, 1)  # request 1 decodes, request 2 is seeded
     big_items, big_table, big_outs = np.zeros(4, ITEM), np.zeros(4, np.uint32), np.zeros(4, OUTPUT)
     with pytest.raises(DecodeRoundError.ItemBufferTooSmall):
@@ -296,11 +298,11 @@ def test_finding_04_decode_count_read_after_backend_resolution():
                                       big_outs[:2]) == (2, 1)
 
 
-# -- finding 5: a token whose __index__ shrinks the list -------------------------------------------
+# -- a token whose __index__ shrinks the list ------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [8, 300])
-def test_finding_05_token_index_shrinking_the_list(n):
+def test_a_token_whose_index_empties_its_list_is_read_from_a_copy(n):
     def shrinking():
         lst = list(range(n))
 
@@ -327,10 +329,10 @@ def test_finding_05_token_index_shrinking_the_list(n):
     invariants(s)
 
 
-# -- finding 6: publish_prefix racing a finish + admit ---------------------------------------------
+# -- publish_prefix racing a finish + admit --------------------------------------------------------
 
 
-def test_finding_06_publish_prefix_publishes_its_own_pages():
+def test_publish_prefix_publishes_its_own_pages():
     """A second thread, woken as publish_prefix starts, finishes the request and admits another
     into its slot; the store must map the prompt to the publishing request's pages or refuse
     (UnknownRequest), never to the newcomer's."""
@@ -396,7 +398,7 @@ def test_finding_06_publish_prefix_publishes_its_own_pages():
     assert s.free_pages == s.num_pages
 
 
-# -- finding 7: two decode rounds of one scheduler in flight ---------------------------------------
+# -- two decode rounds of one scheduler in flight --------------------------------------------------
 
 
 class BlockingLookup:
@@ -427,7 +429,7 @@ class WaitingBackend(PyBackend):
 
 
 @pytest.mark.parametrize("which", ["execute_decode_round", "Scheduler.decode"])
-def test_finding_07_two_rounds_in_flight(which):
+def test_two_decode_rounds_of_one_scheduler_never_run_at_once(which):
     if which == "Scheduler.decode":
         s = shared_world()
         before = s.runnable()["token_count"].tolist()
@@ -464,7 +466,7 @@ def test_finding_07_two_rounds_in_flight(which):
     assert counts() == [c + 1 for c in before]  # exactly one round ran
 
 
-# -- finding 8: a re-entrant publish_prefix must not expose a page being written -------------------
+# -- a re-entrant publish_prefix must not expose a page being written ------------------------------
 
 
 class PublishOnLookup(PyBackend):
@@ -487,7 +489,7 @@ class PublishOnLookup(PyBackend):
         return super().execute_ragged(items, block_table, outputs)
 
 
-def test_finding_08_reentrant_publish_cannot_expose_a_written_page():
+def test_a_reentrant_publish_cannot_expose_a_page_being_written():
     s = qualia.Scheduler(max_requests=4, num_pages=16, page_tokens=4, logical_pages=4,
                          prefix_caching="explicit")
     prompt = [9, 8, 7, 6, 5]
@@ -515,10 +517,10 @@ def test_finding_08_reentrant_publish_cannot_expose_a_written_page():
     invariants(s)
 
 
-# -- finding 9: the facade's token scratch was shared across threads -------------------------------
+# -- identities computed on several threads at once ------------------------------------------------
 
 
-def test_finding_09_concurrent_identities_are_right():
+def test_identities_computed_on_several_threads_are_right():
     s = qualia.Scheduler(max_requests=4, num_pages=1200, page_tokens=16, logical_pages=512,
                          prefix_caching="explicit")
     prompts = [list(range(k, k + 8192)) for k in (0, 100_000)]
@@ -560,10 +562,10 @@ def test_finding_09_concurrent_identities_are_right():
     invariants(s)
 
 
-# -- finding 10: decode's page check at token_count == 2**32 - 1 -----------------------------------
+# -- decode's page check at token_count == 2**32 - 1 -----------------------------------------------
 
 
-def test_finding_10_decode_page_check_at_u32_max():
+def test_decode_checks_its_page_at_a_token_count_of_u32_max():
     s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=1, logical_pages=4,
                          prefix_caching="explicit")
     s.admit(1)
@@ -580,7 +582,7 @@ def test_finding_10_decode_page_check_at_u32_max():
     assert state(s) == before
 
 
-# -- finding 11: misaligned token arrays -----------------------------------------------------------
+# -- misaligned token arrays -----------------------------------------------------------------------
 
 
 def _misaligned(tokens):
@@ -592,7 +594,7 @@ def _misaligned(tokens):
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 300, 5000])
-def test_finding_11_misaligned_token_arrays(n):
+def test_misaligned_and_strided_token_arrays_are_read_right(n):
     tokens = list(range(7, 7 + n))
     expected = qualia.PrefixIdentity.of_tokens(tokens)
     assert qualia.PrefixIdentity.of_tokens(_misaligned(tokens)) == expected
@@ -610,7 +612,7 @@ def test_finding_11_misaligned_token_arrays(n):
     assert s.publish_prefix(1, _misaligned(tokens)) == expected
 
 
-# -- finding 12: read-only views stay read-only ----------------------------------------------------
+# -- read-only views stay read-only ----------------------------------------------------------------
 
 
 def _root(arr):
@@ -619,7 +621,7 @@ def _root(arr):
     return arr
 
 
-def test_finding_12_backend_views_cannot_be_made_writable():
+def test_backend_views_cannot_be_made_writable():
     flips = []
 
     class Flipper(PyBackend):
@@ -651,7 +653,7 @@ def test_finding_12_backend_views_cannot_be_made_writable():
     assert flips == []
 
 
-def test_finding_12_decode_outputs_are_read_only_and_the_backends_own():
+def test_decode_outputs_are_read_only_and_the_backends_own():
     s = shared_world()
     kept = []
 
@@ -675,10 +677,10 @@ def test_finding_12_decode_outputs_are_read_only_and_the_backends_own():
     assert invariants(s)
 
 
-# -- finding 13: the smaller ones ------------------------------------------------------------------
+# -- prompt forms and prefix identities ------------------------------------------------------------
 
 
-def test_finding_13_too_long_generator_prompt_is_a_value_error():
+def test_a_too_long_generator_prompt_is_a_value_error():
     s = qualia.Scheduler(max_requests=2, num_pages=8, page_tokens=4, logical_pages=2,
                          prefix_caching="explicit")
     before = state(s)
@@ -694,7 +696,7 @@ def test_finding_13_too_long_generator_prompt_is_a_value_error():
 
 
 @pytest.mark.parametrize("mod", [qualia, twin], ids=["core", "twin"])
-def test_finding_13_prefix_identity_is_immutable(mod):
+def test_prefix_identity_is_immutable(mod):
     ident = mod.PrefixIdentity.of_tokens([1, 2, 3])
     digest, h = ident.digest, hash(ident)
     with pytest.raises(TypeError):
@@ -707,7 +709,7 @@ def test_finding_13_prefix_identity_is_immutable(mod):
 
 
 @pytest.mark.parametrize("mod", [qualia, twin], ids=["core", "twin"])
-def test_finding_13_prefix_identity_bytes_int_hash(mod):
+def test_prefix_identity_bytes_int_and_hash_agree(mod):
     ident = mod.PrefixIdentity.of_tokens([4, 5, 6], "ns")
     with pytest.raises(TypeError):
         operator.index(ident)
@@ -724,7 +726,7 @@ BYTES_LIKE = [b"\x01\x02", bytearray(b"\x01\x02"), memoryview(b"\x01\x02"), "ab"
 
 
 @pytest.mark.parametrize("tokens", BYTES_LIKE, ids=lambda t: type(t).__name__)
-def test_finding_13_bytes_like_tokens_are_rejected(tokens):
+def test_bytes_like_tokens_are_rejected(tokens):
     for mod in (qualia, twin):
         with pytest.raises(TypeError):
             mod.PrefixIdentity.of_tokens(tokens)

@@ -1,4 +1,4 @@
-"""Hardening of the engine step (docs/DESIGN.md, "The engine step", "Ownership"): negative
+"""Edge cases of the engine step (docs/DESIGN.md, "The engine step", "Ownership"): negative
 priorities in the twin, the ownership rule on every step entry point and on the manual verbs'
 "step requests exist" check, run()'s failure reporting the requests it finished, the int32
 limits of the plan arrays, and bad input of every kind changing nothing.  Each test runs the

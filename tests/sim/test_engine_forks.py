@@ -1,4 +1,4 @@
-"""The engine and ``qualia simulate`` with forks (issue 15): ``n > 1`` parallel samples and beam
+"""The engine and ``qualia simulate`` with forks: ``n > 1`` parallel samples and beam
 search through the engine step, the fork counters and the pages saved by sharing, ``--check``
 of every member against the dense model (and of every beam group against the dense beam
 search), and the options' bad combinations."""

@@ -1,8 +1,8 @@
 """The Python snippets of README.md, word for word, with what they need around them.
 
 .ci/run type-checks this file with mypy against the installed package (so the README's own
-`except qualia.SchedulerError.Prefix` must type-check), and tests/docs/test_readme.py runs it and checks
-that every snippet of README.md is here unchanged.
+`except qualia.SchedulerError.Prefix` must type-check), and tests/docs/test_readme.py runs it and
+checks that every snippet of README.md is here unchanged.
 """
 
 # ruff: noqa: B018, E402, F811, I001
