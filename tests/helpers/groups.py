@@ -123,3 +123,23 @@ DENSE = DenseModel(W)
 
 
 HOT = SamplingParams(temperature=1.0, seed=11)
+
+
+class Index:
+    def __init__(self, value, effect=None):
+        self.value, self.effect = value, effect
+
+    def __index__(self):
+        if self.effect is not None:
+            self.effect()
+        return self.value
+
+
+class LyingInt(int):
+    """An int whose comparisons say it is in any range."""
+
+    def __ge__(self, other):
+        return True
+
+    def __le__(self, other):
+        return True

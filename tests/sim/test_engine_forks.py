@@ -9,9 +9,12 @@ import json
 
 import numpy as np
 import pytest
+from helpers.groups import Index, LyingInt
 
+import qualia
 from qualia.cli.main import main
 from qualia.model import DenseModel, ModelConfig, ModelWeights, SamplingParams
+from qualia.sim.check import check_groups
 from qualia.sim.engine import Engine
 from qualia.sim.report import WIDTH, format_summary
 from qualia.sim.workload import Request, Workload
@@ -323,3 +326,136 @@ def test_random_fork_runs_check_and_keep_their_books(kind, width, lengths, max_n
     outputs = ([o for g in result.groups.values() for o in g.outputs] if engine.forking
                else list(result.outputs.values()))  # n = 1: plain requests
     assert st_["tokens_generated"] == sum(len(o) for o in outputs)
+
+
+# -- the engine's counters and its check of n groups, on the hash rule ---------------------------
+
+
+class RecordingHash:
+    """A Python step backend over the hash rule that keeps each plan's sizes."""
+
+    def __init__(self):
+        self.hb = qualia.HashBackend(vocab=32000)
+        self.plans = []
+
+    def execute_step(self, plan):
+        self.plans.append((len(plan.copies), len(plan.logits_indices),
+                           len(plan.preempted_request_ids), len(plan.new_request_ids),
+                           len(plan.input_ids)))
+        return self.hb.execute_step(plan)
+
+
+def _reqs(lengths, max_new, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Request(i, 0, rng.integers(0, 50, k).tolist(), 0, max_new)
+            for i, k in enumerate(lengths)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 4), lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5),
+       max_new=st.integers(1, 6), num_blocks=st.integers(10, 30), seqs=st.integers(4, 6),
+       budget=st.sampled_from([3, 8, 64]), caching=st.sampled_from(["auto", "off"]))
+def test_engine_counters_add_up_to_its_plans(n, lengths, max_new, num_blocks, seqs, budget,
+                                             caching):
+    rec = RecordingHash()
+    engine = Engine(rec, num_pages=num_blocks, max_num_seqs=seqs, page_tokens=3,
+                    logical_pages=8, max_num_batched_tokens=budget, prefix_caching=caching, n=n)
+    result = engine.run(_reqs(lengths, max_new), check=True)
+    st_, plans = result.stats, rec.plans
+    assert result.check.ok, result.check.describe()
+    copies, rows, preempted, new, tokens = (sum(p[i] for p in plans) for i in range(5))
+    assert st_["pages_copied"] == copies
+    assert st_["preemptions"] == preempted and st_["admissions"] == new
+    assert st_["tokens_scheduled"] == tokens
+    # every sampled row is one token of one member, and every member completed
+    assert st_["tokens_generated"] == rows == engine.counters.sampled_tokens
+    assert st_["forks"] + st_["fork_fallbacks"] == (n - 1) * len(lengths)
+    assert st_["forks"] == engine.scheduler.forks
+    assert st_["sequences_completed"] == n * len(lengths)
+    # every preempted sequence (a forked child too) is resumed once: all of them completed
+    assert st_["recomputes"] == st_["preemptions"]
+    assert 0 <= st_["pages_saved_at_peak"] <= st_["peak_unshared_pages"]
+
+
+def _hash_engine_groups(n=3):
+    engine = Engine("c", num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8, n=n)
+    result = engine.run(_reqs([10, 7], 5), check=True)
+    assert result.check.ok
+    return engine
+
+
+def test_check_fails_when_every_member_is_keyed_by_the_parent():
+    # a scheduler that named every member after its parent would draw n equal sequences, each
+    # the parent's reference: the check must not pass them
+    engine = _hash_engine_groups()
+    g = engine.groups[1]
+    g.member_ids[:] = [1, 1, 1]
+    g.outputs[:] = [list(g.outputs[0])] * 3
+    check = engine.check()
+    assert not check.ok and check.mismatched == [1]
+    assert "not 3 distinct ids starting with the request's own" in check.describe()
+
+
+def test_check_fails_when_the_members_are_out_of_order():
+    engine = _hash_engine_groups()
+    g = engine.groups[0]
+    g.member_ids.reverse()
+    g.outputs.reverse()              # each output still matches its own id's reference
+    check = engine.check()
+    assert not check.ok and check.mismatched == [0]
+
+
+def test_check_fails_when_one_member_token_is_tampered():
+    engine = _hash_engine_groups()
+    g = engine.groups[0]
+    g.outputs[1][-1] = (g.outputs[1][-1] + 1) % 32000
+    check = engine.check()
+    assert not check.ok and f"request 0 member 1 (id {g.member_ids[1]})" in check.describe()
+
+
+def test_check_of_a_group_for_an_unknown_request_is_a_failure_not_a_crash():
+    engine = _hash_engine_groups()
+    groups = dict(engine.groups)
+    groups[99] = groups[0]
+    check = check_groups(engine._requests, groups, n=3)
+    assert not check.ok and "request 99: a group result for a request never submitted" in \
+        check.describe()
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.uint16(3), Index(3)],
+                         ids=["int64", "uint16", "__index__"])
+def test_engine_takes_n_by_index(value):
+    engine = Engine("c", num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8,
+                    n=value)
+    assert engine.n == 3 and type(engine.n) is int
+    assert engine.run(_reqs([6], 2), check=True).check.ok
+
+
+@pytest.mark.parametrize("value,exc", [(np.bool_(True), TypeError), (LyingInt(0), ValueError),
+                                       (LyingInt(99), ValueError), (2.0, TypeError)])
+def test_engine_refuses_bad_n(value, exc):
+    with pytest.raises(exc, match="n must be"):
+        Engine("c", num_pages=64, max_num_seqs=8, page_tokens=4, logical_pages=8, n=value)
+
+
+def test_pages_saved_is_never_negative_when_a_forked_child_waits_for_the_budget():
+    # n=4 of a one-token prompt, budget 3: after the fork three members decode and copy the
+    # shared partial page away; the fourth, in no plan yet, is its last holder, and counts
+    # among the pages a non-sharing run would hold (leaving it out would make saved = 3 - 4 = -1)
+    for caching in ("auto", "off"):
+        engine = Engine(RecordingHash(), num_pages=10, max_num_seqs=4, page_tokens=3,
+                        logical_pages=8, max_num_batched_tokens=3, prefix_caching=caching, n=4)
+        st_ = engine.run(_reqs([1], 2), check=True).stats
+        assert st_["peak_held_pages"] == 4 and st_["peak_unshared_pages"] == 4
+        assert st_["pages_saved_at_peak"] == 0
+
+
+def test_a_forked_child_preempted_before_its_first_plan_is_counted_as_resumed():
+    # the child (forked at step 4) is preempted before any plan names it, then admitted again:
+    # a resume by recompute like any other (it was counted as a first admission)
+    rec = RecordingHash()
+    engine = Engine(rec, num_pages=8, max_num_seqs=5, page_tokens=3, logical_pages=8,
+                    max_num_batched_tokens=3, n=2)
+    st_ = engine.run(_reqs([13, 8], 5), check=True).stats
+    assert st_["preemptions"] == 3 and st_["recomputes"] == 3
+    assert st_["tokens_recomputed"] > 0
