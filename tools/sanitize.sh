@@ -4,8 +4,7 @@
 # build with ThreadSanitizer.
 #
 #   tools/sanitize.sh                             # the whole suite under both builds
-#   tools/sanitize.sh tests/differential/test_seed_vs_twin.py -x   # these pytest arguments,
-#                                                               # under both builds
+#   tools/sanitize.sh tests/differential -x       # these pytest arguments, under both builds
 #   QUALIA_SANITIZE_BUILDS=thread tools/sanitize.sh   # the thread tests under ThreadSanitizer
 #
 # The builds:
@@ -27,8 +26,8 @@
 #
 # What runs where (no arguments): the whole suite under both builds (about 5 minutes here, see
 # below).  QUALIA_SANITIZE_QUICK=1 keeps the whole suite under the release build but runs only the
-# hardening, ownership, fuzz and stateful (core vs twin) tests under the debug build (about 3.7
-# minutes).
+# facade's edge cases, the ownership, seeded-stress and seed-vs-twin tests under the debug build
+# (about 3.7 minutes).
 #
 # What it does, per build:
 #   1. copies the working tree -- the files git tracks plus untracked files it does not ignore
