@@ -195,8 +195,11 @@ class ModelShape:
     matrices), ``vocab`` tokens, weights and K/V of ``dtype_bytes`` each."""
 
     name: str
+    """The model's name in profile names (``llama3.1-8b``)."""
     layers: int
+    """Transformer layers."""
     hidden: int
+    """The hidden size."""
     heads: int
     kv_heads: int
     head_dim: int
@@ -204,7 +207,9 @@ class ModelShape:
     vocab: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    """Whether the LM head shares the embedding's weights."""
     max_model_len: int = 8192
+    """The longest context the model serves, in tokens."""
 
     def __post_init__(self) -> None:
         _name(self.name)
@@ -264,12 +269,16 @@ class Accelerator:
     the fixed per-step overhead (seconds)."""
 
     name: str
+    """The GPU's name in profile names (``h100``)."""
     peak_flops: float
     memory_bandwidth: float
     memory_bytes: int
     compute_efficiency: float = 0.6
+    """The fraction of ``peak_flops`` a step's kernels achieve."""
     bandwidth_efficiency: float = 0.7
+    """The fraction of ``memory_bandwidth`` a step's kernels achieve."""
     step_overhead_s: float = 1e-3
+    """The fixed CPU-side time of a step, in seconds."""
 
     def __post_init__(self) -> None:
         _name(self.name)
@@ -299,12 +308,17 @@ class Profile:
     module docstring for every constant's source)."""
 
     name: str
+    """The profile's name, ``MODEL-GPU``."""
     model: ModelShape
     accelerator: Accelerator
     activation_reserve_bytes: int
+    """Memory set aside for activations, CUDA graphs and allocations outside the KV cache."""
     memory_utilization: float = 0.9
+    """The share of the GPU's memory the server may use (vLLM's ``gpu_memory_utilization``)."""
     max_num_batched_tokens: int = 8192
+    """The step budget that goes with the GPU (vLLM's default for it)."""
     max_num_seqs: int = 256
+    """Sequences one step runs at most (vLLM's default)."""
 
     def __post_init__(self) -> None:
         _name(self.name)
@@ -538,18 +552,26 @@ class StepCost:
     compute and memory times; :attr:`seconds` adds the parts."""
 
     overhead_s: float
+    """The fixed CPU-side overhead."""
     linear_compute_s: float
+    """The linear layers' FLOPs at the achievable FLOP/s."""
     linear_memory_s: float
+    """The weights read at the achievable bandwidth."""
     attention_compute_s: float
+    """Attention's FLOPs at the achievable FLOP/s."""
     attention_memory_s: float
+    """The K/V read and written at the achievable bandwidth."""
     copy_s: float
+    """The copy-on-write page copies at the achievable bandwidth."""
 
     @property
     def linear_s(self) -> float:
+        """The linear layers' time: the larger of their compute and memory times."""
         return max(self.linear_compute_s, self.linear_memory_s)
 
     @property
     def attention_s(self) -> float:
+        """Attention's time: the larger of its compute and memory times."""
         return max(self.attention_compute_s, self.attention_memory_s)
 
     @property
