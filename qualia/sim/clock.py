@@ -29,6 +29,8 @@ operators cost by the batch's tokens, sequence-level attention by each request's
   output processing), which vLLM's own profiling of an 8B model on one H100 found to be a large
   share of a step.
 
+In all::
+
     step time = overhead + max(linear FLOPs / (peak x compute_efficiency),
                                weight bytes / (bandwidth x bandwidth_efficiency))
                          + max(attention FLOPs / (peak x compute_efficiency),
@@ -376,6 +378,8 @@ class Profile:
 # --------------------------------------------------------------------------------------------
 
 #: Model shapes by name (their published ``config.json`` values).
+#:
+#: :meta hide-value:
 MODELS: Dict[str, ModelShape] = {
     "llama3.1-8b": ModelShape("llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8,
                               head_dim=128, intermediate=14336, vocab=128256, dtype_bytes=2,
@@ -386,6 +390,8 @@ MODELS: Dict[str, ModelShape] = {
 }
 
 #: Accelerators by name (NVIDIA's datasheets; the memory the driver reports).
+#:
+#: :meta hide-value:
 ACCELERATORS: Dict[str, Accelerator] = {
     "h100": Accelerator("H100 SXM 80GB", peak_flops=989.4e12, memory_bandwidth=3.35e12,
                         memory_bytes=81559 * MiB),
@@ -436,6 +442,8 @@ def make_profile(model: Union[str, ModelShape], accelerator: Union[str, Accelera
 
 
 #: Every named profile: each model of :data:`MODELS` on each GPU of :data:`ACCELERATORS`.
+#:
+#: :meta hide-value:
 PROFILES: Dict[str, Profile] = {
     f"{m}-{a}": make_profile(m, a) for m in MODELS for a in ACCELERATORS
 }

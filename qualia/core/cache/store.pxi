@@ -1,4 +1,4 @@
-# Prefix KV store (docs/DESIGN.md, "Prefix store"): fixed entries, an open-addressing index
+# Prefix KV store (docs/DESIGN.md, "Prefix KV store"): fixed entries, an open-addressing index
 # by digest (backward-shift deletion, load <= 1/2), an intrusive LRU list (head = least recent).
 
 cdef struct StoreEntry:
@@ -158,7 +158,7 @@ cdef int store_evict(Store *st, uint64_t hi, uint64_t lo, Pool *p) noexcept nogi
 
 cdef class PrefixKvStore:
     """The seed's explicit prefix store: at most ``entries`` published prefixes of at most
-    ``pages`` pages each, in recency order (docs/DESIGN.md, "Prefix store"): ``publish``,
+    ``pages`` pages each, in recency order (docs/DESIGN.md, "Prefix KV store"): ``publish``,
     ``attach``, ``evict``, ``evict_lru`` and the reads ``contains``, ``pages_of``,
     ``tokens_of``, ``identities``."""
     cdef Store store

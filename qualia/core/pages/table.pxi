@@ -1,4 +1,4 @@
-# Sequence block table (docs/DESIGN.md, "Block table").
+# Sequence block table (docs/DESIGN.md, "Sequence block table and copy-on-write").
 
 cdef enum:
     COW_EXCLUSIVE = 0
@@ -139,8 +139,8 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
 
 cdef class SequenceBlockTable:
     """The logical -> physical page map of one request, fixed capacity (docs/DESIGN.md,
-    "Block table"): ``ensure_writable`` (copy-on-write), ``attach``, ``release_all``,
-    ``entries``."""
+    "Sequence block table and copy-on-write"): ``ensure_writable`` (copy-on-write),
+    ``attach``, ``release_all``, ``entries``."""
     cdef Table table
 
     def __cinit__(self, capacity):
