@@ -151,7 +151,7 @@ class DenseModel:
     def beam_search(self, prompt, beam_width: int, max_new_tokens: int,
                     eos_token_id: Optional[int] = None, *, stop_token_ids: Sequence[int] = ()
                     ) -> List[BeamHypothesis]:
-        """Dense beam search, the reference of the beam policy over forks (issue 15).
+        """Dense beam search, the reference of the beam policy over forks.
 
         ``beam_width`` W slots hold live or finished beams.  Start: one live beam, the prompt.
         Each step, every live beam proposes its W best next tokens (model log-probabilities,
