@@ -297,7 +297,7 @@ cdef class Scheduler:
                     reserve_undo(s, &self.pool.pool, self.undo, n_undo)
                     raise
                 self.pages_copied += n_copies
-                self.pages_allocated += n_undo
+                self.pages_allocated += n_undo - n_copies
                 if self.mode == MODE_AUTO:
                     auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
             else:
