@@ -75,8 +75,7 @@ except ImportError:
 
 
 #: Twin classes named apart from the core class they mirror.
-_TWIN_OF = {"PyHashBackend": "HashBackend", "ForkStepScheduler": "StepScheduler",
-            "ForkStepPlan": "StepPlan"}
+_TWIN_OF = {"PyHashBackend": "HashBackend"}
 
 
 def _twin_mirror(name):

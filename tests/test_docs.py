@@ -127,8 +127,7 @@ DOCUMENTED_MODULES = ["qualia", "qualia.twin", "qualia.sim", "qualia.sim.clock",
                       "qualia.sim.figures", "qualia.cluster", "qualia.model"]
 MEMBER_KINDS = (property, staticmethod, classmethod)
 #: Twin classes named apart from the core class they mirror (docs/conf.py has the same table).
-TWIN_OF = {"PyHashBackend": "HashBackend", "ForkStepScheduler": "StepScheduler",
-           "ForkStepPlan": "StepPlan"}
+TWIN_OF = {"PyHashBackend": "HashBackend"}
 
 
 def own_doc(obj):
