@@ -165,7 +165,7 @@ def test_sigint_stops_a_c_backend_run_between_steps(example_backend, tmp_path):
     some whole steps, and resuming gives an uninterrupted run's outputs."""
     build_dir = os.path.dirname(example_backend.__file__)
     proc = subprocess.Popen([sys.executable, "-c", CHILD, build_dir], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         assert ready, "the child never reported that run() owns the scheduler"
