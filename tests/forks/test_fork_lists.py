@@ -1,6 +1,7 @@
 """The plans' fork lists (``fork_child_ids`` / ``fork_parent_ids``), new ids named again after
-a discarded plan, and best-first beam rows (docs/DESIGN.md, "fork_child_ids",
-"discarded plan", "best first"): the compiled core against the pure-Python twin."""
+a discarded plan, and best-first beam rows (docs/DESIGN.md, "The plan",
+"Tokens back", "Beam search at the step level"): the compiled core against the pure-Python
+twin."""
 
 from __future__ import annotations
 
