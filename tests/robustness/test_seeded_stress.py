@@ -315,7 +315,7 @@ def gc_hook():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_fuzz_facade(seed, gc_hook):
+def test_random_facade_calls_keep_the_invariants(seed, gc_hook):
     f = FacadeFuzz(seed)
     gc_hook.fuzz = f
     for _ in range(STEPS):
@@ -328,7 +328,7 @@ def test_fuzz_facade(seed, gc_hook):
     assert f.s.free_pages == f.s.num_pages
 
 
-def test_fuzz_facade_weakref_finalizers():
+def test_weakref_finalizers_during_random_facade_calls_keep_the_invariants():
     """Finalizers of collected cycles fire re-entrant calls at arbitrary points."""
     f = FacadeFuzz(99)
     fired = []
@@ -372,7 +372,7 @@ def test_fuzz_facade_weakref_finalizers():
     assert fired
 
 
-def test_fuzz_facade_threads():
+def test_random_facade_calls_on_threads_keep_the_invariants():
     """Two threads run the fuzz on one scheduler at once (a C backend releases the GIL): every
     call runs in full or fails cleanly; the invariants hold at the end."""
     f = FacadeFuzz(5)
@@ -557,7 +557,7 @@ class RawFuzz:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_fuzz_raw_types(seed, gc_hook):
+def test_random_calls_on_the_raw_types_keep_the_invariants(seed, gc_hook):
     f = RawFuzz(seed)
     for _ in range(STEPS):
         f.step()
