@@ -22,6 +22,7 @@ cdef struct PlanState:
     uint32_t num_decode_tokens
     uint32_t num_cached_tokens
     uint32_t num_topk       # candidates per row (0: no beam row)
+    uint32_t overrun        # the PB_* buffer a Q_PLAN_OVERRUN refused to overrun
     int32_t *plan_entry     # max_seqs
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
@@ -56,29 +57,51 @@ cdef struct PlanBuffers:
     uint64_t *fork_child_ids  # the plan's forks since the previous plan: children...
     uint64_t *fork_parent_ids  # ...and their parents
     uint64_t *finished_ids  # the plan's copy of the accumulator
-    uint32_t finished_cap
+    # Guards: every write into a plan buffer (and into the plan's own per-request arrays) first
+    # checks its count against cap[PB_*], in release builds too, and refuses the step with
+    # Q_PLAN_OVERRUN instead of writing past the buffer.  The scheduler's limits make an overrun
+    # impossible (a chunk fits the budget, a plan has at most max_num_seqs requests, ...): a
+    # guard that fires is a broken invariant, caught before it corrupts memory.  size[PB_*] is
+    # what was allocated; cap[] equals it except where a test hook narrows it
+    # (StepScheduler._debug_plan_capacity).
+    uint32_t cap[PB_KINDS]
+    uint32_t size[PB_KINDS]
 
 
-cdef void plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
+cdef inline int plan_overrun(StepState *st, uint32_t kind) noexcept nogil:
+    # a guard refused a write into buffer `kind`: the step fails with Q_PLAN_OVERRUN
+    st.plan.overrun = kind
+    return Q_PLAN_OVERRUN
+
+
+cdef inline int plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     cdef uint32_t j = st.plan.n
+    if j >= st.buf.cap[PB_SEQS]:
+        return plan_overrun(st, PB_SEQS)
     st.plan.plan_entry[j] = e
     st.plan.plan_chunk[j] = n
     st.plan.plan_alive[j] = 1
     st.ent[e].at.plan_pos = <int32_t>j
     st.ent[e].at.sched_step = st.plan.step_no
     st.plan.n += 1
+    return Q_OK
 
 
-cdef void plan_lower(StepState *st) noexcept nogil:
+cdef int plan_lower(StepState *st) noexcept nogil:
     # The scheduled entries (plan_entry / plan_chunk) lowered into the plan's arrays, in plan
     # order: ids, lengths, input ids from the arena, positions and slot mapping, the sampled rows
     # (an n group's prompt once per member), the CSR pages, the rows that changed; then what
-    # finished, was aborted or forked since the previous plan.
+    # finished, was aborted or forked since the previous plan.  Each write is guarded (see
+    # PlanBuffers); a guard that fires returns Q_PLAN_OVERRUN before anything is taken from the
+    # accumulators or the dirty rows (a forked child's fresh row was written and marked dirty
+    # already: the next plan reports it), so the failed step leaves what a discarded plan does.
     cdef uint32_t i, j, n, q, pos, t, lp, off, run, k, pages
     cdef int64_t sm
     cdef int32_t e, v, slot
     cdef StepEntry *r
     cdef Table *tb
+    if st.plan.n > st.buf.cap[PB_SEQS]:
+        return plan_overrun(st, PB_SEQS)
     st.buf.query_start_loc[0] = 0
     st.buf.kv_indptr[0] = 0
     for j in range(st.plan.n):
@@ -88,6 +111,8 @@ cdef void plan_lower(StepState *st) noexcept nogil:
         q = r.at.num_computed
         slot = r.at.slot
         tb = &st.pg.s.slots[slot].blocks
+        if n > st.buf.cap[PB_TOKENS] - st.plan.T:
+            return plan_overrun(st, PB_TOKENS)
         st.buf.request_ids[j] = r.req.rid
         st.buf.seq_lens[j] = <int32_t>(q + n)
         st.buf.block_table_rows[j] = r.at.row
@@ -126,11 +151,15 @@ cdef void plan_lower(StepState *st) noexcept nogil:
                 # the prompt's last row, once per member of the n group, in member order
                 v = e
                 while v >= 0:
+                    if st.plan.m >= st.buf.cap[PB_ROWS]:
+                        return plan_overrun(st, PB_ROWS)
                     st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
                     st.buf.sampled_request_ids[st.plan.m] = st.ent[v].req.rid
                     st.plan.m += 1
                     v = st.ent[v].mem.next_member
             else:
+                if st.plan.m >= st.buf.cap[PB_ROWS]:
+                    return plan_overrun(st, PB_ROWS)
                 st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
                 st.buf.sampled_request_ids[st.plan.m] = r.req.rid
                 st.plan.m += 1
@@ -140,6 +169,8 @@ cdef void plan_lower(StepState *st) noexcept nogil:
         else:
             st.plan.plan_sample[j] = -1
         pages = (q + n + st.lim.page_tokens - 1) // st.lim.page_tokens
+        if pages > st.buf.cap[PB_KV] - st.plan.n_kv:
+            return plan_overrun(st, PB_KV)
         # page ids are < num_blocks <= 2**32-1 and a pool is far smaller than 2**31 pages in
         # practice; the int32 view of the same bits is what kernels take
         memcpy(&st.buf.kv_indices[st.plan.n_kv], tb.entries, pages * sizeof(int32_t))
@@ -147,7 +178,14 @@ cdef void plan_lower(StepState *st) noexcept nogil:
         st.buf.kv_indptr[j + 1] = <int32_t>st.plan.n_kv
         st.buf.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.lim.page_tokens)
     # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
+    if st.cp.n > st.buf.cap[PB_COPIES]:
+        return plan_overrun(st, PB_COPIES)
+    if st.done.n_accum > st.buf.cap[PB_FINISHED]:
+        return plan_overrun(st, PB_FINISHED)
+    if st.done.n_fork_acc > st.buf.cap[PB_FORKS]:
+        return plan_overrun(st, PB_FORKS)
     owed_list(st)
+    # (one record per row of max_num_seqs: changed_rows holds them all)
     st.plan.n_changed = 0
     for i in range(st.lim.max_seqs):
         if st.run.row_dirty[i]:
@@ -163,6 +201,7 @@ cdef void plan_lower(StepState *st) noexcept nogil:
         st.buf.fork_parent_ids[i] = st.done.fork_acc[2 * i + 1]
     st.plan.n_forks = st.done.n_fork_acc
     st.done.n_fork_acc = 0
+    return Q_OK
 
 
 cdef class StepPlan:
@@ -278,7 +317,16 @@ cdef int plan_buffers_init(StepState *st, _StepBuffers bufs) except -1:
     b.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, accum)
     b.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, accum)
     b.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, accum)
-    b.finished_cap = accum
+    b.size[PB_SEQS] = seqs
+    b.size[PB_TOKENS] = budget
+    b.size[PB_ROWS] = queued
+    b.size[PB_KV] = seqs * lp
+    b.size[PB_COPIES] = st.plan.copies_cap
+    b.size[PB_NEW] = seqs
+    b.size[PB_PREEMPTED] = seqs
+    b.size[PB_FINISHED] = accum
+    b.size[PB_FORKS] = st.done.fork_cap
+    memcpy(b.cap, b.size, sizeof(b.cap))
     for i in range(<uint32_t>(seqs * lp)):
         b.block_table[i] = -1
     bufs.full["block_table"] = bufs.full["block_table"].reshape(seqs, lp)

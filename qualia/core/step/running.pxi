@@ -159,7 +159,10 @@ cdef int leave_running(StepState *st, int32_t e) noexcept nogil:
 cdef int preempt(StepState *st, int32_t e) noexcept nogil:
     # recompute: back to waiting with its arrival number and outputs; a computed beam is parked
     # with its candidates instead
-    cdef int rc = leave_running(st, e)
+    cdef int rc
+    if st.plan.n_preempted >= st.buf.cap[PB_PREEMPTED]:
+        return plan_overrun(st, PB_PREEMPTED)
+    rc = leave_running(st, e)
     if st.ent[e].mem.has_cand:
         beam_park(st, e)
     else:

@@ -200,17 +200,26 @@ cdef int step_schedule(StepState *st) noexcept nogil:
                 break
         if st.ent[e].at.state != SR_RUNNING:
             continue
-        plan_add(st, e, n)
+        rc = plan_add(st, e, n)
+        if rc:
+            return rc
         # a decode feeds back a generated token: the last token of a prompt is prefilled
         st.ent[e].at.decode = rem == 1 and st.ent[e].at.num_computed >= st.ent[e].req.num_prompt
         if st.ent[e].at.unseen:
             # admitted by a discarded plan: named until a plan with it is applied
+            if st.plan.n_new >= st.buf.cap[PB_NEW]:
+                return plan_overrun(st, PB_NEW)
             st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
             st.plan.n_new += 1
         left -= n
     # 2. waiting requests by (priority, arrival), unless this step preempted
     if not preempted:
         while st.wait.n and left > 0 and st.run.n < st.lim.max_seqs:
+            # (the admitted request's plan records: checked before it is admitted)
+            if st.plan.n >= st.buf.cap[PB_SEQS]:
+                return plan_overrun(st, PB_SEQS)
+            if st.plan.n_new >= st.buf.cap[PB_NEW]:
+                return plan_overrun(st, PB_NEW)
             e = st.wait.heap[0]
             rc = admit_waiting(st, e, left, &n, &hit)
             if rc == Q_EXHAUSTED:
@@ -225,10 +234,12 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
             st.plan.n_new += 1
             st.plan.num_cached_tokens += hit
-            plan_add(st, e, n)
+            plan_add(st, e, n)      # room checked above
             st.ent[e].at.decode = 0
             left -= n
     # 3. the plan's arrays, in plan order
-    plan_lower(st)
+    rc = plan_lower(st)
+    if rc:
+        return rc
     st.plan.pending = True
     return Q_OK

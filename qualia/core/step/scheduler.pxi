@@ -6,6 +6,13 @@
 cdef uint64_t I32_LIMIT = 2147483647   # the largest value of the plan's int32 arrays
 
 
+cdef object _schedule_error(StepState *st, int rc):
+    # the exception of a failed step_schedule (a refused overrun names its buffer)
+    if rc == Q_PLAN_OVERRUN:
+        return _error(E_STEP, rc, st.plan.overrun, 0, st.buf.cap[st.plan.overrun])
+    return _error(E_STEP, rc)
+
+
 cdef class StepScheduler:
     """The engine step: add_request / abort / schedule / update / discard_plan / run over an
     owned pool, slot table and page cache (docs/DESIGN.md, "The engine step").
@@ -327,7 +334,7 @@ cdef class StepScheduler:
         finally:
             self._unown(tok)
         if rc:
-            raise _error(E_STEP, rc)
+            raise _schedule_error(&self.step, rc)
         return plan
 
     cdef list _update_owned(self, object values, tuple topk):
@@ -383,12 +390,13 @@ cdef class StepScheduler:
             raise MemoryError()
         st.done.fin_accum = grown
         st.done.accum_cap = cap
-        if cap > st.buf.finished_cap:
+        if cap > st.buf.size[PB_FINISHED]:
             # the pending plan's ids move along: its views keep the old buffer alive
             grown = <uint64_t *>self._step_bufs.add("finished_request_ids", _DT_PLAN_U64, cap)
             memcpy(grown, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
             st.buf.finished_ids = grown
-            st.buf.finished_cap = cap
+            st.buf.size[PB_FINISHED] = cap
+            st.buf.cap[PB_FINISHED] = cap
         return 0
 
     def discard_plan(self):
@@ -531,7 +539,7 @@ cdef class StepScheduler:
                 while self.step.ids.count and (limit is None or total < limit):
                     rc = step_schedule(&self.step)
                     if rc:
-                        raise _error(E_STEP, rc)
+                        raise _schedule_error(&self.step, rc)
                     plan = step_plan(&self.step, self._step_bufs)
                     try:
                         # the backend and the conversion of its ids run while the scheduler
@@ -573,6 +581,8 @@ cdef class StepScheduler:
                     self._gil_free(0)
                     finished.extend(step_collect(&self.step))
                     total += steps
+                    if rc == Q_PLAN_OVERRUN:
+                        raise _schedule_error(&self.step, rc)
                     if rc:
                         raise _error(E_STEP, rc, status, token,
                                      self.step.lim.vocab - 1 if self.step.lim.vocab else U32_MAX)
@@ -706,6 +716,26 @@ cdef class StepScheduler:
         only the key."""
         cache_need_auto(self.mode, "page_identities")
         return cache_page_identities(&self.cache, tokens, namespace)
+
+    def _debug_plan_capacity(self, buffer, capacity=None):
+        """Test hook: the capacity the guards of plan buffer ``buffer`` check (one of
+        ``_PLAN_BUFFER_NAMES``: "per-request", "per-token", ...) set to ``capacity`` records, at
+        most what was allocated (None: all of it), to prove that a plan which would overrun a
+        buffer fails its step with a SystemError instead of writing past it.  Returns the
+        capacity now checked."""
+        cdef uint32_t kind, cap
+        if buffer not in _PLAN_BUFFER_NAMES:
+            raise ValueError(f"buffer must be one of {_PLAN_BUFFER_NAMES}, got {buffer!r}")
+        kind = <uint32_t>_PLAN_BUFFER_NAMES.index(buffer)
+        cdef uint64_t tok = self._own()
+        try:
+            cap = self.step.buf.size[kind] if capacity is None else _u32(capacity, "capacity")
+            if cap > self.step.buf.size[kind]:
+                raise ValueError(f"the {buffer} buffer holds {self.step.buf.size[kind]} records")
+            self.step.buf.cap[kind] = cap
+        finally:
+            self._unown(tok)
+        return cap
 
     def _debug_identity_mask(self, mask, parent_mask=0xFFFFFFFFFFFFFFFF):
         """Test hook: AND every page identity computed from now on with ``mask`` (0 makes every

@@ -96,7 +96,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.plan.copies_cap = budget // page_tokens + 2 * max_seqs + 1
     st.done.accum_cap = max_queued + max_seqs
     st.done.fin_accum = <uint64_t *>PyMem_Malloc(st.done.accum_cap * sizeof(uint64_t))
-    st.done.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.done.accum_cap * sizeof(uint64_t))
+    st.done.fork_cap = st.done.accum_cap
+    st.done.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.done.fork_cap * sizeof(uint64_t))
     st.done.ents = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.beams.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
     st.beams.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))

@@ -7,8 +7,9 @@ cdef struct StepDone:
     uint64_t *fin_accum     # finished or aborted since the previous plan
     uint32_t n_accum
     uint32_t accum_cap
-    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, accum_cap
+    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, fork_cap
     uint32_t n_fork_acc
+    uint32_t fork_cap       # fixed at construction (an update forks at most max_queued)
     int32_t *ents           # finished entries (state SR_FINISHED) not yet handed to Python
     uint32_t n
 
@@ -173,7 +174,7 @@ cdef int step_discard(StepState *st) noexcept nogil:
                 st.done.n_accum * sizeof(uint64_t))
         memcpy(st.done.fin_accum, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
         st.done.n_accum += st.plan.n_finished
-    if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.accum_cap:
+    if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.fork_cap:
         # no update ran since the plan: nothing forked since, in practice
         memmove(&st.done.fork_acc[2 * st.plan.n_forks], st.done.fork_acc,
                 2 * st.done.n_fork_acc * sizeof(uint64_t))
