@@ -6,12 +6,15 @@ nothing is pending, and the scheduler goes on exactly as after a discarded plan.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
+from ctypes_abi import EXECUTE_STEP, c_array, step_capsule
 from step_checks import assert_same_plan
 
 import qualia
-from qualia import StepError
+from qualia import StepError, _core
 
 KEY = b"g" * 16
 
@@ -86,7 +89,6 @@ def a_preemption(s):
 SCENARIOS = {
     "per-token": ("per-token", 39, one_long_prompt, {}, "lowering"),
     "sampled-row": ("sampled-row", 2, an_n_group, {}, "lowering"),
-    "kv_indices": ("kv_indices", 1, two_requests, {}, "lowering"),
     "finished_request_ids": ("finished_request_ids", 0, an_aborted_request, {}, "lowering"),
     "fork id": ("fork id", 0, a_fork, {}, "lowering"),
     "copies": ("copies", 0, a_fork, {}, "lowering"),
@@ -145,7 +147,6 @@ def test_the_scenarios_write_the_buffer_they_narrow():
     counts = {"per-token": lambda p: len(p.input_ids),
               "per-request": lambda p: len(p.request_ids),
               "sampled-row": lambda p: len(p.logits_indices),
-              "kv_indices": lambda p: len(p.kv_indices),
               "new_request_ids": lambda p: len(p.new_request_ids),
               "finished_request_ids": lambda p: len(p.finished_request_ids),
               "fork id": lambda p: len(p.fork_child_ids),
@@ -184,3 +185,59 @@ def test_the_capacity_hook_only_narrows_what_was_allocated():
     with pytest.raises(ValueError, match="buffer must be one of"):
         s._debug_plan_capacity("input_ids", 1)
     assert s._debug_plan_capacity("per-token") == 64
+
+
+def test_a_csr_form_that_would_overrun_kv_indices_fails_its_read_and_the_plan_stays_pending():
+    # the CSR form is built on request (first read): its guard fires there
+    s, ref = make(), make()
+    two_requests(s)
+    two_requests(ref)
+    s._debug_plan_capacity("kv_indices", 1)
+    plan = s.schedule()
+    with pytest.raises(SystemError, match="overrun its kv_indices buffer .capacity 1."):
+        plan.kv_indices
+    with pytest.raises(SystemError):
+        plan.kv_indptr
+    # a backend that fails on it discards the plan: as the reference's discarded plan
+    s.discard_plan()
+    ref.schedule()
+    ref.discard_plan()
+    assert snapshot(s) == snapshot(ref)
+    s._debug_plan_capacity("kv_indices")
+    while ref.has_unfinished():
+        a, b = s.schedule(), ref.schedule()
+        assert_same_plan(a, b)
+        assert repr(s.update(ids(a))) == repr(ref.update(ids(b)))
+
+
+def sampling_capsule(flags):
+    @EXECUTE_STEP
+    def execute(ctx, p, out, logprobs):
+        c = p.contents
+        tokens = c_array(ctypes.c_uint32, c.input_ids, c.num_tokens)
+        arr = (ctypes.c_uint32 * max(c.num_sampled, 1)).from_address(out)
+        for r, t in enumerate(c_array(ctypes.c_int32, c.logits_indices, c.num_sampled)):
+            arr[r] = (tokens[t] * 7 + 3) % 50
+        return 0
+
+    class Backend:
+        __qualia_step_backend__ = step_capsule(execute, flags)
+    return Backend()
+
+
+def test_run_stops_at_a_csr_overrun_only_for_a_backend_that_reads_the_csr_form():
+    s, ref = make(), make()
+    two_requests(s)
+    two_requests(ref)
+    s._debug_plan_capacity("kv_indices", 1)
+    with pytest.raises(SystemError, match="overrun its kv_indices buffer"):
+        s.run(sampling_capsule(0))
+    with pytest.raises(StepError.NoPlan):
+        s.update([])
+    ref.schedule()
+    ref.discard_plan()
+    assert snapshot(s) == snapshot(ref)
+    # a backend that declares QUALIA_STEP_NO_CSR never has the form built
+    got = s.run(sampling_capsule(_core.STEP_NO_CSR))
+    want = ref.run(sampling_capsule(0))
+    assert repr(got.finished) == repr(want.finished)

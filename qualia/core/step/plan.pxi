@@ -23,6 +23,7 @@ cdef struct PlanState:
     uint32_t num_cached_tokens
     uint32_t num_topk       # candidates per row (0: no beam row)
     uint32_t overrun        # the PB_* buffer a Q_PLAN_OVERRUN refused to overrun
+    uint8_t csr             # the pending plan's CSR form is built (plan_csr)
     int32_t *plan_entry     # max_seqs
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
@@ -90,8 +91,9 @@ cdef inline int plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
 cdef int plan_lower(StepState *st) noexcept nogil:
     # The scheduled entries (plan_entry / plan_chunk) lowered into the plan's arrays, in plan
     # order: ids, lengths, input ids from the arena, positions and slot mapping, the sampled rows
-    # (an n group's prompt once per member), the CSR pages, the rows that changed; then what
-    # finished, was aborted or forked since the previous plan.  Each write is guarded (see
+    # (an n group's prompt once per member), the rows that changed; then what finished, was
+    # aborted or forked since the previous plan.  The CSR form is built on request (plan_csr).
+    # Each write is guarded (see
     # PlanBuffers); a guard that fires returns Q_PLAN_OVERRUN before anything is taken from the
     # accumulators or the dirty rows (a forked child's fresh row was written and marked dirty
     # already: the next plan reports it), so the failed step leaves what a discarded plan does.
@@ -103,7 +105,7 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     if st.plan.n > st.buf.cap[PB_SEQS]:
         return plan_overrun(st, PB_SEQS)
     st.buf.query_start_loc[0] = 0
-    st.buf.kv_indptr[0] = 0
+    st.plan.csr = 0
     for j in range(st.plan.n):
         e = st.plan.plan_entry[j]
         r = &st.ent[e]
@@ -168,15 +170,6 @@ cdef int plan_lower(StepState *st) noexcept nogil:
                     st.plan.num_topk = st.ent[r.mem.group].mem.n_members
         else:
             st.plan.plan_sample[j] = -1
-        pages = (q + n + st.lim.page_tokens - 1) // st.lim.page_tokens
-        if pages > st.buf.cap[PB_KV] - st.plan.n_kv:
-            return plan_overrun(st, PB_KV)
-        # page ids are < num_blocks <= 2**32-1 and a pool is far smaller than 2**31 pages in
-        # practice; the int32 view of the same bits is what kernels take
-        memcpy(&st.buf.kv_indices[st.plan.n_kv], tb.entries, pages * sizeof(int32_t))
-        st.plan.n_kv += pages
-        st.buf.kv_indptr[j + 1] = <int32_t>st.plan.n_kv
-        st.buf.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.lim.page_tokens)
     # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
     if st.cp.n > st.buf.cap[PB_COPIES]:
         return plan_overrun(st, PB_COPIES)
@@ -204,6 +197,35 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     return Q_OK
 
 
+cdef int plan_csr(StepState *st) noexcept nogil:
+    # The pending plan's paged-KV CSR form, built once on request (a backend that reads it): for
+    # each scheduled request, the pages of its block-table row covering seq_lens.  While the
+    # plan is pending its requests' rows mirror their pages (a request aborted meanwhile keeps
+    # its row until the plan is retired), so the rows and the lengths are all it needs.
+    # O(pages of the scheduled requests); guarded like every plan write.
+    cdef uint32_t j, pages, seq, n_kv = 0, pt = st.lim.page_tokens
+    cdef const int32_t *row
+    if st.plan.csr:
+        return Q_OK
+    if st.plan.n > st.buf.cap[PB_SEQS]:
+        return plan_overrun(st, PB_SEQS)
+    st.buf.kv_indptr[0] = 0
+    for j in range(st.plan.n):
+        seq = <uint32_t>st.buf.seq_lens[j]
+        pages = (seq + pt - 1) // pt
+        if pages > st.buf.cap[PB_KV] - n_kv:
+            return plan_overrun(st, PB_KV)
+        row = &st.buf.block_table[<size_t>st.buf.block_table_rows[j] * st.lim.logical_pages]
+        # page ids are < num_blocks <= 2**31 (the constructor's limit): the int32 row holds them
+        memcpy(&st.buf.kv_indices[n_kv], row, pages * sizeof(int32_t))
+        n_kv += pages
+        st.buf.kv_indptr[j + 1] = <int32_t>n_kv
+        st.buf.kv_last_page_len[j] = <int32_t>(seq - (pages - 1) * pt)
+    st.plan.n_kv = n_kv
+    st.plan.csr = 1
+    return Q_OK
+
+
 cdef class StepPlan:
     """One step's plan (docs/DESIGN.md, "The engine step", "The plan"): read-only numpy views
     over buffers the scheduler sized at construction, valid until its next ``schedule()``."""
@@ -218,9 +240,11 @@ cdef class StepPlan:
     cdef readonly object block_table
     cdef readonly object block_table_rows
     cdef readonly object changed_rows
-    cdef readonly object kv_indptr
-    cdef readonly object kv_indices
-    cdef readonly object kv_last_page_len
+    cdef object _kv_indptr      # the CSR form: built on first read (see kv_indices)
+    cdef object _kv_indices
+    cdef object _kv_last_page_len
+    cdef object _owner          # the StepScheduler whose plan this is
+    cdef uint64_t _step_no
     cdef readonly object copies
     cdef readonly object new_request_ids
     cdef readonly object preempted_request_ids
@@ -232,6 +256,32 @@ cdef class StepPlan:
     cdef readonly uint32_t num_cached_tokens
     cdef readonly uint32_t page_tokens
     cdef readonly uint32_t num_topk
+
+    @property
+    def kv_indptr(self):
+        """The paged-KV CSR form's offsets (int32 [n+1]); see ``kv_indices``."""
+        if self._kv_indptr is None:
+            _plan_csr_views(self)
+        return self._kv_indptr
+
+    @property
+    def kv_indices(self):
+        """The pages covering each request's ``seq_lens``, request after request (int32).  The
+        CSR form (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) is built on its first
+        read, which must come while the plan is pending (before ``update()`` or
+        ``discard_plan()``; ``StepError.NoPlan`` otherwise): a step whose backend reads the
+        pages through ``block_table`` never pays for it."""
+        if self._kv_indices is None:
+            _plan_csr_views(self)
+        return self._kv_indices
+
+    @property
+    def kv_last_page_len(self):
+        """Positions used in each request's last page, 1..page_tokens (int32 [n]); see
+        ``kv_indices``."""
+        if self._kv_last_page_len is None:
+            _plan_csr_views(self)
+        return self._kv_last_page_len
 
     @property
     def num_seqs(self):
@@ -333,9 +383,12 @@ cdef int plan_buffers_init(StepState *st, _StepBuffers bufs) except -1:
     return 0
 
 
-cdef object step_plan(StepState *st, _StepBuffers bufs):
-    """The pending plan as a StepPlan of slices of the buffers' views."""
+cdef object step_plan(StepState *st, _StepBuffers bufs, object owner):
+    """The pending plan as a StepPlan of slices of the buffers' views (the CSR form's on its
+    first read, through `owner`, the StepScheduler)."""
     cdef StepPlan plan = StepPlan.__new__(StepPlan)
+    plan._owner = owner
+    plan._step_no = st.plan.step_no
     cdef Py_ssize_t n = st.plan.n, T = st.plan.T, m = st.plan.m
     plan.request_ids = bufs.view("request_ids", n)
     plan.query_start_loc = bufs.view("query_start_loc", n + 1)
@@ -348,9 +401,6 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     plan.block_table = bufs.full["block_table"]
     plan.block_table_rows = bufs.view("block_table_rows", n)
     plan.changed_rows = bufs.view("changed_rows", st.plan.n_changed)
-    plan.kv_indptr = bufs.view("kv_indptr", n + 1)
-    plan.kv_indices = bufs.view("kv_indices", st.plan.n_kv)
-    plan.kv_last_page_len = bufs.view("kv_last_page_len", n)
     plan.copies = bufs.view("copies", st.plan.n_copies)
     plan.new_request_ids = bufs.view("new_request_ids", st.plan.n_new)
     plan.preempted_request_ids = bufs.view("preempted_request_ids", st.plan.n_preempted)
@@ -365,8 +415,14 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     return plan
 
 
-cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
-    # the pending plan as the ABI struct: pointers into the buffers sized at construction
+cdef int step_abi_plan(StepState *st, qualia_step_plan *p, bint csr) noexcept nogil:
+    # the pending plan as the ABI struct: pointers into the buffers sized at construction; the
+    # CSR form built when `csr` (the backend reads it), else left out (NULL, no indices)
+    cdef int rc = Q_OK
+    if csr:
+        rc = plan_csr(st)
+        if rc:
+            return rc
     p.struct_size = sizeof(qualia_step_plan)
     p.page_tokens = st.lim.page_tokens
     p.num_requests = st.plan.n
@@ -374,7 +430,7 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.num_sampled = st.plan.m
     p.num_prefill_tokens = st.plan.num_prefill_tokens
     p.num_decode_tokens = st.plan.num_decode_tokens
-    p.num_kv_indices = st.plan.n_kv
+    p.num_kv_indices = st.plan.n_kv if csr else 0
     p.block_table_num_rows = st.lim.max_seqs
     p.block_table_num_cols = st.lim.logical_pages
     p.block_table_row_stride = st.lim.logical_pages
@@ -394,9 +450,9 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.block_table = st.buf.block_table
     p.block_table_rows = st.buf.block_table_rows
     p.changed_rows = st.buf.changed_rows
-    p.kv_indptr = st.buf.kv_indptr
-    p.kv_indices = st.buf.kv_indices
-    p.kv_last_page_len = st.buf.kv_last_page_len
+    p.kv_indptr = st.buf.kv_indptr if csr else NULL
+    p.kv_indices = st.buf.kv_indices if csr else NULL
+    p.kv_last_page_len = st.buf.kv_last_page_len if csr else NULL
     p.copies = st.buf.copies
     p.new_request_ids = st.buf.new_ids
     p.preempted_request_ids = st.buf.preempted_ids
@@ -407,3 +463,4 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.fork_parent_ids = st.buf.fork_parent_ids
     p.topk_ids_out = st.beams.topk_ids_buf if st.plan.num_topk else NULL
     p.topk_logprobs_out = st.beams.topk_lps_buf if st.plan.num_topk else NULL
+    return Q_OK

@@ -6,6 +6,28 @@
 cdef uint64_t I32_LIMIT = 2147483647   # the largest value of the plan's int32 arrays
 
 
+cdef int _plan_csr_views(StepPlan plan) except -1:
+    # StepPlan's CSR arrays on their first read: built while the plan is pending (a read: the
+    # plan's own buffers are written, nothing of the scheduler's state changes)
+    cdef StepScheduler s = <StepScheduler>plan._owner
+    cdef StepState *st
+    cdef int rc
+    own_readable(s.gil_free)
+    st = &s.step
+    if not st.plan.pending or st.plan.step_no != plan._step_no:
+        raise StepError.NoPlan(None, "the CSR form of a plan (kv_indptr, kv_indices, "
+                                     "kv_last_page_len) is built on its first read, while the "
+                                     "plan is pending: read it before update() or "
+                                     "discard_plan()")
+    rc = plan_csr(st)
+    if rc:
+        raise _schedule_error(st, rc)
+    plan._kv_indptr = s._step_bufs.view("kv_indptr", st.plan.n + 1)
+    plan._kv_indices = s._step_bufs.view("kv_indices", st.plan.n_kv)
+    plan._kv_last_page_len = s._step_bufs.view("kv_last_page_len", st.plan.n)
+    return 0
+
+
 cdef object _schedule_error(StepState *st, int rc):
     # the exception of a failed step_schedule (a refused overrun names its buffer)
     if rc == Q_PLAN_OVERRUN:
@@ -330,7 +352,7 @@ cdef class StepScheduler:
             if rc == Q_OK:
                 # built while owned: no other call (a GC callback, another thread) can update,
                 # abort or re-plan between the plan and its views
-                plan = step_plan(&self.step, self._step_bufs)
+                plan = step_plan(&self.step, self._step_bufs, self)
         finally:
             self._unown(tok)
         if rc:
@@ -540,7 +562,7 @@ cdef class StepScheduler:
                     rc = step_schedule(&self.step)
                     if rc:
                         raise _schedule_error(&self.step, rc)
-                    plan = step_plan(&self.step, self._step_bufs)
+                    plan = step_plan(&self.step, self._step_bufs, self)
                     try:
                         # the backend and the conversion of its ids run while the scheduler
                         # is owned: a call back into it gets BusyError
