@@ -49,7 +49,8 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
     cdef size_t pages = <size_t>max_requests * logical_pages
     memset(ss, 0, sizeof(Streams))
     ss.st = <Stream *>PyMem_Calloc(max_requests, sizeof(Stream))
-    ss.tokens = <uint32_t *>PyMem_Malloc((pages * page_tokens if pages else 1) * sizeof(uint32_t))
+    ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
+                                              * sizeof(uint32_t))
     ss.ident = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
     ss.canon = <uint32_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint32_t))
     ss.canon_gen = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
@@ -72,7 +73,7 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
 
 cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.st)
-    PyMem_Free(ss.tokens)
+    qualia_big_free(ss.tokens)
     PyMem_Free(ss.ident)
     PyMem_Free(ss.canon)
     PyMem_Free(ss.canon_gen)

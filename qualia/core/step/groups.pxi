@@ -33,7 +33,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
         ch.at.slot = slot
         ch.at.num_computed = par.at.num_computed
         st.run.admissions += 1
-        ch.at.admitted = st.run.admissions
+        ch.ord.admitted = st.run.admissions
         ch.at.row = row
         ch.at.row_fresh = 1
         st.run.row_owner[row] = ce

@@ -93,83 +93,119 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     # order: ids, lengths, input ids from the arena, positions and slot mapping, the sampled rows
     # (an n group's prompt once per member), the rows that changed; then what finished, was
     # aborted or forked since the previous plan.  The CSR form is built on request (plan_csr).
-    # Each write is guarded (see
-    # PlanBuffers); a guard that fires returns Q_PLAN_OVERRUN before anything is taken from the
-    # accumulators or the dirty rows (a forked child's fresh row was written and marked dirty
-    # already: the next plan reports it), so the failed step leaves what a discarded plan does.
-    cdef uint32_t i, j, n, q, pos, t, lp, off, run, k, pages
+    # Each write is guarded (see PlanBuffers); a guard that fires returns Q_PLAN_OVERRUN before
+    # anything is taken from the accumulators or the dirty rows (a forked child's fresh row was
+    # written and marked dirty already: the next plan reports it), so the failed step leaves
+    # what a discarded plan does.  The plan's counters and the buffers' pointers are held in
+    # locals (a store through one buffer pointer could alias any field of *st otherwise).
+    cdef uint32_t i, j, n, q, pos, lp, off, run, k, w
+    cdef uint32_t pt = st.lim.page_tokens, T = 0, m = 0, topk = 0, ndec = 0, npre = 0
+    cdef uint32_t cap_tokens = st.buf.cap[PB_TOKENS], cap_rows = st.buf.cap[PB_ROWS]
+    cdef uint32_t n_plan = st.plan.n
     cdef int64_t sm
-    cdef int32_t e, v, slot
+    cdef int32_t e, v
+    cdef uint64_t bits
     cdef StepEntry *r
+    cdef StepEntry *ents = st.ent
     cdef Table *tb
-    if st.plan.n > st.buf.cap[PB_SEQS]:
+    cdef Slot *slots = st.pg.s.slots
+    cdef const int32_t *plan_entry = st.plan.plan_entry
+    cdef const uint32_t *plan_chunk = st.plan.plan_chunk
+    cdef int32_t *plan_sample = st.plan.plan_sample
+    cdef uint64_t *request_ids = st.buf.request_ids
+    cdef int32_t *seq_lens = st.buf.seq_lens
+    cdef int32_t *rows = st.buf.block_table_rows
+    cdef int32_t *qsl = st.buf.query_start_loc
+    cdef uint32_t *input_ids = st.buf.input_ids
+    cdef int32_t *positions = st.buf.positions
+    cdef int64_t *slot_mapping = st.buf.slot_mapping
+    cdef int32_t *logits = st.buf.logits_indices
+    cdef uint64_t *sampled_ids = st.buf.sampled_request_ids
+    cdef const uint32_t *tok
+    if n_plan > st.buf.cap[PB_SEQS]:
         return plan_overrun(st, PB_SEQS)
-    st.buf.query_start_loc[0] = 0
+    qsl[0] = 0
     st.plan.csr = 0
-    for j in range(st.plan.n):
-        e = st.plan.plan_entry[j]
-        r = &st.ent[e]
-        n = st.plan.plan_chunk[j]
+    for j in range(n_plan):
+        e = plan_entry[j]
+        r = &ents[e]
+        n = plan_chunk[j]
         q = r.at.num_computed
-        slot = r.at.slot
-        tb = &st.pg.s.slots[slot].blocks
-        if n > st.buf.cap[PB_TOKENS] - st.plan.T:
+        tb = &slots[r.at.slot].blocks
+        if n > cap_tokens - T:
             return plan_overrun(st, PB_TOKENS)
-        st.buf.request_ids[j] = r.req.rid
-        st.buf.seq_lens[j] = <int32_t>(q + n)
-        st.buf.block_table_rows[j] = r.at.row
-        memcpy(&st.buf.input_ids[st.plan.T], arena_at(st, e) + q, n * sizeof(uint32_t))
-        # positions and slot mapping, a page at a time (no division per token)
-        pos = q
-        t = st.plan.T
-        lp = q // st.lim.page_tokens
-        off = q - lp * st.lim.page_tokens
-        while pos < q + n:
-            sm = <int64_t>tb.entries[lp] * st.lim.page_tokens
-            run = st.lim.page_tokens - off
-            if run > q + n - pos:
-                run = q + n - pos
-            for k in range(run):
-                st.buf.positions[t + k] = <int32_t>(pos + k)
-                st.buf.slot_mapping[t + k] = sm + off + k
-            pos += run
-            t += run
-            lp += 1
-            off = 0
-        if r.at.decode:
-            st.plan.num_decode_tokens += n
+        request_ids[j] = r.req.rid
+        seq_lens[j] = <int32_t>(q + n)
+        rows[j] = r.at.row
+        tok = arena_at(st, e) + q
+        lp = pt_div(st, q)
+        off = q - lp * pt
+        if n == 1:
+            # a decode (or a 1-token chunk): one token, in one page
+            input_ids[T] = tok[0]
+            positions[T] = <int32_t>q
+            slot_mapping[T] = <int64_t>tb.entries[lp] * pt + off
         else:
-            st.plan.num_prefill_tokens += n
-        st.plan.T += n
-        st.buf.query_start_loc[j + 1] = <int32_t>st.plan.T
+            memcpy(&input_ids[T], tok, n * sizeof(uint32_t))
+            # positions and slot mapping, a page at a time (no division per token)
+            pos = q
+            i = T
+            while pos < q + n:
+                sm = <int64_t>tb.entries[lp] * pt + off
+                run = pt - off
+                if run > q + n - pos:
+                    run = q + n - pos
+                for k in range(run):
+                    positions[i + k] = <int32_t>(pos + k)
+                    slot_mapping[i + k] = sm + k
+                pos += run
+                i += run
+                lp += 1
+                off = 0
+        if r.at.decode:
+            ndec += n
+        else:
+            npre += n
+        T += n
+        qsl[j + 1] = <int32_t>T
         if r.at.row_fresh:
             # a forked child's first plan: its row takes the whole table (the twin's lowering
             # writes every page of a scheduled request's row)
             row_write(st, e, 0, tb.len - 1 if tb.len else 0)
             r.at.row_fresh = 0
         if q + n == r.req.num_tokens:
-            st.plan.plan_sample[j] = <int32_t>st.plan.m
-            if r.mem.group == e and not r.mem.forked:
+            plan_sample[j] = <int32_t>m
+            if r.mem.group < 0:
+                if m >= cap_rows:
+                    return plan_overrun(st, PB_ROWS)
+                logits[m] = <int32_t>(T - 1)
+                sampled_ids[m] = r.req.rid
+                m += 1
+            elif r.mem.group == e and not r.mem.forked:
                 # the prompt's last row, once per member of the n group, in member order
                 v = e
                 while v >= 0:
-                    if st.plan.m >= st.buf.cap[PB_ROWS]:
+                    if m >= cap_rows:
                         return plan_overrun(st, PB_ROWS)
-                    st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
-                    st.buf.sampled_request_ids[st.plan.m] = st.ent[v].req.rid
-                    st.plan.m += 1
-                    v = st.ent[v].mem.next_member
+                    logits[m] = <int32_t>(T - 1)
+                    sampled_ids[m] = ents[v].req.rid
+                    m += 1
+                    v = ents[v].mem.next_member
             else:
-                if st.plan.m >= st.buf.cap[PB_ROWS]:
+                if m >= cap_rows:
                     return plan_overrun(st, PB_ROWS)
-                st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
-                st.buf.sampled_request_ids[st.plan.m] = r.req.rid
-                st.plan.m += 1
-                if r.mem.group >= 0 and st.ent[r.mem.group].rec.beam and \
-                        st.ent[r.mem.group].mem.n_members > st.plan.num_topk:
-                    st.plan.num_topk = st.ent[r.mem.group].mem.n_members
+                logits[m] = <int32_t>(T - 1)
+                sampled_ids[m] = r.req.rid
+                m += 1
+                if ents[r.mem.group].rec.beam and ents[r.mem.group].mem.n_members > topk:
+                    topk = ents[r.mem.group].mem.n_members
         else:
-            st.plan.plan_sample[j] = -1
+            plan_sample[j] = -1
+    st.plan.T = T
+    st.plan.m = m
+    st.plan.num_topk = topk
+    st.plan.num_decode_tokens = ndec
+    st.plan.num_prefill_tokens = npre
     # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
     if st.cp.n > st.buf.cap[PB_COPIES]:
         return plan_overrun(st, PB_COPIES)
@@ -178,13 +214,18 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     if st.done.n_fork_acc > st.buf.cap[PB_FORKS]:
         return plan_overrun(st, PB_FORKS)
     owed_list(st)
-    # (one record per row of max_num_seqs: changed_rows holds them all)
-    st.plan.n_changed = 0
-    for i in range(st.lim.max_seqs):
-        if st.run.row_dirty[i]:
-            st.run.row_dirty[i] = 0
-            st.buf.changed_rows[st.plan.n_changed] = <int32_t>i
-            st.plan.n_changed += 1
+    # (one record per row of max_num_seqs: changed_rows holds them all), ascending, a word of
+    # 64 rows at a time
+    k = 0
+    for w in range((st.lim.max_seqs + 63) >> 6):
+        bits = st.run.dirty[w]
+        if bits:
+            st.run.dirty[w] = 0
+            while bits:
+                st.buf.changed_rows[k] = <int32_t>((w << 6) + <uint32_t>__builtin_ctzll(bits))
+                k += 1
+                bits &= bits - 1
+    st.plan.n_changed = k
     # the plan reports what finished or was aborted, and the forks made, since the previous plan
     memcpy(st.buf.finished_ids, st.done.fin_accum, st.done.n_accum * sizeof(uint64_t))
     st.plan.n_finished = st.done.n_accum

@@ -509,7 +509,7 @@ cdef class StepScheduler:
             for e in range(st.lim.max_queued):
                 if (st.ent[e].at.state == SR_WAITING or st.ent[e].at.state == SR_RUNNING
                         or st.ent[e].at.state == SR_PARKED):
-                    pairs[2 * k] = st.ent[e].req.arrival
+                    pairs[2 * k] = st.ent[e].ord.arrival
                     pairs[2 * k + 1] = st.ent[e].req.rid
                     k += 1
             found = sorted([(pairs[2 * j], pairs[2 * j + 1]) for j in range(k)])

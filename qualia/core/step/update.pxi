@@ -27,7 +27,7 @@ cdef inline bint is_stop_token(StepEntry *r, uint32_t tok) noexcept nogil:
     if r.req.has_eos and not r.req.ignore_eos and tok == r.req.eos:
         return True
     for k in range(r.req.n_stop):
-        if r.req.stop[k] == tok:
+        if r.names.stop[k] == tok:
             return True
     return False
 
@@ -168,7 +168,7 @@ cdef int step_discard(StepState *st) noexcept nogil:
         else:
             row_clear_deferred(st, st.buf.block_table_rows[j])
     for j in range(st.plan.n_changed):
-        st.run.row_dirty[st.buf.changed_rows[j]] = 1
+        row_mark_dirty(st, st.buf.changed_rows[j])
     if st.plan.n_finished and st.done.n_accum + st.plan.n_finished <= st.done.accum_cap:
         memmove(&st.done.fin_accum[st.plan.n_finished], st.done.fin_accum,
                 st.done.n_accum * sizeof(uint64_t))
