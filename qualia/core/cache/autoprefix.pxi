@@ -247,8 +247,22 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
-cdef void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
-                          uint32_t tok) noexcept nogil:
+cdef inline bint auto_fill_due(Sched *s, Streams *ss, uint32_t index) noexcept nogil:
+    # whether auto_fill(index) has anything to do now (a page to hand to the cache, or a stream
+    # to stop), without a division: the check a decode makes after each token
+    cdef Stream *st = &ss.st[index]
+    cdef Slot *sl
+    cdef uint64_t tc
+    if not st.live or st.broken:
+        return False
+    sl = &s.slots[index]
+    tc = sl.token_count
+    return (tc > st.known or tc > <uint64_t>sl.blocks.len * ss.page_tokens
+            or tc >= (<uint64_t>st.done + 1) * ss.page_tokens)
+
+
+cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
+                                 uint32_t tok) noexcept nogil:
     # A decode round computed `tok` at position `pos` of the slot's stream.
     cdef Stream *st = &ss.st[index]
     cdef uint32_t *arena = &ss.tokens[_sp(ss, index) * ss.page_tokens]
