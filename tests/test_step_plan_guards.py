@@ -1,4 +1,4 @@
-"""Guarded plan buffers (docs/DESIGN.md, "The plan", "Guards"): every write into a plan buffer
+"""Guarded plan buffers (docs/DESIGN.md, "The plan", "Plan buffer guards"): every write into a plan buffer
 checks its capacity first, in release builds too.  A plan that would overrun a buffer -- a broken
 invariant of the scheduler, forced here by the test hook that narrows the capacity a guard checks
 -- fails its step with a SystemError naming the buffer: nothing is written past the buffer,
