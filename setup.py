@@ -88,6 +88,7 @@ ext = Extension(
 )
 
 setup(
-    ext_modules=cythonize([ext], compiler_directives=directives, force=DEBUG or SANITIZE or PROFILE),
+    ext_modules=cythonize([ext], compiler_directives=directives,
+                          force=DEBUG or SANITIZE or PROFILE),
     cmdclass={"build_py": BuildPy},
 )

@@ -6,8 +6,12 @@ Each tree is a checkout with the extension built in place.  Every figure is meas
 interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
 alternating round after round; a figure is the lowest median over the rounds.
 
-  decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule, no page
-                            fills in the median step): N running requests of C-token context
+  decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
+                            requests of C-token context, prefilled over several steps, so a
+                            16th of them fill a page in each step
+  decode no-fill ...       the same with every prompt prefilled in one step: the requests
+                            fill their pages in the same step, one step in 16, and the median
+                            step fills none
   mixed mode=M              one step of 64 decodes plus a 2,048-token prefill chunk, ns
   page fill                 (mixed auto - mixed off) / pages filled in the step: every cost the
                             automatic prefix cache adds per page it takes (hash, index, LRU,
@@ -39,9 +43,13 @@ def child(quick):
     out = {"qualia": os.path.dirname(qualia.__file__)}
     steps = 30 if quick else 64
 
-    def decode(n, ctx, mode):
+    def decode(n, ctx, mode, aligned=False):
+        # aligned: every prompt prefilled in one step, so every request fills a page in the same
+        # step (one in PT); otherwise the prompts prefill over several steps and the page fills
+        # spread evenly over the steps (a PT-th of the requests fill a page in each step)
+        kw = {"max_num_batched_tokens": n * ctx + n} if aligned else {}
         s = decoding(qualia.StepScheduler, n, ctx, extra_pages=steps // PT + 2,
-                     prefix_caching=mode)
+                     prefix_caching=mode, **kw)
         s.schedule()
         ids = np.zeros(n, dtype=np.uint32)
         gc.disable()
@@ -57,13 +65,15 @@ def child(quick):
             out[f"decode n={n} ctx=512 mode={mode}"] = decode(n, 512, mode)
         for c in ctxs:
             out[f"decode n=128 ctx={c} mode={mode}"] = decode(128, c, mode)
+        for n, c in ((64, 512), (1024, 512), (128, 8192)):
+            out[f"decode no-fill n={n} ctx={c} mode={mode}"] = decode(n, c, mode, True)
 
     def mixed(mode):
         n, chunk = 64, 2048
         lp = 512 // PT + 40
         s = qualia.StepScheduler((n + 4) * 600, PT, 600, n + 1, cache_key=KEY,
                                  prefix_caching=mode, max_num_batched_tokens=n + chunk,
-                                 max_queued=n + 64)
+                                 max_queued=n + 96)
         rng = np.random.default_rng(1)
         for i in range(n):
             s.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
@@ -73,13 +83,13 @@ def child(quick):
             s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
             if plan.num_prefill_tokens == 0:
                 break
-        for i in range(40):
+        for i in range(80):
             s.add_request(1000 + i, rng.integers(0, 30000, size=8192, dtype=np.uint32),
                           max_new_tokens=1)
         ts, pre = [], []
         gc.disable()
         try:
-            for _ in range(10 if quick else 30):
+            for _ in range(10 if quick else 120):
                 t0 = pc()
                 plan = s.schedule()
                 s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))

@@ -57,9 +57,9 @@ def test_the_csr_form_is_built_on_its_first_read_while_the_plan_is_pending():
             # never read while pending: the form is not there to read once the plan is applied
             s.update(ids(plan))
             with pytest.raises(StepError.NoPlan, match="while the plan is pending"):
-                plan.kv_indices
+                _ = plan.kv_indices
             with pytest.raises(StepError.NoPlan):
-                plan.kv_indptr
+                _ = plan.kv_indptr
         else:
             if steps % 3 == 1 and len(plan.request_ids) > 1:
                 s.abort(int(plan.request_ids[-1]))      # its row stays until the plan retires
@@ -79,7 +79,7 @@ def test_the_csr_form_is_built_on_its_first_read_while_the_plan_is_pending():
     s.update(ids(old))
     s.schedule()
     with pytest.raises(StepError.NoPlan):
-        old.kv_last_page_len
+        _ = old.kv_last_page_len
 
 
 def recording_backend(flags, seen):

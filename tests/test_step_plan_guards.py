@@ -1,8 +1,9 @@
-"""Guarded plan buffers (docs/DESIGN.md, "The plan", "Plan buffer guards"): every write into a plan buffer
-checks its capacity first, in release builds too.  A plan that would overrun a buffer -- a broken
-invariant of the scheduler, forced here by the test hook that narrows the capacity a guard checks
--- fails its step with a SystemError naming the buffer: nothing is written past the buffer,
-nothing is pending, and the scheduler goes on exactly as after a discarded plan."""
+"""Guarded plan buffers (docs/DESIGN.md, "The plan", "Plan buffer guards"): every write into a
+plan buffer checks its capacity first, in release builds too.  A plan that would overrun a
+buffer -- a broken invariant of the scheduler, forced here by the test hook that narrows the
+capacity a guard checks -- fails its step with a SystemError naming the buffer: nothing is
+written past the buffer, nothing is pending, and the scheduler goes on exactly as after a
+discarded plan."""
 
 from __future__ import annotations
 
@@ -195,9 +196,9 @@ def test_a_csr_form_that_would_overrun_kv_indices_fails_its_read_and_the_plan_st
     s._debug_plan_capacity("kv_indices", 1)
     plan = s.schedule()
     with pytest.raises(SystemError, match="overrun its kv_indices buffer .capacity 1."):
-        plan.kv_indices
+        _ = plan.kv_indices
     with pytest.raises(SystemError):
-        plan.kv_indptr
+        _ = plan.kv_indptr
     # a backend that fails on it discards the plan: as the reference's discarded plan
     s.discard_plan()
     ref.schedule()

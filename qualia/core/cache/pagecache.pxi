@@ -92,8 +92,9 @@ cdef struct PcSlot:
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
     size_t stride
-    PcSlot *index         # open addressing by identity: each slot's page (-1: empty) beside
-                          # its identity, so that a probe reads no record
+    # open addressing by identity: each slot's page (-1: empty) beside its identity, so that a
+    # probe reads no record
+    PcSlot *index
     uint64_t *nh          # NH key words: 2 per 4 tokens (rounded up)
     uint32_t index_mask
     uint32_t num_blocks

@@ -142,8 +142,8 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil
     cdef uint32_t k, i, ns
     cdef bint collided
     rec[0] = 0
-    ns = ns_find(&st.pg.c.ns, r.names.nsh, r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"",
-                 r.names.nsl)
+    ns = ns_find(&st.pg.c.ns, r.names.nsh,
+                 r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl)
     if ns == U32_MAX:
         return 0
     k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe_ident,

@@ -118,7 +118,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.beams.beam_head = st.beams.beam_tail = -1
     if (st.ent == NULL or st.ids.index == NULL or st.ids.free_ids == NULL
             or st.ids.rec_free == NULL or st.arena.tokens == NULL or st.wait.heap == NULL
-            or st.run.ents == NULL or st.run.order == NULL or st.run.order_pre == NULL or st.run.row_owner == NULL
+            or st.run.ents == NULL or st.run.order == NULL or st.run.order_pre == NULL
+            or st.run.row_owner == NULL
             or st.run.dirty == NULL or st.run.row_len == NULL or st.plan.plan_entry == NULL
             or st.plan.plan_chunk == NULL or st.plan.plan_sample == NULL
             or st.plan.plan_alive == NULL or st.plan.deferred_slot == NULL
