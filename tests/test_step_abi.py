@@ -158,6 +158,7 @@ def test_step_constants():
     assert qualia.STEP_ABI_VERSION == _core.STEP_ABI_VERSION == 1
     assert _core.STEP_WRITES_LOGPROBS == 1
     assert _core.STEP_WRITES_TOPK == 2
+    assert _core.STEP_NO_CSR == 4
 
 
 def test_ctypes_mirror_matches_the_compiled_structs():
@@ -173,7 +174,7 @@ def test_hash_step_reads_a_hand_filled_struct():
     plan = mixed_plan()
     hb, iface = _hash_iface()
     assert (iface.abi_version, iface.flags) == \
-        (1, _core.STEP_WRITES_LOGPROBS | _core.STEP_WRITES_TOPK)
+        (1, _core.STEP_WRITES_LOGPROBS | _core.STEP_WRITES_TOPK | _core.STEP_NO_CSR)
     c = CStepPlan()
     c.struct_size = ctypes.sizeof(CStepPlan)
     c.page_tokens = plan.page_tokens

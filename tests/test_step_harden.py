@@ -683,8 +683,8 @@ def test_the_step_schedulers_pool_refuses_changes_for_its_whole_life():
         pool.allocate()                             # before any request
     s.add_request(1, list(range(1, 10)), max_new_tokens=3)
     plan = s.schedule()
-    s.update([5] * len(plan.logits_indices))
     page = int(plan.kv_indices[0])
+    s.update([5] * len(plan.logits_indices))
     before = (pool.refcount(page), s.stats()["free_pages"], pool.refcounts().tolist())
     for call in (lambda: pool.release(page), lambda: pool.allocate(), lambda: pool.retain(page),
                  lambda: pool._debug_set_refcount(page, 3),
