@@ -358,11 +358,13 @@ def test_fuzz_facade_weakref_finalizers():
         for i in range(STEPS):
             if i % 3 == 0:
                 plant()
-            # the finalizers' own changes make snapshots meaningless here: invariants only
+            # a failed call may find the state changed only when a finalizer ran a re-entrant
+            # action in full during it
+            ran = fired.count("ran")
             try:
                 f.step()
             except AssertionError as exc:
-                if "changed the state" not in str(exc):
+                if "changed the state" not in str(exc) or fired.count("ran") == ran:
                     raise
             invariants(f.s)
     finally:
