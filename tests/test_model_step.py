@@ -3,7 +3,8 @@ step plan (prefill chunks and decodes in one forward, K/V through ``slot_mapping
 through the page table and ``seq_lens``, copy-on-write copies first) and its tokens equal the dense
 reference (no paging) token for token: hand-built plans first, then plans of the step scheduler
 (the compiled ``qualia.StepScheduler`` and the twin ``qualia.twin.StepScheduler``) with chunked
-prefill, mixed batches, prefix hits, copies and preemptions; greedy and seeded sampling; log-probabilities and top-k.
+prefill, mixed batches, prefix hits, copies and preemptions; greedy and seeded sampling;
+log-probabilities and top-k.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
     # -- the engine step: scheduling -------------------------------------------------------------
     Mutation(
         "pages_needed_off_by_one", "step", C + "step/schedule.pxi",
-        "    need = <uint32_t>((hit + n - 1) // st.lim.page_tokens + 1 - hit // st.lim.page_tokens)",
+        "    need = <uint32_t>((hit + n - 1) // st.lim.page_tokens + 1 - hit // "
+        "st.lim.page_tokens)",
         "    need = <uint32_t>((hit + n) // st.lim.page_tokens + 1 - hit // st.lim.page_tokens)",
         "admission counts one page too many when the chunk ends on a page boundary"),
     Mutation(
