@@ -36,7 +36,7 @@ from qualia.twin import cache as T
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
 SETTINGS = settings(
-    max_examples=1000 if LONG else 60,
+    max_examples=1000 if LONG else 150,
     stateful_step_count=80 if LONG else 50,
     deadline=None,
 )
