@@ -21,6 +21,7 @@ caught it) and a score.  Usage, from the repository root with the test dependenc
     python tools/plant_bugs.py                 # every mutation (about 30 s to 2 min each)
     python tools/plant_bugs.py --list          # the mutations and their areas
     python tools/plant_bugs.py --only NAME     # one mutation (repeatable)
+    python tools/plant_bugs.py --only NAME --tests test_x.py   # against one test file
 
 ``--jobs N`` runs N mutations at a time, each in its own scratch copy (default 1: one build at a
 time).  ``--keep`` leaves the scratch copies.  The exit status is 1 when a mutation survived.
@@ -278,14 +279,15 @@ MUTATIONS: Tuple[Mutation, ...] = (
 )
 
 
-def area_tests(area: str, root: str = ROOT) -> List[str]:
-    """The area's test files, as paths relative to root (ValueError when one is missing)."""
+def area_tests(area: str, root: str = ROOT, names: Optional[Sequence[str]] = None) -> List[str]:
+    """The area's test files (or the files `names`), as paths relative to root (ValueError when
+    one is missing)."""
     where: Dict[str, List[str]] = {}
     for d, _, files in os.walk(os.path.join(root, "tests")):
         for f in files:
             where.setdefault(f, []).append(os.path.relpath(os.path.join(d, f), root))
     out = []
-    for name in AREAS[area]:
+    for name in names or AREAS[area]:
         found = where.get(name, [])
         if len(found) != 1:
             raise ValueError(f"area {area}: {len(found)} files named {name} under tests/")
@@ -335,10 +337,11 @@ _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 _CRASH_AT = re.compile(r'File "[^"]*/(tests/[^"]+)", line \d+ in (\w+)')
 
 
-def _run_tests(scratch: str, area: str, timeout: float) -> Tuple[str, str]:
+def _run_tests(scratch: str, area: str, timeout: float,
+               names: Optional[Sequence[str]] = None) -> Tuple[str, str]:
     shutil.rmtree(os.path.join(scratch, ".hypothesis"), ignore_errors=True)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           "--hypothesis-seed=0", "-rfE", *area_tests(area, scratch)]
+           "--hypothesis-seed=0", "-rfE", *area_tests(area, scratch, names)]
     proc = subprocess.Popen(cmd, cwd=scratch, env=_env(scratch), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -362,7 +365,8 @@ def _run_tests(scratch: str, area: str, timeout: float) -> Tuple[str, str]:
 
 
 def run_mutations(muts: Sequence[Mutation], scratch: str, timeout: float, log: str,
-                  report) -> List[Tuple[Mutation, str, str, float]]:
+                  report, names: Optional[Sequence[str]] = None
+                  ) -> List[Tuple[Mutation, str, str, float]]:
     """Each mutation in turn in one scratch copy; report(row) after each."""
     if not _build(scratch, log):
         raise SystemExit(f"the unmutated tree does not build (see {log})")
@@ -382,7 +386,7 @@ def run_mutations(muts: Sequence[Mutation], scratch: str, timeout: float, log: s
             if m.compiled and not _build(scratch, log):
                 result, by = "build failed", f"see {log}"
             else:
-                result, by = _run_tests(scratch, m.area, timeout)
+                result, by = _run_tests(scratch, m.area, timeout, names)
         finally:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(original)
@@ -407,6 +411,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="mutations at a time (default 1)")
     ap.add_argument("--timeout", type=float, default=300,
                     help="seconds a mutation's tests may run (default 300); over it is a hang")
+    ap.add_argument("--tests", action="append", metavar="FILE",
+                    help="run this test file (a name under tests/) instead of the area's "
+                         "(repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copies")
     args = ap.parse_args(argv)
     if args.list:
@@ -422,6 +429,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         muts = [m for m in MUTATIONS if m.name in args.only]
     for m in muts:
         check_applies(m)
+    if args.tests:
+        try:
+            area_tests(muts[0].area, ROOT, args.tests)
+        except ValueError as err:
+            ap.error(str(err))
     jobs = max(1, min(args.jobs, len(muts)))
     top = tempfile.mkdtemp(prefix="qualia-plant-")
     print(f"{len(muts)} mutation(s), {jobs} at a time, scratch copies in {top}", flush=True)
@@ -436,7 +448,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 _copy_tree(scratch)
                 futs.append(ex.submit(run_mutations, share, scratch, args.timeout,
                                       os.path.join(top, f"build{i}.log"),
-                                      lambda row: print(_line(row), flush=True)))
+                                      lambda row: print(_line(row), flush=True), args.tests))
             for f in futs:
                 rows.extend(f.result())
     finally:
