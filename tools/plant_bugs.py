@@ -276,6 +276,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "    cands.sort(key=lambda c: (-c[0], c[1], c[2]))",
         "    cands.sort(key=lambda c: (-c[0], -c[1], c[2]))",
         "twin: equal scores, the later beam's candidate goes first"),
+    Mutation(
+        "twin_beam_tie_token_reversed", "beam", T + "groups.py",
+        "    cands.sort(key=lambda c: (-c[0], c[1], c[2]))",
+        "    cands.sort(key=lambda c: (-c[0], c[1], -c[2]))",
+        "twin: equal scores of one beam, the higher token id goes first"),
 )
 
 
