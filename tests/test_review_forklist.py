@@ -1,6 +1,7 @@
 """Review of the plans' fork lists (``fork_child_ids`` / ``fork_parent_ids``), of new ids named
-again after a discarded plan, and of best-first beam rows (docs/DESIGN.md, "fork_child_ids",
-"discarded plan", "best first"): the compiled core against the pure-Python twin."""
+again after a discarded plan, and of best-first beam rows (docs/DESIGN.md, "The plan",
+"Tokens back", "Beam search at the step level"): the compiled core against the pure-Python
+twin."""
 
 from __future__ import annotations
 
