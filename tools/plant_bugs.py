@@ -414,8 +414,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--only", action="append", metavar="NAME", help="run this mutation only")
     ap.add_argument("--jobs", type=int, default=1, help="mutations at a time (default 1)")
-    ap.add_argument("--timeout", type=float, default=300,
-                    help="seconds a mutation's tests may run (default 300); over it is a hang")
+    ap.add_argument("--timeout", type=float, default=180,
+                    help="seconds a mutation's tests may run (default 180); over it is a hang")
     ap.add_argument("--tests", action="append", metavar="FILE",
                     help="run this test file (a name under tests/) instead of the area's "
                          "(repeatable)")
