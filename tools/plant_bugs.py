@@ -65,11 +65,13 @@ AREAS: Dict[str, Tuple[str, ...]] = {
     "pool": ("test_pool.py", "test_table.py", "test_stateful.py"),
     "table": ("test_table.py", "test_fork.py", "test_stateful.py"),
     "facade": ("test_scheduler.py", "test_facade.py", "test_fork.py", "test_stateful.py"),
-    "cache": ("test_cache.py", "test_prefix.py", "test_cache_stateful.py"),
+    "cache": ("test_cache.py", "test_cache_known_tokens.py", "test_prefix.py",
+              "test_cache_stateful.py"),
     "step": ("test_step.py", "test_twin_step.py", "test_step_stateful.py"),
     "plan": ("test_step.py", "test_model_step.py", "test_step_stateful.py"),
     "stop": ("test_step.py", "test_step_stateful.py"),
-    "beam": ("test_review_beam.py", "test_step_forks.py", "test_step_forks_core.py"),
+    "beam": ("test_beam_ties.py", "test_review_beam.py", "test_step_forks.py",
+             "test_step_forks_core.py"),
 }
 
 C = "qualia/core/"
