@@ -68,6 +68,7 @@ AREAS: Dict[str, Tuple[str, ...]] = {
     "cache": ("test_cache.py", "test_cache_known_tokens.py", "test_prefix.py",
               "test_cache_stateful.py"),
     "step": ("test_step.py", "test_twin_step.py", "test_step_stateful.py"),
+    "copies": ("test_step_copies_owed.py", "test_step_forks_core.py", "test_step_stateful.py"),
     "plan": ("test_step.py", "test_model_step.py", "test_step_stateful.py"),
     "stop": ("test_step.py", "test_step_stateful.py"),
     "beam": ("test_beam_ties.py", "test_review_beam.py", "test_step_forks.py",
@@ -177,12 +178,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        return st.ent[a].req.arrival > st.ent[b].req.arrival",
         "among equal priorities the latest arrival is admitted first"),
     Mutation(
-        "decode_fast_path_at_refcount_2", "step", C + "step/schedule.pxi",
+        "decode_fast_path_at_refcount_2", "copies", C + "step/schedule.pxi",
         "        if page < st.pg.p.num_blocks and st.pg.p.refcount[page] == 1:",
         "        if page < st.pg.p.num_blocks and st.pg.p.refcount[page] <= 2:",
         "a decode writes in place into a page it shares with one other holder"),
     Mutation(
-        "step_counts_copy_as_allocation", "step", C + "step/schedule.pxi",
+        "step_counts_copy_as_allocation", "copies", C + "step/schedule.pxi",
         "    st.pg.pages_allocated[0] += n_undo - n_copies",
         "    st.pg.pages_allocated[0] += n_undo",
         "the step counts a copy-on-write copy in stats()['pages_allocated']"),
