@@ -361,6 +361,9 @@ def _run_tests(scratch: str, area: str, timeout: float,
     text = out.decode("utf-8", "replace")
     if proc.returncode == 0:
         return "survived", ""
+    if proc.returncode in (2, 3, 4, 5):    # interrupted, internal error, usage, no tests
+        tail = text.strip().splitlines()[-1:] or ["?"]
+        return "error", f"pytest exit {proc.returncode}: {tail[0][:80]}"
     m = _FAILED.search(text)
     if m:
         return "caught", m.group(1)
@@ -387,6 +390,7 @@ def run_mutations(muts: Sequence[Mutation], scratch: str, timeout: float, log: s
         path = os.path.join(scratch, m.path)
         with open(path, encoding="utf-8") as f:
             original = f.read()
+        stamp = os.stat(path)
         check_applies(m, scratch)
         with open(path, "w", encoding="utf-8") as f:
             f.write(original.replace(m.old, m.new, 1))
@@ -398,6 +402,8 @@ def run_mutations(muts: Sequence[Mutation], scratch: str, timeout: float, log: s
         finally:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(original)
+            # the restored source keeps its time, so the restored build is not older than it
+            os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
             if m.compiled:
                 for so, keep in pristine.items():
                     shutil.copy2(keep, so)
@@ -464,10 +470,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shutil.rmtree(top, ignore_errors=True)
     caught = sum(r[1] == "caught" for r in rows)
     survived = [r[0].name for r in rows if r[1] == "survived"]
-    broken = [r[0].name for r in rows if r[1] == "build failed"]
+    broken = [r[0].name for r in rows if r[1] in ("build failed", "error")]
     print(f"\ncaught {caught} of {len(rows)}" +
           (f"; survived: {', '.join(survived)}" if survived else "") +
-          (f"; build failed: {', '.join(broken)}" if broken else ""), flush=True)
+          (f"; not run (build or pytest error): {', '.join(broken)}" if broken else ""), flush=True)
     return 1 if survived or broken else 0
 
 
