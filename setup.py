@@ -1,11 +1,11 @@
 """Build the compiled core.
 
 Release builds use the directives of the hot path (no bounds or wraparound checks).  Set
-QUALIA_DEBUG=1 for a debug build: bounds checks on, -O0 -g, assertions on.  QUALIA_PROFILE=1 keeps
-the release build (same directives, -O3) with its symbols and debug information, unstripped, for
-profilers (perf, valgrind --tool=callgrind).  QUALIA_SANITIZE=1
-adds AddressSanitizer and UndefinedBehaviorSanitizer, QUALIA_SANITIZE=thread ThreadSanitizer
-(see tools/sanitize.sh).
+QUALIA_DEBUG=1 for a debug build: bounds checks on, -O0 -g, assertions on.  QUALIA_OPT (default
+-O3) is the release build's optimisation flag.  QUALIA_PROFILE=1 keeps the release build (same
+directives and optimisation) with its symbols and debug information, unstripped, for profilers
+(perf, valgrind --tool=callgrind).  QUALIA_SANITIZE=1 adds AddressSanitizer and
+UndefinedBehaviorSanitizer, QUALIA_SANITIZE=thread ThreadSanitizer (see tools/sanitize.sh).
 """
 
 import glob
@@ -62,7 +62,10 @@ directives = {
 # Hidden visibility: the module exports PyInit__core and nothing else (no internal symbol can
 # clash with, or be called by, another library).  Release builds are stripped.
 extra_compile = ["-fvisibility=hidden"]
-extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3", "-g" if PROFILE else "-g0"]
+# QUALIA_OPT overrides the release optimisation level (tools/plant_bugs.py builds with -O0 to
+# rebuild faster; the directives, and so the checks compiled in, stay the release ones)
+OPT = os.environ.get("QUALIA_OPT", "-O3")
+extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else [OPT, "-g" if PROFILE else "-g0"]
 extra_link = [] if DEBUG or SANITIZE or PROFILE else ["-Wl,--strip-all"]
 if THREAD_SANITIZE:
     # ThreadSanitizer sees the extension's accesses and every pthread lock (the GIL included)

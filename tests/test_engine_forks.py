@@ -279,7 +279,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(kind=st.sampled_from(["n", "beam"]), width=st.integers(1, 4),
        lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5),
        max_new=st.integers(1, 6), num_pages=st.integers(12, 40),

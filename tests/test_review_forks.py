@@ -456,7 +456,7 @@ def _reqs(lengths, max_new, seed=0):
             for i, k in enumerate(lengths)]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(n=st.integers(2, 4), lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5),
        max_new=st.integers(1, 6), num_blocks=st.integers(10, 30), seqs=st.integers(4, 6),
        budget=st.sampled_from([3, 8, 64]), caching=st.sampled_from(["auto", "off"]))
@@ -618,7 +618,7 @@ def test_abort_of_a_member_from_the_backend_is_busy_in_both():
         assert set(got) == {"busy"}, (type(s).__name__, got)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(mode=st.sampled_from(["off", "auto"]), num_blocks=st.integers(4, 20),
        page_tokens=st.sampled_from([1, 2, 4]), seqs=st.integers(1, 6),
        budget=st.integers(1, 20), chunk=st.sampled_from([None, 1, 3]),

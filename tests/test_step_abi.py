@@ -627,7 +627,7 @@ def plans(draw):
     return make_plan(reqs, page_tokens=page_tokens, rows=rows, cols=cols)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(plan=plans(), vocab=st.integers(1, 2**32 - 1))
 def test_step_backends_match_their_rules_on_any_plan(example_backend, plan, vocab):
     hb = qualia.HashBackend(vocab=vocab)
