@@ -1,6 +1,5 @@
 """End to end on the built-in C hash backend: generated tokens per second of one workload served
-three ways, in one run, on the compiled core's engine step (issue 14, "run() with the built-in C
-backend ... reported against the Python-loop engine"):
+three ways, in one run, on the compiled core's engine step:
 
   engine   qualia.sim.engine.Engine("c"): what ``qualia simulate --backend c`` runs -- the Python
            serving loop (arrivals, books, timeline, first tokens) around add_request /
@@ -16,9 +15,8 @@ request's tokens are compared across the three before anything is reported (the 
 not depend on batching or preemption).  Figures: tokens / wall seconds of the serving part
 (submission included, workload generation not); best of ``--repeat``.
 
-Run: ``python bench/engine_bench.py`` (``--requests N``, ``--repeat K``).  The figure for the
-engine before the step API (decode rounds, admission in Python) comes from ``qualia simulate
---backend c --requests 2000 --arrival-rate inf --turns 1`` at that commit: see
+Run: ``python bench/engine_bench.py`` (``--requests N``, ``--repeat K``; ``--engine-only`` for the
+engine alone, with a digest of every output to compare with another install's run).  Figures:
 bench/RESULTS-step.md.
 """
 
@@ -103,8 +101,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--engine-only", action="store_true",
-                    help="only the engine (e.g. with an install of a commit before the step "
-                         "API); prints a digest of every output to compare with a full run")
+                    help="only the engine; prints a digest of every output to compare "
+                         "with another run")
     args = ap.parse_args()
     reqs = requests(args.requests, args.seed)
     best = {}

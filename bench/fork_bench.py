@@ -1,4 +1,4 @@
-"""Copy-on-write forks (issue 15), the compiled core beside its twin.
+"""Copy-on-write forks, the compiled core beside its twin.
 
   f1  fork of a decoding parent of L tokens (L = 128 .. 32k, 16-token pages), automatic prefix
       caching on and off: K forks into free slots per sample, timed together (Python call
@@ -14,8 +14,8 @@
       8 forks of one parent beside 8 independent requests, per sequence; the forks' first round
       (7 page copies handed to ``copy_pages``) beside their later rounds.
 
-  f4  the engine step (issue 15: "a step with forked requests costs the same per request as
-      without, plus the copies"): the steady decode step (update + schedule, every plan array
+  f4  the engine step (a step with forked requests should cost the same per request as without,
+      plus the copies): the steady decode step (update + schedule, every plan array
       written; bench/steptime.py, as step_bench.py's s1) of R running requests of a 2050-token
       prompt, R independent requests beside R / 8 groups of add_request(..., n=8), ns per
       request and the ratio groups / independent, for R = 256 and 64.

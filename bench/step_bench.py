@@ -1,4 +1,4 @@
-"""The engine step (issue 14): the compiled core beside its pure-Python twin, in one run.
+"""The engine step: the compiled core beside its pure-Python twin, in one run.
 
   s1  decode-only step at 256 running requests of 2k context: schedule + update (every metadata
       array of the plan written), ns per request; the twin beside it

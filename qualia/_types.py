@@ -24,15 +24,20 @@ class Admission(NamedTuple):
     """Result of ``admit_with_prefix``: the slot taken and what the prefix store gave."""
 
     slot: int
+    """The request slot taken."""
     prefix_hit: bool
+    """Whether the prefix store (or the page cache) gave pages."""
     prefix_tokens: int
+    """Tokens the request starts with, taken from the store or the cache."""
 
 
 class RaggedBatchReceipt(NamedTuple):
     """What a backend reports for one decode round (``Default`` is all zeros)."""
 
     batch_size: int = 0
+    """Items the backend computed."""
     backend_launches: int = 0
+    """Backend launches the round took (1 for a valid round)."""
 
 
 class CopyOnWrite(NamedTuple):
@@ -44,19 +49,25 @@ class CopyOnWrite(NamedTuple):
     """
 
     kind: str
+    """``"exclusive"``, ``"allocated"`` or ``"copy"``."""
     page: int
+    """The page to write."""
     src: Optional[int] = None
+    """The page to copy from first (a copy only)."""
 
     @classmethod
     def exclusive(cls, page: int) -> "CopyOnWrite":
+        """Write ``page`` in place."""
         return cls("exclusive", page, None)
 
     @classmethod
     def allocated(cls, page: int) -> "CopyOnWrite":
+        """``page`` was allocated and appended."""
         return cls("allocated", page, None)
 
     @classmethod
     def copy(cls, src: int, dst: int) -> "CopyOnWrite":
+        """Copy ``src`` to ``dst`` before writing ``dst``."""
         return cls("copy", dst, src)
 
 
@@ -64,20 +75,34 @@ class CacheStats(NamedTuple):
     """Counters of automatic prefix caching (``Scheduler.cache_stats()``); all zero in the other
     modes except ``usage``."""
 
-    lookups: int  # admissions that looked a prompt up
-    lookup_tokens: int  # prompt tokens looked up
-    hit_tokens: int  # prompt tokens served from cached pages
-    reclaims: int  # cached pages reclaimed to satisfy an allocation
-    cached_pages: int  # pages the cache holds now (in use + reclaimable)
-    reclaimable_pages: int  # cached pages only the cache holds
-    stored: int  # pages inserted
-    duplicates: int  # full pages not inserted: an identical verified entry existed
-    collisions: int  # identity matches rejected by verification
-    pages_hashed: int  # page identities computed
-    events_pending: int  # KV events waiting in the ring
-    events_dropped: int  # KV events lost to a full ring
-    namespaces: int  # namespaces interned now (the empty one included)
-    usage: float  # fraction of the pool's pages that requests hold
+    lookups: int
+    """Admissions that looked a prompt up."""
+    lookup_tokens: int
+    """Prompt tokens looked up."""
+    hit_tokens: int
+    """Prompt tokens served from cached pages."""
+    reclaims: int
+    """Cached pages reclaimed to satisfy an allocation."""
+    cached_pages: int
+    """Pages the cache holds now (in use and reclaimable)."""
+    reclaimable_pages: int
+    """Cached pages only the cache holds."""
+    stored: int
+    """Pages inserted."""
+    duplicates: int
+    """Full pages not inserted: an identical verified entry existed."""
+    collisions: int
+    """Identity matches rejected by verification."""
+    pages_hashed: int
+    """Page identities computed."""
+    events_pending: int
+    """KV events waiting in the ring."""
+    events_dropped: int
+    """KV events lost to a full ring."""
+    namespaces: int
+    """Namespaces interned now (the empty one included)."""
+    usage: float
+    """Fraction of the pool's pages that requests hold."""
 
     @property
     def hit_rate(self) -> float:
@@ -91,18 +116,26 @@ class CachedPrefix(NamedTuple):
     ``reclaimable`` are reclaimable now (the admission takes them out of ``free_pages``)."""
 
     tokens: int
+    """Tokens an admission would reuse."""
     pages: int
+    """Pages holding them."""
     reclaimable: int
+    """Of those pages, how many are reclaimable now."""
 
 
 class CacheEntry(NamedTuple):
     """One cached page (``Scheduler.cache_entry(page)``)."""
 
     identity: int
-    parent: Optional[int]  # the parent page's identity; None for the first page of a chain
+    """The page's 64-bit identity."""
+    parent: Optional[int]
+    """The parent page's identity; None for the first page of a chain."""
     namespace_id: int
+    """The interned id of the page's namespace."""
     generation: int
+    """The insertion stamp that names this entry for ever."""
     reclaimable: bool
+    """Whether only the cache holds the page."""
 
 
 class FinishedRequest(NamedTuple):
@@ -111,8 +144,11 @@ class FinishedRequest(NamedTuple):
     ``"stop"`` (its eos token, unless ignored, or one of its stop token ids)."""
 
     request_id: int
-    output_tokens: Any  # np.ndarray of uint32
+    """The request's id."""
+    output_tokens: Any
+    """The generated tokens, a uint32 array (the prompt not included)."""
     finish_reason: str
+    """``"length"`` or ``"stop"``."""
 
 
 class FinishedGroup(NamedTuple):
@@ -122,10 +158,15 @@ class FinishedGroup(NamedTuple):
     log-probabilities, and ``member_ids=[]``."""
 
     request_id: int
-    outputs: List[Any]  # np.ndarray of uint32 each
+    """The group's id (its parent's)."""
+    outputs: List[Any]
+    """One uint32 array per member (``n``) or hypothesis (beam search, best first)."""
     finish_reasons: List[str]
+    """Why each output ended."""
     scores: Optional[List[float]]
+    """The hypotheses' cumulative log-probabilities (beam search), or None."""
     member_ids: List[int]
+    """The members' ids, what the sampler keys on (``n``); empty for beam search."""
 
 
 #: One row per step of ``run()`` (and what the twin's ``run()`` returns): the plan's sizes, what
@@ -164,7 +205,11 @@ class RunResult(NamedTuple):
     groups) it finished, in the order they finished; ``steps``: the steps it ran; ``totals``:
     each ``STEP_TOTALS`` field summed over all ``steps`` steps."""
 
-    stats: Any  # np.ndarray of STEP_STATS
-    finished: List[Any]  # FinishedRequest and FinishedGroup
+    stats: Any
+    """``STEP_STATS`` rows of the last ``min(steps, stats_rows)`` steps, oldest first."""
+    finished: List[Any]
+    """``FinishedRequest`` and ``FinishedGroup`` results, in the order they finished."""
     steps: int
+    """Steps the call ran."""
     totals: Dict[str, int]
+    """Each ``STEP_TOTALS`` field summed over all the steps."""

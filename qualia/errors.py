@@ -42,12 +42,16 @@ __all__ = [
 class QualiaError(Exception):
     """Base of every error the package raises for one of its error variants."""
 
+    #: The family's name (``"TableError"``).
     family: ClassVar[str] = "QualiaError"
+    #: The variant's name (``"OutOfRange"``); empty for a family.
     variant: ClassVar[str] = ""
     #: Each family's variants by name (``PoolError.VARIANTS["Exhausted"] is PoolError.Exhausted``).
     VARIANTS: ClassVar[Dict[str, Type[QualiaError]]] = {}
 
+    #: The wrapped inner error (a wrapping variant), also chained as ``__cause__``; else None.
     cause: Optional[BaseException]
+    #: A message detail (which value was refused and why); may be empty.
     detail: str
 
     def __init__(self, cause: Optional[BaseException] = None, detail: str = "") -> None:

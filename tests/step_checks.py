@@ -1,5 +1,7 @@
-"""The one check that two engine-step plans (the core's and the twin's) are the same, array for
-array and count for count; the step tests and the stateful differential test share it."""
+"""The checks the core and the twin are held to, shared by the step tests and the stateful
+differential tests: two engine-step plans are the same, array for array and count for count;
+two schedulers report the same counters; two ``run()`` results are the same.  The counters are
+read through the names the compiled core and the twin share, whichever class carries them."""
 
 import numpy as np
 
@@ -24,6 +26,60 @@ def assert_same_plan(a, b):
     assert getattr(a, "num_topk", 0) == getattr(b, "num_topk", 0), "num_topk"
 
 
+def facade_counters(s):
+    """Every counter of an admit/decode/finish scheduler: ``stats()`` (pages free, used, cached,
+    reclaimable, copied and allocated, decode rounds, ...) and ``cache_stats()`` (lookups, hits,
+    reclaims, pages stored, duplicates, collisions, hashed, KV events pending and dropped,
+    namespaces, usage)."""
+    return {"stats": s.stats(), "cache_stats": s.cache_stats()._asdict()}
+
+
+def step_counters(s):
+    """Every counter of an engine-step scheduler: its ``stats()`` and ``cache_stats()``, the
+    fork counters (``forks``, ``fork_fallbacks``, ``parked``) and the queues."""
+    out = facade_counters(s)
+    out["step"] = {"forks": s.forks, "fork_fallbacks": s.fork_fallbacks, "parked": s.parked,
+                   "num_waiting": s.num_waiting, "num_running": s.num_running,
+                   "has_unfinished": s.has_unfinished(), "free_pages": s.free_pages}
+    return out
+
+
+def _assert_same(a, b):
+    for part in a.keys() | b.keys():
+        x, y = a.get(part), b.get(part)
+        assert x is not None and y is not None, (part, x, y)
+        for name in x.keys() | y.keys():
+            assert name in x and name in y, (part, name, "reported by one only")
+            assert x[name] == y[name], (part, name, x[name], y[name])
+
+
+def assert_same_facade_counters(core, twin):
+    _assert_same(facade_counters(core), facade_counters(twin))
+
+
+def assert_same_step_counters(core, twin):
+    _assert_same(step_counters(core), step_counters(twin))
+
+
+def assert_same_run(a, b):
+    """Two run results (``RunResult``): the ``STEP_STATS`` rows kept, the steps, the ``STEP_TOTALS``
+    sums and the finished requests and groups, in order."""
+    assert a.stats.dtype == b.stats.dtype, (a.stats.dtype, b.stats.dtype)
+    assert np.array_equal(a.stats, b.stats), (a.stats, b.stats)
+    assert a.steps == b.steps and a.totals == b.totals, (a.steps, b.steps, a.totals, b.totals)
+    assert finished_key(a.finished) == finished_key(b.finished)
+
+
+def finished_key(done):
+    """Finished requests (``FinishedRequest``) and groups (``FinishedGroup``) as comparable
+    values, dtypes included."""
+    return [(f.request_id, f.output_tokens.dtype, f.output_tokens.tolist(), f.finish_reason)
+            if hasattr(f, "output_tokens") else
+            (type(f).__name__, f.request_id, [(o.dtype, o.tolist()) for o in f.outputs],
+             f.finish_reasons, f.scores, f.member_ids)
+            for f in done]
+
+
 class ShadowKV:
     """What a backend's paged KV holds, one token id per slot (-1: never written), to check the
     plans' page bookkeeping without a model: executing a plan performs its copies (all at once:
@@ -36,6 +92,11 @@ class ShadowKV:
     def __init__(self, num_pages, page_tokens):
         self.kv = np.full((max(num_pages, 1), page_tokens), -1, dtype=np.int64)
         self.pt = page_tokens
+
+    def forget(self):
+        """Plans ran that the shadow did not see (a ``run()`` with a C backend): from here on
+        it checks nothing."""
+        self.kv = None
 
     @staticmethod
     def expect(sched, plan):
@@ -58,6 +119,8 @@ class ShadowKV:
 
     def execute(self, plan, expected):
         """A whole execution: copies, writes, then every read checked."""
+        if self.kv is None:
+            return
         self.copy(plan.copies)
         self.write(plan)
         ptr, idx = plan.kv_indptr.tolist(), plan.kv_indices.tolist()
@@ -70,7 +133,7 @@ class ShadowKV:
     def fail(self, plan, how, rng):
         """An execution that failed part way ("none", "copies": some of the copies, "writes":
         the copies and some writes, "full": everything, then the backend reported failure)."""
-        if how == "none":
+        if how == "none" or self.kv is None:
             return
         if how == "copies":
             self.copy(plan.copies[:int(rng.integers(0, len(plan.copies) + 1))])
@@ -80,3 +143,21 @@ class ShadowKV:
             self.write(plan, rng.random(len(plan.input_ids)) < 0.5)
         else:
             self.write(plan)
+
+
+def run_steps(sched, backend, max_steps=100000):
+    """Drive ``sched`` to completion one schedule/update at a time (a backend's
+    ``execute_step`` returns the sampled ids, or ``(sampled, topk_ids, topk_logprobs)`` for a
+    plan with beam rows); returns (finished, peak pages held by requests, steps).  Pages are
+    counted after each ``schedule`` (the step's pages are reserved then)."""
+    finished = []
+    peak = 0
+    steps = 0
+    while sched.has_unfinished() and steps < max_steps:
+        plan = sched.schedule()
+        stats = sched.stats()
+        peak = max(peak, stats["used_pages"])
+        out = backend.execute_step(plan)
+        finished.extend(sched.update(*out) if isinstance(out, tuple) else sched.update(out))
+        steps += 1
+    return finished, peak, steps

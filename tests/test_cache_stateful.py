@@ -7,11 +7,13 @@ request's whole token stream, other namespaces), reserve / advance / complete_pr
 rounds with backend faults, finish, cache clears, event drains into buffers of every size,
 identity masks that force hash collisions, bad arguments.  After every step both must agree on
 the result or the exception (class and chain), every reference count, the free count, the
-reclaimable pages in reclaim order, every cache entry, every block table and token count, the
-counters and the drained events; and reference counts are conserved: a page's count is the
-number of block tables that map it plus one if it is cached.  The namespace tables are small (1 to
-4 ids for up to five namespaces), and ``NamespaceTableFull`` is only allowed when no namespace is
-idle: every id but the empty namespace's is held by a live request.
+reclaimable pages in reclaim order, every cache entry, every block table and token count, every
+counter (``stats()``: pages copied and allocated, decode rounds, ...; ``cache_stats()``: lookups,
+hits, reclaims, events pending and dropped, ...) and the drained events; and reference counts
+are conserved: a page's count is the number of block tables that map it plus one if it is
+cached.  The namespace tables are small (1 to 4 ids for up to five namespaces), and
+``NamespaceTableFull`` is only allowed when no namespace is idle: every id but the empty
+namespace's is held by a live request.
 
 Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1.
 """
@@ -25,6 +27,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from step_checks import assert_same_facade_counters
 
 import qualia
 from qualia.errors import PrefixCacheError, QualiaError
@@ -168,6 +171,18 @@ class CacheVsTwin(RuleBasedStateMachine):
         if finish:
             self.finish(rid, True)
 
+    @rule(prompt=st.integers(0, len(PROMPTS) - 1), ns=NAMESPACES, cont=st.integers(0, 7),
+          first=TOKENS, rounds=st.integers(1, 3), reserve=st.sampled_from([0, 1, 3]))
+    def serve_and_fork(self, prompt, ns, cont, first, rounds, reserve):
+        """A request served up to its first decode, then forked: the child shares the partly
+        filled last page, which the next reservation or decode round copies."""
+        rid = self.new_rid()
+        self.serve(prompt, ns, cont, first, 0, False)
+        active = self.active()
+        if rid in active:
+            child = next(r for r in (300, 301, 302, 303) if r not in active)
+            self.fork(rid, child, rounds, True, reserve)
+
     @rule(prompt=st.integers(0, len(PROMPTS) - 1), ns=NAMESPACES, cont=st.integers(0, 7))
     def probe(self, prompt, ns, cont):
         tokens = self.history[-1 - cont % len(self.history)] + list(PROMPTS[prompt])
@@ -242,10 +257,11 @@ class CacheVsTwin(RuleBasedStateMachine):
 
     @rule(parent=st.one_of(ACTIVE, ACTIVE, RIDS),
           child=st.one_of(st.sampled_from([300, 301, 302]), RIDS), rounds=st.integers(0, 3),
-          room=st.booleans())
-    def fork(self, parent, child, rounds, room):
+          room=st.booleans(), reserve=st.sampled_from([0, 0, 1, 3]))
+    def fork(self, parent, child, rounds, room, reserve):
         """Fork (valid or not: unknown parent, parent in its prefill, duplicate child, full
-        table), then a few decode rounds in which parent and child copy the shared last page."""
+        table), then maybe a reservation of the child's next tokens and a few decode rounds:
+        either copies the shared last page."""
         parent = self.rid(parent)
         child = self.rid(child)
         others = [r for r in self.active() if r != parent]
@@ -261,6 +277,8 @@ class CacheVsTwin(RuleBasedStateMachine):
         assert self.c.requests.pending_token(child) == self.c.requests.pending_token(parent)
         self.streams[child] = list(self.streams.get(parent, []))
         self.ns_of[child] = self.ns_of[parent]
+        if reserve:
+            self.both("reserve", child, reserve)
         for _ in range(rounds):
             self.decode(None, 32000)
 
@@ -363,7 +381,7 @@ class CacheVsTwin(RuleBasedStateMachine):
         assert c.runnable().tolist() == t.runnable().tolist()
         for r in self.active():
             assert c.block_table(r).tolist() == t.block_table(r).tolist()
-        assert c.cache_stats() == t.cache_stats()
+        assert_same_facade_counters(c, t)
 
     @invariant()
     def conserved(self):

@@ -603,11 +603,12 @@ def test_a_trace_of_more_tenants_than_namespace_ids_runs(tmp_path, capsys):
     assert data["check"]["ok"] and data["stats"]["requests_completed"] == 1100
 
 
-def _closed_pipe(args):
-    """Run ``python -m qualia args`` with its stdout a pipe whose reader has already gone (as
+def _closed_pipe(args, cwd):
+    """Run ``python -m qualia args`` in ``cwd`` (outside the checkout, whose source folder would
+    hide the installed package) with its stdout a pipe whose reader has already gone (as
     ``| head -1`` leaves it); the exit status and stderr."""
     proc = subprocess.Popen([sys.executable, "-m", "qualia", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=cwd)
     proc.stdout.close()
     try:
         _, err = proc.communicate(timeout=120)
@@ -621,7 +622,7 @@ def _closed_pipe(args):
                                    ["--replicas", "2", "--local", "--json", "-"]])
 def test_output_into_a_closed_pipe_ends_quietly(extra, tmp_path):
     rc, err = _closed_pipe(["simulate", "--backend", "c", "--requests", "4", "--no-progress",
-                            *extra])
+                            *extra], tmp_path)
     assert rc == cli.EXIT_BROKEN_PIPE == 141
     assert err == ""
 
@@ -655,11 +656,11 @@ def test_step_ms_moves_the_clock_by_at_most_an_hour(value, monkeypatch, capsys):
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize("extra", [[], ["--json", "-"], ["--replicas", "2", "--local"]])
-def test_output_that_cannot_be_written_is_one_error_line(extra):
+def test_output_that_cannot_be_written_is_one_error_line(extra, tmp_path):
     with open("/dev/full", "w") as full:
         r = subprocess.run([sys.executable, "-m", "qualia", "simulate", "--backend", "c",
                             "--requests", "4", "--no-progress", *extra], stdout=full,
-                           stderr=subprocess.PIPE, text=True, timeout=120)
+                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr == "error: cannot write the output: No space left on device\n"
 

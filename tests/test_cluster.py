@@ -359,7 +359,7 @@ def test_ray_client_address_without_ray_client_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}",
                                      "no-such-host.invalid:6379", "6379", "ray://"])
-def test_an_unreachable_ray_address_fails_at_once(address):
+def test_an_unreachable_ray_address_fails_at_once(address, tmp_path):
     pytest.importorskip("ray")
     import socket
     with socket.socket() as s:     # a port nothing listens on
@@ -368,7 +368,7 @@ def test_an_unreachable_ray_address_fails_at_once(address):
     r = subprocess.run([sys.executable, "-m", "qualia", "simulate", "--replicas", "2",
                         "--requests", "4", "--backend", "c", "--no-progress", "--ray-address",
                         address.format(port=port)],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: argument --ray-address") and r.stderr.count("\n") == 1
 

@@ -113,6 +113,27 @@ def test_reserve_into_a_shared_page_copies_it(S):
     assert s.block_table(1).tolist()[-1] == last and s.pool.refcount(last) == 1
 
 
+@pytest.mark.parametrize("S,mode", [(qualia.Scheduler, "auto"), (qualia.Scheduler, "explicit"),
+                                    (qualia.Scheduler, "off"), (twin_cache.Scheduler, "auto")],
+                         ids=["core-auto", "core-explicit", "core-off", "twin-auto"])
+def test_page_counters_count_a_copy_as_a_copy_and_a_fresh_page_as_an_allocation(S, mode):
+    def pages():
+        return s.stats()["pages_allocated"], s.stats()["pages_copied"]
+
+    s = decoding(S, prefix_caching=mode)             # 10 tokens: pages 0, 1, 2 (2 partly filled)
+    assert pages() == (3, 0)
+    s.fork(1, 2)
+    s.decode(CopyingBackend())                        # both write page 2: one copy, no fresh page
+    assert pages() == (3, 1) and s.stats()["decode_rounds"] == 1
+    s.fork(1, 3)                                      # 11 tokens: page 2 shared again
+    assert len(s.reserve(3, 1)) == 1                  # one copy
+    assert pages() == (3, 2)
+    s.reserve(3, 2)                                   # positions 11, 12: one fresh page
+    assert pages() == (4, 2)
+    s.decode(CopyingBackend())                        # 1 and 2 write page 2 alone: nothing
+    assert pages() == (4, 2) and s.stats()["decode_rounds"] == 2
+
+
 @pytest.mark.parametrize("S", FACADES)
 def test_finish_releases_only_its_own_references(S):
     s = decoding(S)

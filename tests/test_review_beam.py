@@ -1,8 +1,8 @@
 """Hostile review of beam groups in the compiled engine step (docs/DESIGN.md, "Beam search at the
 step level"): malformed candidates from ``update`` and from Python and C backends, aborts at every
 phase of a group, discards, tiny pools, ids of internal children, re-entrant user code, and the
-memory rules.  Every refused call changes nothing; where the twin (``ForkStepScheduler``) models
-the case, the core and the twin agree call for call.
+memory rules.  Every refused call changes nothing; where the twin
+(``qualia.twin.StepScheduler``) models the case, the core and the twin agree call for call.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from test_step_stateful import finished_key
 
 import qualia
 from qualia.errors import BusyError, StepError
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
+from qualia.twin.groups import CHILD_BASE
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 V = 64
@@ -31,7 +32,7 @@ HB = qualia.HashBackend(vocab=V)
 
 def both(*args, **kw):
     kw.setdefault("vocab_size", V)
-    return qualia.StepScheduler(*args, **kw), TF.ForkStepScheduler(*args, **kw)
+    return qualia.StepScheduler(*args, **kw), TwinStepScheduler(*args, **kw)
 
 
 def state(s, groups=()):
@@ -473,7 +474,7 @@ def test_edges_width_equal_to_max_num_seqs_one_token_and_all_stop_candidates(wid
 
 def test_children_skip_user_ids_at_the_child_base():
     c, t = both(64, 4, 16, 8, max_queued=12)
-    base = TF.CHILD_BASE
+    base = CHILD_BASE
     for s in (c, t):
         s.add_request(base, [1, 2], max_new_tokens=9)
         s.add_request(base + 2, [1, 2], max_new_tokens=9)

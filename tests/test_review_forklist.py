@@ -1,6 +1,7 @@
 """Review of the plans' fork lists (``fork_child_ids`` / ``fork_parent_ids``), of new ids named
-again after a discarded plan, and of best-first beam rows (docs/DESIGN.md, "fork_child_ids",
-"discarded plan", "best first"): the compiled core against the pure-Python twin."""
+again after a discarded plan, and of best-first beam rows (docs/DESIGN.md, "The plan",
+"Tokens back", "Beam search at the step level"): the compiled core against the pure-Python
+twin."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from step_checks import assert_same_plan
 from test_step_harden import c_backend, snapshot
 
 import qualia
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
 
 KW = dict(max_num_batched_tokens=64, max_num_seqs=4, max_queued=32, vocab_size=64,
           cache_key=b"f" * 16)
@@ -20,7 +21,7 @@ KW = dict(max_num_batched_tokens=64, max_num_seqs=4, max_queued=32, vocab_size=6
 
 def both(**kw):
     kw = {**KW, **kw}
-    return [qualia.StepScheduler(64, 4, 16, **kw), TF.ForkStepScheduler(64, 4, 16, **kw)]
+    return [qualia.StepScheduler(64, 4, 16, **kw), TwinStepScheduler(64, 4, 16, **kw)]
 
 
 def short_lived_groups(s):
@@ -309,7 +310,7 @@ def lockstep(seed, stats):
     kw = dict(max_num_batched_tokens=int(rng.integers(4, 40)), max_num_seqs=seqs,
               vocab_size=64, cache_key=b"z" * 16, max_queued=24)
     nb = int(rng.integers(8, 40))
-    ss = [qualia.StepScheduler(nb, 4, 16, **kw), TF.ForkStepScheduler(nb, 4, 16, **kw)]
+    ss = [qualia.StepScheduler(nb, 4, 16, **kw), TwinStepScheduler(nb, 4, 16, **kw)]
     nid = 0
     for _ in range(80):
         a = rng.integers(0, 10)

@@ -1,5 +1,5 @@
 """Hostile review of parallel sampling (``add_request(..., n=k)``) in the compiled engine step
-and its twin ``qualia.twin.ForkStepScheduler`` (docs/DESIGN.md, "Forks at the step level").
+and its twin ``qualia.twin.StepScheduler`` (docs/DESIGN.md, "Forks at the step level").
 
 The stateful test extends ``ForksVsTwin`` with what it does not reach: user ids in the range
 of the internal child ids (from 2**63 up) and at 2**64-1, a group aborted in its pending plan
@@ -22,9 +22,10 @@ from test_step_stateful import ALLOWED, SETTINGS, VOCAB
 
 import qualia
 from qualia.errors import BusyError, StepError
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
+from qualia.twin.groups import CHILD_BASE
 
-CHILD = TF.CHILD_BASE
+CHILD = CHILD_BASE
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 IDS = [0, 1, 2, 3, CHILD, CHILD + 1, CHILD + 2, CHILD + 3, 2**64 - 1, 2**64 - 2]
 
@@ -106,7 +107,7 @@ def both_kinds(**kw):
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("max_queued", 32)
     kw.setdefault("vocab_size", VOCAB)
-    return qualia.StepScheduler(*args, **kw), TF.ForkStepScheduler(*args, **kw)
+    return qualia.StepScheduler(*args, **kw), TwinStepScheduler(*args, **kw)
 
 
 class PyHash:
@@ -333,7 +334,7 @@ def test_abort_the_group_at_every_phase_agrees_with_the_twin(phase):
 def test_queue_of_exactly_n_entries_and_fewer_seqs_than_requests():
     # max_queued == max_num_seqs == n: the group takes the whole queue until its result
     for s in (qualia.StepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB),
-              TF.ForkStepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB)):
+              TwinStepScheduler(64, 4, 16, 3, max_queued=3, vocab_size=VOCAB)):
         s.add_request(1, PROMPT, max_new_tokens=2, n=3)
         before = snapshot(s)
         with pytest.raises(StepError.QueueFull):

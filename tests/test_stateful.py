@@ -16,6 +16,10 @@ Two hypothesis state machines:
 * ``FacadeInvariants`` drives ``qualia.Scheduler`` (no reference twin): every call that raised
   must have left ``stats()``, ``pool.refcounts()``, ``runnable()``, every block table, every
   token count and the store unchanged, and reference counts are conserved after every step.
+  Its counters are kept by the machine and compared after every step: the store's entries,
+  hits and misses, the active requests and free pages, and the pages copied (each reservation's
+  copies, each round's copies as its backend counts them) and allocated (the growth of the
+  block tables a reservation or a round wrote), and the decode rounds.
 
 Fast profile (default, a few seconds):
     pytest tests/test_stateful.py -q -p no:cacheprovider
@@ -796,6 +800,7 @@ class FacadeInvariants(RuleBasedStateMachine):
                                   prefix_entries=prefix_entries, prefix_pages=prefix_pages,
                                   prefix_caching="explicit")
         self.vocab = 32000
+        self.pages = {"pages_copied": 0, "pages_allocated": 0, "decode_rounds": 0}
         for k in range(head_start):
             self.serve(100 + k, k, "half", True, b"", False, 3)
 
@@ -817,7 +822,7 @@ class FacadeInvariants(RuleBasedStateMachine):
         if isinstance(adm, Raised):
             return
         rest = max(len(tokens) - adm.prefix_tokens, 0)
-        self.guarded("reserve", lambda: self.s.reserve(rid, rest))
+        self.counted_reserve(rid, rest)
         self.guarded("advance", lambda: self.s.advance(rid, rest))
         self.guarded("complete_prefill", lambda: self.s.complete_prefill(rid, first))
         if publish:
@@ -857,6 +862,18 @@ class FacadeInvariants(RuleBasedStateMachine):
                   for i in store.identities()),
         )
 
+    def table_lengths(self):
+        return {r: len(self.s.block_table(r)) for r in self.active()}
+
+    def counted_reserve(self, rid, n):
+        # a reservation counts its copies, and its fresh pages as allocations
+        before = self.table_lengths().get(rid, 0)
+        out = self.guarded("reserve", lambda: self.s.reserve(rid, n))
+        if not isinstance(out, Raised):
+            self.pages["pages_copied"] += len(out)
+            self.pages["pages_allocated"] += self.table_lengths()[rid] - before
+        return out
+
     def guarded(self, what, fn):
         before = self.snapshot()
         out = attempt(fn)
@@ -881,7 +898,7 @@ class FacadeInvariants(RuleBasedStateMachine):
     @rule(rid=RIDS, n=st.one_of(st.integers(0, 12), st.sampled_from([U32_MAX, -1])))
     def reserve(self, rid, n):
         rid = self.rid(rid)
-        out = self.guarded("reserve", lambda: self.s.reserve(rid, n))
+        out = self.counted_reserve(rid, n)
         if not isinstance(out, Raised):
             assert out.dtype == qualia.COPY_OP
 
@@ -919,9 +936,15 @@ class FacadeInvariants(RuleBasedStateMachine):
         decoding = [v for v in views.tolist() if v[2] == 2]
         pending = {v[0]: self.s.requests.pending_token(v[0]) for v in decoding}
         rounds = self.s.stats()["decode_rounds"]
+        lengths = sum(self.table_lengths().values())
+        copied = getattr(backend, "pages_copied", 0)
         out = self.guarded(f"decode[{kind} {fault}]", lambda: self.s.decode(backend))
         if isinstance(out, Raised):
             return
+        # a round counts the copies its backend made, and the pages its tables grew by
+        self.pages["pages_copied"] += getattr(backend, "pages_copied", 0) - copied
+        self.pages["pages_allocated"] += sum(self.table_lengths().values()) - lengths
+        self.pages["decode_rounds"] += 1
         receipt, outputs = out
         assert receipt.batch_size == len(decoding) == len(outputs)
         assert self.s.stats()["decode_rounds"] == rounds + 1
@@ -939,8 +962,11 @@ class FacadeInvariants(RuleBasedStateMachine):
         self.guarded("finish", lambda: self.s.finish(rid))
 
     @rule(parent=st.one_of(ACTIVE, ACTIVE, RIDS),
-          child=st.one_of(st.sampled_from([200, 201]), RIDS))
-    def fork(self, parent, child):
+          child=st.one_of(st.sampled_from([200, 201]), RIDS),
+          reserve=st.sampled_from([0, 0, 1, 3]))
+    def fork(self, parent, child, reserve):
+        # a fork, then maybe a reservation of the child's next tokens (it copies the shared
+        # last page when that page is partly filled)
         parent = self.rid(parent)
         child = self.rid(child)
         out = self.guarded("fork", lambda: self.s.fork(parent, child))
@@ -950,6 +976,8 @@ class FacadeInvariants(RuleBasedStateMachine):
             assert s.token_count(child) == s.token_count(parent)
             assert s.requests.pending_token(child) == s.requests.pending_token(parent)
             assert s.requests.request_view(child)[2] == qualia.RequestState.DECODE
+            if reserve:
+                self.counted_reserve(child, reserve)
 
     @rule()
     def evict_unused_lru(self):
@@ -1032,6 +1060,7 @@ class FacadeInvariants(RuleBasedStateMachine):
         assert st_["used_pages"] == s.num_pages - s.free_pages
         assert st_["prefix_entries"] == len(store)
         assert (st_["prefix_hits"], st_["prefix_misses"]) == (store.hits, store.misses)
+        assert {k: st_[k] for k in self.pages} == self.pages
 
     def teardown(self):
         if not hasattr(self, "s"):

@@ -14,24 +14,20 @@ from step_checks import ShadowKV, assert_same_plan
 import qualia
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
 from qualia.sim.adapters import PlanModelSteps
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]     # 10 tokens: 2 full pages of 4 and a partial one
 KINDS = ["core", "twin"]
 
 
 def make(kind, *args, **kw):
-    cls = qualia.StepScheduler if kind == "core" else TF.ForkStepScheduler
+    cls = qualia.StepScheduler if kind == "core" else TwinStepScheduler
     return cls(*args, **kw)
 
 
 def facade(s):
     # the pool and its pages: the core's own, the twin's facade twin
     return s if isinstance(s, qualia.StepScheduler) else s.facade
-
-
-def pages_copied(s):
-    return s.stats()["pages_copied"] if isinstance(s, qualia.StepScheduler) else s.pages_copied
 
 
 def tables(plan):
@@ -90,7 +86,7 @@ def test_a_discarded_plans_copies_are_listed_again_until_applied(kind, times):
     s.update(np.full(len(plan.logits_indices), 7, np.uint32))
     plan, _ = step(s, shadow)
     assert copies_of(plan) == []            # applied: owed no more
-    assert pages_copied(s) == 2              # made once, however often listed
+    assert s.stats()["pages_copied"] == 2    # made once, however often listed
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -284,7 +280,7 @@ def _lockstep(seed):
     nb = int(rng.integers(6, 20))
     kw = dict(max_num_batched_tokens=int(rng.integers(2, 24)), max_num_seqs=seqs,
               vocab_size=64, cache_key=b"o" * 16, max_queued=24)
-    c, t = qualia.StepScheduler(nb, pt, 12, **kw), TF.ForkStepScheduler(nb, pt, 12, **kw)
+    c, t = qualia.StepScheduler(nb, pt, 12, **kw), TwinStepScheduler(nb, pt, 12, **kw)
     shadow = ShadowKV(nb, pt)
     nid, relisted, owed = 0, 0, []
     for _ in range(120):

@@ -1,16 +1,19 @@
-"""Parallel sampling (n > 1) and beam search over copy-on-write forks at the step level
-(qualia.twin.fork, DESIGN.md "Forks at the step level"): every member's tokens equal the dense
-run with the same sampler and request id, beam search equals the dense beam search of the same
-width, the prompt's pages are held once, and misuse is refused changing nothing."""
+"""Parallel sampling (n > 1) and beam search over copy-on-write forks at the step level, in the
+twin (qualia.twin.StepScheduler, DESIGN.md "Forks at the step level"): every member's tokens equal
+the dense run with the same sampler and request id, beam search equals the dense beam search of
+the same width, the prompt's pages are held once, and misuse is refused changing nothing."""
 
 from __future__ import annotations
 
 import pytest
+from step_checks import run_steps
 
+from qualia import FinishedGroup
 from qualia.errors import StepError
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
 from qualia.sim.adapters import PlanModelSteps
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
+from qualia.twin.groups import CHILD_BASE
 
 W = ModelWeights.random(ModelConfig(vocab=64, layers=1))
 DENSE = DenseModel(W)
@@ -19,12 +22,12 @@ HOT = SamplingParams(temperature=1.0, seed=11)
 
 
 def world(num_pages=64, page_tokens=4, logical_pages=16, max_num_seqs=8, sampling=HOT, **kw):
-    s = TF.ForkStepScheduler(num_pages, page_tokens, logical_pages, max_num_seqs, **kw)
+    s = TwinStepScheduler(num_pages, page_tokens, logical_pages, max_num_seqs, **kw)
     return s, PlanModelSteps(PagedModelBackend(W, num_pages, page_tokens, sampling=sampling))
 
 
 def groups(finished):
-    return {f.request_id: f for f in finished if isinstance(f, TF.FinishedGroup)}
+    return {f.request_id: f for f in finished if isinstance(f, FinishedGroup)}
 
 
 def dense(prompt, new, member, sampling=HOT, **kw):
@@ -48,13 +51,13 @@ def test_every_child_equals_its_dense_run(page_tokens, prompt_len, budget):
     s.add_request(2, prompt[:3], max_new_tokens=4)
     members = s.group_members(1)
     assert members[0] == 1 and len(set(members)) == 4
-    finished, _, _ = TF.run_forks(s, b)
+    finished, _, _ = run_steps(s, b)
     g = groups(finished)[1]
     assert g.finish_reasons == ["length"] * 4 and g.member_ids == members
     outs = [o.tolist() for o in g.outputs]
     assert outs == [dense(prompt, 6, m) for m in members]
     assert len({tuple(o) for o in outs}) > 1          # the members really sample apart
-    plain = [f for f in finished if not isinstance(f, TF.FinishedGroup)][0]
+    plain = [f for f in finished if not isinstance(f, FinishedGroup)][0]
     assert plain.output_tokens.tolist() == dense(prompt[:3], 4, 2)
     assert s.forks == 3 and s.fork_fallbacks == 0
     assert s.facade.free_pages == s.facade.num_pages
@@ -76,15 +79,15 @@ def test_prompt_pages_are_held_once_and_the_partial_page_copied_per_child():
     pt, n, new = 4, 8, 8
     s, b = world(num_pages=64, page_tokens=pt, logical_pages=8)
     s.add_request(1, PROMPT, max_new_tokens=new, n=n)       # 10 tokens: 2 full + 2
-    _, peak, _ = TF.run_forks(s, b)
-    assert s.pages_copied == n - 1
+    _, peak, _ = run_steps(s, b)
+    assert s.stats()["pages_copied"] == n - 1
     tail = -(-(len(PROMPT) + new - 1) // pt) - len(PROMPT) // pt    # own pages per member
     assert peak == len(PROMPT) // pt + n * tail
     # n independent requests of the same prompt (no forks; full pages shared by the cache)
     s2, b2 = world(num_pages=64, page_tokens=pt, logical_pages=8)
     for r in range(n):
         s2.add_request(10 + r, PROMPT, max_new_tokens=new)
-    _, peak2, _ = TF.run_forks(s2, b2)
+    _, peak2, _ = run_steps(s2, b2)
     assert peak2 >= peak
 
 
@@ -92,7 +95,7 @@ def test_eos_and_stop_tokens_stop_members_independently():
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=12, n=6, eos_token_id=7, stop_token_ids=[9, 40])
     members = s.group_members(1)
-    g = groups(TF.run_forks(s, b)[0])[1]
+    g = groups(run_steps(s, b)[0])[1]
     for j, out in enumerate(g.outputs):
         ref = dense(PROMPT, 12, members[j], eos_token_id=7, stop_token_ids=(9, 40))
         assert out.tolist() == ref
@@ -104,7 +107,7 @@ def test_children_without_a_free_slot_wait_and_still_match():
     s.add_request(1, PROMPT, max_new_tokens=5, n=2)
     s.add_request(2, PROMPT, max_new_tokens=5, n=2)
     ids = {1: s.group_members(1), 2: s.group_members(2)}
-    g = groups(TF.run_forks(s, b)[0])
+    g = groups(run_steps(s, b)[0])
     for rid in (1, 2):
         assert [o.tolist() for o in g[rid].outputs] == [dense(PROMPT, 5, m) for m in ids[rid]]
     assert s.fork_fallbacks >= 1
@@ -133,7 +136,7 @@ def test_preemption_keeps_every_member_exact():
 def test_beam_search_equals_the_dense_beam_search(width, eos):
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
-    g = groups(TF.run_forks(s, b)[0])[1]
+    g = groups(run_steps(s, b)[0])[1]
     assert beams_of(g) == dense_beams(PROMPT, width, 6, eos_token_id=eos)
     assert g.scores == sorted(g.scores, reverse=True)
     assert s.facade.free_pages == s.facade.num_pages
@@ -145,7 +148,7 @@ def test_beam_search_with_stop_ids_finishes_hypotheses_early():
     stop = [first[0][0], first[2][0]]
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=6, beam_width=4, stop_token_ids=stop)
-    g = groups(TF.run_forks(s, b)[0])[1]
+    g = groups(run_steps(s, b)[0])[1]
     assert beams_of(g) == dense_beams(PROMPT, 4, 6, stop_token_ids=stop)
     assert "stop" in g.finish_reasons
 
@@ -185,7 +188,7 @@ def test_member_ids_are_reserved_and_aborting_the_group_releases_everything():
     s, b = world()
     s.add_request(1, PROMPT, max_new_tokens=8, n=3)
     child = s.group_members(1)[1]
-    assert child == TF.CHILD_BASE
+    assert child == CHILD_BASE
     with pytest.raises(StepError.DuplicateRequest):
         s.add_request(child, PROMPT, max_new_tokens=3)
     for _ in range(3):

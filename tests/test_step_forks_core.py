@@ -1,17 +1,18 @@
 """Parallel sampling (``add_request(..., n=k)``) and beam search (``beam_width=w``) in the
-compiled engine step, against their pure-Python statement ``qualia.twin.ForkStepScheduler``
+compiled engine step, against their pure-Python statement ``qualia.twin.StepScheduler``
 (docs/DESIGN.md, "Forks at the step level", "Beam search at the step level").
 
 ``ForksVsTwin`` is the engine step's stateful differential test (tests/test_step_stateful.py)
 with ``n`` groups and beam groups among the requests: every plan array (repeated logits rows,
 the members' ids, the copies of the shared partial page, rows of forked children, ``num_topk``),
 every result (one ``FinishedGroup`` per group, with the beams' scores), the queues, the pool's
-reference counts, the parked beams and every request's tokens must agree after every call, and
-the shadow KV (plans discarded after a partial execution among them) must read every member's
-own tokens through its pages: the partial page a fork shared is copied before a child reads it,
-however often the plan that copies it is discarded.  The
-dense checks run ``qualia.model``'s seeded per-member sampler and its beam search through the
-core and compare each result with its dense run.
+reference counts, the parked beams, every request's tokens and every counter (``stats()`` with
+the pages copied and allocated, ``cache_stats()``, ``forks``, ``fork_fallbacks``, ``parked``, the
+KV events, ``run()``'s rows and totals) must agree after every call, and the shadow KV (plans
+discarded after a partial execution among them) must read every member's own tokens through its
+pages: the partial page a fork shared is copied before a child reads it, however often the plan
+that copies it is discarded.  The dense checks run ``qualia.model``'s seeded per-member sampler
+and its beam search through the core and compare each result with its dense run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-from step_checks import ShadowKV, assert_same_plan
+from step_checks import ShadowKV, assert_same_plan, assert_same_step_counters
 from test_step_abi import example_rule, example_topk_rule
 from test_step_stateful import PREFIXES, PRIORITIES, SETTINGS, VOCAB, StepVsTwin, finished_key
 
@@ -28,19 +29,22 @@ import qualia
 from qualia.errors import StepError
 from qualia.model import DenseModel, ModelConfig, ModelWeights, PagedModelBackend, SamplingParams
 from qualia.sim.adapters import PlanModelSteps
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
+from qualia.twin.groups import CHILD_BASE
 
 
 class ForksVsTwin(StepVsTwin):
     @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24),
                 seqs=st.integers(1, 5), chunk=st.sampled_from([None, None, 1, 3, 8]),
-                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]))
-    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens):
+                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]),
+                events=st.sampled_from([4096, 4096, 6, 0]))
+    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens, events):
         kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
                   max_queued=20 if queued is None else queued, vocab_size=VOCAB,
-                  cache_key=b"s" * 16)
+                  cache_key=b"s" * 16,
+                  event_capacity=events)
         self.core = qualia.StepScheduler(num_blocks, page_tokens, 12, **kw)
-        self.twin = TF.ForkStepScheduler(num_blocks, page_tokens, 12, **kw)
+        self.twin = TwinStepScheduler(num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
         self.plan = None
         self.shadow = ShadowKV(num_blocks, page_tokens)
@@ -157,8 +161,7 @@ class ForksVsTwin(StepVsTwin):
         assert sorted(c.requests()) == sorted(t.requests())
         for rid in c.requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
-        assert c.forks == t.forks and c.fork_fallbacks == t.fork_fallbacks
-        assert c.parked == t.parked
+        assert_same_step_counters(c, t)
 
 
 TestForksVsTwin = ForksVsTwin.TestCase
@@ -190,7 +193,7 @@ def test_every_member_equals_its_dense_run_and_the_twin(page_tokens, prompt_len,
     prompt = PROMPT[:prompt_len]
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_queued=32)
     c = qualia.StepScheduler(64, page_tokens, 32, **kw)
-    t = TF.ForkStepScheduler(64, page_tokens, 32, **kw)
+    t = TwinStepScheduler(64, page_tokens, 32, **kw)
     for s in (c, t):
         s.add_request(1, prompt, max_new_tokens=6, n=4)
         s.add_request(2, prompt[:3], max_new_tokens=4)
@@ -223,9 +226,32 @@ def test_the_prompt_row_is_sampled_once_per_member_and_the_partial_page_copied()
     assert plan.kv_indices.tolist()[:2] == plan.kv_indices.tolist()[3:5]   # full pages shared
 
 
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_step_page_counters_count_the_shared_page_copies_as_copies(kind):
+    cls = qualia.StepScheduler if kind == "core" else TwinStepScheduler
+    s = cls(64, 4, 16, 8)
+    s.add_request(1, PROMPT, max_new_tokens=6, n=3)          # 10 tokens: pages 0, 1, 2
+
+    def step(tokens):
+        s.schedule()
+        s.update(np.array(tokens, np.uint32))
+
+    def pages():
+        return s.stats()["pages_allocated"], s.stats()["pages_copied"]
+
+    step([1, 2, 3])                         # the prompt, then the forks
+    assert pages() == (3, 0)
+    step([4, 5, 6])                         # each child but the last copies the partial page
+    assert pages() == (3, 2)
+    step([7, 8, 9])                         # position 11: in place
+    step([7, 8, 9])                         # position 12: one fresh page per member
+    assert pages() == (6, 2)
+    assert s.stats()["used_pages"] == 2 + 3 * 2 and s.stats()["num_pages"] == 64
+
+
 def test_queue_capacity_counts_every_member():
     c = qualia.StepScheduler(64, 4, 16, 4, max_queued=5)
-    t = TF.ForkStepScheduler(64, 4, 16, 4, max_queued=5)
+    t = TwinStepScheduler(64, 4, 16, 4, max_queued=5)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, n=4)
         with pytest.raises(StepError.QueueFull):
@@ -268,7 +294,7 @@ def test_groups_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     hb = qualia.HashBackend()
     kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6, max_queued=32)
     a, b = qualia.StepScheduler(14, 4, 16, **kw), qualia.StepScheduler(14, 4, 16, **kw)
-    t = TF.ForkStepScheduler(14, 4, 16, **kw)
+    t = TwinStepScheduler(14, 4, 16, **kw)
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, n=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=6, n=4)
@@ -345,7 +371,7 @@ def test_beam_search_equals_the_dense_beam_search_and_the_twin(width, eos, budge
     results."""
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_queued=32)
     c = qualia.StepScheduler(64, 4, 16, **kw)
-    t = TF.ForkStepScheduler(64, 4, 16, **kw)
+    t = TwinStepScheduler(64, 4, 16, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=6, beam_width=width, eos_token_id=eos)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2)
@@ -382,7 +408,7 @@ def test_beams_under_preemption_park_and_match_the_twin():
     twin step for step, and each group equals its dense search."""
     kw = dict(max_num_batched_tokens=6, max_num_seqs=3, max_queued=24)
     c = qualia.StepScheduler(12, 2, 12, **kw)
-    t = TF.ForkStepScheduler(12, 2, 12, **kw)
+    t = TwinStepScheduler(12, 2, 12, **kw)
     for s in (c, t):
         s.add_request(1, PROMPT[:7], max_new_tokens=5, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=5, n=2, priority=1)
@@ -407,7 +433,7 @@ def test_beams_under_preemption_park_and_match_the_twin():
 
 def test_a_beam_group_holds_its_width_of_queue_entries():
     c = qualia.StepScheduler(64, 4, 16, 4, max_queued=5)
-    t = TF.ForkStepScheduler(64, 4, 16, 4, max_queued=5)
+    t = TwinStepScheduler(64, 4, 16, 4, max_queued=5)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=3)
         with pytest.raises(StepError.QueueFull):
@@ -427,7 +453,7 @@ def test_a_beam_group_holds_its_width_of_queue_entries():
                                     (dict(beam_width=2, n=2), ValueError)])
 def test_bad_beam_width_changes_nothing(kw, exc):
     c = qualia.StepScheduler(64, 4, 16, 8)
-    t = TF.ForkStepScheduler(64, 4, 16, 8)
+    t = TwinStepScheduler(64, 4, 16, 8)
     for s in (c, t):
         with pytest.raises(exc):
             s.add_request(1, PROMPT, max_new_tokens=3, **kw)
@@ -437,7 +463,7 @@ def test_bad_beam_width_changes_nothing(kw, exc):
 
 def test_beams_that_cannot_fit_side_by_side_never_fit():
     # 4 beams of a 10-token prompt and 6 new tokens on 4-token pages: 2 shared + 4 x 2 pages
-    for s in (qualia.StepScheduler(9, 4, 16, 8), TF.ForkStepScheduler(9, 4, 16, 8)):
+    for s in (qualia.StepScheduler(9, 4, 16, 8), TwinStepScheduler(9, 4, 16, 8)):
         with pytest.raises(StepError.NeverFits):
             s.add_request(1, PROMPT, max_new_tokens=6, beam_width=4)
         s.add_request(1, PROMPT, max_new_tokens=6, beam_width=3)
@@ -450,7 +476,7 @@ def test_bad_candidates_change_nothing(bad):
     pending with nothing applied; the same update with good candidates then matches the
     twin."""
     c = qualia.StepScheduler(64, 4, 16, 8, vocab_size=64)
-    t = TF.ForkStepScheduler(64, 4, 16, 8, vocab_size=64)
+    t = TwinStepScheduler(64, 4, 16, 8, vocab_size=64)
     b = CoreBeamBackend(64, 4)
     for s in (c, t):
         s.add_request(1, PROMPT, max_new_tokens=3, beam_width=2)
@@ -486,7 +512,7 @@ def test_beams_in_the_c_run_loop_equal_a_python_loop_and_the_twin():
     hb = qualia.HashBackend(vocab=64)
     kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_chunk=6, max_queued=32)
     a, b = qualia.StepScheduler(40, 4, 16, **kw), qualia.StepScheduler(40, 4, 16, **kw)
-    t = TF.ForkStepScheduler(40, 4, 16, **kw)
+    t = TwinStepScheduler(40, 4, 16, **kw)
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
         s.add_request(2, PROMPT[:4], max_new_tokens=6, n=2)
@@ -563,7 +589,7 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
     kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=6,
               max_queued=32)
     a, b, t = (cls(blocks, page_tokens, 16, **kw)
-               for cls in (qualia.StepScheduler, qualia.StepScheduler, TF.ForkStepScheduler))
+               for cls in (qualia.StepScheduler, qualia.StepScheduler, TwinStepScheduler))
     widths = {1: 3, 3: 2, 4: 1}
     for s in (a, b, t):
         s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
@@ -594,7 +620,7 @@ def test_plans_name_forks_and_a_discarded_plans_admissions(kind):
     plan's forks and new ids are named again by the next plan; a forked child is not new."""
     kw = dict(max_num_batched_tokens=64)
     s = (qualia.StepScheduler(64, 4, 16, 8, **kw) if kind == "core"
-         else TF.ForkStepScheduler(64, 4, 16, 8, **kw))
+         else TwinStepScheduler(64, 4, 16, 8, **kw))
     s.add_request(7, PROMPT, max_new_tokens=4, n=3)
     plan = s.schedule()
     assert plan.new_request_ids.tolist() == [7] and plan.fork_child_ids.tolist() == []
@@ -643,5 +669,5 @@ def test_the_c_abi_plan_carries_the_forks():
     s.run(c_backend(cb))
     kids = sorted(c for step in seen for c, _ in step)
     assert seen[0] == [] and len(seen[1]) == 2 and all(p == 7 for _, p in seen[1])
-    assert len(kids) == 2 and all(k >= TF.CHILD_BASE for k in kids)
+    assert len(kids) == 2 and all(k >= CHILD_BASE for k in kids)
     assert all(step == [] for step in seen[2:])

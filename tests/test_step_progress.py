@@ -13,7 +13,7 @@ distinct priorities and ``L`` the longest request (prompt plus max_new_tokens). 
 finishes within ``E + (E + 1) * (2 + P * L)`` steps.
 
 Both schedulers are driven: the compiled core through ``run(HashBackend())`` (the loop in C, with
-``max_steps`` set to the bound) and the twin (``ForkStepScheduler``) step by step, and their
+``max_steps`` set to the bound) and the twin (``qualia.twin.StepScheduler``) step by step, and their
 results must agree.
 """
 
@@ -25,7 +25,7 @@ from step_checks import assert_same_plan
 
 import qualia
 from qualia.errors import StepError
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
 
 V = 64
 HB = qualia.HashBackend(vocab=V)
@@ -90,7 +90,7 @@ def drive_lockstep(args, kw, requests):
     """Core and twin step by step, plan for plan, until both are done or the bound is
     reached; returns (core, twin, finished, steps, bound)."""
     c = qualia.StepScheduler(*args, vocab_size=V, **kw)
-    t = TF.ForkStepScheduler(*args, vocab_size=V, **kw)
+    t = TwinStepScheduler(*args, vocab_size=V, **kw)
     taken = add_all(c, requests)
     assert add_all(t, requests) == taken
     bound = step_bound(taken) if taken else 0

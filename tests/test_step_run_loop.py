@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import qualia
-from qualia.twin import fork as TF
+from qualia.twin import StepScheduler as TwinStepScheduler
 
 HB = qualia.HashBackend(vocab=64)
 
@@ -42,7 +42,7 @@ def workload(s, n=10, seed=3):
 
 
 def make(twin=False):
-    cls = TF.ForkStepScheduler if twin else qualia.StepScheduler
+    cls = TwinStepScheduler if twin else qualia.StepScheduler
     s = cls(40, 4, 16, 4, max_num_batched_tokens=16, vocab_size=64, cache_key=b"r" * 16,
             max_queued=32)
     workload(s)
@@ -165,7 +165,7 @@ def test_sigint_stops_a_c_backend_run_between_steps(example_backend, tmp_path):
     some whole steps, and resuming gives an uninterrupted run's outputs."""
     build_dir = os.path.dirname(example_backend.__file__)
     proc = subprocess.Popen([sys.executable, "-c", CHILD, build_dir], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         assert ready, "the child never reported that run() owns the scheduler"

@@ -7,10 +7,12 @@ limits, chunk caps and pools small enough to force reclaims and preemptions; abo
 state (waiting, running, in the pending plan, unknown); schedule and update with good and bad
 sampled ids, and plans discarded after an execution that failed part way.  After every call
 both must agree on the result or the exception class; every plan array (physical page numbers
-included) and every finished request must be equal; and the queues, the free pages, the pool's
-reference counts and every request's tokens must agree.  A shadow of the backend's KV
-(``step_checks.ShadowKV``) executes every plan: each request must read its own tokens through its
-pages.
+included) and every finished request must be equal; the queues, the free pages, the pool's
+reference counts and every request's tokens must agree; and so must every counter either reports
+(``step_checks.step_counters``: ``stats()``, ``cache_stats()``, the fork counters), the KV events
+drained, and the ``STEP_STATS`` rows, totals and results of ``run()`` (with the C hash backend or a
+Python one).  A shadow of the backend's KV (``step_checks.ShadowKV``) executes every plan (the
+Python backend's in ``run()`` too): each request must read its own tokens through its pages.
 
 Fast profile (default): a few seconds.  Long profile: QUALIA_LONG=1.
 """
@@ -23,7 +25,13 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from step_checks import ShadowKV, assert_same_plan
+from step_checks import (
+    ShadowKV,
+    assert_same_plan,
+    assert_same_run,
+    assert_same_step_counters,
+    finished_key,
+)
 
 import qualia
 from qualia.errors import QualiaError
@@ -44,23 +52,34 @@ PREFIXES = [SYSTEM, SYSTEM[:5], [], [], [1, 2, 3, 4, 5, 6, 7, 8]]
 PRIORITIES = st.integers(-3, 3) | st.sampled_from([-(2**31), 2**31 - 1])
 
 
-def finished_key(done):
-    # FinishedRequest, or FinishedGroup (an n group: tests/test_step_forks_core.py)
-    return [(f.request_id, f.output_tokens.dtype, f.output_tokens.tolist(), f.finish_reason)
-            if isinstance(f, qualia.FinishedRequest) else
-            (type(f).__name__, f.request_id, [(o.dtype, o.tolist()) for o in f.outputs],
-             f.finish_reasons, f.scores, f.member_ids)
-            for f in done]
+__all__ = ["StepVsTwin", "finished_key", "PREFIXES", "PRIORITIES", "SETTINGS", "VOCAB"]
+HB = qualia.HashBackend(vocab=VOCAB)
+
+
+class HashSteps:
+    """The hash backend's tokens (and candidates, for beam rows) from Python; ``shadow``, when
+    given, executes every plan on the shadow KV first (``sched`` is read for the expected
+    tokens)."""
+
+    def __init__(self, sched=None, shadow=None):
+        self.sched, self.shadow = sched, shadow
+
+    def execute_step(self, plan):
+        if self.shadow is not None:
+            self.shadow.execute(plan, ShadowKV.expect(self.sched, plan))
+        return HB.execute_step_topk(plan) if plan.num_topk else HB.execute_step(plan)
 
 
 class StepVsTwin(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 24), budget=st.integers(1, 24),
                 seqs=st.integers(1, 5), chunk=st.sampled_from([None, None, 1, 3, 8]),
-                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]))
-    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens):
+                queued=st.sampled_from([None, 6, 12]), page_tokens=st.sampled_from([2, 4]),
+                events=st.sampled_from([4096, 4096, 6, 0]))
+    def setup(self, num_blocks, budget, seqs, chunk, queued, page_tokens, events):
         kw = dict(max_num_batched_tokens=budget, max_num_seqs=seqs, max_prefill_chunk=chunk,
                   max_queued=20 if queued is None else queued, vocab_size=VOCAB,
-                  cache_key=b"s" * 16)
+                  cache_key=b"s" * 16,
+                  event_capacity=events)
         self.core = qualia.StepScheduler(num_blocks, page_tokens, 12, **kw)
         self.twin = StepScheduler(num_blocks, page_tokens, 12, **kw)
         self.next_id = 0
@@ -191,6 +210,39 @@ class StepVsTwin(RuleBasedStateMachine):
         if self.plan is None:
             self.both(lambda s: s.update([]))
 
+    @precondition(lambda self: self.plan is None)
+    @rule(max_steps=st.sampled_from([0, 1, 2, 5, 12, None]), rows=st.sampled_from([0, 1, 3, 4096]),
+          c_backend=st.booleans())
+    def run(self, max_steps, rows, c_backend):
+        # the loop: the core's (in C with the C hash backend, else with a Python backend that
+        # executes the shadow KV) and the twin's; rows, totals, results and counters agree
+        backends = [HB if c_backend else HashSteps(self.core, self.shadow), HashSteps()]
+        if c_backend:
+            self.shadow.forget()
+        out = []
+        for s, backend in zip((self.core, self.twin), backends):
+            try:
+                out.append(("ok", s.run(backend, max_steps, stats_rows=rows)))
+            except ALLOWED as exc:
+                out.append(("err", type(exc)))
+        assert out[0][0] == out[1][0], out
+        if out[0][0] == "ok":
+            assert_same_run(out[0][1], out[1][1])
+        else:
+            assert out[0][1] is out[1][1], out
+
+    @rule(size=st.sampled_from([None, None, 0, 1, 4, 64]))
+    def drain_events(self, size):
+        # the KV events the cache emitted (stored, removed), in order
+        if size is None:
+            a, b = self.core.drain_events(), self.twin.drain_events()
+        else:
+            bufs = [np.zeros(size, dtype=qualia.KV_EVENT) for _ in range(2)]
+            na, nb = self.core.drain_events(bufs[0]), self.twin.drain_events(bufs[1])
+            assert na == nb
+            a, b = bufs[0][:na], bufs[1][:nb]
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), (a, b)
+
     @invariant()
     def agree(self):
         if not hasattr(self, "core"):
@@ -205,6 +257,7 @@ class StepVsTwin(RuleBasedStateMachine):
         assert c.requests() == list(t.requests())
         for rid in c.requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
+        assert_same_step_counters(c, t)
 
 
 TestStepVsTwin = StepVsTwin.TestCase
@@ -228,6 +281,6 @@ def test_draining_every_request_returns_every_page():
         def execute_step(self, plan):
             return (plan.input_ids[plan.logits_indices] * 7 + 3) % 50
     rc, rt = c.run(Backend()), t.run(Backend())
-    assert np.array_equal(rc.stats, rt.stats)
-    assert finished_key(rc.finished) == finished_key(rt.finished)
+    assert_same_run(rc, rt)
+    assert_same_step_counters(c, t)
     assert c.free_pages == c.num_pages == t.facade.free_pages

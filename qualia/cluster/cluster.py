@@ -69,14 +69,24 @@ class ClusterResult:
     each request arrived at."""
 
     policy: str
+    """The routing policy that ran (``prefix``, ``round-robin``, ``least-loaded``)."""
     replicas: int
+    """Replicas in the cluster."""
     outputs: Dict[int, List[int]]
+    """Each request's generated tokens, by request id."""
     completions: Dict[int, int]
+    """How many times each request completed (exactly once in a correct run)."""
     requests: Dict[int, Any]
+    """The requests served, by id."""
     summary: Dict[str, Any]
-    arrived: Dict[int, int] = field(default_factory=dict)   # the step each request arrived at
+    """vLLM's figures, the prefix cache's hit rate, the latencies in steps and the cluster's
+    counters."""
+    arrived: Dict[int, int] = field(default_factory=dict)
+    """The step each request arrived at."""
     records: Dict[int, RequestRecord] = field(default_factory=dict)
+    """One ``RequestRecord`` per completed request, by id."""
     arrived_s: Dict[int, float] = field(default_factory=dict)
+    """The serving time each request arrived at, by id."""
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON report of the run, shaped as the single engine's: vLLM's figures under its

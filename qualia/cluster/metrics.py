@@ -40,20 +40,37 @@ class ClusterMetrics:
     (the exposition format) on ``port``.  One attribute a metric, declared in ``_METRICS``."""
 
     up: Any
+    """``qualia_replica_up``: 1 while the replica is live."""
     running: Any
+    """``qualia_replica_requests_running``: requests running."""
     waiting: Any
+    """``qualia_replica_requests_waiting``: requests waiting."""
     pool: Any
+    """``qualia_replica_pool_usage``: the fraction of KV pages not free."""
     hit_rate: Any
+    """``qualia_replica_cache_hit_rate``: prompt tokens found in the prefix cache over prompt tokens
+    looked up."""
     cached: Any
+    """``qualia_replica_cached_tokens_total``: prompt tokens the cache skipped."""
     prefill: Any
+    """``qualia_replica_prefill_tokens_total``: prefill tokens computed."""
     generated: Any
+    """``qualia_replica_generated_tokens_total``: tokens sampled."""
     preemptions: Any
+    """``qualia_replica_preemptions_total``: requests preempted."""
     decisions: Any
+    """``qualia_router_decisions_total{policy, replica}``: routing decisions."""
     resubmitted: Any
+    """``qualia_router_resubmitted_total``: requests resubmitted after their replica died."""
     deaths: Any
+    """``qualia_router_replica_deaths_total``: replicas found dead."""
     completed: Any
+    """``qualia_router_requests_completed_total``: requests completed."""
     identities: Any
+    """``qualia_router_index_identities``: page identities in the router's index."""
     router_hit: Any
+    """``qualia_router_cache_hit_rate``: prompt tokens found in the prefix caches over those looked
+    up, every replica."""
 
     def __init__(self) -> None:
         import prometheus_client
@@ -71,6 +88,7 @@ class ClusterMetrics:
         return self._server.server_port if self._server is not None else port
 
     def close(self) -> None:
+        """Stop serving the metrics (if :meth:`serve` started a server)."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

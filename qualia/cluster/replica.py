@@ -31,15 +31,24 @@ class ReplicaConfig(EngineConfig):
     weights of ``model_seed``."""
 
     max_num_seqs: int = 16
+    """Sequences one step of a replica runs at most."""
     max_num_batched_tokens: int = 512
+    """A replica's step budget, in tokens."""
     vocab_size: Optional[int] = 32000
+    """The vocabulary of the backend (sampled ids are checked against it)."""
     cache_key: Optional[bytes] = DEFAULT_KEY
+    """The page-hash key every replica shares, so that the router computes the identities they
+    cache."""
     event_capacity: Optional[int] = 8192
+    """The KV event ring of each replica (the router drains it every step)."""
     backend: str = "hash"
+    """``"hash"`` or ``"model"``."""
     model_seed: int = 0
+    """The seed of the numpy model's weights."""
 
     @property
     def vocab(self) -> int:
+        """The backend's vocabulary: ``vocab_size``, or 32000 when None."""
         return 32000 if self.vocab_size is None else self.vocab_size
 
 
@@ -81,6 +90,7 @@ class Replica:
         self.steps = 0
 
     def ping(self) -> int:
+        """The replica's id: a cheap call that tells the router the actor is alive."""
         return self.replica_id
 
     def describe(self) -> Dict[str, Any]:

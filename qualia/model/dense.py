@@ -25,6 +25,8 @@ class DenseSequence:
         self.length = 0  # positions with K/V written
 
     def write_read(self, layer: int, position: int, k: np.ndarray, v: np.ndarray):
+        """Write the K/V of ``position`` in ``layer`` and return the keys and values of positions
+        ``0 .. position``."""
         self.kv[layer, 0, position] = k
         self.kv[layer, 1, position] = v
         t = position + 1
@@ -84,7 +86,9 @@ class BeamHypothesis(NamedTuple):
     """A finished beam: its output tokens and their cumulative model log-probability."""
 
     tokens: List[int]
+    """The output tokens."""
     logprob: float
+    """Their cumulative log-probability under the model."""
 
 
 class DenseModel:
@@ -96,6 +100,7 @@ class DenseModel:
         self._seq: Optional[DenseSequence] = None
 
     def sequence(self, capacity: int = 64) -> DenseSequence:
+        """A new empty :class:`DenseSequence` of ``capacity`` positions."""
         return DenseSequence(self.weights, capacity)
 
     def prompt_logits(self, prompt) -> np.ndarray:
@@ -146,7 +151,7 @@ class DenseModel:
     def beam_search(self, prompt, beam_width: int, max_new_tokens: int,
                     eos_token_id: Optional[int] = None, *, stop_token_ids: Sequence[int] = ()
                     ) -> List[BeamHypothesis]:
-        """Dense beam search, the reference of the beam policy over forks (issue 15).
+        """Dense beam search, the reference of the beam policy over forks.
 
         ``beam_width`` W slots hold live or finished beams.  Start: one live beam, the prompt.
         Each step, every live beam proposes its W best next tokens (model log-probabilities,
@@ -193,10 +198,13 @@ class DenseModel:
 
     # incremental convenience API over one internal sequence
     def start(self, prompt) -> int:
+        """Prefill ``prompt`` into a new sequence of this model and return the first greedy
+        token."""
         self._seq = DenseSequence(self.weights, len(prompt) + 64)
         return self._seq.start(prompt)
 
     def step(self, token: int) -> int:
+        """Feed one token to the sequence :meth:`start` began; return the next greedy token."""
         if self._seq is None:
             raise ValueError("call start(prompt) first")
         return self._seq.step(token)

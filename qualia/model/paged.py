@@ -122,6 +122,7 @@ class PagedModelBackend:
 
     @property
     def page_nbytes(self) -> int:
+        """Bytes of one page of the KV cache (every layer's K and V)."""
         return self.kv[0].nbytes
 
     def _check_pages(self, pages: np.ndarray, what: str) -> None:
@@ -317,6 +318,7 @@ class PagedModelBackend:
             self._request_sampling[rid] = params
 
     def sampling_of(self, request_id: int) -> SamplingParams:
+        """The sampling parameters of ``request_id``: its own, or the backend's default."""
         return self._request_sampling.get(int(request_id), self.sampling)
 
     def check_plan(self, plan):

@@ -54,6 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether the choice is the argmax (``temperature == 0``)."""
         return self.temperature == 0
 
 

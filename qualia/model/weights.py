@@ -22,14 +22,20 @@ class ModelConfig:
     ``mlp_ratio * d_model``."""
 
     layers: int = 2
+    """Transformer layers."""
     heads: int = 4
     head_dim: int = 16
     vocab: int = 512
+    """Vocabulary size."""
     seed: int = 0
+    """The seed of the weights (``numpy.random.default_rng``)."""
     rope_base: float = 10000.0
+    """The rotary embedding's base."""
     dtype: str = "float64"
+    """The numpy float dtype of weights and K/V."""
     mlp_ratio: int = 4
     norm_eps: float = 1e-6
+    """RMSNorm's epsilon."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "head_dim", "vocab", "mlp_ratio"):
@@ -47,23 +53,34 @@ class ModelConfig:
 
     @property
     def d_model(self) -> int:
+        """The model width, ``heads * head_dim``."""
         return self.heads * self.head_dim
 
     @property
     def mlp_hidden(self) -> int:
+        """The MLP's hidden width, ``mlp_ratio * d_model``."""
         return self.mlp_ratio * self.d_model
 
 
 @dataclass
 class LayerWeights:
-    attn_norm: np.ndarray  # [d]
-    wqkv: np.ndarray  # [d, 3d]   (q | k | v), each head-major [heads, head_dim]
-    wo: np.ndarray  # [d, d]
-    mlp_norm: np.ndarray  # [d]
-    w_up: np.ndarray  # [d, f]
-    w_down: np.ndarray  # [f, d]
+    """One transformer layer's weights (``d = d_model``, ``f = mlp_hidden``)."""
+
+    attn_norm: np.ndarray
+    """``[d]``: the attention RMSNorm's gain."""
+    wqkv: np.ndarray
+    """``[d, 3d]``: the Q, K and V projections side by side, each head-major."""
+    wo: np.ndarray
+    """``[d, d]``: the attention output projection."""
+    mlp_norm: np.ndarray
+    """``[d]``: the MLP RMSNorm's gain."""
+    w_up: np.ndarray
+    """``[d, f]``: the MLP's up projection."""
+    w_down: np.ndarray
+    """``[f, d]``: the MLP's down projection."""
 
     def arrays(self) -> Tuple[np.ndarray, ...]:
+        """The layer's six arrays, in field order."""
         return (self.attn_norm, self.wqkv, self.wo, self.mlp_norm, self.w_up, self.w_down)
 
 
@@ -210,6 +227,7 @@ class ModelWeights:
         return out
 
     def equal(self, other: "ModelWeights") -> bool:
+        """Whether ``other`` has the same configuration and equal arrays."""
         a, b = self.arrays(), other.arrays()
         return self.config == other.config and all(np.array_equal(x, y) for x, y in zip(a, b))
 
@@ -239,6 +257,7 @@ class ModelWeights:
         return np.concatenate((x1 * cos - x2 * sin, x1 * sin + x2 * cos), axis=-1)
 
     def check_token(self, token: int) -> int:
+        """``token`` as an int in ``[0, vocab)`` (``ValueError`` otherwise)."""
         token = _as_int(token, "token id")
         if not 0 <= token < self.config.vocab:
             raise ValueError(f"token id {token} out of range for vocab {self.config.vocab}")

@@ -117,6 +117,8 @@ class DecodeRuleSteps:
         self.vocab = int(vocab)
 
     def execute_step(self, plan) -> np.ndarray:
+        """One step: for each sampled row, the rule's next token of the row's request, position and
+        input token (a uint32 array)."""
         rows = np.asarray(plan.logits_indices)
         rule, vocab = self.rule, self.vocab
         rids = np.asarray(plan.sampled_request_ids).tolist()

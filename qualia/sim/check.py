@@ -58,11 +58,15 @@ class CheckResult:
 
     ok: bool
     checked: int
+    """Requests checked."""
     mismatched: List[int]
     against: str
+    """What the tokens were compared with (the dense model, or the hash rule computed alone)."""
     problems: List[str] = field(default_factory=list)
 
     def describe(self) -> str:
+        """One line for the summary: every request matched, or how many differ, which, and the first
+        difference."""
         if self.ok:
             return f"all {self.checked} requests match the {self.against}"
         ids = ", ".join(str(r) for r in self.mismatched[:10])

@@ -29,6 +29,8 @@ operators cost by the batch's tokens, sequence-level attention by each request's
   output processing), which vLLM's own profiling of an 8B model on one H100 found to be a large
   share of a step.
 
+In all::
+
     step time = overhead + max(linear FLOPs / (peak x compute_efficiency),
                                weight bytes / (bandwidth x bandwidth_efficiency))
                          + max(attention FLOPs / (peak x compute_efficiency),
@@ -195,8 +197,11 @@ class ModelShape:
     matrices), ``vocab`` tokens, weights and K/V of ``dtype_bytes`` each."""
 
     name: str
+    """The model's name in profile names (``llama3.1-8b``)."""
     layers: int
+    """Transformer layers."""
     hidden: int
+    """The hidden size."""
     heads: int
     kv_heads: int
     head_dim: int
@@ -204,7 +209,9 @@ class ModelShape:
     vocab: int
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    """Whether the LM head shares the embedding's weights."""
     max_model_len: int = 8192
+    """The longest context the model serves, in tokens."""
 
     def __post_init__(self) -> None:
         _name(self.name)
@@ -264,12 +271,16 @@ class Accelerator:
     the fixed per-step overhead (seconds)."""
 
     name: str
+    """The GPU's name in profile names (``h100``)."""
     peak_flops: float
     memory_bandwidth: float
     memory_bytes: int
     compute_efficiency: float = 0.6
+    """The fraction of ``peak_flops`` a step's kernels achieve."""
     bandwidth_efficiency: float = 0.7
+    """The fraction of ``memory_bandwidth`` a step's kernels achieve."""
     step_overhead_s: float = 1e-3
+    """The fixed CPU-side time of a step, in seconds."""
 
     def __post_init__(self) -> None:
         _name(self.name)
@@ -299,12 +310,17 @@ class Profile:
     module docstring for every constant's source)."""
 
     name: str
+    """The profile's name, ``MODEL-GPU``."""
     model: ModelShape
     accelerator: Accelerator
     activation_reserve_bytes: int
+    """Memory set aside for activations, CUDA graphs and allocations outside the KV cache."""
     memory_utilization: float = 0.9
+    """The share of the GPU's memory the server may use (vLLM's ``gpu_memory_utilization``)."""
     max_num_batched_tokens: int = 8192
+    """The step budget that goes with the GPU (vLLM's default for it)."""
     max_num_seqs: int = 256
+    """Sequences one step runs at most (vLLM's default)."""
 
     def __post_init__(self) -> None:
         _name(self.name)
@@ -362,6 +378,8 @@ class Profile:
 # --------------------------------------------------------------------------------------------
 
 #: Model shapes by name (their published ``config.json`` values).
+#:
+#: :meta hide-value:
 MODELS: Dict[str, ModelShape] = {
     "llama3.1-8b": ModelShape("llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8,
                               head_dim=128, intermediate=14336, vocab=128256, dtype_bytes=2,
@@ -372,6 +390,8 @@ MODELS: Dict[str, ModelShape] = {
 }
 
 #: Accelerators by name (NVIDIA's datasheets; the memory the driver reports).
+#:
+#: :meta hide-value:
 ACCELERATORS: Dict[str, Accelerator] = {
     "h100": Accelerator("H100 SXM 80GB", peak_flops=989.4e12, memory_bandwidth=3.35e12,
                         memory_bytes=81559 * MiB),
@@ -422,6 +442,8 @@ def make_profile(model: Union[str, ModelShape], accelerator: Union[str, Accelera
 
 
 #: Every named profile: each model of :data:`MODELS` on each GPU of :data:`ACCELERATORS`.
+#:
+#: :meta hide-value:
 PROFILES: Dict[str, Profile] = {
     f"{m}-{a}": make_profile(m, a) for m in MODELS for a in ACCELERATORS
 }
@@ -539,18 +561,26 @@ class StepCost:
     compute and memory times; :attr:`seconds` adds the parts."""
 
     overhead_s: float
+    """The fixed CPU-side overhead."""
     linear_compute_s: float
+    """The linear layers' FLOPs at the achievable FLOP/s."""
     linear_memory_s: float
+    """The weights read at the achievable bandwidth."""
     attention_compute_s: float
+    """Attention's FLOPs at the achievable FLOP/s."""
     attention_memory_s: float
+    """The K/V read and written at the achievable bandwidth."""
     copy_s: float
+    """The copy-on-write page copies at the achievable bandwidth."""
 
     @property
     def linear_s(self) -> float:
+        """The linear layers' time: the larger of their compute and memory times."""
         return max(self.linear_compute_s, self.linear_memory_s)
 
     @property
     def attention_s(self) -> float:
+        """Attention's time: the larger of its compute and memory times."""
         return max(self.attention_compute_s, self.attention_memory_s)
 
     @property

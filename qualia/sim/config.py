@@ -189,9 +189,9 @@ def step_scheduler_class(kind: str = "auto") -> type:
     if kind not in SCHEDULER_KINDS:
         raise ValueError(f"scheduler must be 'auto', 'core' or 'twin', not {kind!r}")
     if kind == "twin":
-        from ..twin import ForkStepScheduler
+        from ..twin import StepScheduler
 
-        return ForkStepScheduler
+        return StepScheduler
     import qualia
 
     return qualia.StepScheduler

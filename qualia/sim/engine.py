@@ -300,10 +300,12 @@ class Engine:
 
     @property
     def n(self) -> int:
+        """Sequences per request (``n > 1``: parallel sampling on forks)."""
         return self.config.n
 
     @property
     def beam_width(self) -> Optional[int]:
+        """The beam width of every request, or None (no beam search)."""
         return self.config.beam_width
 
     @property
@@ -313,10 +315,12 @@ class Engine:
 
     @property
     def page_tokens(self) -> int:
+        """Token positions per page of the engine's scheduler."""
         return self.config.page_tokens
 
     @property
     def eos_token_id(self) -> Optional[int]:
+        """The end-of-sequence token every request stops at, or None."""
         return self.config.eos_token_id
 
     # -- properties ---------------------------------------------------------------------------

@@ -119,6 +119,7 @@ class RequestRecord:
     :meth:`from_token_times` builds one from the token times alone."""
 
     request_id: int
+    """The request's id."""
     arrival_s: float
     first_token_s: float
     finish_s: float

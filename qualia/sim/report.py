@@ -180,6 +180,7 @@ class EngineResult:
     stats: Dict[str, object]
     outputs: Dict[int, List[int]] = field(repr=False)
     check: Optional[CheckResult] = None
+    """The dense check's result, when the run was checked (``--check``); else None."""
     timeline: Optional[Timeline] = field(default=None, repr=False)
     groups: Dict[int, GroupOutput] = field(default_factory=dict, repr=False)
     figures: Dict[str, Any] = field(default_factory=dict)

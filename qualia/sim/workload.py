@@ -48,21 +48,30 @@ class Request:
     (``b"tenant-<tenant>"``) scopes the prefix cache."""
 
     request_id: int
+    """The request's id."""
     tenant: int
+    """The tenant, which names the cache namespace."""
     prompt: Union[List[int], np.ndarray]
     shared_prefix_len: int
     max_new_tokens: int
+    """Tokens to generate at most."""
     arrival_step: int = 0
-    system_prompt: Optional[int] = None  # index of the system prompt, None for none
-    conversation: Optional[int] = None  # the conversation a turn belongs to, None for none
-    turn: int = 0  # 0 for the first turn of a conversation
-    arrival_s: Optional[float] = None  # seconds since the start of the run, None: by step
+    system_prompt: Optional[int] = None
+    """The index of the system prompt the prompt opens with, None for none."""
+    conversation: Optional[int] = None
+    """The conversation a turn belongs to, None for none."""
+    turn: int = 0
+    """0 for the first turn of a conversation."""
+    arrival_s: Optional[float] = None
+    """Seconds since the start of the run, None: by step."""
 
     @property
     def namespace(self) -> bytes:
+        """The prefix cache's namespace of the request: ``b"tenant-<tenant>"``."""
         return f"tenant-{self.tenant}".encode()
 
     def to_dict(self) -> dict:
+        """The request as a dict of plain values (the prompt as a list of ints)."""
         d = asdict(self)
         d["prompt"] = [int(t) for t in np.asarray(self.prompt).tolist()]
         return d
@@ -284,7 +293,9 @@ class Workload:
     system_prompts: int = 4
     system_prompt_len: int = 40
     share_ratio: float = 0.75
+    """The share of first turns whose prompt opens with a system prompt."""
     tenants: int = 2
+    """Tenants the requests are spread over (each a cache namespace)."""
     vocab: int = 512
     length_dist: str = "uniform"
     first_request_id: int = 0
@@ -368,6 +379,8 @@ class Workload:
         return [self._tokens(rng, self.system_prompt_len) for _ in range(self.system_prompts)]
 
     def generate(self) -> List[Request]:
+        """The ``requests`` first turns, by request id, with their arrival times; the same list for
+        the same fields and seed."""
         n = self.requests
         rng = np.random.default_rng([self.seed, 0])
         systems = self.system_prompt_tokens()

@@ -228,6 +228,9 @@ class Scheduler:
         self._dropped = 0
         self._c = dict(lookups=0, lookup_tokens=0, hit_tokens=0, reclaims=0, collisions=0,
                        stored=0, duplicates=0, pages_hashed=0)
+        # stats(): pages copied (copy-on-write) and allocated (fresh pages, copies' destinations
+        # not among them) by reserve and decode rounds, and the decode rounds
+        self._pages = dict(copied=0, allocated=0, rounds=0)
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -605,6 +608,12 @@ class Scheduler:
                 self.pool.retain(cow.src)
                 self.pool.release(cow.page)
 
+    def _count_pages(self, log: list) -> None:
+        # a committed make-writable: its copies and its fresh pages
+        copied = sum(1 for _, _, c in log if c.kind == "copy")
+        self._pages["copied"] += copied
+        self._pages["allocated"] += len(log) - copied
+
     def _after_cow(self, log: list) -> None:
         for _, _, cow in log:
             if cow.kind == "copy":
@@ -636,6 +645,7 @@ class Scheduler:
             raise SchedulerError.Table(exc) from exc
         self._after_cow(log)
         copies = [(c.src, c.page) for _, _, c in log if c.kind == "copy"]
+        self._count_pages(log)
         return np.array(copies, dtype=COPY_OP)
 
     def advance(self, request_id, num_tokens) -> int:
@@ -709,6 +719,8 @@ class Scheduler:
                 st.pending = None
             self._fill(i)
         self._after_cow(log)
+        self._count_pages(log)
+        self._pages["rounds"] += 1
         return receipt, outputs
 
     def _round(self, backend, decoding):
@@ -871,6 +883,28 @@ class Scheduler:
                 n += 1
         self._emit(KV_CLEARED, 0, 0, False, 0, 0, U32_MAX)
         return n
+
+    def stats(self) -> Dict[str, int]:
+        """``qualia.Scheduler.stats()``: requests, pages free, used, cached and reclaimable,
+        pages copied and allocated, decode rounds.  The explicit prefix store (``prefix_*``)
+        is never used in automatic mode: its counters stay 0."""
+        nb = self.pool.num_blocks
+        free = self.free_pages
+        return {
+            "active": self.active_count,
+            "max_requests": self.max_requests,
+            "num_pages": nb,
+            "free_pages": free,
+            "used_pages": nb - free,
+            "cached_pages": len(self._entries),
+            "reclaimable_pages": len(self._reclaimable),
+            "prefix_entries": 0,
+            "prefix_hits": 0,
+            "prefix_misses": 0,
+            "pages_copied": self._pages["copied"],
+            "pages_allocated": self._pages["allocated"],
+            "decode_rounds": self._pages["rounds"],
+        }
 
     def cache_stats(self) -> CacheStats:
         c = self._c

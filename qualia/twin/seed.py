@@ -879,6 +879,8 @@ class PyHashBackend:
 
     @staticmethod
     def next_token(request_id, position, token_id, vocab=32000) -> int:
+        """The hash rule's next token of (``request_id``, ``position``, ``token_id``) below
+        ``vocab``: ``qualia.hash_next_token`` (DESIGN.md "Hash backend")."""
         x = PyHashBackend._mix(request_id, position, token_id)
         return (x * int(vocab)) >> 64  # multiply-high range reduction, as the C backend
 

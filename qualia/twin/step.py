@@ -1,11 +1,18 @@
-"""Pure-Python twin of the engine step (docs/DESIGN.md, "The engine step").
+"""Pure-Python twin of the engine step (docs/DESIGN.md, "The engine step", "Forks at the step
+level", "Beam search at the step level").
 
 ``StepScheduler`` is ``qualia.StepScheduler`` (``add_request`` / ``abort`` / ``schedule`` /
-``update`` / ``run``) written plainly, as a policy over the facade twin
-``qualia.twin.cache.Scheduler``: every page decision goes through the facade's verbs (admit,
-reserve, advance, finish) in the order the compiled core makes them, so the plans agree with the
-core's array for array, physical page numbers included.  It is the executable statement of the
-policy; the stateful differential test drives both and compares every plan and every result.
+``update`` / ``discard_plan`` / ``run`` and its reads) written plainly, as a policy over the
+facade twin ``qualia.twin.cache.Scheduler``: every page decision goes through the facade's verbs
+(admit, reserve, advance, fork, finish) in the order the compiled core makes them, so the plans
+agree with the core's array for array, physical page numbers included.  It is the executable
+statement of the policy; the stateful differential tests drive both and compare every plan,
+every result and every counter.
+
+It is composed as the core's step is (core/step/): request entries (``_Req``), the waiting
+queue, the running set with its block-table rows, the groups (``n`` groups and beam groups,
+:mod:`qualia.twin.groups`), the copies owed, the plan and its lowering, one ``update`` and one
+stop rule (``_Req.finish_reason``).
 
 One step:
 
@@ -14,18 +21,20 @@ One step:
    ``min(tokens left, budget left, max_prefill_chunk)`` (the chunk cap applies to prefills).  When
    the pages for the chunk cannot be found (free plus reclaimable cached pages), the victim is
    preempted: of the running requests not yet scheduled in this step plus the current one, the
-   one with the largest priority value, ties broken towards the most recently admitted (the
-   fork twin takes a computed beam waiting for its group first).  A preempted request gives its
-   pages back (its full pages stay cached), forgets its computed tokens and waits again,
+   one with the largest priority value, ties broken towards the most recently admitted (a
+   computed beam waiting for its group goes first: it is parked).  A preempted request gives
+   its pages back (its full pages stay cached), forgets its computed tokens and waits again,
    keeping its outputs and its arrival number.
 2. If nothing was preempted, waiting requests are admitted in (priority, arrival) order until one
    does not fit (budget, ``max_num_seqs`` running requests, pages): the first that does not fit
    stops the admissions, so a large request is not overtaken forever.  An admission skips the
    longest cached run of full pages of its tokens (at least one token is left to compute).
 3. ``update`` advances every scheduled request by its chunk (pages that filled enter the cache),
-   appends one token per sampled row, and applies the stop conditions in this order:
-   ``max_new_tokens`` reached ("length"), the eos token unless ignored ("stop"), a stop token
-   ("stop").  Finished requests give their pages to the cache.
+   and hands out the sampled rows: a plain request (or a forked member of an ``n`` group) takes
+   its token and the stop rule applies -- ``max_new_tokens`` reached ("length"), the eos token
+   unless ignored ("stop"), a stop token ("stop"); the parent of an ``n`` group not yet forked
+   forks its children; a beam's row of candidates goes to its group, and each group whose live
+   beams all have candidates selects.  Finished requests give their pages to the cache.
 
 Aborts work in any state; a request aborted between ``schedule`` and ``update`` is skipped by the
 update (its sampled row, if any, is ignored).
@@ -36,22 +45,46 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
-from qualia._types import RUN_STATS_ROWS, STEP_STATS, STEP_TOTALS, FinishedRequest, RunResult
+from qualia._types import (
+    RUN_STATS_ROWS,
+    STEP_STATS,
+    STEP_TOTALS,
+    CacheStats,
+    FinishedGroup,
+    FinishedRequest,
+    RunResult,
+)
 from qualia.errors import BusyError, PrefixCacheError, SchedulerError, StepError, TableError
 from qualia.twin.cache import NS_MAX_BYTES
 from qualia.twin.cache import Scheduler as _Facade
+from qualia.twin.groups import (
+    CHILD_BASE,
+    BeamGroup,
+    NGroup,
+    check_topk,
+    fork_n,
+    group_size,
+    park,
+    park_blocked,
+    resolve_topk,
+    select,
+)
 from qualia.twin.seed import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64, exact_int
 
-__all__ = ["StepScheduler", "StepPlan", "MAX_STOP_TOKENS"]
+__all__ = ["StepScheduler", "StepPlan", "MAX_STOP_TOKENS", "CHILD_BASE"]
 
 #: Stop token ids a request may name (held per request in C, sized at construction).
 MAX_STOP_TOKENS = 16
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
+Group = Union[NGroup, BeamGroup]
+
+
+# -- request entries -------------------------------------------------------------------------------
 
 @dataclass
 class _Req:
@@ -75,16 +108,39 @@ class _Req:
     def num_outputs(self) -> int:
         return len(self.tokens) - self.prompt_len
 
+    def stops(self, tok: int) -> bool:
+        """A stop token of this request: eos unless ignored, or one of its stop ids."""
+        return (self.eos is not None and tok == self.eos and not self.ignore_eos) or \
+            tok in self.stop
 
-def _stops(r: _Req, tok: int) -> bool:
-    """A stop token of ``r``: eos unless ignored, or one of its stop ids."""
-    return (r.eos is not None and tok == r.eos and not r.ignore_eos) or tok in r.stop
+    def finish_reason(self, tok: int, outputs: int, *, stop_first: bool = False
+                      ) -> Optional[str]:
+        """The stop rule: why the request finishes when ``tok`` is its ``outputs``-th output
+        token -- ``max_new_tokens`` reached ("length"), a stop token ("stop") -- or None when it
+        goes on.  A request checks the length first; a beam's kept candidate (``stop_first``)
+        names its stop token first (core: ``step_take``, ``beam_select``)."""
+        stop = self.stops(tok)
+        if stop_first and stop:
+            return "stop"
+        if outputs >= self.max_new_tokens:
+            return "length"
+        return "stop" if stop else None
 
+    def child(self, cid: int) -> "_Req":
+        """A group member continuing this one: its tokens so far, its arrival and priority."""
+        return _Req(cid, list(self.tokens), self.prompt_len, self.max_new_tokens,
+                    self.namespace, self.priority, self.arrival, self.eos, set(self.stop),
+                    self.ignore_eos)
+
+
+# -- the plan --------------------------------------------------------------------------------------
 
 @dataclass
 class StepPlan:
     """One step's plan: what to compute and where, in the array conventions attention kernels
-    take (see the module docstring of the core's ``StepPlan`` for each array)."""
+    take (see the module docstring of the core's ``StepPlan`` for each array).  A plan may
+    repeat a logits row (the members of an ``n`` group sampling the prompt's last row) and may
+    ask for candidates (beam rows: ``num_topk``)."""
 
     request_ids: np.ndarray
     query_start_loc: np.ndarray
@@ -111,6 +167,8 @@ class StepPlan:
     #: copy-on-write forks made since the previous plan: child ids and their parents' ids
     fork_child_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     fork_parent_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    #: the backend returns this many best tokens per row (0: no beam row in the plan)
+    num_topk: int = 0
     _chunks: List[Any] = field(default_factory=list, repr=False)
 
     @property
@@ -133,7 +191,8 @@ def _i32(value: Any, name: str) -> int:
 
 
 class StepScheduler:
-    """``qualia.StepScheduler`` in plain Python (``prefix_caching="auto"``)."""
+    """``qualia.StepScheduler`` in plain Python (``prefix_caching="auto"``), ``n`` groups and
+    beam groups included."""
 
     def __init__(self, num_pages, page_tokens, logical_pages, max_num_seqs, *,
                  max_num_batched_tokens=2048, max_queued=None, max_prefill_chunk=None,
@@ -181,15 +240,29 @@ class StepScheduler:
         if self.vocab_size == 0:
             raise ValueError("vocab_size must be at least 1 (or None)")
         self.max_tokens = f.logical_pages * self.page_tokens
+        # request entries and the waiting queue
         self._reqs: Dict[int, _Req] = {}
         self._waiting: List[_Req] = []     # sorted by (priority, arrival)
-        self._running: List[_Req] = []     # admission order
         self._arrivals = itertools.count()
+        # the running set and its block-table rows
+        self._running: List[_Req] = []     # admission order
         self._admissions = itertools.count()
         self._rows_free = list(range(self.max_num_seqs))   # lowest first
         self._block_table = np.full((self.max_num_seqs, f.logical_pages), -1, dtype=np.int32)
         self._row_len = [0] * self.max_num_seqs
         self._dirty: Set[int] = set()
+        # groups: by group id (the parent's id) and by member id; the child ids handed out that
+        # are no requests yet; the live beams parked with their candidates (they hold no slot,
+        # row or page, and are out of the queues until their group selects)
+        self._groups: Dict[int, Group] = {}
+        self._group_of: Dict[int, Group] = {}
+        self._reserved: Set[int] = set()
+        self._child_ids = itertools.count(CHILD_BASE)
+        self._parked: Dict[int, _Req] = {}
+        self.forks = 0
+        self.fork_fallbacks = 0
+        self.parked = 0
+        # the plan and what the next plan reports
         self._finished_since: List[int] = []
         self._forked_since: List[Tuple[int, int]] = []   # (child, parent) since the last plan
         self._plan: Optional[StepPlan] = None
@@ -209,7 +282,7 @@ class StepScheduler:
         if self._busy:
             raise BusyError(None, "the scheduler is running run()")
 
-    # -- queues ------------------------------------------------------------------------------------
+    # -- reads -------------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -218,9 +291,57 @@ class StepScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+    @property
+    def free_pages(self) -> int:
+        return self.facade.free_pages
 
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._parked)
+
+    def requests(self) -> List[int]:
+        """Ids of the queued, running and parked requests, in the order they became requests
+        (the core lists them by (arrival, id): a group's members share their parent's
+        arrival)."""
+        return list(self._reqs)
+
+    def request_tokens(self, request_id) -> np.ndarray:
+        """Prompt plus generated tokens of a queued, running or parked request."""
+        r = self._reqs.get(_u64(request_id, "request_id"))
+        if r is None:
+            raise StepError.UnknownRequest(None, f"request {request_id}")
+        return np.array(r.tokens, dtype=np.uint32)
+
+    def group_members(self, request_id) -> List[int]:
+        """The member ids of a queued or running ``n`` group (what the sampler keys on), or of
+        the live beams of a beam group."""
+        g = self._groups.get(_u64(request_id, "request_id"))
+        if g is None:
+            raise StepError.UnknownRequest(None, f"no group {request_id}")
+        return list(g.members)
+
+    def stats(self) -> Dict[str, int]:
+        """``qualia.StepScheduler.stats()``: running requests' slots, pages free, used, cached
+        and reclaimable, pages copied (copy-on-write) and allocated so far."""
+        st = self.facade.stats()
+        return {
+            "active": st["active"],
+            "max_num_seqs": self.max_num_seqs,
+            "num_pages": st["num_pages"],
+            "free_pages": st["free_pages"],
+            "used_pages": st["used_pages"],
+            "cached_pages": st["cached_pages"],
+            "reclaimable_pages": st["reclaimable_pages"],
+            "pages_copied": st["pages_copied"],
+            "pages_allocated": st["pages_allocated"],
+        }
+
+    def cache_stats(self) -> CacheStats:
+        return self.facade.cache_stats()
+
+    def drain_events(self, out=None):
+        return self.facade.drain_events(out)
+
+    # -- the waiting queue -------------------------------------------------------------------------
     def _enqueue(self, r: _Req) -> None:
         key = (r.priority, r.arrival)
         i = 0
@@ -229,11 +350,37 @@ class StepScheduler:
             i += 1
         self._waiting.insert(i, r)
 
+    def _unqueue(self, r: _Req) -> None:
+        """A request that is not running leaves the queue (or, a parked beam, the parked
+        set)."""
+        if self._parked.pop(r.request_id, None) is None:
+            self._waiting.remove(r)
+
     # -- requests in -------------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_tokens, *, max_new_tokens, namespace=b"",
-                    priority=0, eos_token_id=None, stop_token_ids=(),
+    def add_request(self, request_id, prompt_tokens, *, max_new_tokens, n=1, beam_width=None,
+                    namespace=b"", priority=0, eos_token_id=None, stop_token_ids=(),
                     ignore_eos=False) -> None:
         rid = _u64(request_id, "request_id")
+        n = group_size(n, "n", self.max_num_seqs)
+        if beam_width is not None:
+            beam_width = group_size(beam_width, "beam_width", self.max_num_seqs)
+            if n != 1:
+                raise ValueError("beam search returns beam_width hypotheses: leave n at 1")
+            if self.vocab_size is not None and beam_width > self.vocab_size:
+                # a beam row's w candidates are distinct tokens of the vocabulary
+                raise ValueError(f"beam_width must be at most vocab_size={self.vocab_size}, "
+                                 f"got {beam_width}")
+            # the w beams are computed side by side: the prompt's full pages once (shared) and
+            # each beam's own tail must fit the pool together, or the group never selects
+            prompt_tokens = self.facade._load_tokens(prompt_tokens)
+            pt = self.page_tokens
+            new = _u32(max_new_tokens, "max_new_tokens")
+            n_prompt = len(prompt_tokens)
+            tail = -(-(n_prompt + new - 1) // pt) - n_prompt // pt
+            need = n_prompt // pt + beam_width * tail
+            if n_prompt and new and need > self.facade.num_pages:
+                raise StepError.NeverFits(None, f"{beam_width} beams need {need} pages side by "
+                                                f"side, the pool has {self.facade.num_pages}")
         max_new = _u32(max_new_tokens, "max_new_tokens")
         if max_new == 0:
             raise ValueError("max_new_tokens must be at least 1")
@@ -262,24 +409,49 @@ class StepScheduler:
         if pages > self.facade.num_pages:
             raise StepError.NeverFits(None, f"{pages} pages needed, the pool has "
                                             f"{self.facade.num_pages}")
-        if self._entries_used() + self._entries_adding > self.max_queued:
+        # a group takes its width of queue entries at once
+        entries = n if beam_width is None else beam_width
+        if self._entries_used() + entries > self.max_queued:
             raise StepError.QueueFull(None, f"{self.max_queued} requests queued")
         r = _Req(rid, tokens, len(tokens), max_new, ns, prio, next(self._arrivals), eos,
                  set(stop), ignore)
         self._reqs[rid] = r
         self._enqueue(r)
-
-    #: queue entries the request being added takes (an ``n`` group of the fork twin: ``n``)
-    _entries_adding = 1
+        g: Optional[Group] = None
+        if beam_width is not None:
+            g = BeamGroup(rid, beam_width, [rid])
+        elif n > 1:
+            g = NGroup(rid, n, [rid])
+            for _ in range(1, n):
+                cid = self._new_child_id()
+                self._reserved.add(cid)
+                g.members.append(cid)
+        if g is not None:
+            self._groups[rid] = g
+            self._group_of[rid] = g
 
     def _taken(self, rid: int) -> bool:
-        """Whether ``rid`` names a request the scheduler holds (add_request refuses it)."""
-        return rid in self._reqs
+        """Whether ``rid`` names a request the scheduler holds (add_request refuses it): every
+        member id of a live group is taken (reserved, running, waiting or stopped) until the
+        group's result is returned."""
+        return (rid in self._reqs or rid in self._reserved or rid in self._group_of
+                or rid in self._groups)
 
     def _entries_used(self) -> int:
-        """Queue entries in use (the core's token-arena entries)."""
-        return len(self._reqs)
+        """Queue entries in use (the core's token-arena entries).  A group (n or beam) holds its
+        width from add_request until its result is returned: an n group's reserved children and
+        stopped members (the core keeps their outputs there), a beam group's live beams and
+        hypotheses (the core keeps each hypothesis's tokens in one of them)."""
+        return (sum(1 for rid in self._reqs if rid not in self._group_of)
+                + sum(g.width for g in self._groups.values()))
 
+    def _new_child_id(self) -> int:
+        while True:
+            cid = next(self._child_ids)
+            if not self._taken(cid):
+                return cid
+
+    # -- the running set and its rows ------------------------------------------------------------
     def _release_row(self, r: _Req) -> None:
         if r.row < 0:
             return
@@ -304,6 +476,36 @@ class StepScheduler:
         for rid in self._deferred_finish:
             self._finish_pages(rid)
         self._deferred_finish = []
+
+    def _stop_running(self, r: _Req) -> None:
+        # give the pages back (full pages stay cached) and the row; leave the running list
+        self._finish_pages(r.request_id)
+        self._release_row(r)
+        self._running.remove(r)
+        r.running = False
+        r.num_computed = 0
+
+    def _has_cand(self, r: _Req) -> bool:
+        # a live beam whose candidates wait for its group's selection
+        g = self._group_of.get(r.request_id)
+        return isinstance(g, BeamGroup) and r.request_id in g.cand
+
+    def _pick_victim(self, pool: List[_Req]) -> _Req:
+        """The request a reservation that cannot be met preempts: of the running requests not
+        yet scheduled in this step and the current one, a computed beam waiting for its group
+        first (it keeps its candidates), then the largest priority value, ties going to the
+        most recently admitted."""
+        ready = [q for q in pool if self._has_cand(q)]
+        return max(ready or pool, key=lambda q: (q.priority, q.admitted))
+
+    def _preempt(self, r: _Req) -> None:
+        # its pages back (full pages stay cached), its computed tokens forgotten: it waits
+        # again; a computed beam is parked with its candidates instead
+        if self._has_cand(r):
+            park(self, r)
+            return
+        self._stop_running(r)
+        self._enqueue(r)
 
     # -- copies owed (docs/DESIGN.md, "Copies owed") -----------------------------------------------
     def _owe(self, r: _Req, copies: np.ndarray) -> None:
@@ -347,35 +549,28 @@ class StepScheduler:
                 self._unhold(c[0])
         self._owed = []
 
-    def _stop_running(self, r: _Req) -> None:
-        # give the pages back (full pages stay cached) and the row; leave the running list
-        self._finish_pages(r.request_id)
-        self._release_row(r)
-        self._running.remove(r)
-        r.running = False
-        r.num_computed = 0
-
-    def _unqueue(self, r: _Req) -> None:
-        """A request that is not running leaves the scheduler's queues."""
-        self._waiting.remove(r)
-
-    def _pick_victim(self, pool: List[_Req]) -> _Req:
-        """The request a reservation that cannot be met preempts: of the running requests not
-        yet scheduled in this step and the current one, the largest priority value, ties going
-        to the most recently admitted."""
-        return max(pool, key=lambda q: (q.priority, q.admitted))
-
-    def _preempt(self, r: _Req) -> None:
-        # its pages back (full pages stay cached), its computed tokens forgotten: it waits again
-        self._stop_running(r)
-        self._enqueue(r)
-
+    # -- requests out ------------------------------------------------------------------------------
     def abort(self, request_id) -> None:
+        """Abort a request in any state; a group's id aborts every member (a member alone is
+        refused)."""
         rid = _u64(request_id, "request_id")
-        self._enter()
-        r = self._reqs.get(rid)
-        if r is None:
-            raise StepError.UnknownRequest(None, f"request {rid}")
+        self._enter()       # the core owns the scheduler before it looks the id up
+        g = self._groups.get(rid)
+        if g is None:
+            if rid in self._group_of:
+                raise StepError.UnknownRequest(None, f"request {rid} is a group member: abort "
+                                                     f"the group ({self._group_of[rid].parent})")
+            r = self._reqs.get(rid)
+            if r is None:
+                raise StepError.UnknownRequest(None, f"request {rid}")
+            self._abort(r)
+            return
+        for m in [m for m in g.members if m in self._reqs]:
+            self._abort(self._reqs[m])
+        self._drop_group(g)
+
+    def _abort(self, r: _Req) -> None:
+        rid = r.request_id
         if r.running:
             if self._plan is not None and any(c is r for c, _ in self._plan._chunks):
                 # the pending plan may be executing: the request keeps its pages and its
@@ -393,6 +588,21 @@ class StepScheduler:
             self._unqueue(r)
         del self._reqs[rid]
         self._finished_since.append(rid)
+
+    def _drop_group(self, g: Group) -> None:
+        for m in [m for m, x in self._group_of.items() if x is g]:
+            del self._group_of[m]
+        self._reserved.difference_update(g.members)
+        self._groups.pop(g.parent, None)
+
+    def _finish_member(self, r: _Req) -> None:
+        # a request (or group member) that stopped leaves the running set or the queues
+        if r.running:
+            self._stop_running(r)
+        else:
+            self._unqueue(r)
+        del self._reqs[r.request_id]
+        self._finished_since.append(r.request_id)
 
     # -- one step out ------------------------------------------------------------------------------
     def _reserve(self, r: _Req, n: int):
@@ -414,7 +624,7 @@ class StepScheduler:
             raise StepError.PlanPending(None, "update() the previous plan first")
         pt = self.page_tokens
         left = self.budget
-        chunks = []            # (req, start, n, is_decode, copies)
+        chunks = []            # (req, start, n, is_decode)
         preempted: List[int] = []
         new: List[int] = []
         cached = 0
@@ -431,8 +641,7 @@ class StepScheduler:
             if remaining > 1 and self.chunk is not None:
                 n = min(n, self.chunk)
             while True:
-                copies = self._reserve(r, n)
-                if copies is not None:
+                if self._reserve(r, n) is not None:
                     break
                 victim = self._pick_victim(
                     [q for q in self._running if q.request_id not in scheduled])
@@ -445,7 +654,7 @@ class StepScheduler:
             scheduled.add(r.request_id)
             # a decode feeds back a generated token: the last token of a prompt is prefilled
             chunks.append((r, r.num_computed, n,
-                           remaining == 1 and r.num_computed >= r.prompt_len, copies))
+                           remaining == 1 and r.num_computed >= r.prompt_len))
             if r.unseen:
                 # admitted by a discarded plan: named until a plan with it is applied
                 new.append(r.request_id)
@@ -470,8 +679,7 @@ class StepScheduler:
                         raise
                     break
                 assert adm.prefix_tokens == hit.tokens
-                copies = self.facade.reserve(r.request_id, n)
-                self._owe(r, copies)
+                self._owe(r, self.facade.reserve(r.request_id, n))
                 self._waiting.pop(0)
                 r.running = True
                 r.num_computed = hit.tokens
@@ -481,7 +689,7 @@ class StepScheduler:
                 r.unseen = True
                 new.append(r.request_id)
                 cached += hit.tokens
-                chunks.append((r, r.num_computed, n, False, copies))
+                chunks.append((r, r.num_computed, n, False))
                 left -= n
         return self._lower(chunks, new, preempted, cached)
 
@@ -492,12 +700,14 @@ class StepScheduler:
         ids: List[int] = []
         pos: List[int] = []
         slots: List[int] = []
-        logits, sampled = [], []
+        logits: List[int] = []
+        sampled: List[int] = []
+        topk = 0
         indptr, indices, last_len = [0], [], []
         # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
         copies = [(c[0], c[1]) for c in self._owed]
         n_decode = 0
-        for r, start, n, is_decode, _ in chunks:
+        for r, start, n, is_decode in chunks:
             table = f._slots[f._find(r.request_id)].blocks.entries()
             # the request's row: write what differs
             row = self._block_table[r.row]
@@ -516,8 +726,15 @@ class StepScheduler:
                 slots.append(table[p // pt] * pt + p % pt)
             qsl.append(qsl[-1] + n)
             if end == len(r.tokens):
-                logits.append(qsl[-1] - 1)
-                sampled.append(r.request_id)
+                # the chunk reaches the request's last token: its row is sampled -- once per
+                # member by an n group not yet forked, with candidates by a beam
+                g = self._group_of.get(r.request_id)
+                members = g.members if isinstance(g, NGroup) and not g.forked else \
+                    [r.request_id]
+                logits.extend([qsl[-1] - 1] * len(members))
+                sampled.extend(members)
+                if isinstance(g, BeamGroup):
+                    topk = max(topk, g.width)
             npages = -(-end // pt)
             indices.extend(table[:npages])
             indptr.append(indptr[-1] + npages)
@@ -549,7 +766,8 @@ class StepScheduler:
             page_tokens=pt,
             fork_child_ids=np.array([c for c, _ in self._forked_since], dtype=np.uint64),
             fork_parent_ids=np.array([p for _, p in self._forked_since], dtype=np.uint64),
-            _chunks=[(r, n) for r, _, n, _, _ in chunks],
+            num_topk=topk,
+            _chunks=[(r, n) for r, _, n, _ in chunks],
         )
         for value in vars(plan).values():
             if isinstance(value, np.ndarray):
@@ -562,16 +780,6 @@ class StepScheduler:
         return plan
 
     # -- tokens back -------------------------------------------------------------------------------
-    @staticmethod
-    def _stop_reason(r: _Req, tok: int) -> Optional[str]:
-        """Why ``r`` stops after taking ``tok`` (appended): max_new_tokens first, then a stop
-        token; None when it goes on."""
-        if r.num_outputs >= r.max_new_tokens:
-            return "length"
-        if _stops(r, tok):
-            return "stop"
-        return None
-
     @staticmethod
     def _resolve_sampled(sampled_token_ids) -> List[int]:
         # conversion only (user code -- __index__, iterators -- runs here): no state is read
@@ -601,55 +809,105 @@ class StepScheduler:
                 raise ValueError(f"sampled token id {v} is outside [0, {limit}]")
         return values
 
-    def update(self, sampled_token_ids) -> List[FinishedRequest]:
-        plan = self._plan
-        if plan is None:
+    def update(self, sampled_token_ids, topk_ids=None, topk_logprobs=None) -> List[Any]:
+        """Apply the pending plan: one sampled token id per row; a plan with beam rows
+        (``num_topk > 0``) also takes each row's ``num_topk`` best ids and their
+        log-probabilities (``[m, num_topk]`` arrays).  Returns the requests
+        (``FinishedRequest``) and groups (``FinishedGroup``) that finished, in that order."""
+        if self._plan is None:
             raise StepError.NoPlan(None, "schedule() first")
-        values = self._resolve_sampled(sampled_token_ids)
+        values = self._resolve_sampled(sampled_token_ids)    # user code runs here only
+        topk = resolve_topk(topk_ids, topk_logprobs)         # (and here)
         self._enter()
-        return self._update(self._check_sampled(values))
+        return self._update(values, *topk)
 
-    def _update(self, values: List[int]) -> List[FinishedRequest]:
+    def _update(self, values, topk_ids, topk_logprobs, err=None) -> List[Any]:
+        # checked against the plan pending now, then applied
+        values = self._check_sampled(values)
         plan = self._plan
         assert plan is not None
+        tids, tlps = check_topk(self, plan, topk_ids, topk_logprobs, err)
         f = self.facade
-        finished: List[FinishedRequest] = []
-        row = 0
-        qsl = plan.query_start_loc
         self._owed_applied()      # the plan listed every copy owed, and it is applied
+        finished: List[Any] = []
+        selecting: List[BeamGroup] = []
+        qsl = plan.query_start_loc.tolist()
+        li = plan.logits_indices.tolist()
+        m = len(li)
+        row = 0
         for i, (r, n) in enumerate(plan._chunks):
-            sampled = row < len(plan.logits_indices) and plan.logits_indices[row] == qsl[i + 1] - 1
-            tok = values[row] if sampled else None
-            row += int(sampled)
+            first = row
+            while row < m and li[row] == qsl[i + 1] - 1:
+                row += 1
             if r.request_id in self._aborted_in_plan:
                 continue
             r.unseen = False
             f.advance(r.request_id, n)
             r.num_computed += n
-            if tok is None:
+            if row == first:
                 continue
-            f._note_token(f._find(r.request_id), len(r.tokens), tok)
-            r.tokens.append(tok)
-            reason = self._stop_reason(r, tok)
-            if reason is not None:
-                self._stop_running(r)
-                del self._reqs[r.request_id]
-                self._finished_since.append(r.request_id)
-                finished.append(FinishedRequest(
-                    r.request_id, np.array(r.tokens[r.prompt_len:], dtype=np.uint32), reason))
+            g = self._group_of.get(r.request_id)
+            if isinstance(g, BeamGroup):
+                # a beam row: its candidates wait for the group's selection
+                g.cand[r.request_id] = (tids[first, :g.width].tolist(),
+                                        tlps[first, :g.width].tolist())
+                if not any(x is g for x in selecting):
+                    selecting.append(g)
+            elif isinstance(g, NGroup) and not g.forked:
+                fork_n(self, g, r, values[first:row], finished)
+            else:
+                self._take(r, values[first], finished)
+        # beam groups select in the order their first row appears in the plan
+        for g in selecting:
+            select(self, g, finished)
+        if len(plan.input_ids) == 0:
+            park_blocked(self)
         self._plan = None
         self._aborted_in_plan = set()
         self._clear_deferred_rows()
         return finished
 
+    def _note(self, r: _Req, tok: int) -> None:
+        # the request's next token (the cache's token stream too, when it runs)
+        f = self.facade
+        if r.running:
+            f._note_token(f._find(r.request_id), len(r.tokens), tok)
+        r.tokens.append(tok)
+        if self._parked.pop(r.request_id, None) is not None:
+            self._enqueue(r)        # a parked beam continues: it has a token to compute
+
+    def _take(self, r: _Req, tok: int, finished: List[Any]) -> None:
+        # one sampled token for a plain request or a forked member of an n group: noted, then
+        # the stop rule; the last member of an n group to stop finishes the group
+        self._note(r, tok)
+        reason = r.finish_reason(tok, r.num_outputs)
+        if reason is None:
+            return
+        out = r.tokens[r.prompt_len:]
+        self._finish_member(r)
+        g = self._group_of.get(r.request_id)
+        if not isinstance(g, NGroup):
+            finished.append(FinishedRequest(r.request_id, np.array(out, dtype=np.uint32),
+                                            reason))
+            return
+        g.results[r.request_id] = (out, reason)
+        if len(g.results) == len(g.members):
+            finished.append(FinishedGroup(
+                g.parent, [np.array(g.results[m][0], dtype=np.uint32) for m in g.members],
+                [g.results[m][1] for m in g.members], None, list(g.members)))
+            self._drop_group(g)
+
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, backend, max_steps=None, *, stats_rows=RUN_STATS_ROWS) -> RunResult:
         """schedule, execute, update until idle or ``max_steps`` steps; ``RunResult(stats,
         finished, steps, totals)`` keeps the rows of the last ``stats_rows`` steps and sums
-        the ``STEP_TOTALS`` fields over all of them.  The scheduler is held for the whole call
-        (a backend calling a mutating method gets BusyError).  If the backend fails, its step
-        is discarded and the error propagates with ``finished``: the requests the earlier
-        steps of this call finished (they are no longer queued)."""
+        the ``STEP_TOTALS`` fields over all of them.  ``backend.execute_step(plan)`` returns
+        the sampled ids, or ``(sampled, topk_ids, topk_logprobs)`` when the plan has beam rows;
+        ``finished`` holds ``FinishedRequest`` and ``FinishedGroup`` records in the order they
+        finished.  The scheduler is held for the whole call (a backend calling a mutating
+        method gets BusyError).  If the backend fails, its step is discarded and the error
+        propagates with ``finished``: the requests the earlier steps of this call finished
+        (they are no longer queued)."""
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
         ring_rows = _u32(stats_rows, "stats_rows")
         execute = getattr(backend, "execute_step", None)
@@ -689,13 +947,16 @@ class StepScheduler:
             self._busy = False
 
     def _run_step(self, execute, plan: StepPlan) -> List[Any]:
-        # run()'s one step after schedule: execute the plan and apply it; a failure discards it
+        # run()'s one step after schedule: execute the plan and apply it; a failure before
+        # anything changed discards it
         try:
-            ids = self._check_sampled(self._resolve_sampled(execute(plan)))
+            out = execute(plan)
+            ids, tk, tl = out if isinstance(out, tuple) else (out, None, None)
+            return self._update(self._resolve_sampled(ids), *resolve_topk(tk, tl))
         except BaseException:
-            self._discard()
+            if self._plan is plan:
+                self._discard()
             raise
-        return self._update(ids)
 
     def discard_plan(self) -> None:
         """Drop the pending plan after its execution failed: the scheduled tokens stay
@@ -716,14 +977,3 @@ class StepScheduler:
         self._plan = None
         self._aborted_in_plan = set()
         self._clear_deferred_rows()
-
-    # -- introspection -----------------------------------------------------------------------------
-    def request_tokens(self, request_id) -> np.ndarray:
-        """Prompt plus generated tokens of a queued or running request."""
-        r = self._reqs.get(_u64(request_id, "request_id"))
-        if r is None:
-            raise StepError.UnknownRequest(None, f"request {request_id}")
-        return np.array(r.tokens, dtype=np.uint32)
-
-    def requests(self) -> Iterable[int]:
-        return list(self._reqs)

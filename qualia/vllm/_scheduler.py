@@ -153,7 +153,10 @@ class _Waiting:
 
 
 class Scheduler(_VllmScheduler):
-    """vLLM's scheduler interface, decided by qualia's compiled engine step."""
+    """vLLM's scheduler interface, decided by qualia's compiled engine step
+    (``qualia.StepScheduler``): admission and its order, the token budget and prefill chunks,
+    preemption, KV block ids and prefix hits (docs/vllm.md).  Pass it to vLLM as
+    ``scheduler_cls="qualia.vllm.Scheduler"``; vLLM's engine constructs it."""
 
     # vLLM's attributes this class assigns (declared so that the class type-checks without vLLM)
     running: List[Request]
@@ -311,6 +314,9 @@ class Scheduler(_VllmScheduler):
         return c.num_waiting + c.num_running < c.max_queued
 
     def add_request(self, request: Request) -> None:
+        """Queue a vLLM request in the core (or, while the core's queue is full or new requests are
+        paused, in the adapter); an unsupported request raises ``UnsupportedByQualia`` and changes
+        nothing."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -403,6 +409,8 @@ class Scheduler(_VllmScheduler):
         self._queue_front(requests)
 
     def set_pause_state(self, pause_state: PauseState) -> None:
+        """vLLM's pause states: under ``PAUSED_NEW`` the waiting requests leave the core for the
+        adapter's queue until the pause ends; ``PAUSED_ALL`` schedules nothing."""
         held = self._holding()
         super().set_pause_state(pause_state)
         if self._holding() and not held:
@@ -429,6 +437,8 @@ class Scheduler(_VllmScheduler):
         self.requests.pop(rid, None)
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> List[Request]:
+        """Abort (or finish) the named requests in the core and in vLLM's books; returns the
+        requests finished."""
         assert RequestStatus.is_finished(finished_status)
         if isinstance(request_ids, str):
             ids: Iterable[str] = (request_ids,)
@@ -463,6 +473,9 @@ class Scheduler(_VllmScheduler):
     # -- the step ----------------------------------------------------------------------------
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        """One core plan as vLLM's ``SchedulerOutput``: admissions as new (or resumed) requests, the
+        rest as cached requests, block ids ``page + 1``, the prefix hits as computed tokens. One
+        step in flight at a time."""
         if self._pending:
             raise RuntimeError("schedule() called twice without update_from_output(): "
                                "qualia.vllm.Scheduler keeps one step in flight")
@@ -696,6 +709,8 @@ class Scheduler(_VllmScheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any) -> Dict[int, EngineCoreOutputs]:
+        """Hand the model runner's sampled tokens to the core's ``update`` and build vLLM's outputs
+        (finish reasons in vLLM's order: eos, a stop id, length)."""
         result: Dict[int, EngineCoreOutputs] = {}
         if self._pending:
             self._pending = False
@@ -885,19 +900,24 @@ class Scheduler(_VllmScheduler):
     # -- what vLLM's engine asks -------------------------------------------------------------
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """None: structured outputs are refused at ``add_request``."""
         return None
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """Refused: speculative decoding is not supported."""
         raise _refuse("speculative decoding")
 
     def update_draft_token_ids_in_output(self, draft_token_ids: Any,
                                          scheduler_output: SchedulerOutput) -> None:
+        """Refused: speculative decoding is not supported."""
         raise _refuse("speculative decoding")
 
     def get_request_counts(self) -> Tuple[int, int]:
+        """``(running, waiting)`` request counts."""
         return len(self.running), len(self.waiting)
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests not finished, as vLLM counts them under the pause state."""
         if self._pause_state == PauseState.PAUSED_ALL:
             return 0
         if self._pause_state == PauseState.PAUSED_NEW:
@@ -905,18 +925,23 @@ class Scheduler(_VllmScheduler):
         return len(self.running) + len(self.waiting)
 
     def has_finished_requests(self) -> bool:
+        """Whether requests finished since the previous step wait to be reported."""
         return bool(self.finished_req_ids)
 
     def has_requests(self) -> bool:
+        """Whether any request is unfinished or finished and not yet reported."""
         return self.has_unfinished_requests() or self.has_finished_requests()
 
     def get_kv_cache_usage(self) -> float:
+        """``1 - free / pages``: cached pages no request holds count as free."""
         # pages no request holds (free, or cached and reclaimable) are not in use
         return 1.0 - self._core.free_pages / self._num_pages
 
     def make_stats(self, spec_decoding_stats: Any = None, kv_connector_stats: Any = None,
                    cudagraph_stats: Any = None, perf_stats: Any = None,
                    ec_connector_stats: Any = None) -> Optional[SchedulerStats]:
+        """vLLM's ``SchedulerStats`` of the step (None without ``log_stats``), with the prefix-cache
+        queries and hits the core's admissions recorded."""
         if not self.log_stats:
             return None
         # the prefix-cache queries and hits are recorded in vLLM's accumulator at admission
@@ -934,6 +959,8 @@ class Scheduler(_VllmScheduler):
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
+        """Clear qualia's prefix cache; with ``reset_running_requests`` every running request first
+        goes back to waiting. Returns False when requests run and may not be reset."""
         if self.running and not reset_running_requests:
             return False
         if self._pending:

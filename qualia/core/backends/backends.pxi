@@ -475,7 +475,8 @@ cdef void _free_step_capsule(object cap) noexcept:
 
 cdef class HashBackend:
     """A deterministic decode and step backend in C: next token = hash(request_id, position,
-    token_id).
+    token_id) (docs/DESIGN.md, "Hash backend").  It stands in for a model in tests, benchmarks
+    and examples.
 
     Exposes ``__qualia_backend__`` (the decode-round capsule) and ``__qualia_step_backend__``
     (the step capsule), which the scheduler calls without the GIL, and the same computations as
@@ -536,10 +537,13 @@ cdef class HashBackend:
 
     @property
     def vocab(self):
+        """The vocabulary size: every token it returns is below it."""
         return self.st.vocab
 
     @property
     def fault(self):
+        """The failure it injects: None, ``"error"`` (returns ``code``, in rounds and steps),
+        ``"batch_size"``, ``"launches"`` or ``"swap"`` (rounds only). Settable."""
         for k, v in _FAULTS.items():
             if v == self.st.fault:
                 return k
@@ -552,6 +556,7 @@ cdef class HashBackend:
 
     @property
     def code(self):
+        """The nonzero i32 status the ``"error"`` fault returns. Settable."""
         return self.st.code
 
     @code.setter
@@ -566,26 +571,32 @@ cdef class HashBackend:
 
     @property
     def calls(self):
+        """Decode rounds executed."""
         return self.st.calls
 
     @property
     def items(self):
+        """Batch items of every decode round executed."""
         return self.st.items
 
     @property
     def pages_copied(self):
+        """Pages copied by ``copy_pages``, for rounds and steps alike."""
         return self.st.pages_copied
 
     @property
     def copy_calls(self):
+        """Calls of ``copy_pages``."""
         return self.st.copy_calls
 
     @property
     def step_calls(self):
+        """Engine steps executed."""
         return self.st.step_calls
 
     @property
     def sampled(self):
+        """Rows sampled over every step executed."""
         return self.st.sampled
 
     def execute_step(self, plan, sampled_out=None, logprobs_out=None):
@@ -632,6 +643,10 @@ cdef class HashBackend:
         return out, tids, tlps
 
     def execute_ragged(self, items, block_table, outputs):
+        """One decode round over ``items`` (``RAGGED_BATCH_ITEM``), ``block_table`` (uint32) and
+        writable ``outputs`` (``RAGGED_BATCH_OUTPUT``), by the same C function the scheduler calls
+        through ``__qualia_backend__``; returns the ``RaggedBatchReceipt``. The ``"error"`` fault
+        raises ``RaggedBackendError.Failed(code)``."""
         cdef _Buffer bi = _acquire(items, "items", "item", sizeof(qualia_batch_item),
                                    QUALIA_ALIGN_ITEM, False)
         cdef _Buffer bt = _acquire(block_table, "block_table", "u32", sizeof(uint32_t),
@@ -649,6 +664,7 @@ cdef class HashBackend:
         return RaggedBatchReceipt(rec.batch_size, rec.backend_launches)
 
     def copy_pages(self, copies):
+        """Count the ``COPY_OP`` records of ``copies`` as copied (the hash backend holds no K/V)."""
         cdef _Buffer bc = _acquire(copies, "copies", "copy_op", sizeof(qualia_copy_op),
                                    QUALIA_ALIGN_COPY, False)
         qualia_hash_copy_pages(self.st, <qualia_copy_op *>bc.ptr, <uint32_t>bc.length)

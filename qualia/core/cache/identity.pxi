@@ -246,6 +246,7 @@ cdef class PrefixIdentity:
 
     @classmethod
     def fromhex(cls, s):
+        """The identity of 32 hexadecimal digits (either case), as ``hex()`` writes them."""
         if not isinstance(s, str):
             raise TypeError(f"fromhex() takes a str, not {type(s).__name__}")
         if len(s) != 32:
@@ -254,6 +255,7 @@ cdef class PrefixIdentity:
 
     @property
     def digest(self):
+        """The 16-byte BLAKE2b digest (``bytes``)."""
         cdef uint8_t d[16]
         _put_be64(d, self.hi)
         _put_be64(d + 8, self.lo)
@@ -263,6 +265,7 @@ cdef class PrefixIdentity:
         return self.digest
 
     def hex(self):
+        """The digest as 32 lower-case hexadecimal digits."""
         return f"{self.hi:016x}{self.lo:016x}"
 
     def __int__(self):

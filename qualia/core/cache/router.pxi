@@ -236,14 +236,18 @@ cdef class PrefixRouterIndex:
 
     @property
     def capacity(self):
+        """Identities the index holds at most; a new identity past it is dropped and counted in
+        ``dropped``."""
         return self.x.capacity
 
     @property
     def max_replicas(self):
+        """Replicas the index tracks (ids ``0 .. max_replicas - 1``, at most 64)."""
         return self.x.max_replicas
 
     @property
     def slots(self):
+        """Slots of the open-addressing table: twice ``capacity``, rounded up to a power of two."""
         return self.x.mask + 1
 
     def __len__(self):

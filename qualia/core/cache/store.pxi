@@ -1,4 +1,4 @@
-# Prefix KV store (docs/DESIGN.md, "Prefix store"): fixed entries, an open-addressing index
+# Prefix KV store (docs/DESIGN.md, "Prefix KV store"): fixed entries, an open-addressing index
 # by digest (backward-shift deletion, load <= 1/2), an intrusive LRU list (head = least recent).
 
 cdef struct StoreEntry:
@@ -157,8 +157,10 @@ cdef int store_evict(Store *st, uint64_t hi, uint64_t lo, Pool *p) noexcept nogi
 
 
 cdef class PrefixKvStore:
-    """At most ``entries`` published prefixes of at most ``pages`` pages each
-    (docs/DESIGN.md, "Prefix store")."""
+    """The seed's explicit prefix store: at most ``entries`` published prefixes of at most
+    ``pages`` pages each, in recency order (docs/DESIGN.md, "Prefix KV store"): ``publish``,
+    ``attach``, ``evict``, ``evict_lru`` and the reads ``contains``, ``pages_of``,
+    ``tokens_of``, ``identities``."""
     cdef Store store
     cdef uint64_t owner
 
@@ -196,24 +198,29 @@ cdef class PrefixKvStore:
 
     @property
     def capacity(self):
+        """Entries the store can hold at once, fixed at construction."""
         return self.store.capacity
 
     @property
     def max_pages(self):
+        """Pages one entry can hold, fixed at construction."""
         return self.store.max_pages
 
     @property
     def hits(self):
+        """Attaches that found their identity."""
         return self.store.hits
 
     @property
     def misses(self):
+        """Attaches that did not find their identity."""
         return self.store.misses
 
     def __len__(self):
         return self.store.count
 
     def contains(self, PrefixIdentity identity not None):
+        """Whether ``identity`` is published (also ``identity in store``)."""
         return store_find(&self.store, identity.hi, identity.lo) >= 0
 
     def __contains__(self, identity):
@@ -229,6 +236,9 @@ cdef class PrefixKvStore:
         return e
 
     def publish(self, PrefixIdentity identity not None, pages, tokens, BlockPool pool not None):
+        """Record a prefilled prefix of ``tokens`` tokens living in ``pages`` (logical order),
+        retaining each page; the entry becomes the most recent (``PrefixKvError.EmptyPrefix``,
+        ``TooManyPages``, ``Duplicate``, ``Full``, ``Pool``; nothing changes on an error)."""
         cdef uint32_t ntok = _u32(tokens, "tokens")
         cdef uint32_t n
         cdef int rc
@@ -262,6 +272,8 @@ cdef class PrefixKvStore:
         return tokens if tokens else None
 
     def evict(self, PrefixIdentity identity not None, BlockPool pool not None):
+        """Drop the entry of ``identity``, then release its page references
+        (``PrefixKvError.Unknown`` when absent)."""
         cdef int rc
         cdef uint64_t tok = own_acquire(&self.owner, &pool.owner, NULL, NULL)
         try:
@@ -292,11 +304,14 @@ cdef class PrefixKvStore:
         return _identity_from_hilo(hi, lo)
 
     def pages_of(self, PrefixIdentity identity not None):
+        """The pages of ``identity``'s entry, in logical order (``PrefixKvError.Unknown`` when
+        absent)."""
         cdef int32_t e = self._entry(identity)
         return _list_of(&self.store.pages[<size_t>e * self.store.max_pages],
                         self.store.entries[e].npages)
 
     def tokens_of(self, PrefixIdentity identity not None):
+        """The token count of ``identity``'s entry (``PrefixKvError.Unknown`` when absent)."""
         return self.store.entries[self._entry(identity)].tokens
 
     def identities(self):

@@ -66,8 +66,9 @@ cdef int pool_release(Pool *p, uint32_t page) noexcept nogil:
 
 cdef class BlockPool:
     """Physical KV pages ``0 .. num_blocks-1`` with reference counts (docs/DESIGN.md,
-    "Block pool").  ``BlockPool(0)`` is valid: every ``allocate`` is ``Exhausted`` and every page
-    id ``InvalidPage``."""
+    "Block pool"): ``allocate``, ``retain``, ``release``, ``refcount``, ``refcounts``.
+    ``BlockPool(0)`` is valid: every ``allocate`` is ``Exhausted`` and every page id
+    ``InvalidPage``."""
     cdef Pool pool
     cdef uint64_t owner
     cdef uint8_t gil_free   # its StepScheduler's GIL-free loop is changing it (ownership.pxi)
@@ -81,10 +82,12 @@ cdef class BlockPool:
 
     @property
     def num_blocks(self):
+        """Pages in the pool, fixed at construction."""
         return self.pool.num_blocks
 
     @property
     def free_count(self):
+        """Pages on the free stack now (reference count 0)."""
         own_readable(self.gil_free)
         return self.pool.free_top
 
@@ -102,6 +105,8 @@ cdef class BlockPool:
         return page
 
     def retain(self, page):
+        """One more reference on ``page`` (``PoolError.InvalidPage``, ``NotAllocated`` for a free
+        page, ``Overflow`` at 2**32-1)."""
         cdef uint32_t p = _u32(page, "page")
         cdef int rc
         cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
@@ -113,6 +118,8 @@ cdef class BlockPool:
             raise _error(E_POOL, rc)
 
     def release(self, page):
+        """One reference less on ``page``; at 0 it goes on top of the free stack
+        (``PoolError.InvalidPage``, ``NotAllocated``)."""
         cdef uint32_t p = _u32(page, "page")
         cdef int rc
         cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
@@ -124,6 +131,7 @@ cdef class BlockPool:
             raise _error(E_POOL, rc)
 
     def refcount(self, page):
+        """The reference count of ``page`` (``PoolError.InvalidPage`` past the end)."""
         cdef uint32_t p = _u32(page, "page")
         if p >= self.pool.num_blocks:
             raise PoolError.InvalidPage()

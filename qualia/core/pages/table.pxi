@@ -1,4 +1,4 @@
-# Sequence block table (docs/DESIGN.md, "Block table").
+# Sequence block table (docs/DESIGN.md, "Sequence block table and copy-on-write").
 
 cdef enum:
     COW_EXCLUSIVE = 0
@@ -139,7 +139,8 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
 
 cdef class SequenceBlockTable:
     """The logical -> physical page map of one request, fixed capacity (docs/DESIGN.md,
-    "Block table")."""
+    "Sequence block table and copy-on-write"): ``ensure_writable`` (copy-on-write),
+    ``attach``, ``release_all``, ``entries``."""
     cdef Table table
 
     def __cinit__(self, capacity):
@@ -156,6 +157,7 @@ cdef class SequenceBlockTable:
 
     @property
     def capacity(self):
+        """Logical pages the table can map, fixed at construction."""
         return self.table.capacity
 
     def __len__(self):
@@ -170,6 +172,10 @@ cdef class SequenceBlockTable:
     # it.  The pool it allocates from can be held across user code, so that is acquired.
 
     def ensure_writable(self, logical_page, BlockPool pool not None):
+        """Make ``logical_page`` safe to write and return a :class:`CopyOnWrite`: ``allocated`` (a
+        page appended), ``exclusive`` (write in place) or ``copy`` (copy ``src`` to ``page`` first;
+        the table now maps ``page``). A ``TableError`` changes nothing (docs/DESIGN.md, "Sequence
+        block table and copy-on-write")."""
         cdef uint32_t lp = _u32(logical_page, "logical_page")
         cdef Cow c
         cdef int rc
@@ -183,6 +189,9 @@ cdef class SequenceBlockTable:
         return _cow(&c)
 
     def attach(self, pages, BlockPool pool not None):
+        """Map shared ``pages`` into this empty table, retaining each once per appearance; every
+        retain is validated before any is made (``TableError.NotEmpty``, ``OutOfRange``,
+        ``InvalidPage``, ``NotAllocated``, ``Overflow``)."""
         cdef uint32_t n
         cdef int rc
         cdef uint64_t tok
@@ -199,6 +208,8 @@ cdef class SequenceBlockTable:
             raise _error(E_TABLE, rc)
 
     def release_all(self, BlockPool pool not None):
+        """Release every mapped page in order and empty the table; a failed release is raised after
+        all the others were released."""
         cdef int rc
         cdef uint64_t tok = own_acquire(&pool.owner, NULL, NULL, NULL)
         try:

@@ -4,7 +4,21 @@
 # C functions below them, never an object.
 
 cdef class Scheduler:
-    """admit / decode / finish over an owned BlockPool, PrefixKvStore and RequestScheduler.
+    """The facade: an engine drives the seed's types by hand, one verb per event of a request's
+    life, over an owned BlockPool, PrefixKvStore and RequestScheduler (docs/DESIGN.md, "The
+    facade").  It has no engine step (that is :class:`StepScheduler`, which shares no state with
+    it).
+
+    Verbs: ``admit`` (a request, sharing the longest cached run of its prompt's pages),
+    ``reserve`` (pages for the next tokens; returns the copy-on-write copies to perform first),
+    ``advance`` (tokens whose K/V were written), ``complete_prefill`` (the first generated
+    token), ``decode`` (one backend call for every decoding request), ``fork``
+    (a copy-on-write child of a decoding request), ``finish``; in ``"explicit"`` mode
+    ``publish_prefix``, ``identity_for``, ``evict``, ``evict_lru`` and ``evict_unused_lru``.
+    Reads: ``block_table``, ``token_count``, ``runnable``, ``stats``, ``active_count``,
+    ``free_pages``, and the page cache's ``cached_prefix``, ``cached_prefix_tokens``,
+    ``cache_stats``, ``cache_entry``, ``reclaimable_pages``, ``page_identities``,
+    ``drain_events``, ``clear_cache``.
 
     Everything (pages, prefix entries, request slots, every scratch buffer) is sized here, once.
     Every mutating method owns the facade and its pool, store and request scheduler for the whole
@@ -13,9 +27,14 @@ cdef class Scheduler:
     ``BusyError`` and changes nothing.  Reads work at any time, from a backend mid-round too.
     """
     cdef readonly BlockPool pool
+    """The facade's pool (its mutating calls raise ``BusyError`` while the facade is owned)."""
     cdef readonly PrefixKvStore prefixes
+    """The facade's explicit prefix store."""
     cdef readonly RequestScheduler requests
+    """The facade's request scheduler (use the facade's verbs: changing it directly bypasses the
+    page cache's bookkeeping)."""
     cdef readonly uint32_t page_tokens
+    """Token positions per page."""
     cdef uint64_t owner
     # Scratch, written only by the core under ownership.  items/table/copies/results are exported
     # to Python read-only; backend_out is the one buffer a backend writes.
@@ -110,18 +129,23 @@ cdef class Scheduler:
     # -- properties and stats ------------------------------------------------------------------
     @property
     def max_requests(self):
+        """Request slots, fixed at construction."""
         return self.requests.s.max_requests
 
     @property
     def logical_pages(self):
+        """Capacity of each request's block table, in pages: a request holds at most ``logical_pages
+        * page_tokens`` tokens."""
         return self.requests.s.logical_pages
 
     @property
     def num_pages(self):
+        """Pages in the pool, fixed at construction."""
         return self.pool.pool.num_blocks
 
     @property
     def active_count(self):
+        """Requests admitted and not finished."""
         return self.requests.s.active
 
     @property
@@ -131,9 +155,13 @@ cdef class Scheduler:
 
     @property
     def prefix_caching(self):
+        """The prefix-caching mode: ``"auto"``, ``"explicit"`` or ``"off"``."""
         return _MODE_NAMES[self.mode]
 
     def stats(self):
+        """Counters as a dict: active requests and slots, pages (free counting the reclaimable
+        ones, used, cached, reclaimable), explicit prefix entries, hits and misses, pages copied
+        (copy-on-write) and allocated, decode rounds."""
         # C values first: building the dict runs Python code
         cdef uint32_t active = self.requests.s.active, mr = self.requests.s.max_requests
         cdef uint32_t nb = self.pool.pool.num_blocks
@@ -269,7 +297,7 @@ cdef class Scheduler:
                     reserve_undo(s, &self.pool.pool, self.undo, n_undo)
                     raise
                 self.pages_copied += n_copies
-                self.pages_allocated += n_undo
+                self.pages_allocated += n_undo - n_copies
                 if self.mode == MODE_AUTO:
                     auto_after_cow(&self.cache, &self.pool.pool, self.undo, n_undo)
             else:
@@ -527,6 +555,8 @@ cdef class Scheduler:
 
     # -- prefix store --------------------------------------------------------------------------
     def evict(self, PrefixIdentity identity not None):
+        """Drop the explicit prefix entry ``identity`` and release its pages
+        (``PrefixKvError.Unknown`` when absent)."""
         cdef int rc
         cdef uint64_t tok = self._own()
         try:
@@ -537,6 +567,8 @@ cdef class Scheduler:
             raise _error(E_STORE, rc)
 
     def evict_lru(self):
+        """Drop the least recently used explicit prefix entry; returns its identity, or None when
+        the store is empty."""
         cdef int rc = Q_OK
         cdef int32_t e
         cdef uint64_t hi = 0, lo = 0
@@ -597,14 +629,17 @@ cdef class Scheduler:
 
     # -- reads ---------------------------------------------------------------------------------
     def block_table(self, request_id):
+        """The request's pages in logical order (a uint32 array)."""
         cdef int32_t index = self.requests._find(request_id)
         cdef Table *t = &self.requests.s.slots[index].blocks
         return _array_of(t.entries, t.len)
 
     def token_count(self, request_id):
+        """Positions of the request that hold K/V: the position of its next token."""
         return self.requests.s.slots[self.requests._find(request_id)].token_count
 
     def runnable(self):
+        """One ``REQUEST_VIEW`` record per active request, in slot order (a new array)."""
         return _views_array(&self.requests.s)
 
     def __repr__(self):

@@ -295,7 +295,9 @@ cdef void sched_free(Sched *s) noexcept:
 
 
 cdef class RequestScheduler:
-    """The seed's fixed-capacity request scheduler (``RequestScheduler<REQUESTS>``).
+    """The seed's fixed-capacity request scheduler: ``admit_with_prefix``, ``ensure_writable``,
+    ``mark_prefill_complete``, ``seed_decode_token``, ``record_token``, ``runnable_into``,
+    ``execute_decode_round``, ``fork``, ``finish`` (docs/DESIGN.md, "Request scheduler").
 
     Mutating methods take ownership of the scheduler (and of the pool and store they are given):
     a call made while another call owns one of them -- from a decode round's backend, a GC
@@ -319,13 +321,16 @@ cdef class RequestScheduler:
 
     @property
     def max_requests(self):
+        """Request slots, fixed at construction."""
         return self.s.max_requests
 
     @property
     def logical_pages(self):
+        """Capacity of each slot's block table, in pages."""
         return self.s.logical_pages
 
     def active_count(self):
+        """Requests admitted and not finished."""
         return self.s.active
 
     cdef int32_t _find(self, object request_id) except -2:
@@ -359,6 +364,8 @@ cdef class RequestScheduler:
         return Admission(adm.slot, adm.prefix_tokens != 0, adm.prefix_tokens)
 
     def ensure_writable(self, request_id, logical_page, BlockPool pool not None):
+        """The request's table's ``ensure_writable``: a :class:`CopyOnWrite`; table errors become
+        ``SchedulerError.Table(...)``."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t lp = _u32(logical_page, "logical_page")
         cdef Cow c
@@ -374,6 +381,7 @@ cdef class RequestScheduler:
         return _cow(&c)
 
     def mark_prefill_complete(self, request_id):
+        """Move the request to DECODE (in any active state)."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint64_t tok = own_acquire(&self.owner, NULL, NULL, NULL)
         try:
@@ -382,6 +390,7 @@ cdef class RequestScheduler:
             own_release(tok, &self.owner, NULL, NULL, NULL)
 
     def seed_decode_token(self, request_id, token_id):
+        """Set the input token of the request's next decode step (in any active state)."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t t = _u32(token_id, "token_id")
         cdef Slot *sl
@@ -394,6 +403,7 @@ cdef class RequestScheduler:
             own_release(tok, &self.owner, NULL, NULL, NULL)
 
     def record_token(self, request_id):
+        """One more token with K/V (saturating at 2**32-1); returns the new token count."""
         cdef uint64_t rid = _u64(request_id, "request_id")
         cdef uint32_t count
         cdef Slot *sl
@@ -436,6 +446,7 @@ cdef class RequestScheduler:
         return child
 
     def block_table(self, request_id):
+        """The request's mapped pages, in logical order (a list)."""
         cdef int32_t index = self._find(request_id)
         return _list_of(self.s.slots[index].blocks.entries, self.s.slots[index].blocks.len)
 
@@ -447,6 +458,8 @@ cdef class RequestScheduler:
         return self.s.slots[index].next_token_id
 
     def request_view(self, request_id):
+        """``(request_id, slot, state, token_count, prefix_tokens)`` of the request, the fields of a
+        ``REQUEST_VIEW`` record."""
         cdef int32_t index = self._find(request_id)
         # C values first: building the tuple runs Python code
         cdef Slot sl = self.s.slots[index]

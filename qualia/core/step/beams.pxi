@@ -83,11 +83,11 @@ cdef inline bint _sel_before(double s, uint32_t rank, uint32_t tok, SelCand *x) 
 
 
 cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
-    # The twin's _select: when every live beam of group g has its candidates (running and
-    # computed, or parked), the best w - hypotheses candidates are kept; each either finishes a
-    # hypothesis (stored in an entry of the group) or continues a beam (the first continuation
-    # of a beam takes the beam itself, each further one forks a child).  No live continuation:
-    # the group is done (st.done.ents).  Allocates nothing.
+    # The twin's select (qualia/twin/groups.py): when every live beam of group g has its
+    # candidates (running and computed, or parked), the best w - hypotheses candidates are kept;
+    # each either finishes a hypothesis (stored in an entry of the group) or continues a beam
+    # (the first continuation of a beam takes the beam itself, each further one forks a child).
+    # No live continuation: the group is done (st.done.ents).  Allocates nothing.
     cdef StepEntry *R = &st.ent[g]
     cdef uint32_t w = R.mem.n_members, K, nk = 0, rank = 0, c, i, p, n_cont = 0
     cdef int32_t b, d, prev, src
@@ -265,9 +265,9 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
 
 
 cdef void beam_park_blocked(StepState *st) noexcept nogil:
-    # The twin's _park_blocked_beams, after a step that scheduled nothing: every running beam
-    # (each is computed and waits for a sibling) is parked with its candidates, not reported
-    # as preempted, groups in add order and beams in member order
+    # The twin's park_blocked (qualia/twin/groups.py), after a step that scheduled nothing:
+    # every running beam (each is computed and waits for a sibling) is parked with its
+    # candidates, not reported as preempted, groups in add order and beams in member order
     cdef int32_t g = st.beams.beam_head, b
     cdef StepEntry *x
     while g >= 0:

@@ -169,37 +169,79 @@ cdef class StepPlan:
     """One step's plan (docs/DESIGN.md, "The engine step", "The plan"): read-only numpy views
     over buffers the scheduler sized at construction, valid until its next ``schedule()``."""
     cdef readonly object request_ids
+    """uint64 [n]: the scheduled requests in plan order (decodes, running prefill chunks,
+    admissions)."""
     cdef readonly object query_start_loc
+    """int32 [n+1]: prefix sums of the chunk lengths; request ``i`` computes flat tokens
+    ``query_start_loc[i] .. query_start_loc[i+1] - 1``."""
     cdef readonly object seq_lens
+    """int32 [n]: each request's context length once this step is done (the keys its attention
+    reads)."""
     cdef readonly object input_ids
+    """uint32 [T]: the token of each flat row."""
     cdef readonly object positions
+    """int32 [T]: the position of each flat row in its request."""
     cdef readonly object slot_mapping
+    """int64 [T]: the KV slot each flat row's key and value are written to, ``page * page_tokens +
+    position % page_tokens``."""
     cdef readonly object logits_indices
+    """int32 [m]: the flat row whose logits each sampled row samples (a decode's token, or the last
+    token of a prompt's final chunk)."""
     cdef readonly object sampled_request_ids
+    """uint64 [m]: the request (or group member) of each sampled row, what a sampler keys on."""
     cdef readonly object block_table
+    """int32 [max_num_seqs, logical_pages]: the persistent dense block table; row
+    ``block_table_rows[i]`` lists request ``i``'s pages, -1 past them."""
     cdef readonly object block_table_rows
+    """int32 [n]: each scheduled request's row of ``block_table``."""
     cdef readonly object changed_rows
+    """int32 [k]: the rows of ``block_table`` written since the previous plan, ascending (a device
+    mirror uploads only these)."""
     cdef readonly object kv_indptr
+    """int32 [n+1]: the paged-KV CSR offsets: request ``i``'s pages are ``kv_indices[kv_indptr[i] :
+    kv_indptr[i+1]]``."""
     cdef readonly object kv_indices
+    """int32: the pages covering each request's ``seq_lens``, request after request."""
     cdef readonly object kv_last_page_len
+    """int32 [n]: the positions used in each request's last page, 1 .. ``page_tokens``."""
     cdef readonly object copies
+    """``COPY_OP`` [c]: copy-on-write page copies to perform before the forward pass (distinct
+    destinations, none of them a source)."""
     cdef readonly object new_request_ids
+    """uint64: requests no applied plan has held yet (admitted in this step, resumed, or named by a
+    discarded plan): set up their per-request state."""
     cdef readonly object preempted_request_ids
+    """uint64: requests preempted in this step (their pages are gone; they are recomputed when
+    admitted again)."""
     cdef readonly object finished_request_ids
+    """uint64: requests finished or aborted since the previous plan: drop their per-request
+    state."""
     cdef readonly object fork_child_ids
+    """uint64 [f]: the copy-on-write forks made since the previous plan, child ids (copy the
+    parent's per-request state to each)."""
     cdef readonly object fork_parent_ids
+    """uint64 [f]: the parent of each ``fork_child_ids`` entry."""
     cdef readonly uint32_t num_prefill_tokens
+    """Flat rows that are prompt (or recomputed) tokens."""
     cdef readonly uint32_t num_decode_tokens
+    """Flat rows that are generated tokens fed back (``num_prefill_tokens + num_decode_tokens ==
+    num_tokens``)."""
     cdef readonly uint32_t num_cached_tokens
+    """Prompt tokens this step's admissions took from the prefix cache instead of computing them."""
     cdef readonly uint32_t page_tokens
+    """Token positions per page (the scheduler's ``page_tokens``)."""
     cdef readonly uint32_t num_topk
+    """Candidates each sampled row of a beam group needs (``update(ids, topk_ids, topk_logprobs)``);
+    0 when the plan has no beam rows."""
 
     @property
     def num_seqs(self):
+        """Requests in the plan (``n``)."""
         return len(self.request_ids)
 
     @property
     def num_tokens(self):
+        """Flat token rows in the plan (``T``)."""
         return len(self.input_ids)
 
     def __reduce__(self):

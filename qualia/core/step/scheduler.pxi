@@ -7,8 +7,21 @@ cdef uint64_t I32_LIMIT = 2147483647   # the largest value of the plan's int32 a
 
 
 cdef class StepScheduler:
-    """The engine step: add_request / abort / schedule / update / discard_plan / run over an
-    owned pool, slot table and page cache (docs/DESIGN.md, "The engine step").
+    """The engine step over an owned pool, slot table and page cache (docs/DESIGN.md, "The engine
+    step"): requests go in with ``add_request``; each ``schedule()`` returns a
+    :class:`StepPlan`, what the next forward pass computes and where every token's K/V goes;
+    ``update()`` takes the sampled tokens back, applies the stop conditions and returns the
+    requests that finished.
+
+    Verbs: ``add_request`` (a request, or a group on copy-on-write forks: ``n`` samples or
+    ``beam_width`` beams), ``abort``, ``schedule``, ``update``, ``discard_plan`` (after a failed
+    execution) and ``run`` (schedule -> execute -> update in a loop, without the GIL for a C step
+    backend).  Reads: ``has_unfinished``, ``num_waiting``, ``num_running``, ``requests``,
+    ``request_tokens``, ``group_members``, ``forks``, ``fork_fallbacks``, ``parked``, ``stats``,
+    ``active_count``, ``free_pages``, and the page cache's ``cached_prefix``,
+    ``cached_prefix_tokens``, ``cache_stats``, ``cache_entry``, ``reclaimable_pages``,
+    ``page_identities``, ``drain_events``, ``clear_cache``.  It has none of the facade's verbs
+    (that is :class:`Scheduler`, which shares no state with it).
 
     Everything (pages, slots, queue entries and their token arena, every plan buffer) is sized
     here, once; steady-state steps allocate nothing.  Every mutating method owns the scheduler
@@ -24,7 +37,10 @@ cdef class StepScheduler:
     "Concurrency").  Reads work at every other time, from a Python backend mid-step too.
     """
     cdef readonly BlockPool pool
+    """The scheduler's pool, for reading: it is the scheduler's for its whole life, so its
+    mutating calls raise ``BusyError``."""
     cdef readonly uint32_t page_tokens
+    """Token positions per page."""
     cdef uint64_t owner
     cdef uint64_t pool_token    # the pool's owner field: this scheduler's token, for life
     cdef uint8_t gil_free       # run()'s GIL-free loop is changing everything (ownership.pxi)
@@ -135,47 +151,62 @@ cdef class StepScheduler:
     # -- configuration (read nothing the loop changes) -----------------------------------------
     @property
     def num_pages(self):
+        """Pages in the pool, fixed at construction."""
         return self.pool.pool.num_blocks
 
     @property
     def logical_pages(self):
+        """Capacity of a request's block-table row, in pages: a request holds at most
+        ``logical_pages * page_tokens`` tokens (prompt and output)."""
         return self.slots.logical_pages
 
     @property
     def prefix_caching(self):
+        """The prefix-caching mode: ``"auto"`` or ``"off"``."""
         return _MODE_NAMES[self.mode]
 
     @property
     def num_waiting(self):
+        """Requests in the waiting queue (queued, preempted, or children queued at their fork)."""
         own_readable(self.gil_free)
         return self.step.wait.n
 
     @property
     def num_running(self):
+        """Requests that hold a slot, a block-table row and pages."""
         own_readable(self.gil_free)
         return self.step.run.n
 
     @property
     def max_num_batched_tokens(self):
+        """The token budget of one step: prefill chunks and decodes together."""
         return self.step.lim.budget
 
     @property
     def max_num_seqs(self):
+        """Requests one step runs at most: the slots and block-table rows."""
         return self.step.lim.max_seqs
 
     @property
     def max_queued(self):
+        """Queue entries (and token-arena entries): requests held at once, waiting, running or
+        parked; a group takes its width."""
         return self.step.lim.max_queued
 
     @property
     def max_prefill_chunk(self):
+        """The longest prefill chunk of one request in one step, or None (the budget is the only
+        cap)."""
         return self.step.lim.max_chunk if self.step.lim.max_chunk else None
 
     @property
     def vocab_size(self):
+        """Sampled ids must be below it, or None (not checked)."""
         return self.step.lim.vocab if self.step.lim.vocab else None
 
     def has_unfinished(self):
+        """Whether any request is waiting, running or parked (True until every request finished or
+        was aborted)."""
         own_readable(self.gil_free)
         return self.step.ids.count != 0
 
