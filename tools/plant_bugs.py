@@ -161,9 +161,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "admission counts one page too many when the chunk ends on a page boundary"),
     Mutation(
         "wrong_preemption_victim", "step", C + "step/running.pxi",
-        "                    and st.ent[e].at.admitted > st.ent[best].at.admitted)):\n"
+        "                    and st.ent[e].ord.admitted > st.ent[best].ord.admitted)):\n"
         "            best = e\n    return best",
-        "                    and st.ent[e].at.admitted < st.ent[best].at.admitted)):\n"
+        "                    and st.ent[e].ord.admitted < st.ent[best].ord.admitted)):\n"
         "            best = e\n    return best",
         "preemption picks the least recently admitted among equal priorities"),
     Mutation(
@@ -183,8 +183,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a step that preempted still admits waiting requests"),
     Mutation(
         "waiting_order_reversed_arrival", "step", C + "step/queue.pxi",
-        "        return st.ent[a].req.arrival < st.ent[b].req.arrival",
-        "        return st.ent[a].req.arrival > st.ent[b].req.arrival",
+        "        return st.ent[a].ord.arrival < st.ent[b].ord.arrival",
+        "        return st.ent[a].ord.arrival > st.ent[b].ord.arrival",
         "among equal priorities the latest arrival is admitted first"),
     Mutation(
         "decode_fast_path_at_refcount_2", "copies", C + "step/schedule.pxi",
@@ -199,20 +199,20 @@ MUTATIONS: Tuple[Mutation, ...] = (
     # -- the engine step: the plan ---------------------------------------------------------------
     Mutation(
         "slot_mapping_wrong_page", "plan", C + "step/plan.pxi",
-        "            sm = <int64_t>tb.entries[lp] * st.lim.page_tokens",
-        "            sm = <int64_t>tb.entries[q // st.lim.page_tokens] * st.lim.page_tokens",
-        "slot_mapping keeps the chunk's first page for every later page"),
+        "                lp += 1\n                off = 0\n",
+        "                off = 0\n",
+        "slot_mapping keeps a chunk's first page for every later page"),
     Mutation(
         "logits_index_off_by_one", "plan", C + "step/plan.pxi",
-        "                st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)\n"
-        "                st.buf.sampled_request_ids[st.plan.m] = r.req.rid",
-        "                st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 2)\n"
-        "                st.buf.sampled_request_ids[st.plan.m] = r.req.rid",
+        "                logits[m] = <int32_t>(T - 1)\n                sampled_ids[m] = r.req.rid\n"
+        "                m += 1\n            elif",
+        "                logits[m] = <int32_t>(T - 2)\n                sampled_ids[m] = r.req.rid\n"
+        "                m += 1\n            elif",
         "a sampled row names the token before the chunk's last"),
     Mutation(
         "kv_last_page_len_off_by_one", "plan", C + "step/plan.pxi",
-        "<int32_t>(q + n - (pages - 1) * st.lim.page_tokens)",
-        "<int32_t>(q + n - 1 - (pages - 1) * st.lim.page_tokens)",
+        "<int32_t>(seq - (pages - 1) * pt)",
+        "<int32_t>(seq - 1 - (pages - 1) * pt)",
         "kv_last_page_len one short"),
     Mutation(
         "last_prompt_token_counted_as_decode", "plan", C + "step/schedule.pxi",
@@ -223,8 +223,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
     # -- stop conditions -------------------------------------------------------------------------
     Mutation(
         "stop_ids_skipped", "stop", C + "step/update.pxi",
-        "    for k in range(r.req.n_stop):\n        if r.req.stop[k] == tok:",
-        "    for k in range(1, r.req.n_stop):\n        if r.req.stop[k] == tok:",
+        "    for k in range(r.req.n_stop):\n        if r.names.stop[k] == tok:",
+        "    for k in range(1, r.req.n_stop):\n        if r.names.stop[k] == tok:",
         "the first stop id never stops a request"),
     Mutation(
         "ignore_eos_ignored", "stop", C + "step/update.pxi",
@@ -233,8 +233,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "eos stops a request that asked to ignore it"),
     Mutation(
         "length_one_over", "stop", C + "step/update.pxi",
-        "    if r.req.num_tokens - r.req.num_prompt >= r.req.max_new:",
-        "    if r.req.num_tokens - r.req.num_prompt > r.req.max_new:",
+        "    if pos + 1 - r.req.num_prompt >= r.req.max_new:",
+        "    if pos + 1 - r.req.num_prompt > r.req.max_new:",
         "a request generates max_new_tokens + 1 tokens"),
     # -- beam search -----------------------------------------------------------------------------
     Mutation(
