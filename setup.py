@@ -1,9 +1,11 @@
 """Build the compiled core.
 
 Release builds use the directives of the hot path (no bounds or wraparound checks).  Set
-QUALIA_DEBUG=1 for a debug build: bounds checks on, -O0 -g, assertions on.  QUALIA_SANITIZE=1
-adds AddressSanitizer and UndefinedBehaviorSanitizer, QUALIA_SANITIZE=thread ThreadSanitizer
-(see tools/sanitize.sh).
+QUALIA_DEBUG=1 for a debug build: bounds checks on, -O0 -g, assertions on.  QUALIA_OPT (default
+-O3) is the release build's optimisation flag.  QUALIA_PROFILE=1 keeps the release build (same
+directives and optimisation) with its symbols and debug information, unstripped, for profilers
+(perf, valgrind --tool=callgrind).  QUALIA_SANITIZE=1 adds AddressSanitizer and
+UndefinedBehaviorSanitizer, QUALIA_SANITIZE=thread ThreadSanitizer (see tools/sanitize.sh).
 """
 
 import glob
@@ -17,6 +19,7 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("QUALIA_DEBUG", "") not in ("", "0")
+PROFILE = os.environ.get("QUALIA_PROFILE", "") not in ("", "0")
 SANITIZE = os.environ.get("QUALIA_SANITIZE", "") not in ("", "0")
 THREAD_SANITIZE = os.environ.get("QUALIA_SANITIZE", "") == "thread"
 
@@ -59,8 +62,11 @@ directives = {
 # Hidden visibility: the module exports PyInit__core and nothing else (no internal symbol can
 # clash with, or be called by, another library).  Release builds are stripped.
 extra_compile = ["-fvisibility=hidden"]
-extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3", "-g0"]
-extra_link = [] if DEBUG or SANITIZE else ["-Wl,--strip-all"]
+# QUALIA_OPT overrides the release optimisation level (tools/plant_bugs.py builds with -O0 to
+# rebuild faster; the directives, and so the checks compiled in, stay the release ones)
+OPT = os.environ.get("QUALIA_OPT", "-O3")
+extra_compile += ["-O0", "-g", "-UNDEBUG"] if DEBUG else [OPT, "-g" if PROFILE else "-g0"]
+extra_link = [] if DEBUG or SANITIZE or PROFILE else ["-Wl,--strip-all"]
 if THREAD_SANITIZE:
     # ThreadSanitizer sees the extension's accesses and every pthread lock (the GIL included)
     # through its interceptors; CPython itself is not instrumented
@@ -85,6 +91,7 @@ ext = Extension(
 )
 
 setup(
-    ext_modules=cythonize([ext], compiler_directives=directives, force=DEBUG or SANITIZE),
+    ext_modules=cythonize([ext], compiler_directives=directives,
+                          force=DEBUG or SANITIZE or PROFILE),
     cmdclass={"build_py": BuildPy},
 )

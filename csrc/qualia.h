@@ -221,9 +221,23 @@ typedef struct qualia_step_plan {
  */
 enum {
     QUALIA_STEP_WRITES_LOGPROBS = 1u, /* flags: execute_step fills logprobs_out when given */
-    QUALIA_STEP_WRITES_TOPK = 2u      /* flags: execute_step fills topk_ids_out / topk_logprobs_out
+    QUALIA_STEP_WRITES_TOPK = 2u,     /* flags: execute_step fills topk_ids_out / topk_logprobs_out
                                          when plan->num_topk > 0 */
+    QUALIA_STEP_NO_CSR = 4u           /* flags: execute_step reads no kv_indptr / kv_indices /
+                                         kv_last_page_len (it reads the pages through block_table
+                                         and block_table_rows): the scheduler does not build the
+                                         CSR form for it, and the plan it gets has
+                                         num_kv_indices == 0 and those three pointers NULL */
 };
+
+/*
+ * The CSR form is built only when asked for.  It costs O(context) per request and step (every
+ * page of every scheduled request is listed again), while the dense block table is written only
+ * where it changes (changed_rows).  A backend that attends through block_table declares
+ * QUALIA_STEP_NO_CSR and the scheduler's step stays O(scheduled tokens).  The bit is a versioned
+ * addition both ways: a backend built against an earlier header leaves it clear and gets the CSR
+ * form as before; a scheduler built against an earlier header ignores it and builds the form.
+ */
 
 typedef int32_t (*qualia_execute_step_fn)(void *ctx, const qualia_step_plan *plan,
                                           uint32_t *sampled_out, float *logprobs_out);

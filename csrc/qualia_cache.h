@@ -5,11 +5,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Zeroed memory for the cache's large tables.  On Linux, tables of 2 MiB and more are
-   mapped 2 MiB-aligned and marked for transparent huge pages, so that lookups spread over
-   a million-page pool do not take a TLB miss per page; otherwise (and under AddressSanitizer,
-   which guards heap blocks only) calloc.  A 16-byte header below the returned pointer says
-   how to free it. */
+/* Zeroed memory for the core's large tables (the cache's records and index, the engine step's
+   entries and token arena), 64-byte aligned (a record that fits a cache line starts one).  On
+   Linux, tables of 2 MiB and more are mapped 2 MiB-aligned and marked for transparent huge
+   pages, so that lookups spread over a million-page pool do not take a TLB miss per page;
+   otherwise (and under AddressSanitizer, which guards heap blocks only) calloc.  The 16 bytes
+   below the returned pointer say how to free it: the block's base, and its mapped length (0:
+   calloc'd). */
 #include <stdlib.h>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -33,12 +35,14 @@ static void *qualia_big_zalloc(size_t n) {
         return p;
     }
 #endif
-    p = (char *)calloc(1, n + 16);
-    if (p == NULL)
-        return NULL;
-    p += 16;
-    ((void **)p)[-2] = NULL;
-    ((size_t *)p)[-1] = 0;
+    {
+        char *base = (char *)calloc(1, n + 16 + 64);
+        if (base == NULL)
+            return NULL;
+        p = (char *)(((uintptr_t)base + 16 + 63) & ~(uintptr_t)63);
+        ((void **)p)[-2] = base;
+        ((size_t *)p)[-1] = 0;
+    }
     return p;
 }
 static void qualia_big_free(void *q) {
@@ -46,12 +50,12 @@ static void qualia_big_free(void *q) {
     if (p == NULL)
         return;
 #if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
-    if (((void **)p)[-2] != NULL) {
+    if (((size_t *)p)[-1] != 0) {
         munmap(((void **)p)[-2], ((size_t *)p)[-1]);
         return;
     }
 #endif
-    free(p - 16);
+    free(((void **)p)[-2]);
 }
 typedef struct { uint64_t lo, hi; } qualia_u128;
 static inline qualia_u128 qualia_mul128(uint64_t a, uint64_t b) {

@@ -61,6 +61,7 @@ cdef extern from "qualia.h" nogil:
     enum:
         QUALIA_STEP_WRITES_LOGPROBS
         QUALIA_STEP_WRITES_TOPK
+        QUALIA_STEP_NO_CSR
 
     ctypedef struct qualia_step_plan:
         uint32_t struct_size

@@ -41,6 +41,7 @@ STEP_PLAN_STRUCT_SIZE: int
 STEP_BACKEND_STRUCT_SIZE: int
 STEP_WRITES_LOGPROBS: int
 STEP_WRITES_TOPK: int
+STEP_NO_CSR: int
 MAX_STOP_TOKENS: int
 
 _Tokens = Union[Sequence[int], npt.NDArray[np.integer]]

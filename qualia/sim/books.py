@@ -11,34 +11,75 @@ in no plan since are kept apart with the tokens with K/V they share from their p
 ``update()`` forks them or queues them (no slot or row free); the forked ones hold pages before
 their first plan (the last holder of a shared page its siblings copied away from), so they
 count in the non-sharing figure too.
+
+The cost of a step.  Without forks, a sequence enters the running set only by an admission
+(``new_request_ids``) and leaves it only by finishing or a preemption, so a plan with none of
+those events and the same request ids as the plan before it (compared as bytes) changes only
+the sequences' lengths: such a step keeps a copy of its ``seq_lens`` and nothing else, and the
+non-sharing figure of the steps kept (the pages of each plan's sequences plus those of the
+running sequences it left out) is worked out for many steps at once, with numpy, by
+:meth:`Books.settle` (before any other step is booked, and whenever the engine reports).  A
+step with an event books its events one by one, and its running set with dictionary and set
+operations over the plan's ids.  With forks every step is booked sequence by sequence.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 from .report import Counters, Timeline
 
-__all__ = ["Books"]
+__all__ = ["Books", "TokenTimes"]
 
 
 class Books:
     """The books of one engine whose pool has ``num_pages`` pages of ``page_tokens`` tokens;
-    ``n``: the size of its ``n`` groups (1: none)."""
+    ``n``: the size of its ``n`` groups (1: none); ``forking``: its requests are groups (``n >
+    1`` or beam search; default: ``n > 1``).  Without forks, the page peaks
+    (``peak_unshared_pages``, ``pages_saved_at_peak``) count the steps booked since the last
+    :meth:`settle` only once it has run; every other figure is up to date after each step."""
 
-    def __init__(self, num_pages: int, page_tokens: int, n: int = 1) -> None:
+    #: Steps kept before :meth:`book` settles them on its own (bounds the memory kept).
+    SETTLE_EVERY = 1 << 16
+
+    def __init__(self, num_pages: int, page_tokens: int, n: int = 1, *,
+                 forking: Optional[bool] = None) -> None:
         self.num_pages = int(num_pages)
         self.page_tokens = int(page_tokens)
         self.n = int(n)
+        self.forking = self.n > 1 if forking is None else bool(forking)
         self.counters = Counters()
         self.timeline = Timeline()
-        self._seq_of: Dict[int, int] = {}
-        self._unshared = 0  # sum of ceil(seq_len / page_tokens) over self._seq_of
+        # the counters written in place: the typo guard of Counters is for their readers, and
+        # costs a Python call per write
+        self._c = self.counters.__dict__
+        tl = self.timeline
+        self._rows = (tl.step.append, tl.t.append, tl.running.append, tl.waiting.append,
+                      tl.pages_used.append, tl.pages_cached.append, tl.hit_rate.append)
+        self._seq_of: Dict[int, int] = {}  # with forks: every running sequence's length
+        self._unshared = 0  # with forks: sum of ceil(seq_len / page_tokens) over self._seq_of
         self._left: Dict[int, int] = {}
         self._admitted: Dict[int, int] = {}
         self._unseen: Dict[int, int] = {}
         self._parked_seen = 0
         self._awaiting_first: Dict[int, Any] = {}  # admitted, no token sampled yet
+        # Without forks.  The seq_lens of the steps kept for settle(), one after another from
+        # _buf[_kept_from], the last plan's at _buf[_last_at:_at]; per step kept, the end of
+        # its seq_lens in _buf, the pages of the running sequences its plan left out and the
+        # pages held right after its schedule.  The running set: the last plan's sequences
+        # (its request ids as bytes) and the running sequences it left out (_off), with their
+        # lengths.
+        self._buf = np.zeros(1 << 14, dtype=np.int64)
+        self._kept_from = self._last_at = self._at = 0
+        self._kept_ends: List[int] = []
+        self._kept_off: List[int] = []
+        self._kept_held: List[int] = []
+        self._key: Optional[bytes] = None
+        self._key_dtype: Any = np.dtype(np.uint64)
+        self._off: Dict[int, int] = {}
+        self._off_pages = 0
 
     def count_forks(self, s) -> None:
         """The fork counters of scheduler ``s``, after the step's update."""
@@ -56,11 +97,190 @@ class Books:
             self._unshared = 0
         c.beams_parked = parked
 
-    def record(self, plan, held: int, running: int, live: Dict[int, Any], step: int) -> List[Any]:
-        """The books of step ``step`` (``held``: pages requests held right after the schedule,
-        ``running``: sequences running then; ``live``: the engine's record of each request
-        not yet completed, by id): tokens, admissions, hits, preemptions, pages with and
-        without sharing; returns the records of the requests that got their first token."""
+    def book(self, plan, held: int, running: int, live: Dict[int, Any], step: int,
+             now: float, s, f, backlog: int) -> List[Any]:
+        """The books of step ``step``, its plan ``plan`` computed and updated (``held``: pages
+        requests held right after the schedule, ``running``: sequences running then;
+        ``live``: the engine's record of each request not yet completed, by id): tokens,
+        admissions, hits, preemptions, pages with and without sharing, and its timeline row
+        (at ``now`` on the serving clock; scheduler ``s`` over facade ``f``; ``backlog``:
+        requests due that wait in the engine).  Returns the records of the requests that got
+        their first token."""
+        if self.forking:
+            firsts = self._record_each(plan, held, running, live, step)
+            self.count_forks(s)
+            self._sample(s, f, step, now, backlog)
+            return firsts
+        c = self._c
+        n_tokens = len(plan.input_ids)
+        prefill, decode = int(plan.num_prefill_tokens), int(plan.num_decode_tokens)
+        c["scheduled_tokens"] += n_tokens
+        c["prefill_tokens"] += prefill
+        c["decode_tokens"] += decode
+        if prefill and decode:
+            c["mixed_steps"] += 1
+        if n_tokens > c["max_plan_tokens"]:
+            c["max_plan_tokens"] = n_tokens
+        copies = len(plan.copies)
+        if copies:
+            c["pages_copied"] += copies
+        c["sampled_tokens"] += len(plan.logits_indices)
+        if held > c["peak_held_pages"]:
+            c["peak_held_pages"] = held
+        # the running set
+        ids = plan.request_ids
+        key = ids.tobytes()
+        fin, pre, new = (plan.finished_request_ids, plan.preempted_request_ids,
+                         plan.new_request_ids)
+        if key != self._key or len(fin) or len(pre) or len(new):
+            self._events(plan, key, fin, pre, new, live)
+        seqs = plan.seq_lens
+        at = self._at
+        end = at + len(seqs)
+        if end > len(self._buf) or len(self._kept_ends) >= self.SETTLE_EVERY:
+            self.settle()
+            at = self._at
+            end = at + len(seqs)
+            if end > len(self._buf):
+                grown = np.zeros(2 * end, dtype=np.int64)
+                grown[:at] = self._buf[:at]
+                self._buf = grown
+        self._buf[at:end] = seqs
+        self._last_at, self._at = at, end
+        self._kept_ends.append(end)
+        self._kept_off.append(self._off_pages)
+        self._kept_held.append(held)
+        firsts = self._firsts(plan, step) if self._awaiting_first else []
+        # the timeline row
+        stats = f.cache_stats()
+        used = self.num_pages - int(f.free_pages)
+        running = int(s.num_running)
+        waiting = int(s.num_waiting) + backlog
+        lookups = stats.lookup_tokens
+        rows = self._rows
+        rows[0](step)
+        rows[1](now)
+        rows[2](running)
+        rows[3](waiting)
+        rows[4](used)
+        rows[5](int(stats.reclaimable_pages))
+        rows[6](stats.hit_tokens / lookups if lookups else 0.0)
+        if used > c["peak_pages"]:
+            c["peak_pages"] = used
+        if running > c["peak_running"]:
+            c["peak_running"] = running
+        if waiting > c["peak_waiting"]:
+            c["peak_waiting"] = waiting
+        return firsts
+
+    def _events(self, plan, key: bytes, fin, pre, new, live: Dict[int, Any]) -> None:
+        """Without forks: a plan whose events (finished, preempted, admitted) or running set
+        differ from the plan before it."""
+        c = self._c
+        left, admitted = self._left, self._admitted
+        # the running set before the plan
+        prev = np.frombuffer(self._key, dtype=self._key_dtype).tolist() if self._key else []
+        seq_of = dict(zip(prev, self._buf[self._last_at:self._at].tolist()))
+        if self._off:
+            seq_of.update(self._off)
+        for rid in fin.tolist():  # stopped since the last plan
+            seq_of.pop(rid, None)
+            left.pop(rid, None)
+            admitted.pop(rid, None)
+        if len(pre):
+            preempted = pre.tolist()
+            c["preemptions"] += len(preempted)
+            for rid in preempted:  # what it computed: its last plan's
+                seq = seq_of.pop(rid, None)
+                if seq is not None:
+                    left[rid] = seq
+        ids = plan.request_ids.tolist()
+        if len(new):
+            self._admit(plan, new.tolist(), ids, live)
+        if len(ids) > c["max_plan_seqs"]:
+            c["max_plan_seqs"] = len(ids)
+        planned = set(ids)
+        if left:
+            for rid in planned.difference(seq_of):  # in the running set from this plan on
+                left.pop(rid, None)
+        seq_of.update(zip(ids, plan.seq_lens.tolist()))
+        if len(seq_of) == len(planned):
+            self._off, self._off_pages = {}, 0
+        else:  # a running sequence this plan left out keeps its last plan's length
+            pt = self.page_tokens
+            self._off = {rid: seq_of[rid] for rid in seq_of.keys() - planned}
+            self._off_pages = sum(-(-seq // pt) for seq in self._off.values())
+        self._key, self._key_dtype = key, plan.request_ids.dtype
+
+    def _admit(self, plan, new: List[int], ids: List[int], live: Dict[int, Any]) -> None:
+        """The admissions of a plan (``new``, its ``new_request_ids``; ``ids``, its
+        ``request_ids``): hits, cached tokens, the recompute of a resumed request."""
+        c = self._c
+        left, admitted = self._left, self._admitted
+        n, k = len(ids), len(new)
+        if ids[n - k:] == new:  # admissions come last in a plan
+            at: Any = range(n - k, n)
+        else:  # pragma: no cover - a scheduler that orders them otherwise
+            index = {rid: i for i, rid in enumerate(ids)}
+            at = [index[rid] for rid in new]
+        qsl, positions = plan.query_start_loc, plan.positions
+        for rid, i in zip(new, at):
+            hit = int(positions[qsl[i]])  # the tokens found cached: where it starts computing
+            lv = live.get(rid)
+            if lv is not None and lv.first_step < 0:
+                self._awaiting_first[rid] = lv
+            c["admissions"] += 1
+            if hit:
+                c["prefix_hits"] += 1
+                c["cached_tokens"] += hit
+            times = admitted[rid] = admitted.get(rid, 0) + 1
+            if times > 1:  # resumed after a preemption: what it computed before, less
+                c["resumed"] += 1  # what the cache kept, is computed again
+                c["tokens_recomputed"] += max(0, left.pop(rid, 0) - hit)
+
+    def _firsts(self, plan, step: int) -> List[Any]:
+        """The records of the admitted requests that got their first token in ``plan``."""
+        firsts = []
+        awaiting = self._awaiting_first
+        sampled = set(plan.sampled_request_ids.tolist())
+        for rid in [r for r in awaiting if r in sampled]:
+            got = awaiting.pop(rid)
+            got.first_step = step
+            firsts.append(got)
+        return firsts
+
+    def settle(self) -> None:
+        """Bring the page peaks up to date with the steps booked since the last call: each
+        step's pages without sharing (the pages of its plan's sequences, ``ceil(seq_len /
+        page_tokens)`` each, plus those of the running sequences it left out), the most of
+        them, and the pages sharing saved at the first step with that most."""
+        ends = self._kept_ends
+        if not ends:
+            return
+        pt, base = self.page_tokens, self._kept_from
+        pages = (self._buf[base:self._at] + (pt - 1)) // pt
+        total = np.zeros(len(pages) + 1, dtype=np.int64)
+        np.cumsum(pages, out=total[1:])
+        stop = np.asarray(ends, dtype=np.int64) - base
+        start = np.zeros(len(stop), dtype=np.int64)
+        start[1:] = stop[:-1]
+        unshared = total[stop] - total[start] + np.asarray(self._kept_off, dtype=np.int64)
+        at = int(np.argmax(unshared))  # the first step with the most
+        top = int(unshared[at])
+        c = self._c
+        if top > c["peak_unshared_pages"]:
+            c["peak_unshared_pages"] = top
+            c["pages_saved_at_peak"] = top - int(self._kept_held[at])
+        # the last plan's seq_lens stay, at the front, for the next plan's events
+        m = self._at - self._last_at
+        self._buf[:m] = self._buf[self._last_at:self._at].copy()
+        self._kept_from = self._at = m
+        self._last_at = 0
+        self._kept_ends, self._kept_off, self._kept_held = [], [], []
+
+    def _record_each(self, plan, held: int, running: int, live: Dict[int, Any],
+                     step: int) -> List[Any]:
+        """:meth:`record` with forks: every sequence of the plan booked on its own."""
         c = self.counters
         n_tokens = len(plan.input_ids)
         c.scheduled_tokens += n_tokens
@@ -157,9 +377,8 @@ class Books:
         c.sampled_tokens += len(plan.logits_indices)
         return firsts
 
-    def sample(self, s, f, step: int, now: float, backlog: int) -> None:
-        """The timeline row of step ``step`` (at ``now`` on the serving clock) of scheduler
-        ``s`` over facade ``f``; ``backlog``: requests due that wait in the engine."""
+    def _sample(self, s, f, step: int, now: float, backlog: int) -> None:
+        """With forks: the timeline row of step ``step`` (see :meth:`book`)."""
         tl = self.timeline
         stats = f.cache_stats()
         used = self.num_pages - int(f.free_pages)
@@ -172,3 +391,108 @@ class Books:
         c.peak_pages = max(c.peak_pages, used)
         c.peak_running = max(c.peak_running, int(s.num_running))
         c.peak_waiting = max(c.peak_waiting, int(s.num_waiting) + backlog)
+
+
+class TokenTimes:
+    """When each sampled token was delivered: at the end of the step that sampled it.
+
+    :meth:`log` takes each step's ``sampled_request_ids`` and the serving time at its end; a
+    step that samples the same ids as the step before it (the common case: the same sequences
+    decoding) costs a comparison of bytes, for the log keeps *runs*, stretches of steps
+    sampling one set of ids.  :meth:`take` gives the times of the tokens sampled under some
+    ids before a given step, in time order: a completed request's, or its members' (each id
+    taken once, after the last step that sampled it, with steps given in completion order)."""
+
+    def __init__(self) -> None:
+        self._t: List[float] = []  # the serving time at the end of each step logged
+        self._array = np.zeros(1024, dtype=np.float64)  # _t, as far as _in_array
+        self._in_array = 0
+        self._key: Optional[bytes] = None  # the sampled ids of the run going on
+        self._dtype: Any = np.dtype(np.uint64)
+        self._keys: List[bytes] = []  # each run's sampled ids...
+        self._starts: List[int] = []  # ...and its first step
+        self._runs_of: Dict[int, List[int]] = {}  # id -> its runs, from _expanded runs
+        self._expanded = 0
+        self._floor: Dict[int, int] = {}  # id -> its first step not taken (0 if absent)
+
+    def __len__(self) -> int:
+        """Steps logged."""
+        return len(self._t)
+
+    def log(self, sampled, now: float) -> None:
+        """One step: the ids it sampled (a numpy array) and the serving time at its end."""
+        key = sampled.tobytes()
+        if key != self._key:
+            self._key, self._dtype = key, sampled.dtype
+            self._keys.append(key)
+            self._starts.append(len(self._t))
+        self._t.append(now)
+
+    def _expand(self) -> None:
+        """Index the runs logged since the last call by the ids they sampled."""
+        runs_of, keys = self._runs_of, self._keys
+        for j in range(self._expanded, len(keys)):
+            for rid in np.frombuffer(keys[j], dtype=self._dtype).tolist():
+                got = runs_of.get(rid)
+                if got is None:
+                    runs_of[rid] = [j]
+                else:
+                    got.append(j)
+        self._expanded = len(keys)
+        n = len(self._t)
+        if n > self._in_array:
+            if n > len(self._array):
+                grown = np.zeros(max(n, 2 * len(self._array)), dtype=np.float64)
+                grown[:self._in_array] = self._array[:self._in_array]
+                self._array = grown
+            self._array[self._in_array:n] = self._t[self._in_array:n]
+            self._in_array = n
+
+    def take(self, ids: List[int], before: int) -> np.ndarray:
+        """The times (float64, in order) of the tokens sampled under ``ids`` in the steps
+        before step ``before`` (a count of steps logged; see the class docstring)."""
+        self._expand()
+        starts, floor, runs_of = self._starts, self._floor, self._runs_of
+        last = len(starts) - 1
+        spans = []
+        for rid in ids:
+            runs = runs_of.get(rid)
+            if not runs:
+                continue
+            low = floor.pop(rid, 0)
+            a = b = -1
+            k = 0
+            for j in runs:
+                s = starts[j]
+                if s >= before:
+                    break
+                e = starts[j + 1] if j < last else len(self._t)
+                s, e = max(s, low), min(e, before)
+                if s < e:
+                    if s == b:
+                        b = e
+                    else:
+                        if b > a:
+                            spans.append((a, b))
+                        a, b = s, e
+                k += 1
+            if b > a:
+                spans.append((a, b))
+            rest = runs[k:]
+            if k:  # the last run taken may go on past `before`: the rest of it is not taken
+                j = runs[k - 1]
+                if (starts[j + 1] if j < last else len(self._t)) > before:
+                    rest.insert(0, j)
+                    floor[rid] = before
+            if rest:
+                runs_of[rid] = rest
+            else:
+                del runs_of[rid]
+        t = self._array
+        if len(spans) == 1:
+            a, b = spans[0]
+            return t[a:b]
+        got = np.concatenate([t[a:b] for a, b in spans]) if spans else np.zeros(0)
+        if len(ids) > 1:
+            got.sort(kind="stable")
+        return got

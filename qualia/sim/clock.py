@@ -543,12 +543,13 @@ class StepWork:
         ``copies``, and its prefill/decode split (``num_prefill_tokens``,
         ``num_decode_tokens``)."""
         qsl = np.asarray(plan.query_start_loc, dtype=np.int64)
-        query = np.diff(qsl) if len(qsl) else qsl
+        query = qsl[1:] - qsl[:-1]
         prefill = int(plan.num_prefill_tokens)
-        if prefill + int(plan.num_decode_tokens) != int(query.sum()):
+        total = int(qsl[-1] - qsl[0]) if len(qsl) else 0
+        if prefill + int(plan.num_decode_tokens) != total:
             raise ValueError(f"the plan's num_prefill_tokens + num_decode_tokens "
                              f"({prefill} + {int(plan.num_decode_tokens)}) differ from its "
-                             f"query_start_loc ({int(query.sum())} tokens)")
+                             f"query_start_loc ({total} tokens)")
         return cls.from_lens(query, plan.seq_lens, sampled_tokens=len(plan.logits_indices),
                              prefill_tokens=prefill, copied_pages=len(plan.copies),
                              page_tokens=int(getattr(plan, "page_tokens", 16)))
@@ -607,7 +608,17 @@ class ModeledClock:
     kind = "modeled"
 
     def __init__(self, profile: Union[str, Profile] = DEFAULT_PROFILE) -> None:
-        self.profile = get_profile(profile)
+        self.profile = p = get_profile(profile)
+        m, a = p.model, p.accelerator
+        # the factors of cost(), multiplied in its order (step_time() gives its seconds bit
+        # for bit)
+        self._linear_per_token = 2.0 * m.layers * m.layer_linear_params
+        self._head_per_row = 2.0 * m.vocab * m.hidden
+        self._weights_s = float(m.step_weight_bytes) / a.bandwidth
+        self._attention_per_pair = 4.0 * m.layers * m.heads * m.head_dim
+        self._kv_bytes = float(m.kv_bytes_per_token)
+        self._flops, self._bandwidth = a.flops, a.bandwidth
+        self._ones: Dict[int, bytes] = {}  # n -> the bytes of query_start_loc [0, 1, ..., n]
 
     def __repr__(self) -> str:
         return f"ModeledClock({self.profile.name!r})"
@@ -654,10 +665,42 @@ class ModeledClock:
     def step_time(self, plan: Any, measured_s: float) -> float:
         """The serving clock's time of the step that computed ``plan`` (or did a
         :class:`StepWork`): its modeled time (``measured_s``, the step's time on this machine,
-        is not used)."""
+        is not used).  The same seconds as :meth:`plan_seconds`; a plan of one token per
+        sequence (a decode step) is costed straight from its arrays, trusting its
+        ``seq_lens`` (each at least 1, as every scheduler's plan has them), where
+        :meth:`plan_seconds` checks every length first."""
         if isinstance(plan, StepWork):
             return self.seconds(plan)
-        return self.plan_seconds(plan)
+        qsl = plan.query_start_loc
+        n = len(qsl) - 1
+        if n < 1 or plan.num_prefill_tokens:
+            return self.plan_seconds(plan)
+        ones = self._ones.get(n)
+        if ones is None:
+            ones = self._ones[n] = np.arange(n + 1, dtype=np.int32).tobytes()
+        if qsl.tobytes() != ones:  # not one token per sequence (or not int32)
+            return self.plan_seconds(plan)
+        if plan.num_decode_tokens != n:
+            raise ValueError(f"the plan's num_prefill_tokens + num_decode_tokens "
+                             f"(0 + {int(plan.num_decode_tokens)}) differ from its "
+                             f"query_start_loc ({n} tokens)")
+        seqs = plan.seq_lens
+        context = sum(seqs.tolist()) if n < 64 else int(seqs.sum(dtype=np.int64))
+        if context < n:
+            raise ValueError(f"context_tokens ({context}) must be at least the step's tokens "
+                             f"({n}): every computed token is in its context")
+        # cost() of StepWork(n sequences, n tokens, context, context pairs, rows, copies)
+        flops, bw = self._flops, self._bandwidth
+        rows, copied = len(plan.logits_indices), len(plan.copies)
+        seconds = (self.profile.accelerator.step_overhead_s
+                   + max((self._linear_per_token * n + self._head_per_row * rows) / flops,
+                         self._weights_s)
+                   + max(self._attention_per_pair * context / flops,
+                         self._kv_bytes * (context + n) / bw))
+        if copied:
+            pt = int(getattr(plan, "page_tokens", 16))
+            seconds += 2.0 * copied * pt * self.profile.model.kv_bytes_per_token / bw
+        return seconds
 
 
 # --------------------------------------------------------------------------------------------

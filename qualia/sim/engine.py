@@ -41,7 +41,7 @@ import numpy as np
 from .._core import KV_EVENT
 from ..errors import StepError
 from .adapters import is_model, step_backend
-from .books import Books
+from .books import Books, TokenTimes
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
 from .clock import serving_clock
 from .config import EngineConfig, make_step_scheduler
@@ -183,21 +183,32 @@ class Engine:
         self.backend = TimedBackend(step_backend(
             backend, vocab=self.vocab or 32000, beams=config.beam_width is not None,
             batched=config.forking or not self.sampling.greedy), self.stopwatch)
+        # the loop calls the wrapped backend itself (unless execute_step was replaced on the
+        # wrapper), times the call and tells the wrapper (_settle)
+        self._timed_step = self.backend.execute_step
         self.scheduler = make_step_scheduler(config)
         s = self.scheduler
         # the facade under the step API: the scheduler itself (core) or the twin's facade
         self.facade = getattr(s, "facade", s)
         self.implementation = "twin" if s is not self.facade else "core"
         self.caching = self.facade.prefix_caching
-        self._events = np.zeros(256, dtype=KV_EVENT)  # drained each step
+        # the KV events drained each step, counted by kind when the buffer fills and when the
+        # engine settles its books (_settle)
+        self._events = np.zeros(self.EVENT_BUFFER, dtype=KV_EVENT)
+        self._events_at = 0
+        self._events_free = self._events[:]
         self.on_complete = on_complete
         self._progress: Optional[Callable[[str, int, int], None]] = None
+        self._drains = self.caching == "auto"
+        self._logs_tokens = config.beam_width is None
 
         self.step_no = 0
         self.now = 0.0  # the serving clock, seconds
         self._empty_plans = 0  # consecutive plans that scheduled nothing
-        self.books = Books(config.num_pages, config.page_tokens, config.n)
+        self.books = Books(config.num_pages, config.page_tokens, config.n,
+                           forking=config.forking)
         self.counters, self.timeline = self.books.counters, self.books.timeline
+        self._c = self.books.counters.__dict__  # written in place (see Books)
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
         self._arrivals = Arrivals()  # not yet due
@@ -216,11 +227,14 @@ class Engine:
         self.busy_s = 0.0
         #: sequence-seconds: each step's time times the sequences it computed
         self.sequence_s = 0.0
-        # each sampled sequence's token times (ends of the steps that sampled them), by the id
-        # in plan.sampled_request_ids, until its request completes (none for beam search)
-        self._token_times: Dict[int, List[float]] = {}
-        #: one record per completed request, by request id
-        self.records: Dict[int, RequestRecord] = {}
+        # every sampled token's delivery time (none for beam search)
+        self._token_times = TokenTimes()
+        # completed requests whose records are still to be made from the token times: (their
+        # live record, the ids their tokens were sampled under, their output tokens, the
+        # steps logged when they completed)
+        self._unrecorded: List[tuple] = []
+        self._records: Dict[int, RequestRecord] = {}
+        self._backend_charged = 0  # steps whose backend time the TimedBackend was told
         self.last_check: Optional[CheckResult] = None
         if self._owns_stopwatch:
             self.stopwatch.stop()  # an engine-owned stopwatch counts only inside engine methods
@@ -310,6 +324,13 @@ class Engine:
         return self.config.eos_token_id
 
     # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def records(self) -> Dict[int, RequestRecord]:
+        """One :class:`~qualia.sim.figures.RequestRecord` per completed request, by request id
+        (in completion order)."""
+        self._make_records()
+        return self._records
 
     @property
     def pending(self) -> int:
@@ -404,6 +425,7 @@ class Engine:
                 self._step()
             self.verify_end_state()
         finally:
+            self._settle()
             self._progress = None
             self.stopwatch.leave(token)
         checked = None
@@ -420,6 +442,7 @@ class Engine:
         try:
             self._step()
         finally:
+            self._settle()
             self.stopwatch.leave(token)
 
     def _take_arrivals(self) -> None:
@@ -460,61 +483,95 @@ class Engine:
 
     def _step(self) -> None:
         t0 = _now()
-        self._take_arrivals()
+        if self._backlog or self._arrivals.has_due(self.step_no, self.now):
+            self._take_arrivals()
         s = self.scheduler
         if not s.has_unfinished():
             if self._arrivals:
                 self._skip_idle()
             return
-        secs = self.stopwatch.seconds
-        s0, b0 = secs[SCHEDULER], secs[BACKEND]
-        plan = self._call(s.schedule)
-        held = self.config.num_pages - int(self.facade.free_pages)  # the step's pages are held
-        running = int(s.num_running)
+        # the scheduler's and the backend's calls, timed here and charged to their rows of the
+        # stopwatch (which runs in the engine row) once the update is done
+        f = self.facade
+        backend = self.backend
+        execute = backend.execute_step
+        if execute is self._timed_step:
+            execute = backend.inner.execute_step
+        tb = tc = None
+        ta = _now()
         try:
-            sampled = self.backend.execute_step(plan)
-        except BaseException:
-            discard = getattr(s, "discard_plan", None)
-            if callable(discard):
-                discard()
-            raise
-        if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
-            finished = self._call(s.update, *sampled)
-        else:
-            finished = self._call(s.update, sampled)
-        books = self.books
-        firsts = books.record(plan, held, running, self._live, self.step_no)
-        if self.forking:
-            books.count_forks(s)
-        self._check_progress(plan)
-        if self.caching == "auto":
-            self._drain_events()
-        self.step_sched_s.append(secs[SCHEDULER] - s0)
-        self.step_backend_s.append(secs[BACKEND] - b0)
+            plan = s.schedule()
+            held = self.config.num_pages - int(f.free_pages)  # the step's pages are held
+            running = int(s.num_running)
+            tb = _now()
+            try:
+                sampled = execute(plan)
+            except BaseException:
+                tc = _now()
+                discard = getattr(s, "discard_plan", None)
+                if callable(discard):
+                    discard()
+                raise
+            tc = _now()
+            if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
+                finished = s.update(*sampled)
+            else:
+                finished = s.update(sampled)
+            drained = f.drain_events(self._events_free) if self._drains else 0
+        finally:
+            td = _now()
+            if tb is None:
+                sched, waited = td - ta, 0.0
+            elif tc is None:
+                sched, waited = tb - ta, td - tb
+            else:
+                sched, waited = (tb - ta) + (td - tc), tc - tb
+            secs = self.stopwatch.seconds
+            secs[SCHEDULER] += sched
+            secs[BACKEND] += waited
+            secs[ENGINE] -= sched + waited
+        if drained:
+            self._drained(drained)
+        self.step_sched_s.append(sched)
+        self.step_backend_s.append(waited)
+        seqs = len(plan.request_ids)
         dt = float(self.clock.step_time(plan, _now() - t0))
         self.busy_s += dt
-        self.sequence_s += dt * len(plan.request_ids)
-        self.now += dt
-        now = self.now
+        self.sequence_s += dt * seqs
+        self.now = now = self.now + dt
+        step = self.step_no
+        firsts = self.books.book(plan, held, running, self._live, step, now, s, f,
+                                 len(self._backlog))
+        if seqs:
+            self._empty_plans = 0
+        else:
+            self._check_progress(plan)
         for lv in firsts:
             lv.first_t = now
-        if self.beam_width is None:  # every sampled token is delivered at the step's end
-            times = self._token_times
-            for rid in plan.sampled_request_ids.tolist():
-                got = times.get(rid)
-                if got is None:
-                    times[rid] = [now]
-                else:
-                    got.append(now)
-        self.step_no += 1
-        self.counters.steps += 1
+        if self._logs_tokens:  # every sampled token is delivered at the step's end
+            self._token_times.log(plan.sampled_request_ids, now)
+        self.step_no = step + 1
+        self._c["steps"] += 1
         for fin in finished:
             self._complete(fin)
-        books.sample(s, self.facade, self.step_no - 1, self.now, len(self._backlog))
 
     #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
     #: only running request preempts itself for pages; the next step admits it again).
     MAX_EMPTY_PLANS = 64
+    #: KV events the engine drains into before it counts them.
+    EVENT_BUFFER = 4096
+
+    def _settle(self) -> None:
+        """Bring the figures kept for many steps at once up to date: the books' page peaks,
+        the KV events' counts, the backend's time on its wrapper."""
+        self.books.settle()
+        self._count_events()
+        times = self.step_backend_s
+        charge = getattr(self.backend, "charge", None)
+        if len(times) > self._backend_charged and callable(charge):
+            charge("execute_step", sum(times[self._backend_charged:]),
+                   len(times) - self._backend_charged)
+            self._backend_charged = len(times)
 
     def _check_progress(self, plan) -> None:
         if len(plan.request_ids):
@@ -530,7 +587,7 @@ class Engine:
     def _complete(self, fin) -> None:
         rid = int(fin.request_id)
         lv = self._live.pop(rid)
-        c = self.counters
+        c = self._c
         if hasattr(fin, "outputs"):  # a FinishedGroup: n members, or beam hypotheses
             outs = [np.asarray(o).tolist() for o in fin.outputs]
             reasons = [str(x) for x in fin.finish_reasons]
@@ -544,17 +601,24 @@ class Engine:
         lv.outputs = outs[0]
         lv.longest = max(len(o) for o in outs)
         lv.end_step, lv.end_t = self.step_no - 1, self.now
-        self.records[rid] = self._record(lv, fin, outs)
+        if self.beam_width is not None:  # its longest hypothesis, without token times
+            tokens = lv.longest
+            self._records[rid] = RequestRecord(rid, lv.arrival_t, lv.first_t, lv.end_t,
+                                               len(lv.req.prompt), tokens)
+        else:  # made from the token log (_make_records)
+            tokens = sum(len(o) for o in outs)
+            members = [int(m) for m in fin.member_ids] if hasattr(fin, "member_ids") else [rid]
+            self._unrecorded.append((lv, members, tokens, len(self._token_times)))
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
         self.finish_reasons[rid] = reasons[0]
-        self.timeline.finish(lv, self.records[rid].output_tokens)
-        c.completed += 1
-        c.sequences_completed += len(outs)
-        c.tokens_generated += sum(len(o) for o in outs)
+        self.timeline.finish(lv, tokens)
+        c["completed"] += 1
+        c["sequences_completed"] += len(outs)
+        c["tokens_generated"] += sum(len(o) for o in outs)
         stopped = reasons.count("stop")
-        c.finished_stop += stopped
-        c.finished_length += len(reasons) - stopped
+        c["finished_stop"] += stopped
+        c["finished_length"] += len(reasons) - stopped
         if self.on_complete is not None:
             self.on_complete(rid, lv.outputs)
         if self._next_turn is not None:
@@ -562,24 +626,23 @@ class Engine:
         if self._progress is not None:
             self._progress("serve", len(self.outputs), len(self._requests))
 
-    def _record(self, lv: _Live, fin, outs: List[List[int]]) -> RequestRecord:
-        """The record of a request completing now (see the class docstring)."""
-        rid = int(lv.req.request_id)
-        prompt = len(lv.req.prompt)
-        if self.beam_width is not None:
-            return RequestRecord(rid, lv.arrival_t, lv.first_t, lv.end_t, prompt, lv.longest)
-        members = [int(m) for m in fin.member_ids] if hasattr(fin, "member_ids") else [rid]
-        times: List[float] = []
-        for m in members:
-            times += self._token_times.pop(m, [])
-        if len(members) > 1:
-            times.sort()
-        tokens = sum(len(o) for o in outs)
-        if len(times) != tokens:
-            raise RuntimeError(f"request {rid}: {len(times)} tokens sampled for {tokens} "
-                               f"output tokens")
-        return RequestRecord(rid, lv.arrival_t, times[0], times[-1], prompt, tokens,
-                             tuple(times))
+    def _make_records(self) -> None:
+        """The records of the requests completed since the last call, in completion order:
+        each one's token times are those sampled under its ids (its members', for a group)
+        up to its completion (:class:`~qualia.sim.books.TokenTimes`)."""
+        todo = self._unrecorded
+        if not todo:
+            return
+        self._unrecorded = []
+        take = self._token_times.take
+        for lv, members, tokens, before in todo:
+            times = take(members, before)
+            rid = int(lv.req.request_id)
+            if len(times) != tokens:
+                raise RuntimeError(f"request {rid}: {len(times)} tokens sampled for {tokens} "
+                                   f"output tokens")
+            self._records[rid] = RequestRecord._from_engine(rid, lv.arrival_t,
+                                                         len(lv.req.prompt), times)
 
     def _submit_next_turn(self, live: _Live) -> None:
         """Submit the next turn of ``live``'s conversation, if it has one and it fits."""
@@ -597,17 +660,32 @@ class Engine:
         finally:
             self.stopwatch.switch(prev)
 
-    def _drain_events(self) -> None:
-        """Count the KV events of the step by kind (a router would forward them)."""
-        f, buf, c = self.facade, self._events, self.counters
+    def _drained(self, n: int) -> None:
+        """``n`` KV events were drained into the free end of the event buffer: move past them,
+        and while they filled it (the ring may hold more), count the buffer and drain on."""
+        buf = self._events
         while True:
-            n = self._call(f.drain_events, buf)
-            if not n:
-                return
-            kinds = np.bincount(buf["kind"][:n], minlength=4)
-            c.kv_events_stored += int(kinds[1])
-            c.kv_events_removed += int(kinds[2])
-            c.kv_events_cleared += int(kinds[3])
+            room = len(buf) - self._events_at
+            self._events_at += n
+            if n < room:  # the ring is empty
+                break
+            self._count_events()
+            n = self._call(self.facade.drain_events, buf)
+        self._events_free = buf[self._events_at:]
+
+    def _count_events(self) -> None:
+        """Count the KV events in the buffer by kind (a router would forward them) and empty
+        it."""
+        n = self._events_at
+        if not n:
+            return
+        kinds = np.bincount(self._events["kind"][:n], minlength=4)
+        c = self._c
+        c["kv_events_stored"] += int(kinds[1])
+        c["kv_events_removed"] += int(kinds[2])
+        c["kv_events_cleared"] += int(kinds[3])
+        self._events_at = 0
+        self._events_free = self._events[:]
 
     # -- end state, check, stats --------------------------------------------------------------
 
@@ -658,9 +736,11 @@ class Engine:
         """vLLM's serving figures of the requests completed so far
         (:func:`qualia.sim.figures.serving_figures` of :attr:`records`, the run starting at 0 s
         on the serving clock)."""
-        return serving_figures([self.records[k] for k in sorted(self.records)], start_s=0.0,
+        records = self.records
+        return serving_figures([records[k] for k in sorted(records)], start_s=0.0,
                                percentiles=percentiles)
 
     def stats(self) -> Dict[str, object]:
         """The run's figures and where its time went (:func:`qualia.sim.report.collect_stats`)."""
+        self._settle()
         return collect_stats(self)

@@ -42,6 +42,7 @@ for tools that read vLLM's results; :func:`summary_lines` a table in vLLM's layo
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -77,6 +78,24 @@ def _time(name: str, value: Any) -> float:
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return v
+
+
+def _times(name: str, values: Any) -> Tuple[float, ...]:
+    """``values`` as a tuple of finite floats: a 1-D float64 numpy array is checked at once,
+    any other iterable number by number (:func:`_time`)."""
+    if isinstance(values, np.ndarray) and values.dtype == np.float64 and values.ndim == 1:
+        bad = np.flatnonzero(~np.isfinite(values))
+        if len(bad):
+            _time(name, values[bad[0]])
+        return tuple(values.tolist())
+    return tuple(_time(name, t) for t in values)
+
+
+def _decreases(given: Any, times: Tuple[float, ...]) -> bool:
+    """Whether ``times`` (``given`` as :func:`_times` returned it) ever goes down."""
+    if isinstance(given, np.ndarray) and len(given) == len(times):
+        return bool((given[1:] < given[:-1]).any())
+    return any(b < a for a, b in zip(times, times[1:]))
 
 
 def _count(name: str, value: Any, minimum: int) -> int:
@@ -124,16 +143,36 @@ class RequestRecord:
             raise ValueError(f"{rid}: one output token, but first_token_s "
                              f"{self.first_token_s!r} and finish_s {self.finish_s!r} differ")
         if self.token_times_s is not None:
-            times = tuple(_time(f"{rid}: token_times_s", t) for t in self.token_times_s)
+            times = _times(f"{rid}: token_times_s", self.token_times_s)
             if len(times) != self.output_tokens:
                 raise ValueError(f"{rid}: {len(times)} token times for {self.output_tokens} "
                                  f"output tokens")
             if times[0] != self.first_token_s or times[-1] != self.finish_s:
                 raise ValueError(f"{rid}: token_times_s must start at first_token_s and end at "
                                  f"finish_s")
-            if any(b < a for a, b in zip(times, times[1:])):
+            if _decreases(self.token_times_s, times):
                 raise ValueError(f"{rid}: token_times_s must not decrease")
             object.__setattr__(self, "token_times_s", times)
+
+    @classmethod
+    def _from_engine(cls, request_id: int, arrival_s: float, input_tokens: int,
+                  token_times_s: np.ndarray) -> "RequestRecord":
+        """A record an engine made from its own books: ``request_id`` an ``int``,
+        ``arrival_s`` a ``float`` at most the first token time, ``input_tokens`` an ``int``,
+        and the token times a non-empty float64 array read off its serving clock, which
+        never goes back.  They are taken as they are, without the checks of the
+        constructor (one of them per token)."""
+        times = tuple(token_times_s.tolist())
+        r = object.__new__(cls)
+        put = object.__setattr__
+        put(r, "request_id", request_id)
+        put(r, "arrival_s", arrival_s)
+        put(r, "first_token_s", times[0])
+        put(r, "finish_s", times[-1])
+        put(r, "input_tokens", input_tokens)
+        put(r, "output_tokens", len(times))
+        put(r, "token_times_s", times)
+        return r
 
     @classmethod
     def from_token_times(cls, request_id: int, arrival_s: float, input_tokens: int,
@@ -207,15 +246,28 @@ def _checked_percentiles(percentiles: Iterable[float]) -> List[float]:
     return out
 
 
-def _peaks(rs: Sequence[RequestRecord], with_tokens: bool) -> Dict[str, Number]:
-    """vLLM's max_output_tokens_per_s (whole seconds from the earliest arrival) and
-    max_concurrent_requests (half-open intervals, departures before arrivals on a tie)."""
+def _token_times(rs: Sequence[RequestRecord]) -> Tuple[np.ndarray, np.ndarray]:
+    """Every record's token times one after the other, and the gaps between consecutive
+    tokens of each record (its itl_s), record after record."""
+    counts = np.fromiter((len(r.token_times_s or ()) for r in rs), dtype=np.int64,
+                         count=len(rs))
+    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s or () for r in rs),
+                        dtype=np.float64, count=int(counts.sum()))
+    gaps = times[1:] - times[:-1]
+    # the gap from a record's last token to the next record's first is no record's
+    last = np.cumsum(counts)[:-1] - 1
+    return times, np.delete(gaps, last[last >= 0])
+
+
+def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str, Number]:
+    """vLLM's max_output_tokens_per_s (whole seconds from the earliest arrival; ``times``:
+    every token's time, None without) and max_concurrent_requests (half-open intervals,
+    departures before arrivals on a tie)."""
     out: Dict[str, Number] = {}
-    if with_tokens:
+    if times is not None:
         t0 = min(r.arrival_s for r in rs)
         end = max(r.finish_s for r in rs)
         buckets = np.zeros(int(np.ceil(end - t0)) + 1, dtype=np.int64)
-        times = np.concatenate([np.asarray(r.token_times_s, dtype=np.float64) for r in rs])
         idx = (times - t0).astype(np.int64)
         idx = idx[(idx >= 0) & (idx < len(buckets))]
         np.add.at(buckets, idx, 1)
@@ -264,15 +316,16 @@ def serving_figures(records: Iterable[RequestRecord], *, start_s: Optional[float
         "output_throughput": rate(total_out),
         "total_token_throughput": rate(total_in + total_out),
     }
+    times, gaps = _token_times(rs) if with_tokens else (None, None)
     if rs:
-        out.update(_peaks(rs, with_tokens))
-    lists: Dict[str, List[float]] = {
+        out.update(_peaks(rs, times))
+    lists: Dict[str, Any] = {
         "ttft": [r.ttft_s for r in rs],
         "tpot": [t for t in (r.tpot_s for r in rs) if t is not None],
         "e2el": [r.e2el_s for r in rs],
     }
     if with_tokens or not rs:
-        lists["itl"] = [g for r in rs for g in (r.itl_s or ())]
+        lists["itl"] = [] if gaps is None else gaps
     for key, _, _ in METRICS:
         if key in lists:
             out.update(_stats(key, lists[key], ps))

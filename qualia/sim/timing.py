@@ -132,6 +132,13 @@ class TimedBackend:
                 self.calls[name] = 0
                 setattr(self, name, self._wrap(name, fn))
 
+    def charge(self, name: str, seconds: float, calls: int = 1) -> None:
+        """Count ``calls`` calls of ``name`` that took ``seconds`` in all, made to the wrapped
+        backend directly by a caller that timed them (and charged its stopwatch) itself."""
+        self.seconds += seconds
+        self.by_method[name] = self.by_method.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + calls
+
     def _wrap(self, name, fn):
         def timed(*args):
             if name == "copy_pages":

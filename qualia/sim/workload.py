@@ -96,6 +96,12 @@ class Arrivals:
     def __len__(self) -> int:
         return len(self._by_step) + len(self._by_time)
 
+    def has_due(self, step: int, now: float) -> bool:
+        """Whether :meth:`due` at engine step ``step`` and serving time ``now`` would hand out
+        a request or move one to wait for its time (a test of the heads of two heaps)."""
+        by_step, by_time = self._by_step, self._by_time
+        return bool((by_step and by_step[0][0] <= step) or (by_time and by_time[0][0] <= now))
+
     def due(self, step: int, now: float) -> List[Any]:
         """The items of the requests due at engine step ``step`` and serving time ``now``."""
         by_step, by_time = self._by_step, self._by_time

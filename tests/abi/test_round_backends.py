@@ -173,9 +173,10 @@ def test_round_runs_without_the_gil_and_other_threads_get_busy(example_backend):
     before = (s.stats(), s.pool.refcounts())
     t = threading.Thread(target=worker)
     t.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while example_backend.stats(cap)[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)  # the backend has been entered, with the GIL released
+        time.sleep(0.001)  # until the backend has been entered, with the GIL released
+    assert example_backend.stats(cap)[0] == 1, "the round never entered the backend"
     assert t.is_alive()
     busy_calls = [
         lambda: s.finish(0), lambda: s.admit(9), lambda: s.reserve(1, 1),

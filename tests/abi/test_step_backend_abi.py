@@ -138,6 +138,7 @@ def test_step_constants():
     assert qualia.STEP_ABI_VERSION == _core.STEP_ABI_VERSION == 1
     assert _core.STEP_WRITES_LOGPROBS == 1
     assert _core.STEP_WRITES_TOPK == 2
+    assert _core.STEP_NO_CSR == 4
 
 
 def test_ctypes_mirror_matches_the_compiled_structs():
@@ -153,7 +154,7 @@ def test_hash_step_reads_a_hand_filled_struct():
     plan = mixed_plan()
     hb, iface = _hash_iface()
     assert (iface.abi_version, iface.flags) == \
-        (1, _core.STEP_WRITES_LOGPROBS | _core.STEP_WRITES_TOPK)
+        (1, _core.STEP_WRITES_LOGPROBS | _core.STEP_WRITES_TOPK | _core.STEP_NO_CSR)
     c = CStepPlan()
     c.struct_size = ctypes.sizeof(CStepPlan)
     c.page_tokens = plan.page_tokens
@@ -399,6 +400,23 @@ def test_a_wider_block_table_view_is_lowered_with_its_row_stride(example_backend
     assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, 1000))
 
 
+def test_a_block_table_in_any_int32_spelling_is_lowered_alike(example_backend):
+    # numpy's own spelling, a ctypes array's ("<i") and numpy's explicit byte orders: one table
+    plan = mixed_plan()
+    want = _core._call_step_backend(example_backend.new_step(1000), plan)
+    rows, cols = plan.block_table.shape
+    ct = (ctypes.c_int32 * cols * rows)()
+    np.frombuffer(ct, np.int32).reshape(rows, cols)[:] = plan.block_table
+    assert memoryview(ct).format != memoryview(plan.block_table).format
+    table = plan.block_table
+    for spelled in (ct, table.astype("<i4"), table.astype("=i4")):
+        plan.block_table = spelled
+        got = _core._call_step_backend(example_backend.new_step(1000), plan)
+        assert np.array_equal(got, want)
+        assert np.array_equal(qualia.HashBackend().execute_step(plan),
+                              qualia.HashBackend().execute_step(mixed_plan()))
+
+
 # -- capsule resolution and validation -------------------------------------------------------
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New
@@ -606,7 +624,7 @@ def plans(draw):
     return make_plan(reqs, page_tokens=page_tokens, rows=rows, cols=cols)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(plan=plans(), vocab=st.integers(1, 2**32 - 1))
 def test_step_backends_match_their_rules_on_any_plan(example_backend, plan, vocab):
     hb = qualia.HashBackend(vocab=vocab)

@@ -172,7 +172,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(ops)
 def test_pool_matches_model(impl, sequence):
     n = 6

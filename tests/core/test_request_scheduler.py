@@ -824,7 +824,7 @@ sched_ops = st.lists(
 )
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(sched_ops)
 def test_refcounts_match_tables_and_store(impl, sequence):
     n = 10

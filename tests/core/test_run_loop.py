@@ -107,7 +107,10 @@ def test_run_refuses_a_bad_stats_rows_and_changes_nothing(bad, exc):
 # -- signals ---------------------------------------------------------------------------------------
 
 CHILD = textwrap.dedent("""
-    import sys, threading, time
+    import signal, sys, threading, time
+    # Ctrl-C raises KeyboardInterrupt even where the parent ignores SIGINT (a shell's background
+    # job, nohup), which an interpreter started there inherits
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, sys.argv[1])
     import example_backend
     import qualia

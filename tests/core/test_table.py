@@ -342,7 +342,7 @@ table_ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(table_ops)
 def test_refcounts_match_holders(impl, sequence):
     n = 8

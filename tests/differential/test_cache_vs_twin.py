@@ -25,7 +25,7 @@ from collections import Counter
 
 import numpy as np
 from helpers.step_checks import assert_same_facade_counters
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -36,10 +36,9 @@ from qualia.twin import cache as T
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
 SETTINGS = settings(
-    max_examples=1000 if LONG else 60,
+    max_examples=1000 if LONG else 150,
     stateful_step_count=80 if LONG else 50,
     deadline=None,
-    suppress_health_check=list(HealthCheck),
 )
 U32_MAX = 2**32 - 1
 ALLOWED = (QualiaError, TypeError, ValueError, OverflowError)

@@ -49,7 +49,7 @@ from qualia.errors import QualiaError, RaggedBackendError
 
 LONG = os.environ.get("QUALIA_LONG", "") not in ("", "0")
 SETTINGS = settings(
-    max_examples=2000 if LONG else 60,
+    max_examples=2000 if LONG else 100,
     stateful_step_count=60 if LONG else 50,
     deadline=None,
 )

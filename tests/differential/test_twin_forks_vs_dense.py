@@ -242,7 +242,7 @@ REQUEST = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=4),
        max_requests=st.integers(2, 6), num_blocks=st.integers(8, 40),
        page_tokens=st.sampled_from([1, 2, 3, 4]), budget=st.sampled_from([2, 5, 64]),

@@ -393,7 +393,7 @@ def test_abort_of_a_member_from_the_backend_is_busy_in_both():
         assert set(got) == {"busy"}, (type(s).__name__, got)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(mode=st.sampled_from(["off", "auto"]), num_blocks=st.integers(4, 20),
        page_tokens=st.sampled_from([1, 2, 4]), seqs=st.integers(1, 6),
        budget=st.integers(1, 20), chunk=st.sampled_from([None, 1, 3]),

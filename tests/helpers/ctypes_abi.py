@@ -3,8 +3,6 @@
 
 import ctypes
 
-import qualia
-
 
 class CItem(ctypes.Structure):
     _fields_ = [("request_id", ctypes.c_uint64), ("slot", ctypes.c_uint32),
@@ -61,16 +59,22 @@ class CStepBackend(ctypes.Structure):
 EXECUTE_STEP = ctypes.CFUNCTYPE(ctypes.c_int32, _p, ctypes.POINTER(CStepPlan), _p, _p)
 
 
-_KEEP = []
+_CAPSULES = []   # what ctypes step capsules point into, kept alive for the session
 
 
-def step_capsule(execute):
-    """A C step backend over a ctypes callback (called without the GIL held; ctypes takes it)."""
-    iface = CStepBackend(qualia.STEP_ABI_VERSION, ctypes.sizeof(CStepBackend), 0, 0, None,
+def step_capsule(execute, flags=0):
+    """A step backend capsule over a ctypes ``EXECUTE_STEP`` callback with the given flags (the
+    capsule holds raw pointers into objects kept alive for the session)."""
+    iface = CStepBackend(1, ctypes.sizeof(CStepBackend), flags, 0, None,
                          ctypes.cast(execute, ctypes.c_void_p), None)
-    name = qualia.STEP_CAPSULE_NAME.encode()
-    _KEEP.append((iface, execute, name))    # the capsule holds raw pointers into these
+    name = b"qualia.step_backend.v1"
+    _CAPSULES.append((iface, execute, name))
     new = ctypes.pythonapi.PyCapsule_New
     new.restype = ctypes.py_object
     new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     return new(ctypes.addressof(iface), name, None)
+
+
+def c_array(ctype, address, n):
+    """The n records at `address` as a list (empty for n == 0)."""
+    return list((ctype * n).from_address(address)) if n else []

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -43,7 +43,6 @@ SETTINGS = settings(
     max_examples=600 if LONG else 150,
     stateful_step_count=100 if LONG else 50,
     deadline=None,
-    suppress_health_check=list(HealthCheck),
 )
 ALLOWED = (QualiaError, TypeError, ValueError, OverflowError)
 VOCAB = 60

@@ -1,9 +1,10 @@
 """The numpy model as a step runner: ``PagedModelBackend.execute_step`` runs a
 step plan (prefill chunks and decodes in one forward, K/V through ``slot_mapping``, attention
 through the page table and ``seq_lens``, copy-on-write copies first) and its tokens equal the dense
-reference (no paging) token for token: hand-built plans first, then plans of the pure-Python step
-scheduler (``qualia.twin.StepScheduler``) with chunked prefill, mixed batches, prefix hits,
-copies and preemptions; greedy and seeded sampling; log-probabilities and top-k.
+reference (no paging) token for token: hand-built plans first, then plans of the step scheduler
+(the compiled ``qualia.StepScheduler`` and the twin ``qualia.twin.StepScheduler``) with chunked
+prefill, mixed batches, prefix hits, copies and preemptions; greedy and seeded sampling;
+log-probabilities and top-k.
 """
 
 from __future__ import annotations
@@ -335,11 +336,17 @@ def _scenario(seed, vocab):
     return prompts, max_new
 
 
+@pytest.fixture(params=["core", "twin"])
+def StepScheduler(request):
+    """The scheduler whose plans the model runs: the compiled core and the twin."""
+    import qualia
+    from qualia.twin import StepScheduler as Twin
+    return qualia.StepScheduler if request.param == "core" else Twin
+
+
 @pytest.mark.parametrize("seed, budget, chunk, blocks", [
     (0, 16, 5, 40), (1, 24, None, 28), (2, 9, 3, 30), (3, 64, 16, 24)])
-def test_twin_plans_match_dense_reference(small, seed, budget, chunk, blocks):
-    from qualia.twin import StepScheduler
-
+def test_step_plans_match_dense_reference(small, StepScheduler, seed, budget, chunk, blocks):
     pt = 4
     sched = StepScheduler(blocks, pt, 16, 6, max_num_batched_tokens=budget, max_prefill_chunk=chunk,
                           vocab_size=SMALL.vocab, max_queued=32)
@@ -357,12 +364,10 @@ def test_twin_plans_match_dense_reference(small, seed, budget, chunk, blocks):
 
 
 
-def test_twin_plans_exercise_preemption_and_copies(small):
+def test_step_plans_exercise_preemption_and_copies(small, StepScheduler):
     """A small pool: requests are preempted (their full pages stay cached) and recomputed.
     (Automatic caching shares full pages only, so these plans carry no copies: the hand-built
     mixed-batch test covers copies.)"""
-    from qualia.twin import StepScheduler
-
     pt = 4
     totals = dict(preempted=0, cached=0)
     dense = DenseModel(small)
@@ -380,11 +385,9 @@ def test_twin_plans_exercise_preemption_and_copies(small):
     assert totals["preempted"] > 0 and totals["cached"] > 0
 
 
-def test_twin_plans_seeded_sampling_and_stops(small):
+def test_step_plans_seeded_sampling_and_stops(small, StepScheduler):
     """Seeded sampling per request, eos and stop ids: the same tokens as the dense reference,
     whatever the budget (batching and chunking do not change a request's tokens)."""
-    from qualia.twin import StepScheduler
-
     pt = 4
     prompts, max_new = _scenario(20, SMALL.vocab)
     max_new = {r: 10 + n for r, n in max_new.items()}
@@ -412,10 +415,8 @@ def test_twin_plans_seeded_sampling_and_stops(small):
     assert any(o[-1] in (5, 9, 11) and len(o) < max_new[r] for r, o in results[0].items())
 
 
-def test_decode_round_and_step_agree(small):
+def test_decode_round_and_step_agree(small, StepScheduler):
     """The v1 round path (prefill + execute_ragged) and the step path give the same tokens."""
-    from qualia.twin import StepScheduler
-
     prompt = _prompt(30, 13, SMALL.vocab)
     sched = StepScheduler(8, 4, 8, 2, max_num_batched_tokens=5, vocab_size=SMALL.vocab)
     backend = PagedModelBackend(small, 8, 4)

@@ -199,7 +199,7 @@ junk = st.one_of(
 )
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(st.integers(0, 12), junk, junk)
 def test_junk_arguments(impl, which, a, b):
     pool = impl.BlockPool(4)

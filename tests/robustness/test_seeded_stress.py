@@ -25,14 +25,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
-qualia = pytest.importorskip("qualia")
-if not hasattr(qualia, "Scheduler"):  # pragma: no cover
-    pytest.skip("compiled core not built", allow_module_level=True)
-
 from helpers.ctypes_abi import CItem, COutput  # noqa: E402
 from helpers.facade_checks import invariants  # noqa: E402
 
+import qualia  # a core that is not built fails the import: never a silent skip
 from qualia.errors import BusyError, QualiaError  # noqa: E402
 
 ITEM, OUTPUT, VIEW = qualia.RAGGED_BATCH_ITEM, qualia.RAGGED_BATCH_OUTPUT, qualia.REQUEST_VIEW
@@ -358,11 +354,13 @@ def test_weakref_finalizers_during_random_facade_calls_keep_the_invariants():
         for i in range(STEPS):
             if i % 3 == 0:
                 plant()
-            # the finalizers' own changes make snapshots meaningless here: invariants only
+            # a failed call may find the state changed only when a finalizer ran a re-entrant
+            # action in full during it
+            ran = fired.count("ran")
             try:
                 f.step()
             except AssertionError as exc:
-                if "changed the state" not in str(exc):
+                if "changed the state" not in str(exc) or fired.count("ran") == ran:
                     raise
             invariants(f.s)
     finally:

@@ -291,8 +291,19 @@ def test_sizes_past_the_plans_int32_arrays_are_refused(args, kw):
 
 
 def test_the_largest_int32_sizes_are_accepted():
+    pt, lp, budget = 2**16 - 1, 2**15, 2**31 - 1
     for twin in (False, True):
-        make(4, 2**16 - 1, 2**15, 1, twin=twin, max_queued=1, max_num_batched_tokens=2**31 - 1)
+        s = make(4, pt, lp, 1, twin=twin, max_queued=1, max_num_batched_tokens=budget)
+        f = s.facade if twin else s
+        assert (f.num_pages, s.page_tokens, f.logical_pages, s.max_num_seqs, s.max_queued) == \
+            (4, pt, lp, 1, 1)
+        assert (s.budget if twin else s.max_num_batched_tokens) == budget
+        # a plan at these sizes: one page of 65535 tokens, slots past 2**31 on the last page
+        s.add_request(1, [1, 2, 3], max_new_tokens=1)
+        plan = s.schedule()
+        assert plan.page_tokens == pt and plan.positions.tolist() == [0, 1, 2]
+        page = int(plan.kv_indices[0])
+        assert plan.slot_mapping.tolist() == [page * pt + i for i in range(3)]
 
 
 # -- bad input of every kind: a clear exception, nothing changed ---------------------------------
@@ -653,8 +664,8 @@ def test_the_step_schedulers_pool_refuses_changes_for_its_whole_life():
         pool.allocate()                             # before any request
     s.add_request(1, list(range(1, 10)), max_new_tokens=3)
     plan = s.schedule()
-    s.update([5] * len(plan.logits_indices))
     page = int(plan.kv_indices[0])
+    s.update([5] * len(plan.logits_indices))
     before = (pool.refcount(page), s.stats()["free_pages"], pool.refcounts().tolist())
     for call in (lambda: pool.release(page), lambda: pool.allocate(), lambda: pool.retain(page),
                  lambda: pool._debug_set_refcount(page, 3),
@@ -674,6 +685,10 @@ def test_a_pool_outliving_its_step_scheduler_is_free():
     pool = s.pool
     with pytest.raises(qualia.BusyError):
         pool.allocate()
+    held, free = pool.refcounts().tolist(), pool.free_count
     del s
     gc.collect()
-    pool.release(pool.allocate())
+    page = pool.allocate()                          # no BusyError: the pool is nobody's now
+    assert held[page] == 0 and pool.refcount(page) == 1 and pool.free_count == free - 1
+    pool.release(page)
+    assert pool.refcounts().tolist() == held and pool.free_count == free

@@ -282,7 +282,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(kind=st.sampled_from(["n", "beam"]), width=st.integers(1, 4),
        lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5),
        max_new=st.integers(1, 6), num_pages=st.integers(12, 40),
@@ -351,7 +351,7 @@ def _reqs(lengths, max_new, seed=0):
             for i, k in enumerate(lengths)]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(n=st.integers(2, 4), lengths=st.lists(st.integers(1, 13), min_size=1, max_size=5),
        max_new=st.integers(1, 6), num_blocks=st.integers(10, 30), seqs=st.integers(4, 6),
        budget=st.sampled_from([3, 8, 64]), caching=st.sampled_from(["auto", "off"]))

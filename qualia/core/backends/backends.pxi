@@ -516,7 +516,9 @@ cdef class HashBackend:
         self.step_iface = &blk.step_iface
         self.step_iface.abi_version = QUALIA_STEP_ABI_VERSION
         self.step_iface.struct_size = sizeof(qualia_step_backend)
-        self.step_iface.flags = QUALIA_STEP_WRITES_LOGPROBS | QUALIA_STEP_WRITES_TOPK
+        # it reads a plan's sampled rows only: no CSR form needed
+        self.step_iface.flags = (QUALIA_STEP_WRITES_LOGPROBS | QUALIA_STEP_WRITES_TOPK
+                                 | QUALIA_STEP_NO_CSR)
         self.step_iface.ctx = self.st
         self.step_iface.execute_step = qualia_hash_execute_step
         self.step_iface.copy_pages = qualia_hash_copy_pages

@@ -36,7 +36,7 @@ cdef tuple _CODE_NAMES = (None, "Exhausted", "InvalidPage", "NotAllocated", "Ove
                           "MissingInputToken", "OutputIdentityMismatch", "BackendLaunchCount",
                           None, "NamespaceTableFull", "DuplicateRequest", "UnknownRequest",
                           "NeverFits", "QueueFull", "PlanPending", "NoPlan", "ForkInPrefill",
-                          None, None, None, None, None, None, None, None)
+                          None, None, None, None, None, None, None, None, None)
 
 
 def _error_table():
@@ -93,6 +93,12 @@ cdef tuple _ERRORS = _error_table()
 # Codes that are no variant of a family, whatever the layer: a built-in exception with a message
 # ({row}: the row that failed, {token}: its token id, {limit}: the largest id of the
 # vocabulary), or, with no message, RaggedBackendError.Failed of the backend's own status.
+# the plan buffers by PB_* (core/base/structs.pxi), as a Q_PLAN_OVERRUN names them
+cdef tuple _PLAN_BUFFER_NAMES = ("per-request", "per-token", "sampled-row", "kv_indices",
+                                 "copies", "new_request_ids", "preempted_request_ids",
+                                 "finished_request_ids", "fork id")
+
+
 cdef dict _PLAIN = {
     Q_ROUND_TOO_LARGE: (OverflowError, "the lowered block table exceeds 2**32-1 entries"),
     Q_RUN_BACKEND_FAILED: (RaggedBackendError.Failed, None),
@@ -112,6 +118,10 @@ cdef dict _PLAIN = {
                                       "candidates (row {row})"),
     Q_RUN_UNSORTED_TOPK: (ValueError, "the step backend wrote a beam row's candidates out of "
                                       "order: not best first (row {row})"),
+    Q_PLAN_OVERRUN: (SystemError, "qualia internal error: the step's plan would overrun its "
+                                  "{what} buffer (capacity {limit}), a broken invariant of the "
+                                  "scheduler; the step was refused before the write and nothing "
+                                  "of it is pending"),
 }
 
 
@@ -123,7 +133,9 @@ cdef object _error(int layer, int rc, int64_t arg=0, int64_t token=0, uint64_t l
         cls, text = <tuple>plain
         if text is None:
             return cls(arg)
-        return cls((<str>text).format(row=arg, token=token, limit=limit))
+        return cls((<str>text).format(row=arg, token=token, limit=limit,
+                                      what=_PLAN_BUFFER_NAMES[arg]
+                                      if 0 <= arg < len(_PLAN_BUFFER_NAMES) else "?"))
     chain = (<tuple>_ERRORS[layer])[rc] if 0 <= rc < Q_CODES else None
     if chain is None:
         return SystemError(f"qualia internal error: status {rc} in error layer {layer}")

@@ -48,7 +48,24 @@ cdef enum:
     Q_RUN_BAD_TOPK_LOGPROB = 37  # a candidate log-probability NaN, above 0, or unwritten
     Q_RUN_REPEATED_TOPK = 38    # a beam row repeats a candidate id
     Q_RUN_UNSORTED_TOPK = 39    # a beam row's candidates are not best first
-    Q_CODES = 40
+    # a write into a plan buffer past its capacity (core/step/plan.pxi, "guards"): a broken
+    # invariant of the scheduler, refused before the write; SystemError (_PLAIN)
+    Q_PLAN_OVERRUN = 40
+    Q_CODES = 41
+
+# The plan's buffers by the capacity that guards their writes (core/step/plan.pxi): what a
+# Q_PLAN_OVERRUN names (core/base/errors.pxi, _PLAN_BUFFER_NAMES)
+cdef enum:
+    PB_SEQS = 0         # one record per scheduled request: max_num_seqs
+    PB_TOKENS = 1       # one per scheduled token: max_num_batched_tokens
+    PB_ROWS = 2         # one per sampled row: max_queued
+    PB_KV = 3           # kv_indices: max_num_seqs x logical_pages
+    PB_COPIES = 4       # copy-on-write copies
+    PB_NEW = 5          # new_request_ids: max_num_seqs
+    PB_PREEMPTED = 6    # preempted_request_ids: max_num_seqs
+    PB_FINISHED = 7     # finished_request_ids: grows with the accumulator
+    PB_FORKS = 8        # fork_child_ids / fork_parent_ids
+    PB_KINDS = 9
 
 cdef extern from "Python.h":
     unsigned long long _as_ull "PyLong_AsUnsignedLongLong"(object o)

@@ -49,7 +49,8 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
     cdef size_t pages = <size_t>max_requests * logical_pages
     memset(ss, 0, sizeof(Streams))
     ss.st = <Stream *>PyMem_Calloc(max_requests, sizeof(Stream))
-    ss.tokens = <uint32_t *>PyMem_Malloc((pages * page_tokens if pages else 1) * sizeof(uint32_t))
+    ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
+                                              * sizeof(uint32_t))
     ss.ident = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
     ss.canon = <uint32_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint32_t))
     ss.canon_gen = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
@@ -72,7 +73,7 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
 
 cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.st)
-    PyMem_Free(ss.tokens)
+    qualia_big_free(ss.tokens)
     PyMem_Free(ss.ident)
     PyMem_Free(ss.canon)
     PyMem_Free(ss.canon_gen)
@@ -246,8 +247,22 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
-cdef void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
-                          uint32_t tok) noexcept nogil:
+cdef inline bint auto_fill_due(Sched *s, Streams *ss, uint32_t index) noexcept nogil:
+    # whether auto_fill(index) has anything to do now (a page to hand to the cache, or a stream
+    # to stop), without a division: the check a decode makes after each token
+    cdef Stream *st = &ss.st[index]
+    cdef Slot *sl
+    cdef uint64_t tc
+    if not st.live or st.broken:
+        return False
+    sl = &s.slots[index]
+    tc = sl.token_count
+    return (tc > st.known or tc > <uint64_t>sl.blocks.len * ss.page_tokens
+            or tc >= (<uint64_t>st.done + 1) * ss.page_tokens)
+
+
+cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
+                                 uint32_t tok) noexcept nogil:
     # A decode round computed `tok` at position `pos` of the slot's stream.
     cdef Stream *st = &ss.st[index]
     cdef uint32_t *arena = &ss.tokens[_sp(ss, index) * ss.page_tokens]

@@ -84,10 +84,17 @@ cdef struct EventRing:
     uint64_t tail
     uint64_t dropped      # the producer's: events refused because the ring was full
 
+cdef struct PcSlot:
+    uint64_t ident
+    int32_t page
+
+
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
     size_t stride
-    int32_t *index
+    # open addressing by identity: each slot's page (-1: empty) beside its identity, so that a
+    # probe reads no record
+    PcSlot *index
     uint64_t *nh          # NH key words: 2 per 4 tokens (rounded up)
     uint32_t index_mask
     uint32_t num_blocks
@@ -421,21 +428,47 @@ cdef inline uint32_t _pc_home(PageCache *c, uint64_t ident) noexcept nogil:
     return <uint32_t>(ident ^ (ident >> 32)) & c.index_mask
 
 
-cdef uint32_t _pc_home_of(void *ctx, int32_t e) noexcept nogil:
-    cdef PageCache *c = <PageCache *>ctx
-    return _pc_home(c, pc_rec(c, e).ident)
-
-
 cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
     cdef uint32_t i = _pc_home(c, ident)
     cdef int32_t e
     while True:
-        e = c.index[i]
+        e = c.index[i].page
         if e < 0:
             return U32_MAX
-        if pc_rec(c, e).ident == ident:
+        if c.index[i].ident == ident:
             return <uint32_t>e
         i = (i + 1) & c.index_mask
+
+
+cdef inline void pc_index_insert(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:
+    cdef uint32_t i = _pc_home(c, ident)
+    while c.index[i].page >= 0:
+        i = (i + 1) & c.index_mask
+    c.index[i].page = <int32_t>page
+    c.index[i].ident = ident
+
+
+cdef void pc_index_remove(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:
+    # linear-probing deletion without tombstones (as oa_remove), the homes of the entries that
+    # follow read from their slots instead of from their records
+    cdef uint32_t mask = c.index_mask
+    cdef uint32_t i = _pc_home(c, ident)
+    cdef uint32_t j, k
+    while c.index[i].page != <int32_t>page:
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if c.index[j].page < 0:
+            break
+        k = _pc_home(c, c.index[j].ident)
+        # leave slot j where it is if its home lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        c.index[i].page = c.index[j].page
+        c.index[i].ident = c.index[j].ident
+        i = j
+    c.index[i].page = -1
 
 
 cdef inline bint pc_matches(PageCache *c, uint32_t q, uint32_t ns, bint has_parent,
@@ -472,7 +505,7 @@ cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint ha
     x.gen = c.gen
     x.ns = ns
     memcpy(pc_tok(c, page), t, c.page_tokens * sizeof(uint32_t))
-    oa_insert(c.index, c.index_mask, _pc_home(c, ident), <int32_t>page)
+    pc_index_insert(c, page, ident)
     pc_link(c, page, PC_RECLAIMABLE if p.refcount[page] == 1 else PC_INUSE)
     ns_ref(&c.ns, ns)
     c.stored += 1
@@ -484,7 +517,7 @@ cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil
     # Drop the entry of cached `page` and release the cache's reference (the page leaves its
     # lists and its namespace reference together: a drop never moves an idle namespace).
     cdef CachePage *x = pc_rec(c, page)
-    oa_remove(c.index, c.index_mask, _pc_home(c, x.ident), <int32_t>page, _pc_home_of, c)
+    pc_index_remove(c, page, x.ident)
     pc_unlink(c, page)
     x.state = PC_NONE
     ns_unref(&c.ns, x.ns)
@@ -570,7 +603,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     # that a lookup touches one record, not a record and a token array
     c.stride = (sizeof(CachePage) + <size_t>page_tokens * sizeof(uint32_t) + 63) & ~(<size_t>63)
     c.recs = <char *>qualia_big_zalloc((num_blocks if num_blocks else 1) * c.stride)
-    c.index = <int32_t *>qualia_big_zalloc(size * sizeof(int32_t))
+    c.index = <PcSlot *>qualia_big_zalloc(size * sizeof(PcSlot))
     c.nh = <uint64_t *>PyMem_Calloc(pc_nh_words(page_tokens), sizeof(uint64_t))
     c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
     c.ns.lens = <uint32_t *>PyMem_Calloc(max_ns, sizeof(uint32_t))
@@ -593,7 +626,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
             or c.ev.buf == NULL):
         raise MemoryError(f"cannot allocate a page cache of {num_blocks} x {page_tokens} tokens")
     for i in range(size):
-        c.index[i] = -1
+        c.index[i].page = -1
     c.index_mask = size - 1
     for i in range(num_blocks):
         pc_rec(c, i).prev = U32_MAX

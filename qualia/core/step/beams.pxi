@@ -190,7 +190,7 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         x.mem.group = g
         x.at.slot = -1
         x.at.row = -1
-        x.at.heap_pos = -1
+        x.ord.heap_pos = -1
         x.at.plan_pos = -1
         x.mem.next_member = -1
         x.hyp.score = st.beams.sel[i].score
@@ -222,9 +222,9 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         while step_find(st, x.req.rid) >= 0:
             x.req.rid = st.ids.next_child
             st.ids.next_child += 1
-        x.req.nsb_borrowed = 1
+        x.names.nsb_borrowed = 1
         x.req.unindexed = 0
-        x.at.heap_pos = -1
+        x.ord.heap_pos = -1
         x.at.plan_pos = -1
         x.at.slot = -1
         x.at.row = -1

@@ -33,7 +33,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
         ch.at.slot = slot
         ch.at.num_computed = par.at.num_computed
         st.run.admissions += 1
-        ch.at.admitted = st.run.admissions
+        ch.ord.admitted = st.run.admissions
         ch.at.row = row
         ch.at.row_fresh = 1
         st.run.row_owner[row] = ce
@@ -42,7 +42,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
         st.groups.forks += 1
         # always: an update forks each n child once (<= max_queued) and beam children that
         # live past it (<= max_seqs); children that finish at once free their rows for more
-        if st.done.n_fork_acc < st.done.accum_cap:
+        if st.done.n_fork_acc < st.done.fork_cap:
             st.done.fork_acc[2 * st.done.n_fork_acc] = ch.req.rid
             st.done.fork_acc[2 * st.done.n_fork_acc + 1] = par.req.rid
             st.done.n_fork_acc += 1

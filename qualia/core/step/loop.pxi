@@ -122,7 +122,10 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
             step_discard(st)
             rc = Q_RUN_NO_TOPK
             break
-        step_abi_plan(st, &plan)
+        rc = step_abi_plan(st, &plan, not (cb.flags & QUALIA_STEP_NO_CSR))
+        if rc:
+            step_discard(st)
+            break
         # the sampled ids are poisoned as the candidates are: a backend that returns 0 without
         # writing a row fails the step instead of handing the previous step's ids (or, at the
         # first step, whatever the buffer held) to the update.  U32_MAX is no token id a step

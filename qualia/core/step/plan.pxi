@@ -22,6 +22,8 @@ cdef struct PlanState:
     uint32_t num_decode_tokens
     uint32_t num_cached_tokens
     uint32_t num_topk       # candidates per row (0: no beam row)
+    uint32_t overrun        # the PB_* buffer a Q_PLAN_OVERRUN refused to overrun
+    uint8_t csr             # the pending plan's CSR form is built (plan_csr)
     int32_t *plan_entry     # max_seqs
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
@@ -56,104 +58,174 @@ cdef struct PlanBuffers:
     uint64_t *fork_child_ids  # the plan's forks since the previous plan: children...
     uint64_t *fork_parent_ids  # ...and their parents
     uint64_t *finished_ids  # the plan's copy of the accumulator
-    uint32_t finished_cap
+    # Guards: every write into a plan buffer (and into the plan's own per-request arrays) first
+    # checks its count against cap[PB_*], in release builds too, and refuses the step with
+    # Q_PLAN_OVERRUN instead of writing past the buffer.  The scheduler's limits make an overrun
+    # impossible (a chunk fits the budget, a plan has at most max_num_seqs requests, ...): a
+    # guard that fires is a broken invariant, caught before it corrupts memory.  size[PB_*] is
+    # what was allocated; cap[] equals it except where a test hook narrows it
+    # (StepScheduler._debug_plan_capacity).
+    uint32_t cap[PB_KINDS]
+    uint32_t size[PB_KINDS]
 
 
-cdef void plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
+cdef inline int plan_overrun(StepState *st, uint32_t kind) noexcept nogil:
+    # a guard refused a write into buffer `kind`: the step fails with Q_PLAN_OVERRUN
+    st.plan.overrun = kind
+    return Q_PLAN_OVERRUN
+
+
+cdef inline int plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     cdef uint32_t j = st.plan.n
+    if j >= st.buf.cap[PB_SEQS]:
+        return plan_overrun(st, PB_SEQS)
     st.plan.plan_entry[j] = e
     st.plan.plan_chunk[j] = n
     st.plan.plan_alive[j] = 1
     st.ent[e].at.plan_pos = <int32_t>j
     st.ent[e].at.sched_step = st.plan.step_no
     st.plan.n += 1
+    return Q_OK
 
 
-cdef void plan_lower(StepState *st) noexcept nogil:
+cdef int plan_lower(StepState *st) noexcept nogil:
     # The scheduled entries (plan_entry / plan_chunk) lowered into the plan's arrays, in plan
     # order: ids, lengths, input ids from the arena, positions and slot mapping, the sampled rows
-    # (an n group's prompt once per member), the CSR pages, the rows that changed; then what
-    # finished, was aborted or forked since the previous plan.
-    cdef uint32_t i, j, n, q, pos, t, lp, off, run, k, pages
+    # (an n group's prompt once per member), the rows that changed; then what finished, was
+    # aborted or forked since the previous plan.  The CSR form is built on request (plan_csr).
+    # Each write is guarded (see PlanBuffers); a guard that fires returns Q_PLAN_OVERRUN before
+    # anything is taken from the accumulators or the dirty rows (a forked child's fresh row was
+    # written and marked dirty already: the next plan reports it), so the failed step leaves
+    # what a discarded plan does.  The plan's counters and the buffers' pointers are held in
+    # locals (a store through one buffer pointer could alias any field of *st otherwise).
+    cdef uint32_t i, j, n, q, pos, lp, off, run, k, w
+    cdef uint32_t pt = st.lim.page_tokens, T = 0, m = 0, topk = 0, ndec = 0, npre = 0
+    cdef uint32_t cap_tokens = st.buf.cap[PB_TOKENS], cap_rows = st.buf.cap[PB_ROWS]
+    cdef uint32_t n_plan = st.plan.n
     cdef int64_t sm
-    cdef int32_t e, v, slot
+    cdef int32_t e, v
+    cdef uint64_t bits
     cdef StepEntry *r
+    cdef StepEntry *ents = st.ent
     cdef Table *tb
-    st.buf.query_start_loc[0] = 0
-    st.buf.kv_indptr[0] = 0
-    for j in range(st.plan.n):
-        e = st.plan.plan_entry[j]
-        r = &st.ent[e]
-        n = st.plan.plan_chunk[j]
+    cdef Slot *slots = st.pg.s.slots
+    cdef const int32_t *plan_entry = st.plan.plan_entry
+    cdef const uint32_t *plan_chunk = st.plan.plan_chunk
+    cdef int32_t *plan_sample = st.plan.plan_sample
+    cdef uint64_t *request_ids = st.buf.request_ids
+    cdef int32_t *seq_lens = st.buf.seq_lens
+    cdef int32_t *rows = st.buf.block_table_rows
+    cdef int32_t *qsl = st.buf.query_start_loc
+    cdef uint32_t *input_ids = st.buf.input_ids
+    cdef int32_t *positions = st.buf.positions
+    cdef int64_t *slot_mapping = st.buf.slot_mapping
+    cdef int32_t *logits = st.buf.logits_indices
+    cdef uint64_t *sampled_ids = st.buf.sampled_request_ids
+    cdef const uint32_t *tok
+    if n_plan > st.buf.cap[PB_SEQS]:
+        return plan_overrun(st, PB_SEQS)
+    qsl[0] = 0
+    st.plan.csr = 0
+    for j in range(n_plan):
+        e = plan_entry[j]
+        r = &ents[e]
+        n = plan_chunk[j]
         q = r.at.num_computed
-        slot = r.at.slot
-        tb = &st.pg.s.slots[slot].blocks
-        st.buf.request_ids[j] = r.req.rid
-        st.buf.seq_lens[j] = <int32_t>(q + n)
-        st.buf.block_table_rows[j] = r.at.row
-        memcpy(&st.buf.input_ids[st.plan.T], arena_at(st, e) + q, n * sizeof(uint32_t))
-        # positions and slot mapping, a page at a time (no division per token)
-        pos = q
-        t = st.plan.T
-        lp = q // st.lim.page_tokens
-        off = q - lp * st.lim.page_tokens
-        while pos < q + n:
-            sm = <int64_t>tb.entries[lp] * st.lim.page_tokens
-            run = st.lim.page_tokens - off
-            if run > q + n - pos:
-                run = q + n - pos
-            for k in range(run):
-                st.buf.positions[t + k] = <int32_t>(pos + k)
-                st.buf.slot_mapping[t + k] = sm + off + k
-            pos += run
-            t += run
-            lp += 1
-            off = 0
-        if r.at.decode:
-            st.plan.num_decode_tokens += n
+        tb = &slots[r.at.slot].blocks
+        if n > cap_tokens - T:
+            return plan_overrun(st, PB_TOKENS)
+        request_ids[j] = r.req.rid
+        seq_lens[j] = <int32_t>(q + n)
+        rows[j] = r.at.row
+        tok = arena_at(st, e) + q
+        lp = pt_div(st, q)
+        off = q - lp * pt
+        if n == 1:
+            # a decode (or a 1-token chunk): one token, in one page
+            input_ids[T] = tok[0]
+            positions[T] = <int32_t>q
+            slot_mapping[T] = <int64_t>tb.entries[lp] * pt + off
         else:
-            st.plan.num_prefill_tokens += n
-        st.plan.T += n
-        st.buf.query_start_loc[j + 1] = <int32_t>st.plan.T
+            memcpy(&input_ids[T], tok, n * sizeof(uint32_t))
+            # positions and slot mapping, a page at a time (no division per token)
+            pos = q
+            i = T
+            while pos < q + n:
+                sm = <int64_t>tb.entries[lp] * pt + off
+                run = pt - off
+                if run > q + n - pos:
+                    run = q + n - pos
+                for k in range(run):
+                    positions[i + k] = <int32_t>(pos + k)
+                    slot_mapping[i + k] = sm + k
+                pos += run
+                i += run
+                lp += 1
+                off = 0
+        if r.at.decode:
+            ndec += n
+        else:
+            npre += n
+        T += n
+        qsl[j + 1] = <int32_t>T
         if r.at.row_fresh:
             # a forked child's first plan: its row takes the whole table (the twin's lowering
             # writes every page of a scheduled request's row)
             row_write(st, e, 0, tb.len - 1 if tb.len else 0)
             r.at.row_fresh = 0
         if q + n == r.req.num_tokens:
-            st.plan.plan_sample[j] = <int32_t>st.plan.m
-            if r.mem.group == e and not r.mem.forked:
+            plan_sample[j] = <int32_t>m
+            if r.mem.group < 0:
+                if m >= cap_rows:
+                    return plan_overrun(st, PB_ROWS)
+                logits[m] = <int32_t>(T - 1)
+                sampled_ids[m] = r.req.rid
+                m += 1
+            elif r.mem.group == e and not r.mem.forked:
                 # the prompt's last row, once per member of the n group, in member order
                 v = e
                 while v >= 0:
-                    st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
-                    st.buf.sampled_request_ids[st.plan.m] = st.ent[v].req.rid
-                    st.plan.m += 1
-                    v = st.ent[v].mem.next_member
+                    if m >= cap_rows:
+                        return plan_overrun(st, PB_ROWS)
+                    logits[m] = <int32_t>(T - 1)
+                    sampled_ids[m] = ents[v].req.rid
+                    m += 1
+                    v = ents[v].mem.next_member
             else:
-                st.buf.logits_indices[st.plan.m] = <int32_t>(st.plan.T - 1)
-                st.buf.sampled_request_ids[st.plan.m] = r.req.rid
-                st.plan.m += 1
-                if r.mem.group >= 0 and st.ent[r.mem.group].rec.beam and \
-                        st.ent[r.mem.group].mem.n_members > st.plan.num_topk:
-                    st.plan.num_topk = st.ent[r.mem.group].mem.n_members
+                if m >= cap_rows:
+                    return plan_overrun(st, PB_ROWS)
+                logits[m] = <int32_t>(T - 1)
+                sampled_ids[m] = r.req.rid
+                m += 1
+                if ents[r.mem.group].rec.beam and ents[r.mem.group].mem.n_members > topk:
+                    topk = ents[r.mem.group].mem.n_members
         else:
-            st.plan.plan_sample[j] = -1
-        pages = (q + n + st.lim.page_tokens - 1) // st.lim.page_tokens
-        # page ids are < num_blocks <= 2**32-1 and a pool is far smaller than 2**31 pages in
-        # practice; the int32 view of the same bits is what kernels take
-        memcpy(&st.buf.kv_indices[st.plan.n_kv], tb.entries, pages * sizeof(int32_t))
-        st.plan.n_kv += pages
-        st.buf.kv_indptr[j + 1] = <int32_t>st.plan.n_kv
-        st.buf.kv_last_page_len[j] = <int32_t>(q + n - (pages - 1) * st.lim.page_tokens)
+            plan_sample[j] = -1
+    st.plan.T = T
+    st.plan.m = m
+    st.plan.num_topk = topk
+    st.plan.num_decode_tokens = ndec
+    st.plan.num_prefill_tokens = npre
     # every copy owed, in the order made: a discarded plan's (and a failed schedule's) first
+    if st.cp.n > st.buf.cap[PB_COPIES]:
+        return plan_overrun(st, PB_COPIES)
+    if st.done.n_accum > st.buf.cap[PB_FINISHED]:
+        return plan_overrun(st, PB_FINISHED)
+    if st.done.n_fork_acc > st.buf.cap[PB_FORKS]:
+        return plan_overrun(st, PB_FORKS)
     owed_list(st)
-    st.plan.n_changed = 0
-    for i in range(st.lim.max_seqs):
-        if st.run.row_dirty[i]:
-            st.run.row_dirty[i] = 0
-            st.buf.changed_rows[st.plan.n_changed] = <int32_t>i
-            st.plan.n_changed += 1
+    # (one record per row of max_num_seqs: changed_rows holds them all), ascending, a word of
+    # 64 rows at a time
+    k = 0
+    for w in range((st.lim.max_seqs + 63) >> 6):
+        bits = st.run.dirty[w]
+        if bits:
+            st.run.dirty[w] = 0
+            while bits:
+                st.buf.changed_rows[k] = <int32_t>((w << 6) + <uint32_t>__builtin_ctzll(bits))
+                k += 1
+                bits &= bits - 1
+    st.plan.n_changed = k
     # the plan reports what finished or was aborted, and the forks made, since the previous plan
     memcpy(st.buf.finished_ids, st.done.fin_accum, st.done.n_accum * sizeof(uint64_t))
     st.plan.n_finished = st.done.n_accum
@@ -163,6 +235,36 @@ cdef void plan_lower(StepState *st) noexcept nogil:
         st.buf.fork_parent_ids[i] = st.done.fork_acc[2 * i + 1]
     st.plan.n_forks = st.done.n_fork_acc
     st.done.n_fork_acc = 0
+    return Q_OK
+
+
+cdef int plan_csr(StepState *st) noexcept nogil:
+    # The pending plan's paged-KV CSR form, built once on request (a backend that reads it): for
+    # each scheduled request, the pages of its block-table row covering seq_lens.  While the
+    # plan is pending its requests' rows mirror their pages (a request aborted meanwhile keeps
+    # its row until the plan is retired), so the rows and the lengths are all it needs.
+    # O(pages of the scheduled requests); guarded like every plan write.
+    cdef uint32_t j, pages, seq, n_kv = 0, pt = st.lim.page_tokens
+    cdef const int32_t *row
+    if st.plan.csr:
+        return Q_OK
+    if st.plan.n > st.buf.cap[PB_SEQS]:
+        return plan_overrun(st, PB_SEQS)
+    st.buf.kv_indptr[0] = 0
+    for j in range(st.plan.n):
+        seq = <uint32_t>st.buf.seq_lens[j]
+        pages = (seq + pt - 1) // pt
+        if pages > st.buf.cap[PB_KV] - n_kv:
+            return plan_overrun(st, PB_KV)
+        row = &st.buf.block_table[<size_t>st.buf.block_table_rows[j] * st.lim.logical_pages]
+        # page ids are < num_blocks <= 2**31 (the constructor's limit): the int32 row holds them
+        memcpy(&st.buf.kv_indices[n_kv], row, pages * sizeof(int32_t))
+        n_kv += pages
+        st.buf.kv_indptr[j + 1] = <int32_t>n_kv
+        st.buf.kv_last_page_len[j] = <int32_t>(seq - (pages - 1) * pt)
+    st.plan.n_kv = n_kv
+    st.plan.csr = 1
+    return Q_OK
 
 
 cdef class StepPlan:
@@ -197,13 +299,11 @@ cdef class StepPlan:
     cdef readonly object changed_rows
     """int32 [k]: the rows of ``block_table`` written since the previous plan, ascending (a device
     mirror uploads only these)."""
-    cdef readonly object kv_indptr
-    """int32 [n+1]: the paged-KV CSR offsets: request ``i``'s pages are ``kv_indices[kv_indptr[i] :
-    kv_indptr[i+1]]``."""
-    cdef readonly object kv_indices
-    """int32: the pages covering each request's ``seq_lens``, request after request."""
-    cdef readonly object kv_last_page_len
-    """int32 [n]: the positions used in each request's last page, 1 .. ``page_tokens``."""
+    cdef object _kv_indptr      # the CSR form: built on first read (see kv_indices)
+    cdef object _kv_indices
+    cdef object _kv_last_page_len
+    cdef object _owner          # the StepScheduler whose plan this is
+    cdef uint64_t _step_no
     cdef readonly object copies
     """``COPY_OP`` [c]: copy-on-write page copies to perform before the forward pass (distinct
     destinations, none of them a source)."""
@@ -233,6 +333,32 @@ cdef class StepPlan:
     cdef readonly uint32_t num_topk
     """Candidates each sampled row of a beam group needs (``update(ids, topk_ids, topk_logprobs)``);
     0 when the plan has no beam rows."""
+
+    @property
+    def kv_indptr(self):
+        """The paged-KV CSR form's offsets (int32 [n+1]); see ``kv_indices``."""
+        if self._kv_indptr is None:
+            _plan_csr_views(self)
+        return self._kv_indptr
+
+    @property
+    def kv_indices(self):
+        """The pages covering each request's ``seq_lens``, request after request (int32).  The
+        CSR form (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) is built on its first
+        read, which must come while the plan is pending (before ``update()`` or
+        ``discard_plan()``; ``StepError.NoPlan`` otherwise): a step whose backend reads the
+        pages through ``block_table`` never pays for it."""
+        if self._kv_indices is None:
+            _plan_csr_views(self)
+        return self._kv_indices
+
+    @property
+    def kv_last_page_len(self):
+        """Positions used in each request's last page, 1..page_tokens (int32 [n]); see
+        ``kv_indices``."""
+        if self._kv_last_page_len is None:
+            _plan_csr_views(self)
+        return self._kv_last_page_len
 
     @property
     def num_seqs(self):
@@ -320,16 +446,28 @@ cdef int plan_buffers_init(StepState *st, _StepBuffers bufs) except -1:
     b.finished_ids = <uint64_t *>bufs.add("finished_request_ids", _DT_PLAN_U64, accum)
     b.fork_child_ids = <uint64_t *>bufs.add("fork_child_ids", _DT_PLAN_U64, accum)
     b.fork_parent_ids = <uint64_t *>bufs.add("fork_parent_ids", _DT_PLAN_U64, accum)
-    b.finished_cap = accum
+    b.size[PB_SEQS] = seqs
+    b.size[PB_TOKENS] = budget
+    b.size[PB_ROWS] = queued
+    b.size[PB_KV] = seqs * lp
+    b.size[PB_COPIES] = st.plan.copies_cap
+    b.size[PB_NEW] = seqs
+    b.size[PB_PREEMPTED] = seqs
+    b.size[PB_FINISHED] = accum
+    b.size[PB_FORKS] = st.done.fork_cap
+    memcpy(b.cap, b.size, sizeof(b.cap))
     for i in range(<uint32_t>(seqs * lp)):
         b.block_table[i] = -1
     bufs.full["block_table"] = bufs.full["block_table"].reshape(seqs, lp)
     return 0
 
 
-cdef object step_plan(StepState *st, _StepBuffers bufs):
-    """The pending plan as a StepPlan of slices of the buffers' views."""
+cdef object step_plan(StepState *st, _StepBuffers bufs, object owner):
+    """The pending plan as a StepPlan of slices of the buffers' views (the CSR form's on its
+    first read, through `owner`, the StepScheduler)."""
     cdef StepPlan plan = StepPlan.__new__(StepPlan)
+    plan._owner = owner
+    plan._step_no = st.plan.step_no
     cdef Py_ssize_t n = st.plan.n, T = st.plan.T, m = st.plan.m
     plan.request_ids = bufs.view("request_ids", n)
     plan.query_start_loc = bufs.view("query_start_loc", n + 1)
@@ -342,9 +480,6 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     plan.block_table = bufs.full["block_table"]
     plan.block_table_rows = bufs.view("block_table_rows", n)
     plan.changed_rows = bufs.view("changed_rows", st.plan.n_changed)
-    plan.kv_indptr = bufs.view("kv_indptr", n + 1)
-    plan.kv_indices = bufs.view("kv_indices", st.plan.n_kv)
-    plan.kv_last_page_len = bufs.view("kv_last_page_len", n)
     plan.copies = bufs.view("copies", st.plan.n_copies)
     plan.new_request_ids = bufs.view("new_request_ids", st.plan.n_new)
     plan.preempted_request_ids = bufs.view("preempted_request_ids", st.plan.n_preempted)
@@ -359,8 +494,14 @@ cdef object step_plan(StepState *st, _StepBuffers bufs):
     return plan
 
 
-cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
-    # the pending plan as the ABI struct: pointers into the buffers sized at construction
+cdef int step_abi_plan(StepState *st, qualia_step_plan *p, bint csr) noexcept nogil:
+    # the pending plan as the ABI struct: pointers into the buffers sized at construction; the
+    # CSR form built when `csr` (the backend reads it), else left out (NULL, no indices)
+    cdef int rc = Q_OK
+    if csr:
+        rc = plan_csr(st)
+        if rc:
+            return rc
     p.struct_size = sizeof(qualia_step_plan)
     p.page_tokens = st.lim.page_tokens
     p.num_requests = st.plan.n
@@ -368,7 +509,7 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.num_sampled = st.plan.m
     p.num_prefill_tokens = st.plan.num_prefill_tokens
     p.num_decode_tokens = st.plan.num_decode_tokens
-    p.num_kv_indices = st.plan.n_kv
+    p.num_kv_indices = st.plan.n_kv if csr else 0
     p.block_table_num_rows = st.lim.max_seqs
     p.block_table_num_cols = st.lim.logical_pages
     p.block_table_row_stride = st.lim.logical_pages
@@ -388,9 +529,9 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.block_table = st.buf.block_table
     p.block_table_rows = st.buf.block_table_rows
     p.changed_rows = st.buf.changed_rows
-    p.kv_indptr = st.buf.kv_indptr
-    p.kv_indices = st.buf.kv_indices
-    p.kv_last_page_len = st.buf.kv_last_page_len
+    p.kv_indptr = st.buf.kv_indptr if csr else NULL
+    p.kv_indices = st.buf.kv_indices if csr else NULL
+    p.kv_last_page_len = st.buf.kv_last_page_len if csr else NULL
     p.copies = st.buf.copies
     p.new_request_ids = st.buf.new_ids
     p.preempted_request_ids = st.buf.preempted_ids
@@ -401,3 +542,4 @@ cdef void step_abi_plan(StepState *st, qualia_step_plan *p) noexcept nogil:
     p.fork_parent_ids = st.buf.fork_parent_ids
     p.topk_ids_out = st.beams.topk_ids_buf if st.plan.num_topk else NULL
     p.topk_logprobs_out = st.beams.topk_lps_buf if st.plan.num_topk else NULL
+    return Q_OK

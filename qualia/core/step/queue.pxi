@@ -9,18 +9,18 @@ cdef struct StepQueue:
 
 cdef inline bint _before(StepState *st, int32_t a, int32_t b) noexcept nogil:
     # waiting order: (priority, arrival)
-    if st.ent[a].req.priority != st.ent[b].req.priority:
-        return st.ent[a].req.priority < st.ent[b].req.priority
-    if st.ent[a].req.arrival != st.ent[b].req.arrival:
-        return st.ent[a].req.arrival < st.ent[b].req.arrival
+    if st.ent[a].ord.priority != st.ent[b].ord.priority:
+        return st.ent[a].ord.priority < st.ent[b].ord.priority
+    if st.ent[a].ord.arrival != st.ent[b].ord.arrival:
+        return st.ent[a].ord.arrival < st.ent[b].ord.arrival
     # members of a group share their arrival: the one enqueued last goes first (the twin
     # inserts before equal keys)
-    return st.ent[a].at.enq > st.ent[b].at.enq
+    return st.ent[a].ord.enq > st.ent[b].ord.enq
 
 
 cdef inline void _heap_set(StepState *st, uint32_t i, int32_t e) noexcept nogil:
     st.wait.heap[i] = e
-    st.ent[e].at.heap_pos = <int32_t>i
+    st.ent[e].ord.heap_pos = <int32_t>i
 
 
 cdef void _heap_up(StepState *st, uint32_t i) noexcept nogil:
@@ -54,20 +54,20 @@ cdef void _heap_down(StepState *st, uint32_t i) noexcept nogil:
 cdef void heap_push(StepState *st, int32_t e) noexcept nogil:
     st.ent[e].at.state = SR_WAITING
     st.wait.enqueues += 1
-    st.ent[e].at.enq = st.wait.enqueues
+    st.ent[e].ord.enq = st.wait.enqueues
     _heap_set(st, st.wait.n, e)
     st.wait.n += 1
     _heap_up(st, st.wait.n - 1)
 
 
 cdef void heap_remove(StepState *st, int32_t e) noexcept nogil:
-    cdef uint32_t i = <uint32_t>st.ent[e].at.heap_pos
+    cdef uint32_t i = <uint32_t>st.ent[e].ord.heap_pos
     cdef int32_t last
     st.wait.n -= 1
-    st.ent[e].at.heap_pos = -1
+    st.ent[e].ord.heap_pos = -1
     if i == st.wait.n:
         return
     last = st.wait.heap[st.wait.n]
     _heap_set(st, i, last)
     _heap_up(st, i)
-    _heap_down(st, <uint32_t>st.ent[last].at.heap_pos)
+    _heap_down(st, <uint32_t>st.ent[last].ord.heap_pos)

@@ -47,19 +47,14 @@ cdef enum:
 
 
 cdef struct StepRequest:
+    # what the decode path reads of the request (32 bytes: with StepPlace, the entry's first
+    # cache line)
     uint64_t rid            # first field: the id index reads it (id_find)
-    uint64_t arrival        # add_request counter: ties of equal priority, oldest first
-    int64_t priority        # lower is served first
-    uint64_t nsh            # namespace hash (auto mode)
-    uint8_t *nsb            # namespace bytes (malloc'd; NULL when empty)
-    uint32_t nsl
-    uint8_t nsb_borrowed    # nsb is the leader's or the record's (freed with it)
     uint32_t num_prompt
     uint32_t num_tokens     # prompt + outputs (in the token arena)
     uint32_t max_new
     uint32_t eos
     uint32_t n_stop
-    uint32_t stop[STOP_MAX]
     uint8_t has_eos
     uint8_t ignore_eos
     uint8_t reason          # why it finished (FIN_*)
@@ -67,18 +62,34 @@ cdef struct StepRequest:
 
 
 cdef struct StepPlace:
-    uint8_t state           # SR_*
-    uint64_t admitted       # admission counter: "most recently admitted" picks victims
-    uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
+    # where the entry is now, as the decode path reads it (32 bytes)
     uint64_t sched_step     # the step that last scheduled it
     uint32_t num_computed   # tokens whose K/V is written
     int32_t slot            # slot while running, else -1
     int32_t row             # block-table row while running, else -1
-    int32_t heap_pos        # position in the waiting heap while waiting, else -1
     int32_t plan_pos        # position in the pending plan, else -1
+    uint8_t state           # SR_*
     uint8_t decode          # scheduled in the pending plan as a decode
     uint8_t unseen          # admitted or resumed; in no applied plan since
     uint8_t row_fresh       # forked child: its row is written whole when next lowered
+
+
+cdef struct StepOrder:
+    # the keys that order entries: the waiting queue's and the preemption victim's
+    uint64_t arrival        # add_request counter: ties of equal priority, oldest first
+    int64_t priority        # lower is served first
+    uint64_t admitted       # admission counter: "most recently admitted" picks victims
+    uint64_t enq            # enqueue number: equal (priority, arrival) -> the latest first
+    int32_t heap_pos        # position in the waiting heap while waiting, else -1
+
+
+cdef struct StepNames:
+    # the request's namespace (auto mode) and stop ids
+    uint64_t nsh            # namespace hash
+    uint8_t *nsb            # namespace bytes (malloc'd; NULL when empty)
+    uint32_t nsl
+    uint8_t nsb_borrowed    # nsb is the leader's or the record's (freed with it)
+    uint32_t stop[STOP_MAX]
 
 
 cdef struct GroupMember:
@@ -111,11 +122,16 @@ cdef struct Hypothesis:
 
 
 cdef struct StepEntry:
+    # the fields a decode reads first (req, at: one 64-byte line of a 64-byte aligned entry,
+    # see entries_alloc), then its group; 256 bytes on 64-bit platforms
     StepRequest req
     StepPlace at
     GroupMember mem
     BeamRecord rec
     Hypothesis hyp
+    StepOrder ord
+    StepNames names
+    uint64_t _pad
 
 
 cdef struct StepIds:
@@ -151,9 +167,9 @@ cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
     if not r.req.unindexed:
         oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, r.req.rid), e, _step_home_of, st)
     r.req.unindexed = 0
-    if r.req.nsb != NULL and not r.req.nsb_borrowed:
-        free(r.req.nsb)
-    r.req.nsb = NULL
+    if r.names.nsb != NULL and not r.names.nsb_borrowed:
+        free(r.names.nsb)
+    r.names.nsb = NULL
     r.at.state = SR_FREE
     if <uint32_t>e >= st.lim.max_queued:
         st.ids.rec_free[st.ids.n_rec_free] = e
@@ -191,12 +207,12 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     r = &st.ent[e]
     memset(r, 0, sizeof(StepEntry))
     r.req.rid = rid
-    r.req.arrival = st.ids.arrivals
+    r.ord.arrival = st.ids.arrivals
     st.ids.arrivals += 1
-    r.req.priority = priority
-    r.req.nsh = nsh
-    r.req.nsb = nsb
-    r.req.nsl = nsl
+    r.ord.priority = priority
+    r.names.nsh = nsh
+    r.names.nsb = nsb
+    r.names.nsl = nsl
     r.req.num_prompt = n
     r.req.num_tokens = n
     r.req.max_new = max_new
@@ -205,10 +221,10 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     r.req.ignore_eos = ignore_eos
     r.req.n_stop = n_stop
     if n_stop:
-        memcpy(r.req.stop, stop, n_stop * sizeof(uint32_t))
+        memcpy(r.names.stop, stop, n_stop * sizeof(uint32_t))
     r.at.slot = -1
     r.at.row = -1
-    r.at.heap_pos = -1
+    r.ord.heap_pos = -1
     r.at.plan_pos = -1
     r.mem.group = -1
     r.mem.next_member = -1
@@ -237,7 +253,7 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
         st.beams.beam_tail = c
         st.ids.reserved += beam_width - 1
         r.mem.group = c
-        r.req.nsb_borrowed = r.req.nsb != NULL
+        r.names.nsb_borrowed = r.names.nsb != NULL
         r.req.unindexed = 1
         oa_insert(st.ids.index, st.ids.index_mask, _step_home(st, rid), c)
     else:
@@ -259,8 +275,8 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
             ch = &st.ent[c]
             ch[0] = st.ent[e]
             ch.req.rid = cid
-            ch.req.nsb_borrowed = ch.req.nsb != NULL
-            ch.at.heap_pos = -1
+            ch.names.nsb_borrowed = ch.names.nsb != NULL
+            ch.ord.heap_pos = -1
             ch.mem.next_member = -1
             ch.mem.n_members = 0
             ch.at.state = SR_RESERVED

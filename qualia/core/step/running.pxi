@@ -12,9 +12,14 @@ cdef struct StepRunning:
     uint32_t n
     uint64_t admissions     # admission counter
     int32_t *order          # max_seqs: scratch, this step's running order
+    int32_t *order_pre      # max_seqs: scratch, its prefills
     int32_t *row_owner      # max_seqs: entry holding each row, -1 when free
-    uint8_t *row_dirty      # max_seqs: rewritten since the previous plan
+    uint64_t *dirty         # max_seqs bits, 64 a word: rows rewritten since the previous plan
     uint32_t *row_len       # max_seqs: leading entries of the row that may be set
+
+
+cdef inline void row_mark_dirty(StepState *st, int32_t r) noexcept nogil:
+    st.run.dirty[<uint32_t>r >> 6] |= (<uint64_t>1) << (<uint32_t>r & 63)
 
 
 cdef void running_remove(StepState *st, int32_t e) noexcept nogil:
@@ -39,7 +44,7 @@ cdef void row_release(StepState *st, int32_t e) noexcept nogil:
         for k in range(st.run.row_len[r]):
             row[k] = -1
         st.run.row_len[r] = 0
-        st.run.row_dirty[r] = 1
+        row_mark_dirty(st, r)
     st.run.row_owner[r] = -1
     st.ent[e].at.row = -1
 
@@ -62,7 +67,7 @@ cdef void row_clear_deferred(StepState *st, int32_t r) noexcept nogil:
         for k in range(st.run.row_len[r]):
             row[k] = -1
         st.run.row_len[r] = 0
-        st.run.row_dirty[r] = 1
+        row_mark_dirty(st, r)
     st.run.row_owner[r] = -1
 
 
@@ -80,7 +85,7 @@ cdef void row_write(StepState *st, int32_t e, uint32_t first, uint32_t last) noe
             v = <int32_t>t.entries[k]
             if row[k] != v:
                 row[k] = v
-                st.run.row_dirty[r] = 1
+                row_mark_dirty(st, r)
     st.run.row_len[r] = t.len
 
 
@@ -127,9 +132,9 @@ cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
         e = st.run.ents[i]
         if not st.ent[e].mem.has_cand:
             continue
-        if best < 0 or (st.ent[e].req.priority > st.ent[best].req.priority
-                        or (st.ent[e].req.priority == st.ent[best].req.priority
-                            and st.ent[e].at.admitted > st.ent[best].at.admitted)):
+        if best < 0 or (st.ent[e].ord.priority > st.ent[best].ord.priority
+                        or (st.ent[e].ord.priority == st.ent[best].ord.priority
+                            and st.ent[e].ord.admitted > st.ent[best].ord.admitted)):
             best = e
     if best >= 0:
         return best
@@ -138,9 +143,9 @@ cdef int32_t pick_victim(StepState *st, int32_t cur) noexcept nogil:
         e = st.run.ents[i]
         if e != cur and st.ent[e].at.sched_step == st.plan.step_no:
             continue
-        if (st.ent[e].req.priority > st.ent[best].req.priority
-                or (st.ent[e].req.priority == st.ent[best].req.priority
-                    and st.ent[e].at.admitted > st.ent[best].at.admitted)):
+        if (st.ent[e].ord.priority > st.ent[best].ord.priority
+                or (st.ent[e].ord.priority == st.ent[best].ord.priority
+                    and st.ent[e].ord.admitted > st.ent[best].ord.admitted)):
             best = e
     return best
 
@@ -159,7 +164,10 @@ cdef int leave_running(StepState *st, int32_t e) noexcept nogil:
 cdef int preempt(StepState *st, int32_t e) noexcept nogil:
     # recompute: back to waiting with its arrival number and outputs; a computed beam is parked
     # with its candidates instead
-    cdef int rc = leave_running(st, e)
+    cdef int rc
+    if st.plan.n_preempted >= st.buf.cap[PB_PREEMPTED]:
+        return plan_overrun(st, PB_PREEMPTED)
+    rc = leave_running(st, e)
     if st.ent[e].mem.has_cand:
         beam_park(st, e)
     else:

@@ -12,8 +12,8 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     # nothing changed.
     cdef int32_t slot = st.ent[e].at.slot
     cdef uint64_t start = st.pg.s.slots[slot].token_count
-    cdef uint32_t first = <uint32_t>(start // st.lim.page_tokens)
-    cdef uint32_t last = <uint32_t>((start + n - 1) // st.lim.page_tokens)
+    cdef uint32_t first = pt_div(st, start)
+    cdef uint32_t last = first if n == 1 else pt_div(st, start + n - 1)
     cdef Py_ssize_t n_undo = 0, n_copies = 0
     cdef int rc = Q_OK
     cdef Table *t = &st.pg.s.slots[slot].blocks
@@ -80,11 +80,11 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     # what the admission counts, for the undo below
     cdef uint64_t lookups = st.pg.c.lookups, lookup_tokens = st.pg.c.lookup_tokens
     cdef uint64_t hit_tokens = st.pg.c.hit_tokens, collisions = st.pg.c.collisions
-    cdef uint64_t hashed = st.pg.c.pages_hashed, admitted = r.at.admitted
+    cdef uint64_t hashed = st.pg.c.pages_hashed, admitted = r.ord.admitted
     if st.lim.mode == MODE_AUTO:
         rc = auto_admit(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, r.req.rid, tok, r.req.num_tokens,
-                        r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"", r.req.nsl,
-                        r.req.nsh, &adm)
+                        r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl,
+                        r.names.nsh, &adm)
     else:
         rc = sched_admit(st.pg.s, r.req.rid, False, 0, 0, NULL, st.pg.p, &adm)
     if rc:
@@ -96,7 +96,7 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     r.at.row = row
     st.run.row_owner[row] = e
     st.run.admissions += 1
-    r.at.admitted = st.run.admissions
+    r.ord.admitted = st.run.admissions
     st.run.ents[st.run.n] = e
     st.run.n += 1
     rc = step_reserve(st, e, n)
@@ -112,7 +112,7 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
         r.at.row = -1
         r.at.num_computed = 0
         st.run.admissions -= 1
-        r.at.admitted = admitted
+        r.ord.admitted = admitted
         r.at.state = SR_WAITING        # back in the heap under its own (priority, arrival, enq)
         _heap_set(st, st.wait.n, e)
         st.wait.n += 1
@@ -142,11 +142,11 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil
     cdef uint32_t k, i, ns
     cdef bint collided
     rec[0] = 0
-    ns = ns_find(&st.pg.c.ns, r.req.nsh, r.req.nsb if r.req.nsb != NULL else <const uint8_t *>"",
-                 r.req.nsl)
+    ns = ns_find(&st.pg.c.ns, r.names.nsh,
+                 r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl)
     if ns == U32_MAX:
         return 0
-    k = auto_match(st.pg.c, tok, n, ns, r.req.nsh, hashed, st.pg.ss.probe_ident,
+    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe_ident,
                    st.pg.ss.probe_canon, st.pg.ss.probe_gen, &collided)
     for i in range(k):
         rec[0] += pc_rec(st.pg.c, st.pg.ss.probe_canon[i]).state == PC_RECLAIMABLE
@@ -166,17 +166,19 @@ cdef int step_schedule(StepState *st) noexcept nogil:
     pl.num_topk = 0
     pl.num_prefill_tokens = pl.num_decode_tokens = pl.num_cached_tokens = 0
     # 1. running requests: decodes, then prefills, each in admission order
+    j = 0
     for i in range(st.run.n):
         e = st.run.ents[i]
-        if st.ent[e].req.num_tokens - st.ent[e].at.num_computed == 1:
+        rem = st.ent[e].req.num_tokens - st.ent[e].at.num_computed
+        if rem == 1:
             st.run.order[nd] = e
             nd += 1
-    j = nd
-    for i in range(st.run.n):
-        e = st.run.ents[i]
-        if st.ent[e].req.num_tokens - st.ent[e].at.num_computed > 1:
-            st.run.order[j] = e
+        elif rem > 1:
+            st.run.order_pre[j] = e
             j += 1
+    if j:
+        memcpy(&st.run.order[nd], st.run.order_pre, j * sizeof(int32_t))
+    j += nd
     for i in range(j):
         e = st.run.order[i]
         if left == 0:
@@ -200,17 +202,26 @@ cdef int step_schedule(StepState *st) noexcept nogil:
                 break
         if st.ent[e].at.state != SR_RUNNING:
             continue
-        plan_add(st, e, n)
+        rc = plan_add(st, e, n)
+        if rc:
+            return rc
         # a decode feeds back a generated token: the last token of a prompt is prefilled
         st.ent[e].at.decode = rem == 1 and st.ent[e].at.num_computed >= st.ent[e].req.num_prompt
         if st.ent[e].at.unseen:
             # admitted by a discarded plan: named until a plan with it is applied
+            if st.plan.n_new >= st.buf.cap[PB_NEW]:
+                return plan_overrun(st, PB_NEW)
             st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
             st.plan.n_new += 1
         left -= n
     # 2. waiting requests by (priority, arrival), unless this step preempted
     if not preempted:
         while st.wait.n and left > 0 and st.run.n < st.lim.max_seqs:
+            # (the admitted request's plan records: checked before it is admitted)
+            if st.plan.n >= st.buf.cap[PB_SEQS]:
+                return plan_overrun(st, PB_SEQS)
+            if st.plan.n_new >= st.buf.cap[PB_NEW]:
+                return plan_overrun(st, PB_NEW)
             e = st.wait.heap[0]
             rc = admit_waiting(st, e, left, &n, &hit)
             if rc == Q_EXHAUSTED:
@@ -225,10 +236,12 @@ cdef int step_schedule(StepState *st) noexcept nogil:
             st.buf.new_ids[st.plan.n_new] = st.ent[e].req.rid
             st.plan.n_new += 1
             st.plan.num_cached_tokens += hit
-            plan_add(st, e, n)
+            plan_add(st, e, n)      # room checked above
             st.ent[e].at.decode = 0
             left -= n
     # 3. the plan's arrays, in plan order
-    plan_lower(st)
+    rc = plan_lower(st)
+    if rc:
+        return rc
     st.plan.pending = True
     return Q_OK

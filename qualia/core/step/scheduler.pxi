@@ -6,6 +6,35 @@
 cdef uint64_t I32_LIMIT = 2147483647   # the largest value of the plan's int32 arrays
 
 
+cdef int _plan_csr_views(StepPlan plan) except -1:
+    # StepPlan's CSR arrays on their first read: built while the plan is pending (a read: the
+    # plan's own buffers are written, nothing of the scheduler's state changes)
+    cdef StepScheduler s = <StepScheduler>plan._owner
+    cdef StepState *st
+    cdef int rc
+    own_readable(s.gil_free)
+    st = &s.step
+    if not st.plan.pending or st.plan.step_no != plan._step_no:
+        raise StepError.NoPlan(None, "the CSR form of a plan (kv_indptr, kv_indices, "
+                                     "kv_last_page_len) is built on its first read, while the "
+                                     "plan is pending: read it before update() or "
+                                     "discard_plan()")
+    rc = plan_csr(st)
+    if rc:
+        raise _schedule_error(st, rc)
+    plan._kv_indptr = s._step_bufs.view("kv_indptr", st.plan.n + 1)
+    plan._kv_indices = s._step_bufs.view("kv_indices", st.plan.n_kv)
+    plan._kv_last_page_len = s._step_bufs.view("kv_last_page_len", st.plan.n)
+    return 0
+
+
+cdef object _schedule_error(StepState *st, int rc):
+    # the exception of a failed step_schedule (a refused overrun names its buffer)
+    if rc == Q_PLAN_OVERRUN:
+        return _error(E_STEP, rc, st.plan.overrun, 0, st.buf.cap[st.plan.overrun])
+    return _error(E_STEP, rc)
+
+
 cdef class StepScheduler:
     """The engine step over an owned pool, slot table and page cache (docs/DESIGN.md, "The engine
     step"): requests go in with ``add_request``; each ``schedule()`` returns a
@@ -354,11 +383,11 @@ cdef class StepScheduler:
             if rc == Q_OK:
                 # built while owned: no other call (a GC callback, another thread) can update,
                 # abort or re-plan between the plan and its views
-                plan = step_plan(&self.step, self._step_bufs)
+                plan = step_plan(&self.step, self._step_bufs, self)
         finally:
             self._unown(tok)
         if rc:
-            raise _error(E_STEP, rc)
+            raise _schedule_error(&self.step, rc)
         return plan
 
     cdef list _update_owned(self, object values, tuple topk):
@@ -414,12 +443,13 @@ cdef class StepScheduler:
             raise MemoryError()
         st.done.fin_accum = grown
         st.done.accum_cap = cap
-        if cap > st.buf.finished_cap:
+        if cap > st.buf.size[PB_FINISHED]:
             # the pending plan's ids move along: its views keep the old buffer alive
             grown = <uint64_t *>self._step_bufs.add("finished_request_ids", _DT_PLAN_U64, cap)
             memcpy(grown, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
             st.buf.finished_ids = grown
-            st.buf.finished_cap = cap
+            st.buf.size[PB_FINISHED] = cap
+            st.buf.cap[PB_FINISHED] = cap
         return 0
 
     def discard_plan(self):
@@ -510,7 +540,7 @@ cdef class StepScheduler:
             for e in range(st.lim.max_queued):
                 if (st.ent[e].at.state == SR_WAITING or st.ent[e].at.state == SR_RUNNING
                         or st.ent[e].at.state == SR_PARKED):
-                    pairs[2 * k] = st.ent[e].req.arrival
+                    pairs[2 * k] = st.ent[e].ord.arrival
                     pairs[2 * k + 1] = st.ent[e].req.rid
                     k += 1
             found = sorted([(pairs[2 * j], pairs[2 * j + 1]) for j in range(k)])
@@ -562,8 +592,8 @@ cdef class StepScheduler:
                 while self.step.ids.count and (limit is None or total < limit):
                     rc = step_schedule(&self.step)
                     if rc:
-                        raise _error(E_STEP, rc)
-                    plan = step_plan(&self.step, self._step_bufs)
+                        raise _schedule_error(&self.step, rc)
+                    plan = step_plan(&self.step, self._step_bufs, self)
                     try:
                         # the backend and the conversion of its ids run while the scheduler
                         # is owned: a call back into it gets BusyError
@@ -604,6 +634,8 @@ cdef class StepScheduler:
                     self._gil_free(0)
                     finished.extend(step_collect(&self.step))
                     total += steps
+                    if rc == Q_PLAN_OVERRUN:
+                        raise _schedule_error(&self.step, rc)
                     if rc:
                         raise _error(E_STEP, rc, status, token,
                                      self.step.lim.vocab - 1 if self.step.lim.vocab else U32_MAX)
@@ -737,6 +769,26 @@ cdef class StepScheduler:
         only the key."""
         cache_need_auto(self.mode, "page_identities")
         return cache_page_identities(&self.cache, tokens, namespace)
+
+    def _debug_plan_capacity(self, buffer, capacity=None):
+        """Test hook: the capacity the guards of plan buffer ``buffer`` check (one of
+        ``_PLAN_BUFFER_NAMES``: "per-request", "per-token", ...) set to ``capacity`` records, at
+        most what was allocated (None: all of it), to prove that a plan which would overrun a
+        buffer fails its step with a SystemError instead of writing past it.  Returns the
+        capacity now checked."""
+        cdef uint32_t kind, cap
+        if buffer not in _PLAN_BUFFER_NAMES:
+            raise ValueError(f"buffer must be one of {_PLAN_BUFFER_NAMES}, got {buffer!r}")
+        kind = <uint32_t>_PLAN_BUFFER_NAMES.index(buffer)
+        cdef uint64_t tok = self._own()
+        try:
+            cap = self.step.buf.size[kind] if capacity is None else _u32(capacity, "capacity")
+            if cap > self.step.buf.size[kind]:
+                raise ValueError(f"the {buffer} buffer holds {self.step.buf.size[kind]} records")
+            self.step.buf.cap[kind] = cap
+        finally:
+            self._unown(tok)
+        return cap
 
     def _debug_identity_mask(self, mask, parent_mask=0xFFFFFFFFFFFFFFFF):
         """Test hook: AND every page identity computed from now on with ``mask`` (0 makes every

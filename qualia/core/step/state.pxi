@@ -9,6 +9,8 @@ cdef struct StepLimits:
     uint32_t max_chunk      # max_prefill_chunk (0: only the budget limits a chunk)
     uint32_t max_queued
     uint32_t page_tokens
+    uint32_t pt_shift       # log2(page_tokens) when it is a power of two (pt_div)
+    uint8_t pt_pow2
     uint32_t logical_pages
     uint64_t vocab          # 0: any uint32 id
     int mode                # MODE_AUTO or MODE_OFF
@@ -43,6 +45,13 @@ cdef struct StepState:
     StepBeams beams         # beam groups
 
 
+cdef inline uint32_t pt_div(StepState *st, uint64_t x) noexcept nogil:
+    # x // page_tokens: a shift for the usual power-of-two page (a division takes tens of cycles)
+    if st.lim.pt_pow2:
+        return <uint32_t>(x >> st.lim.pt_shift)
+    return <uint32_t>(x // st.lim.page_tokens)
+
+
 cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCache *c,
                    Streams *ss, Undo *undo, qualia_copy_op *cow, uint64_t *copied,
                    uint64_t *allocated, int mode, uint32_t page_tokens, uint32_t budget,
@@ -57,6 +66,9 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.lim.max_chunk = max_chunk
     st.lim.max_queued = max_queued
     st.lim.page_tokens = page_tokens
+    st.lim.pt_pow2 = page_tokens & (page_tokens - 1) == 0
+    while st.lim.pt_pow2 and (<uint32_t>1 << st.lim.pt_shift) < page_tokens:
+        st.lim.pt_shift += 1
     st.lim.logical_pages = lp
     st.lim.vocab = vocab
     st.lim.mode = mode
@@ -71,20 +83,22 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     # entries and beam-group records (at most max_queued each), their index at load <= 1/2
     while cap < 4 * <size_t>max_queued:
         cap <<= 1
-    st.ent = <StepEntry *>PyMem_Calloc(2 * <size_t>max_queued, sizeof(StepEntry))
+    # 64-byte aligned: each entry's decode fields share one cache line (StepEntry)
+    st.ent = <StepEntry *>qualia_big_zalloc(2 * <size_t>max_queued * sizeof(StepEntry))
     st.ids.index = <int32_t *>PyMem_Malloc(cap * sizeof(int32_t))
     st.ids.index_mask = <uint32_t>(cap - 1)
     st.ids.free_ids = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.ids.rec_free = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.ids.next_child = (<uint64_t>1) << 63
     st.arena.entry_cap = <uint32_t>entry_cap
-    st.arena.tokens = <uint32_t *>PyMem_Malloc(max(<size_t>max_queued * entry_cap, 1)
-                                               * sizeof(uint32_t))
+    st.arena.tokens = <uint32_t *>qualia_big_zalloc(max(<size_t>max_queued * entry_cap, 1)
+                                                    * sizeof(uint32_t))
     st.wait.heap = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.run.ents = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.run.order = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
+    st.run.order_pre = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.run.row_owner = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
-    st.run.row_dirty = <uint8_t *>PyMem_Calloc(max_seqs, 1)
+    st.run.dirty = <uint64_t *>PyMem_Calloc((max_seqs + 63) // 64, sizeof(uint64_t))
     st.run.row_len = <uint32_t *>PyMem_Calloc(max_seqs, sizeof(uint32_t))
     st.plan.plan_entry = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.plan.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
@@ -96,15 +110,17 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.plan.copies_cap = budget // page_tokens + 2 * max_seqs + 1
     st.done.accum_cap = max_queued + max_seqs
     st.done.fin_accum = <uint64_t *>PyMem_Malloc(st.done.accum_cap * sizeof(uint64_t))
-    st.done.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.done.accum_cap * sizeof(uint64_t))
+    st.done.fork_cap = st.done.accum_cap
+    st.done.fork_acc = <uint64_t *>PyMem_Malloc(2 * <size_t>st.done.fork_cap * sizeof(uint64_t))
     st.done.ents = <int32_t *>PyMem_Malloc(max_queued * sizeof(int32_t))
     st.beams.sel = <SelCand *>PyMem_Malloc(max_seqs * sizeof(SelCand))
     st.beams.sel_groups = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.beams.beam_head = st.beams.beam_tail = -1
     if (st.ent == NULL or st.ids.index == NULL or st.ids.free_ids == NULL
             or st.ids.rec_free == NULL or st.arena.tokens == NULL or st.wait.heap == NULL
-            or st.run.ents == NULL or st.run.order == NULL or st.run.row_owner == NULL
-            or st.run.row_dirty == NULL or st.run.row_len == NULL or st.plan.plan_entry == NULL
+            or st.run.ents == NULL or st.run.order == NULL or st.run.order_pre == NULL
+            or st.run.row_owner == NULL
+            or st.run.dirty == NULL or st.run.row_len == NULL or st.plan.plan_entry == NULL
             or st.plan.plan_chunk == NULL or st.plan.plan_sample == NULL
             or st.plan.plan_alive == NULL or st.plan.deferred_slot == NULL
             or st.plan.sampled == NULL or st.done.fin_accum == NULL or st.done.fork_acc == NULL
@@ -129,18 +145,19 @@ cdef void step_free(StepState *st) noexcept:
     cdef uint32_t e
     if st.ent != NULL:
         for e in range(2 * st.lim.max_queued):
-            if st.ent[e].req.nsb != NULL and not st.ent[e].req.nsb_borrowed:
-                free(st.ent[e].req.nsb)
-    PyMem_Free(st.ent)
-    PyMem_Free(st.arena.tokens)
+            if st.ent[e].names.nsb != NULL and not st.ent[e].names.nsb_borrowed:
+                free(st.ent[e].names.nsb)
+    qualia_big_free(st.ent)
+    qualia_big_free(st.arena.tokens)
     PyMem_Free(st.ids.free_ids)
     PyMem_Free(st.ids.index)
     PyMem_Free(st.wait.heap)
     PyMem_Free(st.run.ents)
     PyMem_Free(st.run.row_owner)
-    PyMem_Free(st.run.row_dirty)
+    PyMem_Free(st.run.dirty)
     PyMem_Free(st.run.row_len)
     PyMem_Free(st.run.order)
+    PyMem_Free(st.run.order_pre)
     PyMem_Free(st.plan.plan_entry)
     PyMem_Free(st.plan.plan_chunk)
     PyMem_Free(st.plan.plan_sample)

@@ -7,8 +7,9 @@ cdef struct StepDone:
     uint64_t *fin_accum     # finished or aborted since the previous plan
     uint32_t n_accum
     uint32_t accum_cap
-    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, accum_cap
+    uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, fork_cap
     uint32_t n_fork_acc
+    uint32_t fork_cap       # fixed at construction (an update forks at most max_queued)
     int32_t *ents           # finished entries (state SR_FINISHED) not yet handed to Python
     uint32_t n
 
@@ -26,30 +27,33 @@ cdef inline bint is_stop_token(StepEntry *r, uint32_t tok) noexcept nogil:
     if r.req.has_eos and not r.req.ignore_eos and tok == r.req.eos:
         return True
     for k in range(r.req.n_stop):
-        if r.req.stop[k] == tok:
+        if r.names.stop[k] == tok:
             return True
     return False
 
 
-cdef int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil:
+cdef inline int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil:
     # one sampled token for entry e (running, or a queued child of an n group): note it, apply
-    # the stop conditions; a stopped plain request goes to st.done.ents (SR_FINISHED), a stopped
-    # member waits for its group (SR_MEMBER_DONE) and the last one puts the leader in st.done.ents
+    # the stop conditions (step_stop)
     cdef StepEntry *r = &st.ent[e]
-    cdef StepEntry *g
     cdef uint32_t pos = r.req.num_tokens
-    cdef uint8_t reason = FIN_NONE
-    cdef int rc = Q_OK
     arena_at(st, e)[pos] = tok
     if st.lim.mode == MODE_AUTO and r.at.state == SR_RUNNING:
         auto_note_token(st.pg.s, st.pg.ss, <uint32_t>r.at.slot, pos, tok)
-    r.req.num_tokens += 1
-    if r.req.num_tokens - r.req.num_prompt >= r.req.max_new:
-        reason = FIN_LENGTH
-    elif is_stop_token(r, tok):
-        reason = FIN_STOP
-    if reason == FIN_NONE:
-        return Q_OK
+    r.req.num_tokens = pos + 1
+    if pos + 1 - r.req.num_prompt >= r.req.max_new:
+        return step_stop(st, e, FIN_LENGTH)
+    if (r.req.has_eos or r.req.n_stop) and is_stop_token(r, tok):
+        return step_stop(st, e, FIN_STOP)
+    return Q_OK
+
+
+cdef int step_stop(StepState *st, int32_t e, uint8_t reason) noexcept nogil:
+    # entry e stopped: a plain request goes to st.done.ents (SR_FINISHED), a member waits for
+    # its group (SR_MEMBER_DONE) and the last one puts the leader in st.done.ents
+    cdef StepEntry *r = &st.ent[e]
+    cdef StepEntry *g
+    cdef int rc = Q_OK
     r.req.reason = reason
     if r.at.state == SR_RUNNING:
         rc = slot_release(st, e)
@@ -103,7 +107,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
         tc = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
         r.at.num_computed += n
-        if st.lim.mode == MODE_AUTO:
+        if st.lim.mode == MODE_AUTO and auto_fill_due(st.pg.s, st.pg.ss, <uint32_t>r.at.slot):
             auto_fill(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot)
         if st.plan.plan_sample[j] < 0:
             continue
@@ -167,13 +171,13 @@ cdef int step_discard(StepState *st) noexcept nogil:
         else:
             row_clear_deferred(st, st.buf.block_table_rows[j])
     for j in range(st.plan.n_changed):
-        st.run.row_dirty[st.buf.changed_rows[j]] = 1
+        row_mark_dirty(st, st.buf.changed_rows[j])
     if st.plan.n_finished and st.done.n_accum + st.plan.n_finished <= st.done.accum_cap:
         memmove(&st.done.fin_accum[st.plan.n_finished], st.done.fin_accum,
                 st.done.n_accum * sizeof(uint64_t))
         memcpy(st.done.fin_accum, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
         st.done.n_accum += st.plan.n_finished
-    if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.accum_cap:
+    if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.fork_cap:
         # no update ran since the plan: nothing forked since, in practice
         memmove(&st.done.fork_acc[2 * st.plan.n_forks], st.done.fork_acc,
                 2 * st.done.n_fork_acc * sizeof(uint64_t))

@@ -1,0 +1,159 @@
+"""The engine step's figures for two builds side by side, in one run.
+
+    python bench/step_compare.py BASE_TREE THIS_TREE [--rounds 2] [--quick]
+
+Each tree is a checkout with the extension built in place.  Every figure is measured in a child
+interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
+alternating round after round; a figure is the lowest median over the rounds.
+
+  decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
+                            requests of C-token context, prefilled over several steps, so a
+                            16th of them fill a page in each step
+  decode no-fill ...       the same with every prompt prefilled in one step: the requests
+                            fill their pages in the same step, one step in 16, and the median
+                            step fills none
+  mixed mode=M              one step of 64 decodes plus a 2,048-token prefill chunk, ns
+  page fill                 (mixed auto - mixed off) / pages filled in the step: every cost the
+                            automatic prefix cache adds per page it takes (hash, index, LRU,
+                            events, bookkeeping)
+  add_request numpy / list  ns per token of 4,096-token prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(quick):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    sys.path.insert(0, HERE)
+    import gc
+
+    import numpy as np
+    from steptime import KEY, PT, decoding, median, pc, time_steps
+
+    import qualia
+
+    out = {"qualia": os.path.dirname(qualia.__file__)}
+    steps = 30 if quick else 64
+
+    def decode(n, ctx, mode, aligned=False):
+        # aligned: every prompt prefilled in one step, so every request fills a page in the same
+        # step (one in PT); otherwise the prompts prefill over several steps and the page fills
+        # spread evenly over the steps (a PT-th of the requests fill a page in each step)
+        kw = {"max_num_batched_tokens": n * ctx + n} if aligned else {}
+        s = decoding(qualia.StepScheduler, n, ctx, extra_pages=steps // PT + 2,
+                     prefix_caching=mode, **kw)
+        s.schedule()
+        ids = np.zeros(n, dtype=np.uint32)
+        gc.disable()
+        try:
+            return time_steps(s, steps, ids) / n
+        finally:
+            gc.enable()
+
+    sizes = (64, 256, 1024) if quick else (64, 256, 1024, 4096)
+    ctxs = (128, 2048, 8192) if quick else (128, 2048, 8192, 32768)
+    for mode in ("off", "auto"):
+        for n in sizes:
+            out[f"decode n={n} ctx=512 mode={mode}"] = decode(n, 512, mode)
+        for c in ctxs:
+            out[f"decode n=128 ctx={c} mode={mode}"] = decode(128, c, mode)
+        for n, c in ((64, 512), (1024, 512), (128, 8192)):
+            out[f"decode no-fill n={n} ctx={c} mode={mode}"] = decode(n, c, mode, True)
+
+    def mixed(mode):
+        n, chunk = 64, 2048
+        lp = 512 // PT + 40
+        s = qualia.StepScheduler((n + 4) * 600, PT, 600, n + 1, cache_key=KEY,
+                                 prefix_caching=mode, max_num_batched_tokens=n + chunk,
+                                 max_queued=n + 96)
+        rng = np.random.default_rng(1)
+        for i in range(n):
+            s.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
+                          max_new_tokens=lp * PT - 600)
+        while True:
+            plan = s.schedule()
+            s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+            if plan.num_prefill_tokens == 0:
+                break
+        for i in range(80):
+            s.add_request(1000 + i, rng.integers(0, 30000, size=8192, dtype=np.uint32),
+                          max_new_tokens=1)
+        ts, pre = [], []
+        gc.disable()
+        try:
+            for _ in range(10 if quick else 120):
+                t0 = pc()
+                plan = s.schedule()
+                s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+                ts.append(pc() - t0)
+                pre.append(plan.num_prefill_tokens)
+        finally:
+            gc.enable()
+        return median(ts), median(pre)
+
+    off, pre = mixed("off")
+    auto, _ = mixed("auto")
+    out["mixed mode=off"] = off
+    out["mixed mode=auto"] = auto
+    out["mixed auto / off"] = auto / off
+    out["page fill (ns per page)"] = (auto - off) / (pre / PT)
+
+    n, reps = 4096, 16 if quick else 64
+    arr = np.arange(n, dtype=np.uint32)
+    lst = arr.tolist()
+    for kind, prompt in (("numpy", arr), ("list", lst)):
+        best = float("inf")
+        for _ in range(3):
+            s = qualia.StepScheduler(8 * 300, PT, 300, 8, cache_key=KEY, max_queued=reps)
+            gc.disable()
+            t0 = pc()
+            for i in range(reps):
+                s.add_request(i, prompt, max_new_tokens=8)
+            t = (pc() - t0) / (reps * n)
+            gc.enable()
+            best = min(best, t)
+        out[f"add_request {kind} (ns per token)"] = best
+    print(json.dumps(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trees", nargs="*")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", action="store_true")
+    args = ap.parse_args()
+    if args.child:
+        child(args.quick)
+        return
+    trees = [os.path.abspath(t) for t in args.trees]
+    runs = {t: [] for t in trees}
+    for _ in range(args.rounds):
+        for t in trees:
+            env = dict(os.environ, PYTHONPATH=t)
+            cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+            if args.quick:
+                cmd.append("--quick")
+            res = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True,
+                                 check=True)
+            r = json.loads(res.stdout)
+            assert r.pop("qualia") == os.path.join(t, "qualia"), "wrong qualia imported"
+            runs[t].append(r)
+    keys = list(runs[trees[0]][0])
+    print("| figure | " + " | ".join(os.path.basename(t) for t in trees) + " |")
+    print("|---|" + "---:|" * len(trees))
+    for k in keys:
+        vals = [min(r[k] for r in runs[t]) for t in trees]
+        print(f"| {k} | " + " | ".join(f"{v:.2f}" if v < 10 else f"{v:.1f}" for v in vals) + " |")
+
+
+if __name__ == "__main__":
+    main()

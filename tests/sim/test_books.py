@@ -1,0 +1,84 @@
+"""The simulator's books kept for many steps at once agree with the same books kept step by step:
+the page and latency figures, the timeline, the token times and the modeled clock."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from qualia.sim.books import Books, TokenTimes
+from qualia.sim.clock import ModeledClock
+from qualia.sim.engine import Engine
+from qualia.sim.workload import Workload
+
+
+def _books_of(engine):
+    tl = engine.timeline
+    counters = {k: v for k, v in engine.counters.__dict__.items() if not k.endswith("_s")}
+    rows = {k: list(getattr(tl, k)) for k in ("step", "t", "running", "waiting", "pages_used",
+                                              "pages_cached", "hit_rate")}
+    return counters, rows, engine.latencies(), dict(engine.records)
+
+
+@pytest.mark.parametrize("num_pages", [60, 400])
+def test_books_by_runs_of_steps_equal_books_by_sequence(num_pages):
+    wl = Workload(requests=60, seed=5, arrival_rate=50.0, system_prompts=2, share_ratio=0.5,
+                  output_len=(40, 120))
+    fast = Engine("c", num_pages=num_pages)
+    fast.run(wl)
+    each = Engine("c", num_pages=num_pages)
+    each.books = Books(num_pages, each.config.page_tokens, 1, forking=True)
+    each.counters, each.timeline = each.books.counters, each.books.timeline
+    each._c = each.counters.__dict__
+    each.run(wl)
+    got, want = _books_of(fast), _books_of(each)
+    if num_pages == 60:
+        assert want[0]["preemptions"] > 0
+    assert got == want
+
+
+def test_modeled_decode_step_time_is_plan_seconds_bit_for_bit():
+    seen = 0
+    engine = Engine("c", num_pages=400)
+    clock = engine.clock
+    assert isinstance(clock, ModeledClock)
+    step_time = clock.step_time
+
+    def checked(plan, measured_s):
+        nonlocal seen
+        got = step_time(plan, measured_s)
+        assert got == clock.plan_seconds(plan)
+        if plan.num_prefill_tokens == 0 and len(plan.request_ids):
+            seen += 1
+        return got
+
+    clock.step_time = checked  # type: ignore[method-assign]
+    engine.run(Workload(requests=30, seed=2, arrival_rate=10.0))
+    assert seen > 10
+
+
+def test_token_times_take_what_each_id_sampled_before_it_completed():
+    rng = random.Random(7)
+    log, naive = TokenTimes(), {}
+    active, fresh = list(range(6)), 6
+    done = []  # (ids, steps logged when they completed)
+    for step in range(600):
+        now = step * 0.5 + rng.random() * 0.1
+        log.log(np.array(active, dtype=np.uint64), now)
+        for rid in active:
+            naive.setdefault(rid, []).append(now)
+        if active and rng.random() < 0.15:  # one completes; a group of two now and then
+            k = min(len(active), rng.choice([1, 1, 2]))
+            gone = rng.sample(active, k)
+            active = [r for r in active if r not in gone]
+            done.append((gone, step + 1))
+        if len(active) < 8 and rng.random() < 0.2:
+            active.append(fresh)
+            fresh += 1
+        if done and rng.random() < 0.1:  # the records are made some steps later
+            for ids, before in done:
+                want = sorted(t for rid in ids for t in naive.pop(rid))
+                assert log.take(ids, before).tolist() == want
+            done = []
