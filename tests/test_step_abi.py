@@ -420,6 +420,23 @@ def test_a_wider_block_table_view_is_lowered_with_its_row_stride(example_backend
     assert np.array_equal(_core._call_step_backend(cap, plan), example_rule(plan, 1000))
 
 
+def test_a_block_table_in_any_int32_spelling_is_lowered_alike(example_backend):
+    # numpy's own spelling, a ctypes array's ("<i") and numpy's explicit byte orders: one table
+    plan = mixed_plan()
+    want = _core._call_step_backend(example_backend.new_step(1000), plan)
+    rows, cols = plan.block_table.shape
+    ct = (ctypes.c_int32 * cols * rows)()
+    np.frombuffer(ct, np.int32).reshape(rows, cols)[:] = plan.block_table
+    assert memoryview(ct).format != memoryview(plan.block_table).format
+    table = plan.block_table
+    for spelled in (ct, table.astype("<i4"), table.astype("=i4")):
+        plan.block_table = spelled
+        got = _core._call_step_backend(example_backend.new_step(1000), plan)
+        assert np.array_equal(got, want)
+        assert np.array_equal(qualia.HashBackend().execute_step(plan),
+                              qualia.HashBackend().execute_step(mixed_plan()))
+
+
 # -- capsule resolution and validation -------------------------------------------------------
 
 _new_capsule = ctypes.pythonapi.PyCapsule_New
