@@ -326,6 +326,8 @@ def drive(s, tokens):
     ({"max_new_tokens": 9, "eos_token_id": 6, "ignore_eos": True}, [5, 6, 7, 8],
      None),
     ({"max_new_tokens": 9, "stop_token_ids": [8, 7]}, [5, 6, 7], ([5, 6, 7], "stop")),
+    ({"max_new_tokens": 9, "stop_token_ids": [7, 8]}, [5, 6, 7], ([5, 6, 7], "stop")),
+    ({"max_new_tokens": 9, "stop_token_ids": [6]}, [5, 6, 7], ([5, 6], "stop")),
     ({"max_new_tokens": 2, "eos_token_id": 6}, [5, 6], ([5, 6], "length")),  # length first
 ])
 def test_stop_conditions(kw, tokens, want):
