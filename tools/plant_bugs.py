@@ -3,9 +3,9 @@
 ones the tests catch.
 
 Each mutation is an exact edit (file, old text, new text) of a core ``.pxi`` source or a twin
-``.py`` source; its old text must occur exactly once (tests/test_plant_bugs.py checks that every
-mutation still applies to the current sources).  For each mutation the script, in a scratch copy
-of the tree (one copy for the whole run, in a temporary folder):
+``.py`` source; its old text must occur exactly once (tests/tools/test_plant_bugs.py checks that
+every mutation still applies to the current sources).  For each mutation the script, in a scratch
+copy of the tree (one copy for the whole run, in a temporary folder):
 
 1. applies the edit;
 2. rebuilds the extension in place (``python setup.py build_ext --inplace``, with
@@ -29,8 +29,9 @@ catch all but these: ``chunk_one_over_budget`` and ``budget_one_too_high`` crash
 (SIGSEGV: plan buffers overflow without a capacity check), ``preempting_step_admits``,
 ``stop_ids_skipped`` and ``beam_tie_token_reversed`` hang their area's tests (caught by the
 limit, as a hang), ``step_counts_copy_as_allocation`` is caught by the random fork machine
-(tests/test_step_forks_core.py::TestForksVsTwin).  ``caching_unknown_tokens`` and the beam ties
-are caught by tests/test_cache_known_tokens.py and tests/test_beam_ties.py.
+(tests/differential/test_forks_vs_twin.py::TestForksVsTwin).  ``caching_unknown_tokens`` and
+the beam ties are caught by tests/core/test_cache_known_tokens.py and
+tests/forks/test_beam_ties.py.
 
 ``--jobs N`` runs N mutations at a time, each in its own scratch copy (default 1: one build at a
 time).  ``--keep`` leaves the scratch copies.  The exit status is 1 when a mutation survived.
@@ -71,17 +72,19 @@ class Mutation:
 # The tests each area runs, fastest and most direct first (-x stops at the first failure): file
 # names, found anywhere under tests/.
 AREAS: Dict[str, Tuple[str, ...]] = {
-    "pool": ("test_pool.py", "test_table.py", "test_stateful.py"),
-    "table": ("test_table.py", "test_fork.py", "test_stateful.py"),
-    "facade": ("test_scheduler.py", "test_facade.py", "test_fork.py", "test_stateful.py"),
+    "pool": ("test_pool.py", "test_table.py", "test_seed_vs_twin.py"),
+    "table": ("test_table.py", "test_fork_pages.py", "test_seed_vs_twin.py"),
+    "facade": ("test_request_scheduler.py", "test_facade.py", "test_fork_pages.py",
+               "test_seed_vs_twin.py"),
     "cache": ("test_cache.py", "test_cache_known_tokens.py", "test_prefix.py",
-              "test_cache_stateful.py"),
-    "step": ("test_step.py", "test_twin_step.py", "test_step_stateful.py"),
-    "copies": ("test_step_copies_owed.py", "test_step_forks_core.py", "test_step_stateful.py"),
-    "plan": ("test_step.py", "test_model_step.py", "test_step_stateful.py"),
-    "stop": ("test_step.py", "test_step_stateful.py"),
-    "beam": ("test_beam_ties.py", "test_review_beam.py", "test_step_forks.py",
-             "test_step_forks_core.py"),
+              "test_cache_vs_twin.py"),
+    "step": ("test_step.py", "test_twin_step_vs_dense.py", "test_step_vs_twin.py"),
+    "copies": ("test_copies_owed.py", "test_n_groups.py", "test_forks_vs_twin.py",
+               "test_step_vs_twin.py"),
+    "plan": ("test_step.py", "test_step_runner.py", "test_step_vs_twin.py"),
+    "stop": ("test_step.py", "test_step_vs_twin.py"),
+    "beam": ("test_beam_ties.py", "test_beam_search.py", "test_twin_forks_vs_dense.py",
+             "test_forks_vs_twin.py"),
 }
 
 C = "qualia/core/"

@@ -4,7 +4,7 @@
 # build with ThreadSanitizer.
 #
 #   tools/sanitize.sh                             # the whole suite under both builds
-#   tools/sanitize.sh tests/test_stateful.py -x   # these pytest arguments, under both builds
+#   tools/sanitize.sh tests/differential -x       # these pytest arguments, under both builds
 #   QUALIA_SANITIZE_BUILDS=thread tools/sanitize.sh   # the thread tests under ThreadSanitizer
 #
 # The builds:
@@ -26,8 +26,8 @@
 #
 # What runs where (no arguments): the whole suite under both builds (about 5 minutes here, see
 # below).  QUALIA_SANITIZE_QUICK=1 keeps the whole suite under the release build but runs only the
-# hardening, ownership, fuzz and stateful (core vs twin) tests under the debug build (about 3.7
-# minutes).
+# facade's edge cases, the ownership, seeded-stress and seed-vs-twin tests under the debug build
+# (about 3.7 minutes).
 #
 # What it does, per build:
 #   1. copies the working tree -- the files git tracks plus untracked files it does not ignore
@@ -44,10 +44,10 @@
 #      LD_PRELOAD=$(gcc -print-file-name=libasan.so),
 #      ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=1:
 #                   detect_stack_use_after_return=1:check_initialization_order=1
-#      (detect_leaks=0: CPython itself does not free everything at exit; tests/test_leaks.py
+#      (detect_leaks=0: CPython itself does not free everything at exit; tests/core/test_leaks.py
 #      checks the core's own leaks with tracemalloc) and
 #      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1.
-#      test_leaks.py runs 2,000 instead of 10,000 cycles here (QUALIA_LEAK_CYCLES) and skips its
+#      it runs 2,000 instead of 10,000 cycles here (QUALIA_LEAK_CYCLES) and skips its
 #      RSS check (ASan's quarantine keeps freed memory resident).
 #   Before the first test run, a preflight checks that ASan, set up exactly this way, aborts the
 #   interpreter on an 8-byte PyMem heap overflow.
@@ -144,8 +144,9 @@ ASAN_OPTS="detect_leaks=0:halt_on_error=1:abort_on_error=1:strict_string_checks=
 UBSAN_OPTS="halt_on_error=1:print_stacktrace=1"
 TSAN_OPTS="halt_on_error=1:report_signal_unsafe=0"
 # the thread build's default selection: every test file that starts threads
-THREAD_TESTS=(tests/test_ownership.py tests/test_hardening.py tests/test_backends.py
-              tests/test_fuzz.py tests/test_review_forks.py tests/test_step_harden.py
+THREAD_TESTS=(tests/robustness/test_ownership.py tests/robustness/test_facade_edge_cases.py
+              tests/robustness/test_step_edge_cases.py tests/robustness/test_seeded_stress.py
+              tests/abi/test_round_backends.py tests/forks/test_n_groups.py
               -k "not largest_int32_sizes")
 
 # build NAME: copy, venv, instrumented install; sets $VENV
@@ -244,8 +245,10 @@ else
     done
     SEL_release=("$ROOT/tests")
     if [ "${QUALIA_SANITIZE_QUICK:-0}" = 1 ]; then
-        SEL_debug=("$ROOT/tests/test_hardening.py" "$ROOT/tests/test_ownership.py"
-                   "$ROOT/tests/test_fuzz.py" "$ROOT/tests/test_stateful.py")
+        SEL_debug=("$ROOT/tests/robustness/test_facade_edge_cases.py"
+                   "$ROOT/tests/robustness/test_ownership.py"
+                   "$ROOT/tests/robustness/test_seeded_stress.py"
+                   "$ROOT/tests/differential/test_seed_vs_twin.py")
     else
         SEL_debug=("$ROOT/tests")
     fi

@@ -32,7 +32,7 @@ many rows there are, or on how the prompt was chunked:
 Hence the paged and dense paths produce bit-identical logits, hence identical tokens, greedy or
 sampled (seeded sampling is keyed by ``(seed, request id, position)``, :class:`SamplingParams`).
 With two or more heads the numbers are also those of the original one-token-at-a-time
-formulation (tests/test_model_step.py keeps a copy of it).
+formulation (tests/model/test_step_runner.py keeps a copy of it).
 
 KV cache layout of the paged backend: one array ``kv[num_pages, layers, 2, page_tokens, heads,
 head_dim]`` (axis 2: 0 = K, 1 = V); the first axis is the physical page id.  The K/V of logical

@@ -1,6 +1,6 @@
 """The Python snippets of README.md, word for word.
 
-.ci/run type-checks this file with mypy against the installed package, and tests/test_readme.py
+.ci/run type-checks this file with mypy against the installed package, and tests/docs/test_readme.py
 runs it and checks that every snippet of README.md is here unchanged.
 """
 

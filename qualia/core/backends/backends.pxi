@@ -205,7 +205,9 @@ cdef _LoweredPlan _lower_step_plan(object plan):
                         f"got {type(table).__name__}") from exc
     lp.table_held = True
     fmt = (<bytes>lp.table.format).decode("ascii", "replace") if lp.table.format != NULL else "B"
-    if _normalize_format(fmt) != _FORMATS["i32"][1] or lp.table.itemsize != 4:
+    # the exact spelling numpy exports first (no normalizing, which costs a regex a step)
+    if ((fmt != _FORMATS["i32"][0] and _normalize_format(fmt) != _FORMATS["i32"][1])
+            or lp.table.itemsize != 4):
         raise TypeError(f"plan.block_table must have dtype int32, got format {fmt!r}")
     if lp.table.ndim != 2:
         raise ValueError(f"plan.block_table must be 2-D, got {lp.table.ndim} dimensions")
