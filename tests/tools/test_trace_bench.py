@@ -11,7 +11,7 @@ import pytest
 
 import qualia
 
-BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import trace_bench as tb  # noqa: E402
