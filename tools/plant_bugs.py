@@ -23,15 +23,15 @@ caught it) and a score.  Usage, from the repository root with the test dependenc
     python tools/plant_bugs.py --only NAME     # one mutation (repeatable)
     python tools/plant_bugs.py --only NAME --tests test_x.py   # against one test file
 
-Score of ``python tools/plant_bugs.py`` on the tree of this script's first version (2 shared
-cores; a core mutation about 15 s, a hang 180 s): every mutation caught.  Deterministic tests
-catch all but these: ``chunk_one_over_budget`` and ``budget_one_too_high`` crash the process
-(SIGSEGV: plan buffers overflow without a capacity check), ``preempting_step_admits``,
-``stop_ids_skipped`` and ``beam_tie_token_reversed`` hang their area's tests (caught by the
-limit, as a hang), ``step_counts_copy_as_allocation`` is caught by the random fork machine
-(tests/differential/test_forks_vs_twin.py::TestForksVsTwin).  ``caching_unknown_tokens`` and
-the beam ties are caught by tests/core/test_cache_known_tokens.py and
-tests/forks/test_beam_ties.py.
+Score (``python tools/plant_bugs.py``, 2 shared cores; a core mutation about 15 s to build and
+test, a hang 180 s): every mutation caught, by a failing test for all but two:
+``preempting_step_admits`` and ``beam_tie_token_reversed`` make their area's tests loop until
+the limit (caught as hangs).  The stop ids are caught by tests/core/test_step.py's stop
+conditions, core and twin.  A plan one token over the budget
+(``chunk_one_over_budget``, ``budget_one_too_high``) fails the step through the plan buffers'
+capacity guard (tests/core/test_step.py); ``step_counts_copy_as_allocation`` fails
+tests/forks/test_n_groups.py's page counters; ``caching_unknown_tokens`` and the beam ties fail
+tests/core/test_cache_known_tokens.py and tests/forks/test_beam_ties.py.
 
 ``--jobs N`` runs N mutations at a time, each in its own scratch copy (default 1: one build at a
 time).  ``--keep`` leaves the scratch copies.  The exit status is 1 when a mutation survived.
