@@ -24,9 +24,9 @@ caught it) and a score.  Usage, from the repository root with the test dependenc
     python tools/plant_bugs.py --only NAME --tests test_x.py   # against one test file
 
 Score (``python tools/plant_bugs.py``, 2 shared cores; a core mutation about 15 s to build and
-test, a hang 180 s): every mutation caught, by a failing test for all but two:
-``preempting_step_admits`` and ``beam_tie_token_reversed`` make their area's tests loop until
-the limit (caught as hangs).  The stop ids are caught by tests/core/test_step.py's stop
+test, a hang 180 s): every mutation caught, by a failing test for all but one:
+``preempting_step_admits`` makes its area's tests run past the limit (caught as a hang; the
+step loops in tests/core/test_step.py are bounded, so the hang is inside a call).  The stop ids are caught by tests/core/test_step.py's stop
 conditions, core and twin.  A plan one token over the budget
 (``chunk_one_over_budget``, ``budget_one_too_high``) fails the step through the plan buffers'
 capacity guard (tests/core/test_step.py); ``step_counts_copy_as_allocation`` fails

@@ -47,6 +47,16 @@ def both(a, b, fn):
     return out[0][1]
 
 
+def bounded(s, limit=2000):
+    """One iteration per step while ``s`` has unfinished requests; past ``limit`` steps the test
+    fails (a scheduler that stops making progress fails it instead of hanging it)."""
+    for k in range(limit):
+        if not s.has_unfinished():
+            return
+        yield k
+    raise AssertionError(f"requests unfinished after {limit} steps")
+
+
 def step_both(a, b):
     pa, pb = a.schedule(), b.schedule()
     assert_same_plan(pa, pb)
@@ -128,7 +138,7 @@ def test_token_budget_bounds_every_plan():
     for s in (a, b):
         for i in range(6):
             s.add_request(i, list(range(i, i + 9)), max_new_tokens=4)
-    while a.has_unfinished():
+    for _ in bounded(a):
         plan, _ = step_both(a, b)
         assert plan.num_tokens <= 7
         assert plan.num_tokens == plan.num_prefill_tokens + plan.num_decode_tokens
@@ -139,7 +149,7 @@ def test_max_num_seqs_bounds_running_requests():
     for s in (a, b):
         for i in range(6):
             s.add_request(i, [i + 1] * 3, max_new_tokens=3)
-    while a.has_unfinished():
+    for _ in bounded(a):
         plan, _ = step_both(a, b)
         assert plan.num_seqs <= 3
         assert a.num_running <= 3
@@ -150,7 +160,7 @@ def test_long_prompts_are_chunked_and_sampled_only_at_their_last_chunk():
     for s in (a, b):
         s.add_request(1, list(range(1, 13)), max_new_tokens=2)
     chunks = []
-    while a.has_unfinished():
+    for _ in bounded(a):
         plan, _ = step_both(a, b)
         chunks.append((plan.positions.tolist(), plan.logits_indices.tolist()))
     assert chunks[0] == ([0, 1, 2, 3, 4], [])
@@ -169,11 +179,30 @@ def test_preemption_picks_the_largest_priority_value_then_the_latest_admitted():
         s.add_request(2, [2] * 8, max_new_tokens=8, priority=1)
         s.add_request(3, [3] * 8, max_new_tokens=8, priority=1)
     preempted = []
-    while a.has_unfinished():
+    for _ in bounded(a):
         plan, _ = step_both(a, b)
         preempted += plan.preempted_request_ids.tolist()
     # 3 (priority 1, admitted after 2) goes first
     assert preempted[0] == 3
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_a_step_that_preempts_admits_nothing(twin):
+    # 7 pages of 4 tokens, three 9-token prompts growing to 21: decodes run out of pages and
+    # preempt; the pages a preemption frees go to the running requests, never to an admission
+    # in the same step (which could take them back and preempt again, step after step)
+    s = make(7, 4, 8, 4, max_num_batched_tokens=64, twin=twin)
+    for i in range(3):
+        s.add_request(i, [i + 1] * 9, max_new_tokens=12)
+    preempting = 0
+    for _ in bounded(s):
+        plan = s.schedule()
+        if len(plan.preempted_request_ids):
+            preempting += 1
+            assert len(plan.new_request_ids) == 0, (plan.preempted_request_ids.tolist(),
+                                                    plan.new_request_ids.tolist())
+        s.update(sample(plan))
+    assert preempting > 0
 
 
 def test_a_preempted_request_recomputes_and_generates_the_same_tokens():
@@ -182,7 +211,7 @@ def test_a_preempted_request_recomputes_and_generates_the_same_tokens():
         for i in range(3):
             s.add_request(i, [i + 1] * 9, max_new_tokens=12)
         got, preempted = {}, 0
-        while s.has_unfinished():
+        for _ in bounded(s):
             plan = s.schedule()
             preempted += len(plan.preempted_request_ids)
             for f in s.update(sample(plan)):
@@ -232,7 +261,7 @@ def test_off_mode_has_no_hits_and_generates_the_same_tokens():
         for i in range(4):
             s.add_request(i, [9, 9, 9, 9, 9, 9, 9, 9, i], max_new_tokens=5)
         got, cached = {}, 0
-        while s.has_unfinished():
+        for _ in bounded(s):
             plan = s.schedule()
             cached += plan.num_cached_tokens
             for f in s.update(sample(plan)):
@@ -281,7 +310,7 @@ def test_csr_form_matches_the_block_table_and_seq_lens():
     s = make(64, 4, 16, 4, max_num_batched_tokens=9, max_prefill_chunk=5)
     for i in range(4):
         s.add_request(i, list(range(i, i + 11)), max_new_tokens=6)
-    while s.has_unfinished():
+    for _ in bounded(s):
         plan = s.schedule()
         pt = plan.page_tokens
         for i in range(plan.num_seqs):
@@ -416,7 +445,7 @@ def test_run_with_the_c_hash_backend_equals_a_python_loop():
     workload(b)
     result = a.run(hb)
     finished, steps = [], 0
-    while b.has_unfinished():
+    for _ in bounded(b):
         plan = b.schedule()
         finished += b.update(hb.execute_step(plan))
         steps += 1
