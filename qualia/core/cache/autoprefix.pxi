@@ -194,7 +194,7 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     cdef Stream *st = &ss.st[index]
     cdef Slot *sl = &s.slots[index]
     cdef uint32_t pt = c.page_tokens
-    cdef uint32_t limit, k, q, own, pp = 0
+    cdef uint32_t limit, ahead, k, q, own, pp = 0
     cdef uint64_t ident, pg = 0
     cdef uint64_t *ids = &ss.ident[_sp(ss, index)]
     cdef uint32_t *canon = &ss.canon[_sp(ss, index)]
@@ -205,8 +205,17 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     limit = (sl.token_count if sl.token_count < st.known else st.known) // pt
     if limit > sl.blocks.len:
         limit = sl.blocks.len
+    # the pages already hashed (a prompt's, at admission): their index slots and records are
+    # prefetched PC_AHEAD pages ahead, so that the lookups and inserts overlap their misses
+    ahead = limit if limit < st.hashed else st.hashed
+    k = st.done
+    while k < ahead and k < st.done + PC_AHEAD:
+        pc_prefetch_fill(c, pc_ident(c, ids[k]), sl.blocks.entries[k])
+        k += 1
     while st.done < limit:
         k = st.done
+        if k + PC_AHEAD < ahead:
+            pc_prefetch_fill(c, pc_ident(c, ids[k + PC_AHEAD]), sl.blocks.entries[k + PC_AHEAD])
         t = &ss.tokens[(_sp(ss, index) + k) * pt]
         if k >= st.hashed:
             ids[k] = pc_chain(c, ids[k - 1] if k else 0, k > 0, c.ns.hashes[st.ns], t)
@@ -286,9 +295,17 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
     cdef Table *t = &s.slots[index].blocks
     cdef uint32_t i, page
     cdef int rc, first = Q_OK
+    # the records the releases read (and may relink), prefetched PC_AHEAD pages ahead
+    i = t.len
+    while i > 0 and i + PC_AHEAD > t.len:
+        i -= 1
+        if t.entries[i] < c.num_blocks:
+            qualia_prefetch_w(pc_rec(c, t.entries[i]))
     i = t.len
     while i > 0:
         i -= 1
+        if i >= PC_AHEAD and t.entries[i - PC_AHEAD] < c.num_blocks:
+            qualia_prefetch_w(pc_rec(c, t.entries[i - PC_AHEAD]))
         page = t.entries[i]
         rc = pool_release(p, page)
         if rc:

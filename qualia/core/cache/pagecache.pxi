@@ -134,6 +134,25 @@ cdef extern from "qualia_cache.h" nogil:
     void qualia_store_release(uint64_t *p, uint64_t v)
 
 
+# Prefetch hints: a read with little reuse (the router's slots), and a read or a write of what
+# the next few steps of a loop touch (the page cache's index slots and records).
+cdef extern from *:
+    """
+    #define qualia_prefetch(p) __builtin_prefetch((p), 0, 1)
+    #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    /* an asm statement: GCC may delete a __builtin_prefetch whose address nothing else uses */
+    #define qualia_prefetch_r(p) __asm__ __volatile__("prefetcht0 %0" :: "m"(*(const char *)(p)))
+    #define qualia_prefetch_w(p) __asm__ __volatile__("prefetcht0 %0" :: "m"(*(const char *)(p)))
+    #else
+    #define qualia_prefetch_r(p) __builtin_prefetch((p), 0, 3)
+    #define qualia_prefetch_w(p) __builtin_prefetch((p), 1, 3)
+    #endif
+    """
+    void qualia_prefetch(const void *p) nogil
+    void qualia_prefetch_r(const void *p) nogil
+    void qualia_prefetch_w(const void *p) nogil
+
+
 # -- hashing ------------------------------------------------------------------------------------
 
 cdef inline CachePage *pc_rec(PageCache *c, uint32_t page) noexcept nogil:
@@ -438,6 +457,19 @@ cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
         if c.index[i].ident == ident:
             return <uint32_t>e
         i = (i + 1) & c.index_mask
+
+
+cdef enum:
+    PC_AHEAD = 8    # how many pages ahead a fill loop prefetches
+
+
+cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) noexcept nogil:
+    # what looking `ident` up and inserting `page` will touch: the identity's home slot, the
+    # page's record and the first line of its token copy (a hint only: no state changes)
+    qualia_prefetch_r(&c.index[_pc_home(c, ident)])
+    if page < c.num_blocks:
+        qualia_prefetch_w(pc_rec(c, page))
+        qualia_prefetch_w(<char *>pc_rec(c, page) + 64)
 
 
 cdef inline void pc_index_insert(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:

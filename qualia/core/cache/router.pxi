@@ -11,12 +11,6 @@
 # sees a miss for that page, never a wrong hit.  A removal of an identity the table does not hold
 # (dropped earlier, or never seen) is counted and ignored.
 
-cdef extern from *:
-    """
-    #define qualia_prefetch(p) __builtin_prefetch((p), 0, 1)
-    """
-    void qualia_prefetch(const void *p) nogil
-
 cdef struct RouteSlot:
     uint64_t ident
     uint64_t bits        # replicas holding the identity; 0: the slot is empty
