@@ -25,13 +25,13 @@ caught it) and a score.  Usage, from the repository root with the test dependenc
 
 Score (``python tools/plant_bugs.py``, 2 shared cores; a core mutation about 15 s to build and
 test, a hang 180 s): every mutation caught, by a failing test for all but one:
-``preempting_step_admits`` makes its area's tests run past the limit (caught as a hang; the
-step loops in tests/core/test_step.py are bounded, so the hang is inside a call).  The stop ids are caught by tests/core/test_step.py's stop
-conditions, core and twin.  A plan one token over the budget
-(``chunk_one_over_budget``, ``budget_one_too_high``) fails the step through the plan buffers'
-capacity guard (tests/core/test_step.py); ``step_counts_copy_as_allocation`` fails
-tests/forks/test_n_groups.py's page counters; ``caching_unknown_tokens`` and the beam ties fail
-tests/core/test_cache_known_tokens.py and tests/forks/test_beam_ties.py.
+``preempting_step_admits`` makes its area's tests run past the limit (caught as a hang; the step
+loops in tests/core/test_step.py are bounded, so the hang is inside a call).  The stop ids are
+caught by tests/core/test_step.py's stop conditions, core and twin.  A plan one token over the
+budget (``chunk_one_over_budget``, ``budget_one_too_high``) fails the step through the plan
+buffers' capacity guard (tests/core/test_step.py); ``step_counts_copy_as_allocation`` fails
+tests/forks/test_n_groups.py's page counters; ``caching_unknown_tokens`` and the beam ties
+fail tests/core/test_cache_known_tokens.py and tests/forks/test_beam_ties.py.
 
 ``--jobs N`` runs N mutations at a time, each in its own scratch copy (default 1: one build at a
 time).  ``--keep`` leaves the scratch copies.  The exit status is 1 when a mutation survived.
