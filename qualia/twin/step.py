@@ -311,6 +311,16 @@ class StepScheduler:
             raise StepError.UnknownRequest(None, f"request {request_id}")
         return np.array(r.tokens, dtype=np.uint32)
 
+    def request_pages(self, request_id) -> np.ndarray:
+        """The pages a queued, running or parked request holds, in logical order (empty while
+        it waits or is parked)."""
+        r = self._reqs.get(_u64(request_id, "request_id"))
+        if r is None:
+            raise StepError.UnknownRequest(None, f"request {request_id}")
+        if not any(q is r for q in self._running):
+            return np.zeros(0, dtype=np.uint32)
+        return self.facade.block_table(r.request_id)
+
     def group_members(self, request_id) -> List[int]:
         """The member ids of a queued or running ``n`` group (what the sampler keys on), or of
         the live beams of a beam group."""

@@ -636,6 +636,28 @@ def test_the_step_scheduler_and_the_facade_each_have_their_own_verbs():
         assert not hasattr(qualia.StepScheduler, verb)
 
 
+def test_a_requests_pages_are_its_block_table_row_while_it_runs():
+    """request_pages(): nothing while the request waits, the plan's block-table row of it while
+    it runs (one page more per page_tokens tokens), UnknownRequest once it has finished."""
+    for twin in (False, True):
+        s = make(16, 4, 8, 2, twin=twin)
+        s.add_request(1, list(range(1, 7)), max_new_tokens=3)
+        assert s.request_pages(1).tolist() == []
+        plan = s.schedule()
+        pages = s.request_pages(1)
+        assert pages.dtype == np.uint32 and len(pages) == 2
+        row = plan.block_table[plan.block_table_rows[0]]
+        assert row.tolist() == pages.tolist() + [-1] * 6
+        s.update([9])
+        while s.has_unfinished():
+            s.schedule()
+            s.update([9])
+        with pytest.raises(StepError.UnknownRequest):
+            s.request_pages(1)
+        with pytest.raises(StepError.UnknownRequest):
+            s.request_pages(7)
+
+
 def test_add_request_from_numpy_and_from_a_list_agree():
     a, b = make(16, 4, 8, 2), make(16, 4, 8, 2)
     prompt = [5, 6, 7, 2**32 - 1]

@@ -167,6 +167,7 @@ class ForksVsTwin(StepVsTwin):
         assert sorted(c.requests()) == sorted(t.requests())
         for rid in c.requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
+            assert c.request_pages(rid).tolist() == t.request_pages(rid).tolist()
         assert_same_step_counters(c, t)
 
 

@@ -256,6 +256,7 @@ class StepVsTwin(RuleBasedStateMachine):
         assert c.requests() == list(t.requests())
         for rid in c.requests():
             assert c.request_tokens(rid).tolist() == t.request_tokens(rid).tolist()
+            assert c.request_pages(rid).tolist() == t.request_pages(rid).tolist()
         assert_same_step_counters(c, t)
 
 

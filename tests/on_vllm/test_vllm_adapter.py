@@ -337,7 +337,7 @@ def test_block_ids_given_to_the_runner_are_each_requests_pages(model_dir):
                 given[rid] = (given[rid] if rid not in cached.resumed_req_ids else []) + ids[0]
         for rid in out.num_scheduled_tokens:
             req = sched.requests[rid]
-            pages = sched._core.block_table(sched._qid[rid])
+            pages = sched._core.request_pages(sched._qid[rid])
             want = (pages[:-(-req.num_computed_tokens // BLOCK)] + 1).tolist()
             assert given[rid] == want
         sched.update_from_output(out, runner_output(out))

@@ -593,6 +593,7 @@ def step_reads(s, shared):
         "num_running": lambda: s.num_running,
         "has_unfinished": lambda: s.has_unfinished(),
         "request_tokens": lambda: s.request_tokens(2),
+        "request_pages": lambda: s.request_pages(2),
         "group_members": lambda: s.group_members(3),
         "forks": lambda: s.forks,
         "fork_fallbacks": lambda: s.fork_fallbacks,

@@ -482,6 +482,25 @@ cdef class StepScheduler:
         return _array_of(arena_at(&self.step, e),
                          self.step.ent[e].req.num_tokens)
 
+    def request_pages(self, request_id):
+        """The pages a queued, running or parked request holds, in logical order (a uint32
+        array; empty while it waits or is parked: those hold no pages).  For a beam group's
+        id, its beam with that id."""
+        cdef uint64_t rid = _u64(request_id, "request_id")
+        own_readable(self.gil_free)
+        cdef int32_t e = step_find(&self.step, rid)
+        cdef Table *t
+        if e >= 0 and self.step.ent[e].at.state == SR_GROUP:
+            e = self.step.ent[e].rec.parent_beam
+        if e < 0 or (self.step.ent[e].at.state != SR_WAITING
+                     and self.step.ent[e].at.state != SR_RUNNING
+                     and self.step.ent[e].at.state != SR_PARKED):
+            raise StepError.UnknownRequest(None, f"request {rid}")
+        if self.step.ent[e].at.state != SR_RUNNING or self.step.ent[e].at.slot < 0:
+            return _array_of(NULL, 0)
+        t = &self.step.pg.s.slots[self.step.ent[e].at.slot].blocks
+        return _array_of(t.entries, t.len)
+
     def group_members(self, request_id):
         """The member ids of a queued or running ``n`` group, in member order: the parent's
         id, then its children's (what the sampler keys on); for a beam group, its live beams."""
