@@ -724,6 +724,29 @@ def test_pages_of_a_pending_plan_stay_pinned_after_the_last_request_is_aborted(r
     assert named <= set(taken.kv_indices.tolist()) and len(set(taken.kv_indices.tolist())) == 16
 
 
+def test_a_pool_that_outlives_its_scheduler_is_handed_back_whole():
+    """Every reference in a StepScheduler's pool is the scheduler's (running requests, cached
+    pages, a pending plan's): once the scheduler is gone, the pool is unowned with every page
+    free, and a pending plan keeps its scheduler alive until it goes too."""
+    import gc
+
+    s = make(16, 4, 8, 2)
+    s.add_request(1, list(range(1, 11)), max_new_tokens=3)
+    s.add_request(2, list(range(1, 9)), max_new_tokens=3)
+    s.update(sample(s.schedule()))
+    plan = s.schedule()                           # pending, with pages named
+    pool = s.pool
+    assert pool.free_count < 16 and pool.refcounts().sum() > 0
+    del s
+    gc.collect()
+    with pytest.raises(qualia.BusyError):         # the plan holds its scheduler
+        pool.allocate()
+    del plan
+    gc.collect()
+    assert pool.free_count == 16 and pool.refcounts().tolist() == [0] * 16
+    assert [pool.allocate() for _ in range(16)] == list(range(16))
+
+
 def test_an_abort_in_the_pending_plan_returns_its_pages_when_the_plan_is_retired():
     """While other requests keep the step busy, the aborted request's pages are held until the
     plan is applied, and core and twin agree page for page on the way."""

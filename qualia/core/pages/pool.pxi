@@ -10,17 +10,23 @@ cdef struct Pool:
 
 cdef int pool_init(Pool *p, uint32_t n) except -1:
     # n == 0 is a valid pool: every allocate is Exhausted, every page id InvalidPage
-    cdef uint32_t i
     cdef size_t m = n if n > 0 else 1
     p.refcount = <uint32_t *>PyMem_Calloc(m, sizeof(uint32_t))
     p.free_stack = <uint32_t *>PyMem_Malloc(m * sizeof(uint32_t))
     if p.refcount == NULL or p.free_stack == NULL:
         raise MemoryError(f"cannot allocate a pool of {n} pages")
     p.num_blocks = n
+    pool_reset(p)
+    return 0
+
+
+cdef void pool_reset(Pool *p) noexcept nogil:
+    # every page free, the free stack as a new pool's (never-used pages come out ascending)
+    cdef uint32_t i, n = p.num_blocks
+    memset(p.refcount, 0, n * sizeof(uint32_t))
     for i in range(n):
         p.free_stack[i] = n - 1 - i
     p.free_top = n
-    return 0
 
 
 cdef void pool_free(Pool *p) noexcept:

@@ -67,7 +67,8 @@ cdef class StepScheduler:
     """
     cdef readonly BlockPool pool
     """The scheduler's pool, for reading: it is the scheduler's for its whole life, so its
-    mutating calls raise ``BusyError``."""
+    mutating calls raise ``BusyError``.  A pool that outlives its scheduler is handed back with
+    every page free."""
     cdef readonly uint32_t page_tokens
     """Token positions per page."""
     cdef uint64_t owner
@@ -154,8 +155,10 @@ cdef class StepScheduler:
                   vocab)
 
     def __dealloc__(self):
-        # the pool may outlive the scheduler: hand it back free
+        # the pool may outlive the scheduler: hand it back free, with every page free (every
+        # reference in it was the scheduler's: its requests', its cache's, its plans')
         if self.pool is not None and self.pool.owner == self.pool_token:
+            pool_reset(&self.pool.pool)
             self.pool.owner = 0
         step_free(&self.step)
         sched_free(&self.slots)
