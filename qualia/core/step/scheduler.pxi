@@ -471,34 +471,31 @@ cdef class StepScheduler:
         if rc:
             raise _error(E_STEP, rc)
 
-    def request_tokens(self, request_id):
-        """Prompt plus generated tokens of a queued or running request."""
+    cdef int32_t _live_entry(self, object request_id) except -1:
+        # the entry of a queued, running or parked request (a beam group's id: its beam with
+        # that id); the id resolved first (it may run user code), then the busy check
         cdef uint64_t rid = _u64(request_id, "request_id")
         own_readable(self.gil_free)
         cdef int32_t e = step_find(&self.step, rid)
-        if e >= 0 and self.step.ent[e].at.state == SR_GROUP:
-            e = self.step.ent[e].rec.parent_beam    # a beam group: its beam with the group's id
-        if e < 0 or (self.step.ent[e].at.state != SR_WAITING
-                     and self.step.ent[e].at.state != SR_RUNNING
-                     and self.step.ent[e].at.state != SR_PARKED):
-            raise StepError.UnknownRequest(None, f"request {rid}")
-        return _array_of(arena_at(&self.step, e),
-                         self.step.ent[e].req.num_tokens)
-
-    def request_pages(self, request_id):
-        """The pages a queued, running or parked request holds, in logical order (a uint32
-        array; empty while it waits or is parked: those hold no pages).  For a beam group's
-        id, its beam with that id."""
-        cdef uint64_t rid = _u64(request_id, "request_id")
-        own_readable(self.gil_free)
-        cdef int32_t e = step_find(&self.step, rid)
-        cdef Table *t
         if e >= 0 and self.step.ent[e].at.state == SR_GROUP:
             e = self.step.ent[e].rec.parent_beam
         if e < 0 or (self.step.ent[e].at.state != SR_WAITING
                      and self.step.ent[e].at.state != SR_RUNNING
                      and self.step.ent[e].at.state != SR_PARKED):
             raise StepError.UnknownRequest(None, f"request {rid}")
+        return e
+
+    def request_tokens(self, request_id):
+        """Prompt plus generated tokens of a queued, running or parked request."""
+        cdef int32_t e = self._live_entry(request_id)
+        return _array_of(arena_at(&self.step, e), self.step.ent[e].req.num_tokens)
+
+    def request_pages(self, request_id):
+        """The pages a queued, running or parked request holds, in logical order (a uint32
+        array; empty while it waits or is parked: those hold no pages).  For a beam group's
+        id, its beam with that id."""
+        cdef int32_t e = self._live_entry(request_id)
+        cdef Table *t
         if self.step.ent[e].at.state != SR_RUNNING or self.step.ent[e].at.slot < 0:
             return _array_of(NULL, 0)
         t = &self.step.pg.s.slots[self.step.ent[e].at.slot].blocks
