@@ -14,13 +14,17 @@ count in the non-sharing figure too.
 
 The cost of a step.  Without forks, a sequence enters the running set only by an admission
 (``new_request_ids``) and leaves it only by finishing or a preemption, so a plan with none of
-those events and the same request ids as the plan before it (compared as bytes) changes only
-the sequences' lengths: such a step keeps a copy of its ``seq_lens`` and nothing else, and the
-non-sharing figure of the steps kept (the pages of each plan's sequences plus those of the
-running sequences it left out) is worked out for many steps at once, with numpy, by
-:meth:`Books.settle` (before any other step is booked, and whenever the engine reports).  A
-step with an event books its events one by one, and its running set with dictionary and set
-operations over the plan's ids.  With forks every step is booked sequence by sequence.
+those events, no prefill token and the same request ids as the plan before it (compared as
+bytes) is a *decode step of the same sequences*: each sequence's length grows by one.  Such a
+step is booked in O(1): the sum of the plan's ``seq_lens`` (:attr:`Books.context`, what the
+modeled clock costs a decode step by) grows by the number of sequences, and their pages
+without sharing by the sequences whose length crosses a page boundary, read from a count of
+the sequences by ``(seq_len - 1) % page_tokens`` taken when the lengths were last read.  Any
+other step reads its ``seq_lens`` with numpy (the sums and that count, again) and books its
+events one by one; its running set is worked out with dictionary and set operations over the
+plan's ids only when a preemption happened or a running sequence is left out of a plan (the
+plan has fewer sequences than are running).  With forks every step is booked sequence by
+sequence.
 """
 
 from __future__ import annotations
@@ -37,12 +41,9 @@ __all__ = ["Books", "TokenTimes"]
 class Books:
     """The books of one engine whose pool has ``num_pages`` pages of ``page_tokens`` tokens;
     ``n``: the size of its ``n`` groups (1: none); ``forking``: its requests are groups (``n >
-    1`` or beam search; default: ``n > 1``).  Without forks, the page peaks
-    (``peak_unshared_pages``, ``pages_saved_at_peak``) count the steps booked since the last
-    :meth:`settle` only once it has run; every other figure is up to date after each step."""
-
-    #: Steps kept before :meth:`book` settles them on its own (bounds the memory kept).
-    SETTLE_EVERY = 1 << 16
+    1`` or beam search; default: ``n > 1``).  A step is booked in two calls: :meth:`book`
+    (the plan, once it is computed and updated) and :meth:`row` (the timeline row, at the
+    serving time the step ends); every figure is up to date after each."""
 
     def __init__(self, num_pages: int, page_tokens: int, n: int = 1, *,
                  forking: Optional[bool] = None) -> None:
@@ -65,19 +66,21 @@ class Books:
         self._unseen: Dict[int, int] = {}
         self._parked_seen = 0
         self._awaiting_first: Dict[int, Any] = {}  # admitted, no token sampled yet
-        # Without forks.  The seq_lens of the steps kept for settle(), one after another from
-        # _buf[_kept_from], the last plan's at _buf[_last_at:_at]; per step kept, the end of
-        # its seq_lens in _buf, the pages of the running sequences its plan left out and the
-        # pages held right after its schedule.  The running set: the last plan's sequences
-        # (its request ids as bytes) and the running sequences it left out (_off), with their
-        # lengths.
-        self._buf = np.zeros(1 << 14, dtype=np.int64)
-        self._kept_from = self._last_at = self._at = 0
-        self._kept_ends: List[int] = []
-        self._kept_off: List[int] = []
-        self._kept_held: List[int] = []
+        #: Without forks: the sum of the last plan's ``seq_lens`` (None with forks).
+        self.context: Optional[int] = None if self.forking else 0
+        # Without forks.  The last plan's sequences: their request ids (as bytes), their
+        # lengths when last read (int64) and the decode steps since (each adds one to every
+        # length), their pages without sharing, and the count of them by (seq_len - 1) %
+        # page_tokens when last read, with the index in it of the sequences whose next decode
+        # step crosses a page boundary.  The running sequences the last plan left out (_off),
+        # with their lengths and pages.
         self._key: Optional[bytes] = None
         self._key_dtype: Any = np.dtype(np.uint64)
+        self._seqs = np.zeros(0, dtype=np.int64)
+        self._decodes = 0
+        self._pages = 0
+        self._by_phase: List[int] = [0] * self.page_tokens
+        self._crossing = self.page_tokens - 1
         self._off: Dict[int, int] = {}
         self._off_pages = 0
 
@@ -98,60 +101,65 @@ class Books:
         c.beams_parked = parked
 
     def book(self, plan, held: int, running: int, live: Dict[int, Any], step: int,
-             now: float, s, f, backlog: int) -> List[Any]:
+             s: Any = None) -> List[Any]:
         """The books of step ``step``, its plan ``plan`` computed and updated (``held``: pages
         requests held right after the schedule, ``running``: sequences running then;
-        ``live``: the engine's record of each request not yet completed, by id): tokens,
-        admissions, hits, preemptions, pages with and without sharing, and its timeline row
-        (at ``now`` on the serving clock; scheduler ``s`` over facade ``f``; ``backlog``:
-        requests due that wait in the engine).  Returns the records of the requests that got
-        their first token."""
+        ``live``: the engine's record of each request not yet completed, by id; ``s``: the
+        scheduler, whose fork counters are read with forks): tokens, admissions, hits,
+        preemptions, pages with and without sharing.  Returns the records of the requests that
+        got their first token."""
         if self.forking:
             firsts = self._record_each(plan, held, running, live, step)
             self.count_forks(s)
-            self._sample(s, f, step, now, backlog)
             return firsts
         c = self._c
-        n_tokens = len(plan.input_ids)
-        prefill, decode = int(plan.num_prefill_tokens), int(plan.num_decode_tokens)
-        c["scheduled_tokens"] += n_tokens
-        c["prefill_tokens"] += prefill
-        c["decode_tokens"] += decode
-        if prefill and decode:
-            c["mixed_steps"] += 1
-        if n_tokens > c["max_plan_tokens"]:
-            c["max_plan_tokens"] = n_tokens
-        copies = len(plan.copies)
-        if copies:
-            c["pages_copied"] += copies
-        c["sampled_tokens"] += len(plan.logits_indices)
-        if held > c["peak_held_pages"]:
-            c["peak_held_pages"] = held
-        # the running set
         ids = plan.request_ids
         key = ids.tobytes()
         fin, pre, new = (plan.finished_request_ids, plan.preempted_request_ids,
                          plan.new_request_ids)
-        if key != self._key or len(fin) or len(pre) or len(new):
-            self._events(plan, key, fin, pre, new, live)
-        seqs = plan.seq_lens
-        at = self._at
-        end = at + len(seqs)
-        if end > len(self._buf) or len(self._kept_ends) >= self.SETTLE_EVERY:
-            self.settle()
-            at = self._at
-            end = at + len(seqs)
-            if end > len(self._buf):
-                grown = np.zeros(2 * end, dtype=np.int64)
-                grown[:at] = self._buf[:at]
-                self._buf = grown
-        self._buf[at:end] = seqs
-        self._last_at, self._at = at, end
-        self._kept_ends.append(end)
-        self._kept_off.append(self._off_pages)
-        self._kept_held.append(held)
-        firsts = self._firsts(plan, step) if self._awaiting_first else []
-        # the timeline row
+        n_tokens = len(plan.input_ids)
+        prefill = int(plan.num_prefill_tokens)
+        if (key == self._key and not prefill and n_tokens == len(self._seqs)
+                and not (len(fin) or len(pre) or len(new))):
+            # a decode step of the last plan's sequences: one token each
+            k = self._crossing
+            self._pages += self._by_phase[k]
+            self._crossing = k - 1 if k else self.page_tokens - 1
+            self._decodes += 1
+            self.context += n_tokens  # type: ignore[operator]
+            c["decode_tokens"] += n_tokens
+        else:
+            if key != self._key or len(fin) or len(pre) or len(new):
+                self._events(plan, key, fin, pre, new, live, running)
+            self._read_lens(plan.seq_lens)
+            decode = int(plan.num_decode_tokens)
+            c["prefill_tokens"] += prefill
+            c["decode_tokens"] += decode
+            if prefill and decode:
+                c["mixed_steps"] += 1
+        copies = len(plan.copies)
+        if copies:
+            c["pages_copied"] += copies
+        c["scheduled_tokens"] += n_tokens
+        if n_tokens > c["max_plan_tokens"]:
+            c["max_plan_tokens"] = n_tokens
+        c["sampled_tokens"] += len(plan.logits_indices)
+        if held > c["peak_held_pages"]:
+            c["peak_held_pages"] = held
+        unshared = self._pages + self._off_pages
+        if unshared > c["peak_unshared_pages"]:  # the first step with the most
+            c["peak_unshared_pages"] = unshared
+            c["pages_saved_at_peak"] = unshared - held
+        # a request's first token is sampled by the row of its prompt's last token
+        return self._firsts(plan, step) if prefill and self._awaiting_first else []
+
+    def row(self, step: int, now: float, s, f, backlog: int) -> None:
+        """The timeline row of step ``step`` (at ``now`` on the serving clock; scheduler ``s``
+        over facade ``f``, read after the step's update; ``backlog``: requests due that wait
+        in the engine), and the peaks of pages used, running and waiting requests."""
+        if self.forking:
+            self._sample(s, f, step, now, backlog)
+            return
         stats = f.cache_stats()
         used = self.num_pages - int(f.free_pages)
         running = int(s.num_running)
@@ -165,22 +173,57 @@ class Books:
         rows[4](used)
         rows[5](int(stats.reclaimable_pages))
         rows[6](stats.hit_tokens / lookups if lookups else 0.0)
+        c = self._c
         if used > c["peak_pages"]:
             c["peak_pages"] = used
         if running > c["peak_running"]:
             c["peak_running"] = running
         if waiting > c["peak_waiting"]:
             c["peak_waiting"] = waiting
-        return firsts
 
-    def _events(self, plan, key: bytes, fin, pre, new, live: Dict[int, Any]) -> None:
+    def _read_lens(self, seq_lens) -> None:
+        """Without forks: read a plan's ``seq_lens`` (see the module docstring)."""
+        pt = self.page_tokens
+        seqs = seq_lens.astype(np.int64)
+        pages, phase = np.divmod(seqs + (pt - 1), pt)  # phase: (seq_len - 1) % pt
+        self._seqs, self._decodes = seqs, 0
+        self._pages = int(pages.sum())
+        self.context = int(seqs.sum())
+        # a sequence of phase r crosses a page boundary at the (pt - r)-th decode step from
+        # here, and every pt-th one after
+        self._by_phase = np.bincount(phase, minlength=pt).tolist()
+        self._crossing = pt - 1
+
+    def _events(self, plan, key: bytes, fin, pre, new, live: Dict[int, Any],
+                running: int) -> None:
         """Without forks: a plan whose events (finished, preempted, admitted) or running set
-        differ from the plan before it."""
+        differ from the plan before it (``running``: sequences running right after its
+        schedule)."""
+        c = self._c
+        left, admitted = self._left, self._admitted
+        ids = plan.request_ids
+        if len(pre) or self._off or len(ids) != running:
+            self._running_set(plan, key, fin, pre, new, live)
+            return
+        # every running sequence is in the plan, and none was in a plan before but this one's
+        # admissions
+        for rid in fin.tolist():  # stopped since the last plan
+            left.pop(rid, None)
+            admitted.pop(rid, None)
+        if len(new):
+            self._admit(plan, new.tolist(), ids, live)
+        if len(ids) > c["max_plan_seqs"]:
+            c["max_plan_seqs"] = len(ids)
+        self._key, self._key_dtype = key, ids.dtype
+
+    def _running_set(self, plan, key: bytes, fin, pre, new, live: Dict[int, Any]) -> None:
+        """:meth:`_events` of a plan after a preemption, or with a running sequence left out
+        of it or of the plan before: the running set, sequence by sequence."""
         c = self._c
         left, admitted = self._left, self._admitted
         # the running set before the plan
         prev = np.frombuffer(self._key, dtype=self._key_dtype).tolist() if self._key else []
-        seq_of = dict(zip(prev, self._buf[self._last_at:self._at].tolist()))
+        seq_of = dict(zip(prev, (self._seqs + self._decodes).tolist()))
         if self._off:
             seq_of.update(self._off)
         for rid in fin.tolist():  # stopped since the last plan
@@ -196,7 +239,7 @@ class Books:
                     left[rid] = seq
         ids = plan.request_ids.tolist()
         if len(new):
-            self._admit(plan, new.tolist(), ids, live)
+            self._admit(plan, new.tolist(), plan.request_ids, live)
         if len(ids) > c["max_plan_seqs"]:
             c["max_plan_seqs"] = len(ids)
         planned = set(ids)
@@ -212,16 +255,16 @@ class Books:
             self._off_pages = sum(-(-seq // pt) for seq in self._off.values())
         self._key, self._key_dtype = key, plan.request_ids.dtype
 
-    def _admit(self, plan, new: List[int], ids: List[int], live: Dict[int, Any]) -> None:
+    def _admit(self, plan, new: List[int], ids, live: Dict[int, Any]) -> None:
         """The admissions of a plan (``new``, its ``new_request_ids``; ``ids``, its
-        ``request_ids``): hits, cached tokens, the recompute of a resumed request."""
+        ``request_ids`` array): hits, cached tokens, the recompute of a resumed request."""
         c = self._c
         left, admitted = self._left, self._admitted
         n, k = len(ids), len(new)
-        if ids[n - k:] == new:  # admissions come last in a plan
+        if ids[n - k:].tolist() == new:  # admissions come last in a plan
             at: Any = range(n - k, n)
         else:  # pragma: no cover - a scheduler that orders them otherwise
-            index = {rid: i for i, rid in enumerate(ids)}
+            index = {rid: i for i, rid in enumerate(ids.tolist())}
             at = [index[rid] for rid in new]
         qsl, positions = plan.query_start_loc, plan.positions
         for rid, i in zip(new, at):
@@ -248,35 +291,6 @@ class Books:
             got.first_step = step
             firsts.append(got)
         return firsts
-
-    def settle(self) -> None:
-        """Bring the page peaks up to date with the steps booked since the last call: each
-        step's pages without sharing (the pages of its plan's sequences, ``ceil(seq_len /
-        page_tokens)`` each, plus those of the running sequences it left out), the most of
-        them, and the pages sharing saved at the first step with that most."""
-        ends = self._kept_ends
-        if not ends:
-            return
-        pt, base = self.page_tokens, self._kept_from
-        pages = (self._buf[base:self._at] + (pt - 1)) // pt
-        total = np.zeros(len(pages) + 1, dtype=np.int64)
-        np.cumsum(pages, out=total[1:])
-        stop = np.asarray(ends, dtype=np.int64) - base
-        start = np.zeros(len(stop), dtype=np.int64)
-        start[1:] = stop[:-1]
-        unshared = total[stop] - total[start] + np.asarray(self._kept_off, dtype=np.int64)
-        at = int(np.argmax(unshared))  # the first step with the most
-        top = int(unshared[at])
-        c = self._c
-        if top > c["peak_unshared_pages"]:
-            c["peak_unshared_pages"] = top
-            c["pages_saved_at_peak"] = top - int(self._kept_held[at])
-        # the last plan's seq_lens stay, at the front, for the next plan's events
-        m = self._at - self._last_at
-        self._buf[:m] = self._buf[self._last_at:self._at].copy()
-        self._kept_from = self._at = m
-        self._last_at = 0
-        self._kept_ends, self._kept_off, self._kept_held = [], [], []
 
     def _record_each(self, plan, held: int, running: int, live: Dict[int, Any],
                      step: int) -> List[Any]:

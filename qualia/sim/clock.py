@@ -618,6 +618,7 @@ class ModeledClock:
         self._attention_per_pair = 4.0 * m.layers * m.heads * m.head_dim
         self._kv_bytes = float(m.kv_bytes_per_token)
         self._flops, self._bandwidth = a.flops, a.bandwidth
+        self._overhead_s = a.step_overhead_s
         self._ones: Dict[int, bytes] = {}  # n -> the bytes of query_start_loc [0, 1, ..., n]
 
     def __repr__(self) -> str:
@@ -689,17 +690,26 @@ class ModeledClock:
         if context < n:
             raise ValueError(f"context_tokens ({context}) must be at least the step's tokens "
                              f"({n}): every computed token is in its context")
-        # cost() of StepWork(n sequences, n tokens, context, context pairs, rows, copies)
+        copied = len(plan.copies)
+        return self.decode_seconds(n, context, len(plan.logits_indices), copied,
+                                   int(getattr(plan, "page_tokens", 16)) if copied else 16)
+
+    def decode_seconds(self, seqs: int, context: int, rows: int, copied: int = 0,
+                       page_tokens: int = 16) -> float:
+        """The modeled time of a decode step: ``seqs`` sequences computing one token each,
+        ``context`` the sum of their ``seq_lens`` (at least ``seqs``; not checked), ``rows``
+        sampled rows and ``copied`` copy-on-write copies of ``page_tokens``-token pages.  The
+        seconds :meth:`plan_seconds` gives such a plan, bit for bit, in O(1): a caller that
+        keeps the context sum from step to step costs a decode step without its arrays."""
+        # cost() of StepWork(seqs sequences, seqs tokens, context, context pairs, rows, copies)
         flops, bw = self._flops, self._bandwidth
-        rows, copied = len(plan.logits_indices), len(plan.copies)
-        seconds = (self.profile.accelerator.step_overhead_s
-                   + max((self._linear_per_token * n + self._head_per_row * rows) / flops,
+        seconds = (self._overhead_s
+                   + max((self._linear_per_token * seqs + self._head_per_row * rows) / flops,
                          self._weights_s)
                    + max(self._attention_per_pair * context / flops,
-                         self._kv_bytes * (context + n) / bw))
+                         self._kv_bytes * (context + seqs) / bw))
         if copied:
-            pt = int(getattr(plan, "page_tokens", 16))
-            seconds += 2.0 * copied * pt * self.profile.model.kv_bytes_per_token / bw
+            seconds += 2.0 * copied * page_tokens * self.profile.model.kv_bytes_per_token / bw
         return seconds
 
 

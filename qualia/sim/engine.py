@@ -43,7 +43,7 @@ from ..errors import StepError
 from .adapters import is_model, step_backend
 from .books import Books, TokenTimes
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
-from .clock import serving_clock
+from .clock import ModeledClock, serving_clock
 from .config import EngineConfig, make_step_scheduler
 from .figures import RequestRecord, serving_figures
 from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
@@ -208,10 +208,18 @@ class Engine:
         self.books = Books(config.num_pages, config.page_tokens, config.n,
                            forking=config.forking)
         self.counters, self.timeline = self.books.counters, self.books.timeline
+        # the modeled clock's O(1) cost of a decode step, from the sum of its seq_lens the
+        # books keep (without forks: Books.context)
+        self._decode_seconds = (self.clock.decode_seconds
+                                if isinstance(self.clock, ModeledClock)
+                                and type(self.clock).step_time is ModeledClock.step_time
+                                else None)
         self._c = self.books.counters.__dict__  # written in place (see Books)
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
         self._arrivals = Arrivals()  # not yet due
+        # the step and the serving time from which an arrival is due (Arrivals.horizon)
+        self._due_step, self._due_t = self._arrivals.horizon()
         self._backlog: Deque[_Live] = collections.deque()  # due, waiting for queue room
         self._completions: Dict[int, int] = {}
         self.outputs: Dict[int, List[int]] = {}
@@ -223,6 +231,9 @@ class Engine:
         # per step with work: seconds in the scheduler calls and in the backend
         self.step_sched_s: List[float] = []
         self.step_backend_s: List[float] = []
+        self._sched_append, self._backend_append = (self.step_sched_s.append,
+                                                    self.step_backend_s.append)
+        self._num_pages, self._page_tokens = config.num_pages, config.page_tokens
         #: the serving clock's seconds of the steps with work (idle gaps are not steps)
         self.busy_s = 0.0
         #: sequence-seconds: each step's time times the sequences it computed
@@ -234,7 +245,9 @@ class Engine:
         # steps logged when they completed)
         self._unrecorded: List[tuple] = []
         self._records: Dict[int, RequestRecord] = {}
-        self._backend_charged = 0  # steps whose backend time the TimedBackend was told
+        # steps whose scheduler and backend times the stopwatch's rows and the TimedBackend
+        # were charged (_settle)
+        self._charged = 0
         self.last_check: Optional[CheckResult] = None
         if self._owns_stopwatch:
             self.stopwatch.stop()  # an engine-owned stopwatch counts only inside engine methods
@@ -406,6 +419,7 @@ class Engine:
         live = _Live(request)
         self._live[rid] = live
         self._arrivals.push(request, live)
+        self._due_step, self._due_t = self._arrivals.horizon()
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -421,8 +435,9 @@ class Engine:
         token = self.stopwatch.enter(ENGINE)
         self._progress = progress
         try:
-            while self.pending:
-                self._step()
+            live, step = self._live, self._step
+            while live:
+                step()
             self.verify_end_state()
         finally:
             self._settle()
@@ -454,6 +469,7 @@ class Engine:
             r = live.req
             live.arrival_t = self.now if r.arrival_s is None else float(r.arrival_s)
             backlog.append(live)
+        self._due_step, self._due_t = self._arrivals.horizon()
         s = self.scheduler
         room = self.config.queue_limit - s.num_waiting - s.num_running
         group, eos = self.config.group_keywords(), self.config.eos_token_id
@@ -483,15 +499,15 @@ class Engine:
 
     def _step(self) -> None:
         t0 = _now()
-        if self._backlog or self._arrivals.has_due(self.step_no, self.now):
+        if self._backlog or self.step_no >= self._due_step or self.now >= self._due_t:
             self._take_arrivals()
         s = self.scheduler
         if not s.has_unfinished():
             if self._arrivals:
                 self._skip_idle()
             return
-        # the scheduler's and the backend's calls, timed here and charged to their rows of the
-        # stopwatch (which runs in the engine row) once the update is done
+        # the scheduler's and the backend's calls, timed here; the stopwatch's rows are charged
+        # with them when the engine settles its books (_settle)
         f = self.facade
         backend = self.backend
         execute = backend.execute_step
@@ -501,7 +517,7 @@ class Engine:
         ta = _now()
         try:
             plan = s.schedule()
-            held = self.config.num_pages - int(f.free_pages)  # the step's pages are held
+            held = self._num_pages - int(f.free_pages)  # the step's pages are held
             running = int(s.num_running)
             tb = _now()
             try:
@@ -518,7 +534,7 @@ class Engine:
             else:
                 finished = s.update(sampled)
             drained = f.drain_events(self._events_free) if self._drains else 0
-        finally:
+        except BaseException:
             td = _now()
             if tb is None:
                 sched, waited = td - ta, 0.0
@@ -530,28 +546,36 @@ class Engine:
             secs[SCHEDULER] += sched
             secs[BACKEND] += waited
             secs[ENGINE] -= sched + waited
+            raise
+        td = _now()
+        self._sched_append((tb - ta) + (td - tc))
+        self._backend_append(tc - tb)
         if drained:
             self._drained(drained)
-        self.step_sched_s.append(sched)
-        self.step_backend_s.append(waited)
+        books = self.books
+        step = self.step_no
+        firsts = books.book(plan, held, running, self._live, step, s)
         seqs = len(plan.request_ids)
-        dt = float(self.clock.step_time(plan, _now() - t0))
+        decode_seconds, context = self._decode_seconds, books.context
+        if decode_seconds is not None and context is not None and seqs \
+                and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
+            dt = decode_seconds(seqs, context, len(plan.logits_indices), len(plan.copies),
+                                self._page_tokens)
+        else:
+            dt = float(self.clock.step_time(plan, _now() - t0))
         self.busy_s += dt
         self.sequence_s += dt * seqs
         self.now = now = self.now + dt
-        step = self.step_no
-        firsts = self.books.book(plan, held, running, self._live, step, now, s, f,
-                                 len(self._backlog))
-        if seqs:
-            self._empty_plans = 0
-        else:
+        books.row(step, now, s, f, len(self._backlog))
+        if not seqs:
             self._check_progress(plan)
+        elif self._empty_plans:
+            self._empty_plans = 0
         for lv in firsts:
             lv.first_t = now
         if self._logs_tokens:  # every sampled token is delivered at the step's end
             self._token_times.log(plan.sampled_request_ids, now)
         self.step_no = step + 1
-        self._c["steps"] += 1
         for fin in finished:
             self._complete(fin)
 
@@ -562,16 +586,24 @@ class Engine:
     EVENT_BUFFER = 4096
 
     def _settle(self) -> None:
-        """Bring the figures kept for many steps at once up to date: the books' page peaks,
-        the KV events' counts, the backend's time on its wrapper."""
-        self.books.settle()
+        """Bring the figures kept for many steps at once up to date: the steps counted, the KV
+        events' counts, the scheduler's and the backend's times on the stopwatch's rows and
+        the backend's on its wrapper."""
         self._count_events()
-        times = self.step_backend_s
-        charge = getattr(self.backend, "charge", None)
-        if len(times) > self._backend_charged and callable(charge):
-            charge("execute_step", sum(times[self._backend_charged:]),
-                   len(times) - self._backend_charged)
-            self._backend_charged = len(times)
+        done = len(self.step_sched_s)
+        self._c["steps"] = done
+        at = self._charged
+        if done > at:
+            sched = sum(self.step_sched_s[at:])
+            waited = sum(self.step_backend_s[at:])
+            secs = self.stopwatch.seconds
+            secs[SCHEDULER] += sched
+            secs[BACKEND] += waited
+            secs[ENGINE] -= sched + waited
+            charge = getattr(self.backend, "charge", None)
+            if callable(charge):
+                charge("execute_step", waited, done - at)
+            self._charged = done
 
     def _check_progress(self, plan) -> None:
         if len(plan.request_ids):
