@@ -29,7 +29,7 @@ sequence.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -42,8 +42,10 @@ class Books:
     """The books of one engine whose pool has ``num_pages`` pages of ``page_tokens`` tokens;
     ``n``: the size of its ``n`` groups (1: none); ``forking``: its requests are groups (``n >
     1`` or beam search; default: ``n > 1``).  A step is booked in two calls: :meth:`book`
-    (the plan, once it is computed and updated) and :meth:`row` (the timeline row, at the
-    serving time the step ends); every figure is up to date after each."""
+    (the plan, once it is computed and updated) and :meth:`row` (its timeline row, at the
+    serving time the step ends).  The token counters and the peaks of pages used, running
+    and waiting requests are up to date once :meth:`settle` has run; every other figure after
+    each step."""
 
     def __init__(self, num_pages: int, page_tokens: int, n: int = 1, *,
                  forking: Optional[bool] = None) -> None:
@@ -59,6 +61,7 @@ class Books:
         tl = self.timeline
         self._rows = (tl.step.append, tl.t.append, tl.running.append, tl.waiting.append,
                       tl.pages_used.append, tl.pages_cached.append, tl.hit_rate.append)
+        self._settled = 0  # timeline rows whose peaks are counted
         self._seq_of: Dict[int, int] = {}  # with forks: every running sequence's length
         self._unshared = 0  # with forks: sum of ceil(seq_len / page_tokens) over self._seq_of
         self._left: Dict[int, int] = {}
@@ -76,8 +79,10 @@ class Books:
         # with their lengths and pages.
         self._key: Optional[bytes] = None
         self._key_dtype: Any = np.dtype(np.uint64)
-        self._seqs = np.zeros(0, dtype=np.int64)
+        self._seqs: Any = []  # a list, or an int64 array for a long plan
+        self._n = 0  # sequences in the last plan
         self._decodes = 0
+        self._decoded = 0  # tokens of those decode steps since settle()
         self._pages = 0
         self._by_phase: List[int] = [0] * self.page_tokens
         self._crossing = self.page_tokens - 1
@@ -101,7 +106,7 @@ class Books:
         c.beams_parked = parked
 
     def book(self, plan, held: int, running: int, live: Dict[int, Any], step: int,
-             s: Any = None) -> List[Any]:
+             s: Any = None) -> Sequence[Any]:
         """The books of step ``step``, its plan ``plan`` computed and updated (``held``: pages
         requests held right after the schedule, ``running``: sequences running then;
         ``live``: the engine's record of each request not yet completed, by id; ``s``: the
@@ -112,31 +117,40 @@ class Books:
             firsts = self._record_each(plan, held, running, live, step)
             self.count_forks(s)
             return firsts
-        c = self._c
         ids = plan.request_ids
         key = ids.tobytes()
         fin, pre, new = (plan.finished_request_ids, plan.preempted_request_ids,
                          plan.new_request_ids)
         n_tokens = len(plan.input_ids)
-        prefill = int(plan.num_prefill_tokens)
-        if (key == self._key and not prefill and n_tokens == len(self._seqs)
+        prefill = plan.num_prefill_tokens
+        c = self._c
+        if held > c["peak_held_pages"]:
+            c["peak_held_pages"] = held
+        if (key == self._key and not prefill and n_tokens == self._n
                 and not (len(fin) or len(pre) or len(new))):
-            # a decode step of the last plan's sequences: one token each
+            # a decode step of the last plan's sequences: one token each, each sampled (no
+            # copy: copies come from forks)
             k = self._crossing
-            self._pages += self._by_phase[k]
+            cross = self._by_phase[k]
             self._crossing = k - 1 if k else self.page_tokens - 1
             self._decodes += 1
             self.context += n_tokens  # type: ignore[operator]
-            c["decode_tokens"] += n_tokens
-        else:
-            if key != self._key or len(fin) or len(pre) or len(new):
-                self._events(plan, key, fin, pre, new, live, running)
-            self._read_lens(plan.seq_lens)
-            decode = int(plan.num_decode_tokens)
-            c["prefill_tokens"] += prefill
-            c["decode_tokens"] += decode
-            if prefill and decode:
-                c["mixed_steps"] += 1
+            self._decoded += n_tokens
+            if cross:
+                self._pages = pages = self._pages + cross
+                unshared = pages + self._off_pages
+                if unshared > c["peak_unshared_pages"]:  # the first step with the most
+                    c["peak_unshared_pages"] = unshared
+                    c["pages_saved_at_peak"] = unshared - held
+            return ()
+        if key != self._key or len(fin) or len(pre) or len(new):
+            self._events(plan, key, fin, pre, new, live, running)
+        self._read_lens(plan.seq_lens)
+        prefill, decode = int(prefill), int(plan.num_decode_tokens)
+        c["prefill_tokens"] += prefill
+        c["decode_tokens"] += decode
+        if prefill and decode:
+            c["mixed_steps"] += 1
         copies = len(plan.copies)
         if copies:
             c["pages_copied"] += copies
@@ -144,55 +158,72 @@ class Books:
         if n_tokens > c["max_plan_tokens"]:
             c["max_plan_tokens"] = n_tokens
         c["sampled_tokens"] += len(plan.logits_indices)
-        if held > c["peak_held_pages"]:
-            c["peak_held_pages"] = held
         unshared = self._pages + self._off_pages
         if unshared > c["peak_unshared_pages"]:  # the first step with the most
             c["peak_unshared_pages"] = unshared
             c["pages_saved_at_peak"] = unshared - held
         # a request's first token is sampled by the row of its prompt's last token
-        return self._firsts(plan, step) if prefill and self._awaiting_first else []
+        return self._firsts(plan, step) if prefill and self._awaiting_first else ()
 
     def row(self, step: int, now: float, s, f, backlog: int) -> None:
-        """The timeline row of step ``step`` (at ``now`` on the serving clock; scheduler ``s``
-        over facade ``f``, read after the step's update; ``backlog``: requests due that wait
-        in the engine), and the peaks of pages used, running and waiting requests."""
-        if self.forking:
-            self._sample(s, f, step, now, backlog)
-            return
+        """The timeline row of step ``step``, at ``now`` on the serving clock: the reads of
+        scheduler ``s`` over facade ``f`` after the step's update (running and waiting
+        requests, pages used and only cached, the prefix cache's hit rate so far), with
+        ``backlog`` requests due that wait in the engine."""
         stats = f.cache_stats()
-        used = self.num_pages - int(f.free_pages)
-        running = int(s.num_running)
-        waiting = int(s.num_waiting) + backlog
         lookups = stats.lookup_tokens
         rows = self._rows
         rows[0](step)
         rows[1](now)
-        rows[2](running)
-        rows[3](waiting)
-        rows[4](used)
-        rows[5](int(stats.reclaimable_pages))
+        rows[2](s.num_running)
+        rows[3](s.num_waiting + backlog)
+        rows[4](self.num_pages - f.free_pages)
+        rows[5](stats.reclaimable_pages)
         rows[6](stats.hit_tokens / lookups if lookups else 0.0)
+
+    def settle(self) -> None:
+        """Bring the figures kept for many steps at once up to date: the tokens of the decode
+        steps of the last plan's sequences (decoded, scheduled and sampled), and the peaks of
+        pages used, running and waiting requests of the timeline rows added since the last
+        call."""
+        decoded, self._decoded = self._decoded, 0
+        if decoded:
+            c = self._c
+            c["decode_tokens"] += decoded
+            c["scheduled_tokens"] += decoded
+            c["sampled_tokens"] += decoded
+        tl = self.timeline
+        at, self._settled = self._settled, len(tl.step)
+        if at == self._settled:
+            return
         c = self._c
-        if used > c["peak_pages"]:
-            c["peak_pages"] = used
-        if running > c["peak_running"]:
-            c["peak_running"] = running
-        if waiting > c["peak_waiting"]:
-            c["peak_waiting"] = waiting
+        c["peak_pages"] = max(c["peak_pages"], int(max(tl.pages_used[at:])))
+        c["peak_running"] = max(c["peak_running"], int(max(tl.running[at:])))
+        c["peak_waiting"] = max(c["peak_waiting"], int(max(tl.waiting[at:])))
 
     def _read_lens(self, seq_lens) -> None:
         """Without forks: read a plan's ``seq_lens`` (see the module docstring)."""
         pt = self.page_tokens
-        seqs = seq_lens.astype(np.int64)
-        pages, phase = np.divmod(seqs + (pt - 1), pt)  # phase: (seq_len - 1) % pt
-        self._seqs, self._decodes = seqs, 0
-        self._pages = int(pages.sum())
-        self.context = int(seqs.sum())
-        # a sequence of phase r crosses a page boundary at the (pt - r)-th decode step from
-        # here, and every pt-th one after
-        self._by_phase = np.bincount(phase, minlength=pt).tolist()
-        self._crossing = pt - 1
+        n = len(seq_lens)
+        # a sequence of phase (seq_len - 1) % pt crosses a page boundary at the (pt -
+        # phase)-th decode step from here, and every pt-th one after
+        if n < 64:  # a short plan: Python ints beat numpy's per-call cost
+            seqs = seq_lens.tolist()
+            by_phase = [0] * pt
+            pages, up = 0, pt - 1
+            for seq in seqs:
+                seq += up
+                pages += seq // pt
+                by_phase[seq % pt] += 1
+            self.context = sum(seqs)
+        else:
+            seqs = seq_lens.astype(np.int64)
+            page_of, phase = np.divmod(seqs + (pt - 1), pt)
+            pages = int(page_of.sum())
+            self.context = int(seqs.sum())
+            by_phase = np.bincount(phase, minlength=pt).tolist()
+        self._seqs, self._n, self._decodes = seqs, n, 0
+        self._pages, self._by_phase, self._crossing = pages, by_phase, pt - 1
 
     def _events(self, plan, key: bytes, fin, pre, new, live: Dict[int, Any],
                 running: int) -> None:
@@ -223,7 +254,9 @@ class Books:
         left, admitted = self._left, self._admitted
         # the running set before the plan
         prev = np.frombuffer(self._key, dtype=self._key_dtype).tolist() if self._key else []
-        seq_of = dict(zip(prev, (self._seqs + self._decodes).tolist()))
+        lens = self._seqs if isinstance(self._seqs, list) else self._seqs.tolist()
+        d = self._decodes
+        seq_of = dict(zip(prev, [seq + d for seq in lens] if d else lens))
         if self._off:
             seq_of.update(self._off)
         for rid in fin.tolist():  # stopped since the last plan
@@ -391,21 +424,6 @@ class Books:
         c.sampled_tokens += len(plan.logits_indices)
         return firsts
 
-    def _sample(self, s, f, step: int, now: float, backlog: int) -> None:
-        """With forks: the timeline row of step ``step`` (see :meth:`book`)."""
-        tl = self.timeline
-        stats = f.cache_stats()
-        used = self.num_pages - int(f.free_pages)
-        tl.append(step=step, t=now, running=int(s.num_running),
-                  waiting=int(s.num_waiting) + backlog, pages_used=used,
-                  pages_cached=int(stats.reclaimable_pages),
-                  hit_rate=(stats.hit_tokens / stats.lookup_tokens
-                            if stats.lookup_tokens else 0.0))
-        c = self.counters
-        c.peak_pages = max(c.peak_pages, used)
-        c.peak_running = max(c.peak_running, int(s.num_running))
-        c.peak_waiting = max(c.peak_waiting, int(s.num_waiting) + backlog)
-
 
 class TokenTimes:
     """When each sampled token was delivered: at the end of the step that sampled it.
@@ -413,9 +431,11 @@ class TokenTimes:
     :meth:`log` takes each step's ``sampled_request_ids`` and the serving time at its end; a
     step that samples the same ids as the step before it (the common case: the same sequences
     decoding) costs a comparison of bytes, for the log keeps *runs*, stretches of steps
-    sampling one set of ids.  :meth:`take` gives the times of the tokens sampled under some
-    ids before a given step, in time order: a completed request's, or its members' (each id
-    taken once, after the last step that sampled it, with steps given in completion order)."""
+    sampling one set of ids.  :meth:`take_all` gives, for each of many requests at once, the
+    times of the tokens sampled under its ids before a given step, in time order: a completed
+    request's, or its members' (each id taken once, after the last step that sampled it).  It
+    works on every id of the runs logged since its last call with numpy: their ids sorted,
+    each request's runs found by binary search, its token times gathered in one indexing."""
 
     def __init__(self) -> None:
         self._t: List[float] = []  # the serving time at the end of each step logged
@@ -425,9 +445,10 @@ class TokenTimes:
         self._dtype: Any = np.dtype(np.uint64)
         self._keys: List[bytes] = []  # each run's sampled ids...
         self._starts: List[int] = []  # ...and its first step
-        self._runs_of: Dict[int, List[int]] = {}  # id -> its runs, from _expanded runs
-        self._expanded = 0
-        self._floor: Dict[int, int] = {}  # id -> its first step not taken (0 if absent)
+        # every (id, run) of the first _indexed runs whose id was not taken, by id then run
+        self._indexed = 0
+        self._ids = np.zeros(0, dtype=np.uint64)
+        self._runs = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         """Steps logged."""
@@ -442,17 +463,20 @@ class TokenTimes:
             self._starts.append(len(self._t))
         self._t.append(now)
 
-    def _expand(self) -> None:
-        """Index the runs logged since the last call by the ids they sampled."""
-        runs_of, keys = self._runs_of, self._keys
-        for j in range(self._expanded, len(keys)):
-            for rid in np.frombuffer(keys[j], dtype=self._dtype).tolist():
-                got = runs_of.get(rid)
-                if got is None:
-                    runs_of[rid] = [j]
-                else:
-                    got.append(j)
-        self._expanded = len(keys)
+    def _index(self) -> None:
+        """Add the (id, run) pairs of the runs logged since the last call, and the times of
+        the steps logged since, to the arrays :meth:`take_all` searches."""
+        keys, a = self._keys, self._indexed
+        if len(keys) > a:
+            size = self._dtype.itemsize
+            ids = np.frombuffer(b"".join(keys[a:]), dtype=self._dtype).astype(np.uint64)
+            runs = np.repeat(np.arange(a, len(keys), dtype=np.int64),
+                             [len(k) // size for k in keys[a:]])
+            ids = np.concatenate([self._ids, ids])
+            runs = np.concatenate([self._runs, runs])
+            order = np.argsort(ids, kind="stable")  # the runs of an id stay in order
+            self._ids, self._runs = ids[order], runs[order]
+            self._indexed = len(keys)
         n = len(self._t)
         if n > self._in_array:
             if n > len(self._array):
@@ -462,51 +486,50 @@ class TokenTimes:
             self._array[self._in_array:n] = self._t[self._in_array:n]
             self._in_array = n
 
-    def take(self, ids: List[int], before: int) -> np.ndarray:
-        """The times (float64, in order) of the tokens sampled under ``ids`` in the steps
-        before step ``before`` (a count of steps logged; see the class docstring)."""
-        self._expand()
-        starts, floor, runs_of = self._starts, self._floor, self._runs_of
-        last = len(starts) - 1
-        spans = []
-        for rid in ids:
-            runs = runs_of.get(rid)
-            if not runs:
-                continue
-            low = floor.pop(rid, 0)
-            a = b = -1
-            k = 0
-            for j in runs:
-                s = starts[j]
-                if s >= before:
-                    break
-                e = starts[j + 1] if j < last else len(self._t)
-                s, e = max(s, low), min(e, before)
-                if s < e:
-                    if s == b:
-                        b = e
-                    else:
-                        if b > a:
-                            spans.append((a, b))
-                        a, b = s, e
-                k += 1
-            if b > a:
-                spans.append((a, b))
-            rest = runs[k:]
-            if k:  # the last run taken may go on past `before`: the rest of it is not taken
-                j = runs[k - 1]
-                if (starts[j + 1] if j < last else len(self._t)) > before:
-                    rest.insert(0, j)
-                    floor[rid] = before
-            if rest:
-                runs_of[rid] = rest
+    def take_all(self, requests: Sequence[Tuple[Sequence[int], int]]) -> List[np.ndarray]:
+        """For each ``(ids, before)`` of ``requests``: the times (float64, in order) of the
+        tokens sampled under ``ids`` in the steps before step ``before`` (a count of steps
+        logged; see the class docstring)."""
+        self._index()
+        member = [rid for ids, _ in requests for rid in ids]
+        if not member:
+            return [np.zeros(0) for _ in requests]
+        q = np.array(member, dtype=np.uint64)
+        before = np.repeat(np.array([b for _, b in requests], dtype=np.int64),
+                           [len(ids) for ids, _ in requests])
+        # each id's (id, run) pairs: a stretch of the sorted pairs
+        lo = np.searchsorted(self._ids, q, "left")
+        count = np.searchsorted(self._ids, q, "right") - lo
+        total = int(count.sum())
+        first = np.cumsum(count) - count
+        pair = np.repeat(lo - first, count) + np.arange(total)
+        of = np.repeat(np.arange(len(q)), count)  # the id (of q) of each pair
+        runs = self._runs[pair]
+        # each pair's steps: its run's, up to the id's `before`
+        bounds = np.array(self._starts + [len(self._t)], dtype=np.int64)
+        start = bounds[runs]
+        length = np.maximum(np.minimum(bounds[runs + 1], before[of]) - start, 0)
+        tokens = np.bincount(of, weights=length, minlength=len(q)).astype(np.int64)
+        n = int(length.sum())
+        step = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(n)
+        times = self._array[step]
+        # the taken ids' pairs are dropped
+        keep = np.ones(len(self._ids), dtype=bool)
+        keep[pair] = False
+        self._ids, self._runs = self._ids[keep], self._runs[keep]
+        ends = np.cumsum(tokens).tolist()
+        out, k = [], 0
+        for ids, _ in requests:
+            if len(ids) == 1:
+                out.append(times[ends[k] - tokens[k]:ends[k]])
             else:
-                del runs_of[rid]
-        t = self._array
-        if len(spans) == 1:
-            a, b = spans[0]
-            return t[a:b]
-        got = np.concatenate([t[a:b] for a, b in spans]) if spans else np.zeros(0)
-        if len(ids) > 1:
-            got.sort(kind="stable")
-        return got
+                got = np.concatenate([times[ends[j] - tokens[j]:ends[j]]
+                                      for j in range(k, k + len(ids))]) if ids else np.zeros(0)
+                got.sort(kind="stable")
+                out.append(got)
+            k += len(ids)
+        return out
+
+    def take(self, ids: Sequence[int], before: int) -> np.ndarray:
+        """:meth:`take_all` of one request."""
+        return self.take_all([(ids, before)])[0]

@@ -43,7 +43,7 @@ from ..errors import StepError
 from .adapters import is_model, step_backend
 from .books import Books, TokenTimes
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
-from .clock import ModeledClock, serving_clock
+from .clock import FixedClock, ModeledClock, serving_clock
 from .config import EngineConfig, make_step_scheduler
 from .figures import RequestRecord, serving_figures
 from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
@@ -197,6 +197,8 @@ class Engine:
         self._events = np.zeros(self.EVENT_BUFFER, dtype=KV_EVENT)
         self._events_at = 0
         self._events_free = self._events[:]
+        # the free end of the buffer past each count of events, made once each
+        self._free_views: List[Any] = [None] * self.EVENT_BUFFER
         self.on_complete = on_complete
         self._progress: Optional[Callable[[str, int, int], None]] = None
         self._drains = self.caching == "auto"
@@ -208,9 +210,12 @@ class Engine:
         self.books = Books(config.num_pages, config.page_tokens, config.n,
                            forking=config.forking)
         self.counters, self.timeline = self.books.counters, self.books.timeline
+        # whether the clock reads a step's measured time (the known clocks that do not are
+        # handed 0.0)
+        self._measures = not isinstance(self.clock, (ModeledClock, FixedClock))
         # the modeled clock's O(1) cost of a decode step, from the sum of its seq_lens the
         # books keep (without forks: Books.context)
-        self._decode_seconds = (self.clock.decode_seconds
+        self._work_seconds = (self.clock.work_seconds
                                 if isinstance(self.clock, ModeledClock)
                                 and type(self.clock).step_time is ModeledClock.step_time
                                 else None)
@@ -498,7 +503,7 @@ class Engine:
         self.step_no, self.now = step, now
 
     def _step(self) -> None:
-        t0 = _now()
+        t0 = _now() if self._measures else 0.0
         if self._backlog or self.step_no >= self._due_step or self.now >= self._due_t:
             self._take_arrivals()
         s = self.scheduler
@@ -550,17 +555,26 @@ class Engine:
         td = _now()
         self._sched_append((tb - ta) + (td - tc))
         self._backend_append(tc - tb)
-        if drained:
-            self._drained(drained)
+        if drained:  # the next drain writes past these events (_drained)
+            at = self._events_at + drained
+            if at < self.EVENT_BUFFER:
+                self._events_at = at
+                free = self._free_views[at]
+                if free is None:
+                    free = self._free_views[at] = self._events[at:]
+                self._events_free = free
+            else:
+                self._drained(drained)
         books = self.books
         step = self.step_no
         firsts = books.book(plan, held, running, self._live, step, s)
         seqs = len(plan.request_ids)
-        decode_seconds, context = self._decode_seconds, books.context
-        if decode_seconds is not None and context is not None and seqs \
+        work_seconds, context = self._work_seconds, books.context
+        if work_seconds is not None and context is not None and seqs \
                 and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
-            dt = decode_seconds(seqs, context, len(plan.logits_indices), len(plan.copies),
-                                self._page_tokens)
+            # a decode step: one token per sequence, its attention pairs its context
+            dt = work_seconds(seqs, context, context, len(plan.logits_indices),
+                              len(plan.copies), self._page_tokens)
         else:
             dt = float(self.clock.step_time(plan, _now() - t0))
         self.busy_s += dt
@@ -586,9 +600,10 @@ class Engine:
     EVENT_BUFFER = 4096
 
     def _settle(self) -> None:
-        """Bring the figures kept for many steps at once up to date: the steps counted, the KV
-        events' counts, the scheduler's and the backend's times on the stopwatch's rows and
+        """Bring the figures kept for many steps at once up to date: the books' timeline and
+        peaks, the steps counted, the KV events' counts, the scheduler's and the backend's times on the stopwatch's rows and
         the backend's on its wrapper."""
+        self.books.settle()
         self._count_events()
         done = len(self.step_sched_s)
         self._c["steps"] = done
@@ -627,30 +642,35 @@ class Engine:
                 "n" if self.beam_width is None else "beam", outs, reasons,
                 [int(m) for m in fin.member_ids],
                 None if fin.scores is None else [float(x) for x in fin.scores])
+            lv.outputs = outs[0]
+            lv.longest = max(len(o) for o in outs)
+            generated = sum(len(o) for o in outs)
+            stopped = reasons.count("stop")
+            reason = reasons[0]
+            members = [int(m) for m in fin.member_ids]
         else:
-            outs = [np.asarray(fin.output_tokens).tolist()]
-            reasons = [str(fin.finish_reason)]
-        lv.outputs = outs[0]
-        lv.longest = max(len(o) for o in outs)
+            lv.outputs = np.asarray(fin.output_tokens).tolist()
+            lv.longest = generated = len(lv.outputs)
+            reason = str(fin.finish_reason)
+            stopped = reason == "stop"
+            outs, members = (lv.outputs,), [rid]
         lv.end_step, lv.end_t = self.step_no - 1, self.now
         if self.beam_width is not None:  # its longest hypothesis, without token times
             tokens = lv.longest
             self._records[rid] = RequestRecord(rid, lv.arrival_t, lv.first_t, lv.end_t,
                                                len(lv.req.prompt), tokens)
         else:  # made from the token log (_make_records)
-            tokens = sum(len(o) for o in outs)
-            members = [int(m) for m in fin.member_ids] if hasattr(fin, "member_ids") else [rid]
+            tokens = generated
             self._unrecorded.append((lv, members, tokens, len(self._token_times)))
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
-        self.finish_reasons[rid] = reasons[0]
+        self.finish_reasons[rid] = reason
         self.timeline.finish(lv, tokens)
         c["completed"] += 1
         c["sequences_completed"] += len(outs)
-        c["tokens_generated"] += sum(len(o) for o in outs)
-        stopped = reasons.count("stop")
+        c["tokens_generated"] += generated
         c["finished_stop"] += stopped
-        c["finished_length"] += len(reasons) - stopped
+        c["finished_length"] += len(outs) - stopped
         if self.on_complete is not None:
             self.on_complete(rid, lv.outputs)
         if self._next_turn is not None:
@@ -666,15 +686,21 @@ class Engine:
         if not todo:
             return
         self._unrecorded = []
-        take = self._token_times.take
-        for lv, members, tokens, before in todo:
-            times = take(members, before)
+        taken = self._token_times.take_all([(members, before)
+                                            for _, members, _, before in todo])
+        flat = np.concatenate(taken)  # the times as floats, in one conversion
+        flat.flags.writeable = False  # the records share it
+        floats = flat.tolist()
+        at = 0
+        for (lv, _, tokens, _), times in zip(todo, taken):
             rid = int(lv.req.request_id)
             if len(times) != tokens:
                 raise RuntimeError(f"request {rid}: {len(times)} tokens sampled for {tokens} "
                                    f"output tokens")
-            self._records[rid] = RequestRecord._from_engine(rid, lv.arrival_t,
-                                                         len(lv.req.prompt), times)
+            self._records[rid] = RequestRecord._from_engine(
+                rid, lv.arrival_t, len(lv.req.prompt), tuple(floats[at:at + tokens]),
+                flat[at:at + tokens])
+            at += tokens
 
     def _submit_next_turn(self, live: _Live) -> None:
         """Submit the next turn of ``live``'s conversation, if it has one and it fits."""

@@ -156,13 +156,14 @@ class RequestRecord:
 
     @classmethod
     def _from_engine(cls, request_id: int, arrival_s: float, input_tokens: int,
-                  token_times_s: np.ndarray) -> "RequestRecord":
+                     token_times_s: Tuple[float, ...], array: np.ndarray) -> "RequestRecord":
         """A record an engine made from its own books: ``request_id`` an ``int``,
         ``arrival_s`` a ``float`` at most the first token time, ``input_tokens`` an ``int``,
-        and the token times a non-empty float64 array read off its serving clock, which
-        never goes back.  They are taken as they are, without the checks of the
+        and the token times, non-empty, read off its serving clock, which never goes back:
+        a tuple of floats and the same as a float64 ``array``, which the record keeps for
+        :func:`serving_figures`.  They are taken as they are, without the checks of the
         constructor (one of them per token)."""
-        times = tuple(token_times_s.tolist())
+        times = token_times_s
         r = object.__new__(cls)
         put = object.__setattr__
         put(r, "request_id", request_id)
@@ -172,6 +173,7 @@ class RequestRecord:
         put(r, "input_tokens", input_tokens)
         put(r, "output_tokens", len(times))
         put(r, "token_times_s", times)
+        put(r, "_token_array", array)
         return r
 
     @classmethod
@@ -248,11 +250,16 @@ def _checked_percentiles(percentiles: Iterable[float]) -> List[float]:
 
 def _token_times(rs: Sequence[RequestRecord]) -> Tuple[np.ndarray, np.ndarray]:
     """Every record's token times one after the other, and the gaps between consecutive
-    tokens of each record (its itl_s), record after record."""
+    tokens of each record (its itl_s), record after record (an engine's records hand their
+    times over as the arrays they keep)."""
     counts = np.fromiter((len(r.token_times_s or ()) for r in rs), dtype=np.int64,
                          count=len(rs))
-    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s or () for r in rs),
-                        dtype=np.float64, count=int(counts.sum()))
+    arrays = [getattr(r, "_token_array", None) for r in rs]
+    if rs and all(a is not None for a in arrays):
+        times = np.concatenate(arrays)
+    else:
+        times = np.fromiter(itertools.chain.from_iterable(r.token_times_s or () for r in rs),
+                            dtype=np.float64, count=int(counts.sum()))
     gaps = times[1:] - times[:-1]
     # the gap from a record's last token to the next record's first is no record's
     last = np.cumsum(counts)[:-1] - 1
@@ -270,7 +277,7 @@ def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str
         buckets = np.zeros(int(np.ceil(end - t0)) + 1, dtype=np.int64)
         idx = (times - t0).astype(np.int64)
         idx = idx[(idx >= 0) & (idx < len(buckets))]
-        np.add.at(buckets, idx, 1)
+        buckets += np.bincount(idx, minlength=len(buckets))
         out["max_output_tokens_per_s"] = float(buckets.max())
     events = sorted([(r.arrival_s, 1) for r in rs] + [(r.finish_s, -1) for r in rs])
     now = peak = 0
