@@ -600,9 +600,9 @@ class Engine:
     EVENT_BUFFER = 4096
 
     def _settle(self) -> None:
-        """Bring the figures kept for many steps at once up to date: the books' timeline and
-        peaks, the steps counted, the KV events' counts, the scheduler's and the backend's times on the stopwatch's rows and
-        the backend's on its wrapper."""
+        """Bring the figures kept for many steps at once up to date: the books' (settle), the
+        steps counted, the KV events' counts, the scheduler's and the backend's times on the
+        stopwatch's rows and the backend's on its wrapper."""
         self.books.settle()
         self._count_events()
         done = len(self.step_sched_s)
