@@ -513,6 +513,7 @@ class TokenTimes:
         n = int(length.sum())
         step = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(n)
         times = self._array[step]
+        times.flags.writeable = False  # what is taken is kept (a record's times)
         # the taken ids' pairs are dropped
         keep = np.ones(len(self._ids), dtype=bool)
         keep[pair] = False
@@ -526,6 +527,7 @@ class TokenTimes:
                 got = np.concatenate([times[ends[j] - tokens[j]:ends[j]]
                                       for j in range(k, k + len(ids))]) if ids else np.zeros(0)
                 got.sort(kind="stable")
+                got.flags.writeable = False
                 out.append(got)
             k += len(ids)
         return out

@@ -653,7 +653,7 @@ class Engine:
             lv.longest = generated = len(lv.outputs)
             reason = str(fin.finish_reason)
             stopped = reason == "stop"
-            outs, members = (lv.outputs,), [rid]
+            outs, members = [lv.outputs], [rid]
         lv.end_step, lv.end_t = self.step_no - 1, self.now
         if self.beam_width is not None:  # its longest hypothesis, without token times
             tokens = lv.longest
@@ -688,19 +688,13 @@ class Engine:
         self._unrecorded = []
         taken = self._token_times.take_all([(members, before)
                                             for _, members, _, before in todo])
-        flat = np.concatenate(taken)  # the times as floats, in one conversion
-        flat.flags.writeable = False  # the records share it
-        floats = flat.tolist()
-        at = 0
         for (lv, _, tokens, _), times in zip(todo, taken):
             rid = int(lv.req.request_id)
             if len(times) != tokens:
                 raise RuntimeError(f"request {rid}: {len(times)} tokens sampled for {tokens} "
                                    f"output tokens")
-            self._records[rid] = RequestRecord._from_engine(
-                rid, lv.arrival_t, len(lv.req.prompt), tuple(floats[at:at + tokens]),
-                flat[at:at + tokens])
-            at += tokens
+            self._records[rid] = RequestRecord._from_engine(rid, lv.arrival_t,
+                                                         len(lv.req.prompt), times)
 
     def _submit_next_turn(self, live: _Live) -> None:
         """Submit the next turn of ``live``'s conversation, if it has one and it fits."""

@@ -110,6 +110,29 @@ def _count(name: str, value: Any, minimum: int) -> int:
     return v
 
 
+class _TokenTimes:
+    """The ``token_times_s`` field of :class:`RequestRecord` (a descriptor, the field's default
+    None): the tuple it was given, or, for a record an engine made, a tuple made on the first
+    read from the float64 array the record keeps (``_token_array``)."""
+
+    def __get__(self, record: Any, owner: Any = None) -> Optional[Tuple[float, ...]]:
+        if record is None:  # the field's default
+            return None
+        d = record.__dict__
+        times = d.get("_token_times_s", d)
+        if times is d:
+            times = d["_token_times_s"] = tuple(d["_token_array"].tolist())
+        return times
+
+    def __set__(self, record: Any, value: Optional[Tuple[float, ...]]) -> None:
+        record.__dict__["_token_times_s"] = value
+
+
+def _token_array(record: "RequestRecord") -> Optional[np.ndarray]:
+    """The token times an engine's record keeps as an array (None: a record made otherwise)."""
+    return record.__dict__.get("_token_array")
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     """One completed request as its client saw it (times in seconds on one clock):
@@ -125,7 +148,7 @@ class RequestRecord:
     finish_s: float
     input_tokens: int
     output_tokens: int
-    token_times_s: Optional[Tuple[float, ...]] = None
+    token_times_s: Optional[Tuple[float, ...]] = _TokenTimes()  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         rid = f"request {self.request_id!r}"
@@ -156,24 +179,22 @@ class RequestRecord:
 
     @classmethod
     def _from_engine(cls, request_id: int, arrival_s: float, input_tokens: int,
-                     token_times_s: Tuple[float, ...], array: np.ndarray) -> "RequestRecord":
+                     token_times_s: np.ndarray) -> "RequestRecord":
         """A record an engine made from its own books: ``request_id`` an ``int``,
         ``arrival_s`` a ``float`` at most the first token time, ``input_tokens`` an ``int``,
-        and the token times, non-empty, read off its serving clock, which never goes back:
-        a tuple of floats and the same as a float64 ``array``, which the record keeps for
-        :func:`serving_figures`.  They are taken as they are, without the checks of the
-        constructor (one of them per token)."""
-        times = token_times_s
+        and the token times a non-empty read-only float64 array read off its serving clock,
+        which never goes back.  They are taken as they are, without the checks of the
+        constructor (one of them per token); the record keeps the array, for
+        :func:`serving_figures`, and makes ``token_times_s`` from it when it is read."""
         r = object.__new__(cls)
         put = object.__setattr__
         put(r, "request_id", request_id)
         put(r, "arrival_s", arrival_s)
-        put(r, "first_token_s", times[0])
-        put(r, "finish_s", times[-1])
+        put(r, "first_token_s", float(token_times_s[0]))
+        put(r, "finish_s", float(token_times_s[-1]))
         put(r, "input_tokens", input_tokens)
-        put(r, "output_tokens", len(times))
-        put(r, "token_times_s", times)
-        put(r, "_token_array", array)
+        put(r, "output_tokens", len(token_times_s))
+        put(r, "_token_array", token_times_s)
         return r
 
     @classmethod
@@ -252,12 +273,14 @@ def _token_times(rs: Sequence[RequestRecord]) -> Tuple[np.ndarray, np.ndarray]:
     """Every record's token times one after the other, and the gaps between consecutive
     tokens of each record (its itl_s), record after record (an engine's records hand their
     times over as the arrays they keep)."""
-    counts = np.fromiter((len(r.token_times_s or ()) for r in rs), dtype=np.int64,
-                         count=len(rs))
-    arrays = [getattr(r, "_token_array", None) for r in rs]
-    if rs and all(a is not None for a in arrays):
+    arrays = [a for a in (_token_array(r) for r in rs) if a is not None]
+    times: np.ndarray
+    if rs and len(arrays) == len(rs):
+        counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(rs))
         times = np.concatenate(arrays)
     else:
+        counts = np.fromiter((len(r.token_times_s or ()) for r in rs), dtype=np.int64,
+                             count=len(rs))
         times = np.fromiter(itertools.chain.from_iterable(r.token_times_s or () for r in rs),
                             dtype=np.float64, count=int(counts.sum()))
     gaps = times[1:] - times[:-1]
@@ -296,7 +319,8 @@ def serving_figures(records: Iterable[RequestRecord], *, start_s: Optional[float
     are undefined).  No record: ``completed`` 0 and every other figure 0."""
     rs = _records(records)
     ps = _checked_percentiles(percentiles)
-    with_tokens = bool(rs) and all(r.token_times_s is not None for r in rs)
+    with_tokens = bool(rs) and all(_token_array(r) is not None or r.token_times_s is not None
+                                   for r in rs)
     if rs:
         first = min(r.arrival_s for r in rs)
         start = first if start_s is None else _time("start_s", start_s)
