@@ -62,6 +62,11 @@ class Books:
         self._rows = (tl.step.append, tl.t.append, tl.running.append, tl.waiting.append,
                       tl.pages_used.append, tl.pages_cached.append, tl.hit_rate.append)
         self._settled = 0  # timeline rows whose peaks are counted
+        # the last step: a decode step of the plan before's sequences (without forks); the
+        # last timeline row's waiting requests, pages only cached and hit rate
+        self._steady = False
+        self._waiting = self._cached = 0
+        self._hit_rate = 0.0
         self._seq_of: Dict[int, int] = {}  # with forks: every running sequence's length
         self._unshared = 0  # with forks: sum of ceil(seq_len / page_tokens) over self._seq_of
         self._left: Dict[int, int] = {}
@@ -130,6 +135,7 @@ class Books:
                 and not (len(fin) or len(pre) or len(new))):
             # a decode step of the last plan's sequences: one token each, each sampled (no
             # copy: copies come from forks)
+            self._steady = True
             k = self._crossing
             cross = self._by_phase[k]
             self._crossing = k - 1 if k else self.page_tokens - 1
@@ -143,6 +149,7 @@ class Books:
                     c["peak_unshared_pages"] = unshared
                     c["pages_saved_at_peak"] = unshared - held
             return ()
+        self._steady = False
         if key != self._key or len(fin) or len(pre) or len(new):
             self._events(plan, key, fin, pre, new, live, running)
         self._read_lens(plan.seq_lens)
@@ -165,21 +172,44 @@ class Books:
         # a request's first token is sampled by the row of its prompt's last token
         return self._firsts(plan, step) if prefill and self._awaiting_first else ()
 
-    def row(self, step: int, now: float, s, f, backlog: int) -> None:
+    def row(self, step: int, now: float, s, f, backlog: int, quiet: bool = False) -> None:
         """The timeline row of step ``step``, at ``now`` on the serving clock: the reads of
         scheduler ``s`` over facade ``f`` after the step's update (running and waiting
         requests, pages used and only cached, the prefix cache's hit rate so far), with
-        ``backlog`` requests due that wait in the engine."""
+        ``backlog`` requests due that wait in the engine.
+
+        ``quiet``: the step took no arrival and its update finished no request.  Without
+        forks, a quiet decode step of the last plan's sequences admits, preempts and releases
+        nothing: the queue and the cache's lookups are as they were, and its only change to
+        the cached pages is what its allocations reclaimed, which an allocation does only for
+        what the free pages lack.  Its pages only cached are then the smaller of the last
+        row's and the free pages, read without ``cache_stats()``."""
+        rows = self._rows
+        if quiet and self._steady:
+            free = f.free_pages
+            cached = self._cached
+            if free < cached:
+                self._cached = cached = free
+            rows[0](step)
+            rows[1](now)
+            rows[2](s.num_running)
+            rows[3](self._waiting)
+            rows[4](self.num_pages - free)
+            rows[5](cached)
+            rows[6](self._hit_rate)
+            return
         stats = f.cache_stats()
         lookups = stats.lookup_tokens
-        rows = self._rows
+        self._waiting = waiting = s.num_waiting + backlog
+        self._cached = cached = stats.reclaimable_pages
+        self._hit_rate = hit_rate = stats.hit_tokens / lookups if lookups else 0.0
         rows[0](step)
         rows[1](now)
         rows[2](s.num_running)
-        rows[3](s.num_waiting + backlog)
+        rows[3](waiting)
         rows[4](self.num_pages - f.free_pages)
-        rows[5](stats.reclaimable_pages)
-        rows[6](stats.hit_tokens / lookups if lookups else 0.0)
+        rows[5](cached)
+        rows[6](hit_rate)
 
     def settle(self) -> None:
         """Bring the figures kept for many steps at once up to date: the tokens of the decode

@@ -504,7 +504,8 @@ class Engine:
 
     def _step(self) -> None:
         t0 = _now() if self._measures else 0.0
-        if self._backlog or self.step_no >= self._due_step or self.now >= self._due_t:
+        arrived = self._backlog or self.step_no >= self._due_step or self.now >= self._due_t
+        if arrived:
             self._take_arrivals()
         s = self.scheduler
         if not s.has_unfinished():
@@ -580,7 +581,7 @@ class Engine:
         self.busy_s += dt
         self.sequence_s += dt * seqs
         self.now = now = self.now + dt
-        books.row(step, now, s, f, len(self._backlog))
+        books.row(step, now, s, f, len(self._backlog), not (arrived or finished))
         if not seqs:
             self._check_progress(plan)
         elif self._empty_plans:

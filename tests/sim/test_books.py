@@ -123,3 +123,32 @@ def test_token_times_take_what_each_id_sampled_before_it_completed():
                 want = sorted(t for rid in ids for t in naive.pop(rid))
                 assert log.take(ids, before).tolist() == want
             done = []
+
+
+@pytest.mark.parametrize("num_pages,share", [(60, 0.9), (120, 0.9), (400, 0.5)])
+def test_every_timeline_row_equals_the_schedulers_reads_after_the_step(num_pages, share):
+    wl = Workload(requests=80, seed=11, arrival_rate=60.0, system_prompts=2, share_ratio=share,
+                  output_len=(20, 120), turns=2)
+    engine = Engine("c", num_pages=num_pages)
+    tl, f, s = engine.timeline, engine.facade, engine.scheduler
+    row = engine.books.row
+    quiet_rows = 0
+
+    def checked(step, now, s_, f_, backlog, quiet=False):
+        nonlocal quiet_rows
+        row(step, now, s_, f_, backlog, quiet)
+        stats = f.cache_stats()
+        lookups = stats.lookup_tokens
+        assert (tl.running[-1], tl.waiting[-1], tl.pages_used[-1], tl.pages_cached[-1],
+                tl.hit_rate[-1]) == (
+            s.num_running, s.num_waiting + backlog, num_pages - f.free_pages,
+            stats.reclaimable_pages, stats.hit_tokens / lookups if lookups else 0.0)
+        quiet_rows += bool(quiet and engine.books._steady)
+
+    engine.books.row = checked
+    engine.run(wl)
+    stats = engine.stats()
+    assert quiet_rows > 100
+    assert stats["cache_reclaims"] > 0
+    if num_pages == 60:
+        assert stats["preemptions"] > 0
