@@ -62,9 +62,10 @@ class Books:
         self._rows = (tl.step.append, tl.t.append, tl.running.append, tl.waiting.append,
                       tl.pages_used.append, tl.pages_cached.append, tl.hit_rate.append)
         self._settled = 0  # timeline rows whose peaks are counted
-        # the last step: a decode step of the plan before's sequences (without forks); the
-        # last timeline row's waiting requests, pages only cached and hit rate
-        self._steady = False
+        #: Without forks: the last step booked was a decode step of the sequences of the plan
+        #: before it (one token each, each sampled, no copy).
+        self.steady = False
+        # the last timeline row's waiting requests, pages only cached and hit rate
         self._waiting = self._cached = 0
         self._hit_rate = 0.0
         self._seq_of: Dict[int, int] = {}  # with forks: every running sequence's length
@@ -135,7 +136,7 @@ class Books:
                 and not (len(fin) or len(pre) or len(new))):
             # a decode step of the last plan's sequences: one token each, each sampled (no
             # copy: copies come from forks)
-            self._steady = True
+            self.steady = True
             k = self._crossing
             cross = self._by_phase[k]
             self._crossing = k - 1 if k else self.page_tokens - 1
@@ -149,7 +150,7 @@ class Books:
                     c["peak_unshared_pages"] = unshared
                     c["pages_saved_at_peak"] = unshared - held
             return ()
-        self._steady = False
+        self.steady = False
         if key != self._key or len(fin) or len(pre) or len(new):
             self._events(plan, key, fin, pre, new, live, running)
         self._read_lens(plan.seq_lens)
@@ -185,7 +186,7 @@ class Books:
         what the free pages lack.  Its pages only cached are then the smaller of the last
         row's and the free pages, read without ``cache_stats()``."""
         rows = self._rows
-        if quiet and self._steady:
+        if quiet and self.steady:
             free = f.free_pages
             cached = self._cached
             if free < cached:

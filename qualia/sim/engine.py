@@ -184,8 +184,9 @@ class Engine:
             backend, vocab=self.vocab or 32000, beams=config.beam_width is not None,
             batched=config.forking or not self.sampling.greedy), self.stopwatch)
         # the loop calls the wrapped backend itself (unless execute_step was replaced on the
-        # wrapper), times the call and tells the wrapper (_settle)
+        # wrapper: _resolve_execute), times the call and tells the wrapper (_settle)
         self._timed_step = self.backend.execute_step
+        self._execute = self.backend.inner.execute_step
         self.scheduler = make_step_scheduler(config)
         s = self.scheduler
         # the facade under the step API: the scheduler itself (core) or the twin's facade
@@ -202,7 +203,6 @@ class Engine:
         self.on_complete = on_complete
         self._progress: Optional[Callable[[str, int, int], None]] = None
         self._drains = self.caching == "auto"
-        self._logs_tokens = config.beam_width is None
 
         self.step_no = 0
         self.now = 0.0  # the serving clock, seconds
@@ -245,6 +245,7 @@ class Engine:
         self.sequence_s = 0.0
         # every sampled token's delivery time (none for beam search)
         self._token_times = TokenTimes()
+        self._log = self._token_times.log if config.beam_width is None else None
         # completed requests whose records are still to be made from the token times: (their
         # live record, the ids their tokens were sampled under, their output tokens, the
         # steps logged when they completed)
@@ -440,6 +441,7 @@ class Engine:
         token = self.stopwatch.enter(ENGINE)
         self._progress = progress
         try:
+            self._resolve_execute()
             live, step = self._live, self._step
             while live:
                 step()
@@ -460,10 +462,18 @@ class Engine:
         """One engine step: the arrivals due, then schedule, execute and update."""
         token = self.stopwatch.enter(ENGINE)
         try:
+            self._resolve_execute()
             self._step()
         finally:
             self._settle()
             self.stopwatch.leave(token)
+
+    def _resolve_execute(self) -> None:
+        """The backend call the loop makes: the wrapped backend's ``execute_step``, or the
+        wrapper's where it was replaced."""
+        execute = self.backend.execute_step
+        self._execute = self.backend.inner.execute_step if execute is self._timed_step \
+            else execute
 
     def _take_arrivals(self) -> None:
         """Move the arrivals due to the scheduler (the engine's backlog while its queue is
@@ -515,10 +525,7 @@ class Engine:
         # the scheduler's and the backend's calls, timed here; the stopwatch's rows are charged
         # with them when the engine settles its books (_settle)
         f = self.facade
-        backend = self.backend
-        execute = backend.execute_step
-        if execute is self._timed_step:
-            execute = backend.inner.execute_step
+        execute = self._execute
         tb = tc = None
         ta = _now()
         try:
@@ -571,9 +578,11 @@ class Engine:
         firsts = books.book(plan, held, running, self._live, step, s)
         seqs = len(plan.request_ids)
         work_seconds, context = self._work_seconds, books.context
-        if work_seconds is not None and context is not None and seqs \
-                and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
-            # a decode step: one token per sequence, its attention pairs its context
+        if work_seconds is None or context is None:
+            dt = float(self.clock.step_time(plan, _now() - t0))
+        elif books.steady:  # a decode step, its attention pairs its context, no copy
+            dt = work_seconds(seqs, context, context, seqs)
+        elif seqs and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
             dt = work_seconds(seqs, context, context, len(plan.logits_indices),
                               len(plan.copies), self._page_tokens)
         else:
@@ -588,8 +597,8 @@ class Engine:
             self._empty_plans = 0
         for lv in firsts:
             lv.first_t = now
-        if self._logs_tokens:  # every sampled token is delivered at the step's end
-            self._token_times.log(plan.sampled_request_ids, now)
+        if self._log is not None:  # every sampled token is delivered at the step's end
+            self._log(plan.sampled_request_ids, now)
         self.step_no = step + 1
         for fin in finished:
             self._complete(fin)

@@ -143,7 +143,7 @@ def test_every_timeline_row_equals_the_schedulers_reads_after_the_step(num_pages
                 tl.hit_rate[-1]) == (
             s.num_running, s.num_waiting + backlog, num_pages - f.free_pages,
             stats.reclaimable_pages, stats.hit_tokens / lookups if lookups else 0.0)
-        quiet_rows += bool(quiet and engine.books._steady)
+        quiet_rows += bool(quiet and engine.books.steady)
 
     engine.books.row = checked
     engine.run(wl)
