@@ -29,7 +29,8 @@ sequence.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import itertools
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -78,20 +79,18 @@ class Books:
         #: Without forks: the sum of the last plan's ``seq_lens`` (None with forks).
         self.context: Optional[int] = None if self.forking else 0
         # Without forks.  The last plan's sequences: their request ids (as bytes), their
-        # lengths when last read (int64) and the decode steps since (each adds one to every
-        # length), their pages without sharing, and the count of them by (seq_len - 1) %
-        # page_tokens when last read, with the index in it of the sequences whose next decode
-        # step crosses a page boundary.  The running sequences the last plan left out (_off),
-        # with their lengths and pages.
+        # lengths when last read (the decode steps since, each adding one to every length,
+        # are the context's growth since over their number), their pages without sharing,
+        # and how many cross a page boundary at each decode step from then on, in turn.  The
+        # running sequences the last plan left out (_off), with their lengths and pages.
         self._key: Optional[bytes] = None
         self._key_dtype: Any = np.dtype(np.uint64)
         self._seqs: Any = []  # a list, or an int64 array for a long plan
         self._n = 0  # sequences in the last plan
-        self._decodes = 0
-        self._decoded = 0  # tokens of those decode steps since settle()
+        self._read_context = 0  # the context when the lengths were last read
+        self._folded = 0  # the context up to which decode steps' tokens are counted (_fold)
         self._pages = 0
-        self._by_phase: List[int] = [0] * self.page_tokens
-        self._crossing = self.page_tokens - 1
+        self._crossings: Iterator[int] = itertools.repeat(0)
         self._off: Dict[int, int] = {}
         self._off_pages = 0
 
@@ -123,26 +122,20 @@ class Books:
             firsts = self._record_each(plan, held, running, live, step)
             self.count_forks(s)
             return firsts
-        ids = plan.request_ids
-        key = ids.tobytes()
+        key = plan.request_ids.tobytes()
         fin, pre, new = (plan.finished_request_ids, plan.preempted_request_ids,
                          plan.new_request_ids)
-        n_tokens = len(plan.input_ids)
         prefill = plan.num_prefill_tokens
         c = self._c
         if held > c["peak_held_pages"]:
             c["peak_held_pages"] = held
-        if (key == self._key and not prefill and n_tokens == self._n
+        if (key == self._key and not prefill and plan.num_decode_tokens == self._n
                 and not (len(fin) or len(pre) or len(new))):
             # a decode step of the last plan's sequences: one token each, each sampled (no
-            # copy: copies come from forks)
+            # copy: copies come from forks); its tokens are counted from the context's growth
             self.steady = True
-            k = self._crossing
-            cross = self._by_phase[k]
-            self._crossing = k - 1 if k else self.page_tokens - 1
-            self._decodes += 1
-            self.context += n_tokens  # type: ignore[operator]
-            self._decoded += n_tokens
+            cross = next(self._crossings)
+            self.context += self._n  # type: ignore[operator]
             if cross:
                 self._pages = pages = self._pages + cross
                 unshared = pages + self._off_pages
@@ -153,7 +146,9 @@ class Books:
         self.steady = False
         if key != self._key or len(fin) or len(pre) or len(new):
             self._events(plan, key, fin, pre, new, live, running)
+        self._fold()
         self._read_lens(plan.seq_lens)
+        n_tokens = len(plan.input_ids)
         prefill, decode = int(prefill), int(plan.num_decode_tokens)
         c["prefill_tokens"] += prefill
         c["decode_tokens"] += decode
@@ -217,12 +212,7 @@ class Books:
         steps of the last plan's sequences (decoded, scheduled and sampled), and the peaks of
         pages used, running and waiting requests of the timeline rows added since the last
         call."""
-        decoded, self._decoded = self._decoded, 0
-        if decoded:
-            c = self._c
-            c["decode_tokens"] += decoded
-            c["scheduled_tokens"] += decoded
-            c["sampled_tokens"] += decoded
+        self._fold()
         tl = self.timeline
         at, self._settled = self._settled, len(tl.step)
         if at == self._settled:
@@ -231,6 +221,18 @@ class Books:
         c["peak_pages"] = max(c["peak_pages"], int(max(tl.pages_used[at:])))
         c["peak_running"] = max(c["peak_running"], int(max(tl.running[at:])))
         c["peak_waiting"] = max(c["peak_waiting"], int(max(tl.waiting[at:])))
+
+    def _fold(self) -> None:
+        """Without forks: count the tokens of the decode steps of the last plan's sequences
+        since the last call (decoded, scheduled and sampled): the growth of the context."""
+        if self.context is None:
+            return
+        decoded, self._folded = self.context - self._folded, self.context
+        if decoded:
+            c = self._c
+            c["decode_tokens"] += decoded
+            c["scheduled_tokens"] += decoded
+            c["sampled_tokens"] += decoded
 
     def _read_lens(self, seq_lens) -> None:
         """Without forks: read a plan's ``seq_lens`` (see the module docstring)."""
@@ -253,8 +255,10 @@ class Books:
             pages = int(page_of.sum())
             self.context = int(seqs.sum())
             by_phase = np.bincount(phase, minlength=pt).tolist()
-        self._seqs, self._n, self._decodes = seqs, n, 0
-        self._pages, self._by_phase, self._crossing = pages, by_phase, pt - 1
+        self._seqs, self._n, self._read_context = seqs, n, self.context
+        self._folded = self.context
+        # the sequences crossing a page boundary at each decode step from here on, in turn
+        self._pages, self._crossings = pages, itertools.cycle(by_phase[::-1])
 
     def _events(self, plan, key: bytes, fin, pre, new, live: Dict[int, Any],
                 running: int) -> None:
@@ -286,7 +290,7 @@ class Books:
         # the running set before the plan
         prev = np.frombuffer(self._key, dtype=self._key_dtype).tolist() if self._key else []
         lens = self._seqs if isinstance(self._seqs, list) else self._seqs.tolist()
-        d = self._decodes
+        d = (self.context - self._read_context) // self._n if self._n else 0
         seq_of = dict(zip(prev, [seq + d for seq in lens] if d else lens))
         if self._off:
             seq_of.update(self._off)

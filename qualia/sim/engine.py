@@ -184,9 +184,8 @@ class Engine:
             backend, vocab=self.vocab or 32000, beams=config.beam_width is not None,
             batched=config.forking or not self.sampling.greedy), self.stopwatch)
         # the loop calls the wrapped backend itself (unless execute_step was replaced on the
-        # wrapper: _resolve_execute), times the call and tells the wrapper (_settle)
+        # wrapper: _serve), times the call and tells the wrapper (_settle)
         self._timed_step = self.backend.execute_step
-        self._execute = self.backend.inner.execute_step
         self.scheduler = make_step_scheduler(config)
         s = self.scheduler
         # the facade under the step API: the scheduler itself (core) or the twin's facade
@@ -441,10 +440,7 @@ class Engine:
         token = self.stopwatch.enter(ENGINE)
         self._progress = progress
         try:
-            self._resolve_execute()
-            live, step = self._live, self._step
-            while live:
-                step()
+            self._serve(None)
             self.verify_end_state()
         finally:
             self._settle()
@@ -462,18 +458,10 @@ class Engine:
         """One engine step: the arrivals due, then schedule, execute and update."""
         token = self.stopwatch.enter(ENGINE)
         try:
-            self._resolve_execute()
-            self._step()
+            self._serve(1)
         finally:
             self._settle()
             self.stopwatch.leave(token)
-
-    def _resolve_execute(self) -> None:
-        """The backend call the loop makes: the wrapped backend's ``execute_step``, or the
-        wrapper's where it was replaced."""
-        execute = self.backend.execute_step
-        self._execute = self.backend.inner.execute_step if execute is self._timed_step \
-            else execute
 
     def _take_arrivals(self) -> None:
         """Move the arrivals due to the scheduler (the engine's backlog while its queue is
@@ -512,96 +500,110 @@ class Engine:
         self.counters.idle_s += now - self.now
         self.step_no, self.now = step, now
 
-    def _step(self) -> None:
-        t0 = _now() if self._measures else 0.0
-        arrived = self._backlog or self.step_no >= self._due_step or self.now >= self._due_t
-        if arrived:
-            self._take_arrivals()
-        s = self.scheduler
-        if not s.has_unfinished():
-            if self._arrivals:
-                self._skip_idle()
-            return
-        # the scheduler's and the backend's calls, timed here; the stopwatch's rows are charged
-        # with them when the engine settles its books (_settle)
-        f = self.facade
-        execute = self._execute
-        tb = tc = None
-        ta = _now()
-        try:
-            plan = s.schedule()
-            held = self._num_pages - int(f.free_pages)  # the step's pages are held
-            running = int(s.num_running)
-            tb = _now()
-            try:
-                sampled = execute(plan)
-            except BaseException:
-                tc = _now()
-                discard = getattr(s, "discard_plan", None)
-                if callable(discard):
-                    discard()
-                raise
-            tc = _now()
-            if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
-                finished = s.update(*sampled)
-            else:
-                finished = s.update(sampled)
-            drained = f.drain_events(self._events_free) if self._drains else 0
-        except BaseException:
-            td = _now()
-            if tb is None:
-                sched, waited = td - ta, 0.0
-            elif tc is None:
-                sched, waited = tb - ta, td - tb
-            else:
-                sched, waited = (tb - ta) + (td - tc), tc - tb
-            secs = self.stopwatch.seconds
-            secs[SCHEDULER] += sched
-            secs[BACKEND] += waited
-            secs[ENGINE] -= sched + waited
-            raise
-        td = _now()
-        self._sched_append((tb - ta) + (td - tc))
-        self._backend_append(tc - tb)
-        if drained:  # the next drain writes past these events (_drained)
-            at = self._events_at + drained
-            if at < self.EVENT_BUFFER:
-                self._events_at = at
-                free = self._free_views[at]
-                if free is None:
-                    free = self._free_views[at] = self._events[at:]
-                self._events_free = free
-            else:
-                self._drained(drained)
+    def _serve(self, limit: Optional[int]) -> None:
+        """Run ``limit`` engine steps (None: until no request is pending).  A step: the
+        arrivals due, then schedule, execute and update, then the books.  What the loop calls
+        is looked up once: the scheduler, the backend's ``execute_step`` (the wrapped
+        backend's, or the wrapper's where it was replaced), the books, the clock."""
+        s, f, live = self.scheduler, self.facade, self._live
+        execute = self.backend.execute_step
+        if execute is self._timed_step:
+            execute = self.backend.inner.execute_step
         books = self.books
-        step = self.step_no
-        firsts = books.book(plan, held, running, self._live, step, s)
-        seqs = len(plan.request_ids)
-        work_seconds, context = self._work_seconds, books.context
-        if work_seconds is None or context is None:
-            dt = float(self.clock.step_time(plan, _now() - t0))
-        elif books.steady:  # a decode step, its attention pairs its context, no copy
-            dt = work_seconds(seqs, context, context, seqs)
-        elif seqs and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
-            dt = work_seconds(seqs, context, context, len(plan.logits_indices),
-                              len(plan.copies), self._page_tokens)
-        else:
-            dt = float(self.clock.step_time(plan, _now() - t0))
-        self.busy_s += dt
-        self.sequence_s += dt * seqs
-        self.now = now = self.now + dt
-        books.row(step, now, s, f, len(self._backlog), not (arrived or finished))
-        if not seqs:
-            self._check_progress(plan)
-        elif self._empty_plans:
-            self._empty_plans = 0
-        for lv in firsts:
-            lv.first_t = now
-        if self._log is not None:  # every sampled token is delivered at the step's end
-            self._log(plan.sampled_request_ids, now)
-        self.step_no = step + 1
-        for fin in finished:
-            self._complete(fin)
+        book, row, log = books.book, books.row, self._log
+        work_seconds, step_time = self._work_seconds, self.clock.step_time
+        sched_append, backend_append = self._sched_append, self._backend_append
+        num_pages, page_tokens, measures = self._num_pages, self._page_tokens, self._measures
+        drains, free_views, buffer_size = self._drains, self._free_views, self.EVENT_BUFFER
+        done = 0
+        while (live if limit is None else done < limit):
+            done += 1
+            t0 = _now() if measures else 0.0
+            arrived = self._backlog or self.step_no >= self._due_step \
+                or self.now >= self._due_t
+            if arrived:
+                self._take_arrivals()
+            if not s.has_unfinished():
+                if self._arrivals:
+                    self._skip_idle()
+                continue
+            # the scheduler's and the backend's calls, timed here; the stopwatch's rows are
+            # charged with them when the engine settles its books (_settle)
+            tb = tc = None
+            ta = _now()
+            try:
+                plan = s.schedule()
+                held = num_pages - int(f.free_pages)  # the step's pages are held
+                running = s.num_running
+                tb = _now()
+                try:
+                    sampled = execute(plan)
+                except BaseException:
+                    tc = _now()
+                    discard = getattr(s, "discard_plan", None)
+                    if callable(discard):
+                        discard()
+                    raise
+                tc = _now()
+                if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
+                    finished = s.update(*sampled)
+                else:
+                    finished = s.update(sampled)
+                drained = f.drain_events(self._events_free) if drains else 0
+            except BaseException:
+                td = _now()
+                if tb is None:
+                    sched, waited = td - ta, 0.0
+                elif tc is None:
+                    sched, waited = tb - ta, td - tb
+                else:
+                    sched, waited = (tb - ta) + (td - tc), tc - tb
+                secs = self.stopwatch.seconds
+                secs[SCHEDULER] += sched
+                secs[BACKEND] += waited
+                secs[ENGINE] -= sched + waited
+                raise
+            td = _now()
+            sched_append((tb - ta) + (td - tc))
+            backend_append(tc - tb)
+            if drained:  # the next drain writes past these events (_drained)
+                at = self._events_at + drained
+                if at < buffer_size:
+                    self._events_at = at
+                    free = free_views[at]
+                    if free is None:
+                        free = free_views[at] = self._events[at:]
+                    self._events_free = free
+                else:
+                    self._drained(drained)
+            step = self.step_no
+            firsts = book(plan, held, running, live, step, s)
+            seqs = len(plan.request_ids)
+            context = books.context
+            if work_seconds is None or context is None:
+                dt = float(step_time(plan, _now() - t0))
+            elif books.steady:  # a decode step, its attention pairs its context, no copy
+                dt = work_seconds(seqs, context, context, seqs)
+            elif seqs and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
+                dt = work_seconds(seqs, context, context, len(plan.logits_indices),
+                                  len(plan.copies), page_tokens)
+            else:
+                dt = float(step_time(plan, _now() - t0))
+            self.busy_s += dt
+            self.sequence_s += dt * seqs
+            self.now = now = self.now + dt
+            row(step, now, s, f, len(self._backlog), not (arrived or finished))
+            if not seqs:
+                self._check_progress(plan)
+            elif self._empty_plans:
+                self._empty_plans = 0
+            for lv in firsts:
+                lv.first_t = now
+            if log is not None:  # every sampled token is delivered at the step's end
+                log(plan.sampled_request_ids, now)
+            self.step_no = step + 1
+            for fin in finished:
+                self._complete(fin)
 
     #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
     #: only running request preempts itself for pages; the next step admits it again).
