@@ -30,6 +30,7 @@ sequence.
 from __future__ import annotations
 
 import itertools
+from array import array
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -290,7 +291,8 @@ class Books:
         # the running set before the plan
         prev = np.frombuffer(self._key, dtype=self._key_dtype).tolist() if self._key else []
         lens = self._seqs if isinstance(self._seqs, list) else self._seqs.tolist()
-        d = (self.context - self._read_context) // self._n if self._n else 0
+        grown = (self.context or 0) - self._read_context  # by the decode steps since
+        d = grown // self._n if self._n else 0
         seq_of = dict(zip(prev, [seq + d for seq in lens] if d else lens))
         if self._off:
             seq_of.update(self._off)
@@ -473,9 +475,8 @@ class TokenTimes:
     each request's runs found by binary search, its token times gathered in one indexing."""
 
     def __init__(self) -> None:
-        self._t: List[float] = []  # the serving time at the end of each step logged
-        self._array = np.zeros(1024, dtype=np.float64)  # _t, as far as _in_array
-        self._in_array = 0
+        self._t = array("d")  # the serving time at the end of each step logged
+        self._array = np.zeros(0, dtype=np.float64)  # _t, when last indexed
         self._key: Optional[bytes] = None  # the sampled ids of the run going on
         self._dtype: Any = np.dtype(np.uint64)
         self._keys: List[bytes] = []  # each run's sampled ids...
@@ -512,14 +513,8 @@ class TokenTimes:
             order = np.argsort(ids, kind="stable")  # the runs of an id stay in order
             self._ids, self._runs = ids[order], runs[order]
             self._indexed = len(keys)
-        n = len(self._t)
-        if n > self._in_array:
-            if n > len(self._array):
-                grown = np.zeros(max(n, 2 * len(self._array)), dtype=np.float64)
-                grown[:self._in_array] = self._array[:self._in_array]
-                self._array = grown
-            self._array[self._in_array:n] = self._t[self._in_array:n]
-            self._in_array = n
+        if len(self._t) > len(self._array):
+            self._array = np.frombuffer(self._t, dtype=np.float64).copy()
 
     def take_all(self, requests: Sequence[Tuple[Sequence[int], int]]) -> List[np.ndarray]:
         """For each ``(ids, before)`` of ``requests``: the times (float64, in order) of the

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from array import array
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 
 import numpy as np
@@ -233,8 +234,8 @@ class Engine:
         # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
         self._next_turn: Optional[Callable[..., Optional[Request]]] = None
         # per step with work: seconds in the scheduler calls and in the backend
-        self.step_sched_s: List[float] = []
-        self.step_backend_s: List[float] = []
+        self.step_sched_s = array("d")
+        self.step_backend_s = array("d")
         self._sched_append, self._backend_append = (self.step_sched_s.append,
                                                     self.step_backend_s.append)
         self._num_pages, self._page_tokens = config.num_pages, config.page_tokens
