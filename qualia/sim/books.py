@@ -219,9 +219,11 @@ class Books:
         if at == self._settled:
             return
         c = self._c
-        c["peak_pages"] = max(c["peak_pages"], int(max(tl.pages_used[at:])))
-        c["peak_running"] = max(c["peak_running"], int(max(tl.running[at:])))
-        c["peak_waiting"] = max(c["peak_waiting"], int(max(tl.waiting[at:])))
+        for peak, column in (("peak_pages", tl.pages_used), ("peak_running", tl.running),
+                             ("peak_waiting", tl.waiting)):
+            top = int(max(column[at:] if at else column))
+            if top > c[peak]:
+                c[peak] = top
 
     def _fold(self) -> None:
         """Without forks: count the tokens of the decode steps of the last plan's sequences

@@ -40,6 +40,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 import numpy as np
 
 from .._core import KV_EVENT
+from .._types import FinishedRequest
 from ..errors import StepError
 from .adapters import is_model, step_backend
 from .books import Books, TokenTimes
@@ -648,7 +649,8 @@ class Engine:
         rid = int(fin.request_id)
         lv = self._live.pop(rid)
         c = self._c
-        if hasattr(fin, "outputs"):  # a FinishedGroup: n members, or beam hypotheses
+        if type(fin) is not FinishedRequest and hasattr(fin, "outputs"):
+            # a FinishedGroup: n members, or beam hypotheses
             outs = [np.asarray(o).tolist() for o in fin.outputs]
             reasons = [str(x) for x in fin.finish_reasons]
             self.groups[rid] = GroupOutput(

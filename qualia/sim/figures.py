@@ -187,14 +187,10 @@ class RequestRecord:
         constructor (one of them per token); the record keeps the array, for
         :func:`serving_figures`, and makes ``token_times_s`` from it when it is read."""
         r = object.__new__(cls)
-        put = object.__setattr__
-        put(r, "request_id", request_id)
-        put(r, "arrival_s", arrival_s)
-        put(r, "first_token_s", float(token_times_s[0]))
-        put(r, "finish_s", float(token_times_s[-1]))
-        put(r, "input_tokens", input_tokens)
-        put(r, "output_tokens", len(token_times_s))
-        put(r, "_token_array", token_times_s)
+        r.__dict__.update(request_id=request_id, arrival_s=arrival_s,
+                          first_token_s=float(token_times_s[0]),
+                          finish_s=float(token_times_s[-1]), input_tokens=input_tokens,
+                          output_tokens=len(token_times_s), _token_array=token_times_s)
         return r
 
     @classmethod
@@ -286,7 +282,9 @@ def _token_times(rs: Sequence[RequestRecord]) -> Tuple[np.ndarray, np.ndarray]:
     gaps = times[1:] - times[:-1]
     # the gap from a record's last token to the next record's first is no record's
     last = np.cumsum(counts)[:-1] - 1
-    return times, np.delete(gaps, last[last >= 0])
+    own = np.ones(len(gaps), dtype=bool)
+    own[last[last >= 0]] = False
+    return times, gaps[own]
 
 
 def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str, Number]:
@@ -302,12 +300,11 @@ def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str
         idx = idx[(idx >= 0) & (idx < len(buckets))]
         buckets += np.bincount(idx, minlength=len(buckets))
         out["max_output_tokens_per_s"] = float(buckets.max())
-    events = sorted([(r.arrival_s, 1) for r in rs] + [(r.finish_s, -1) for r in rs])
-    now = peak = 0
-    for _, delta in events:
-        now += delta
-        peak = max(peak, now)
-    out["max_concurrent_requests"] = peak
+    # in time order, a departure before an arrival at the same time
+    at = np.array([r.arrival_s for r in rs] + [r.finish_s for r in rs], dtype=np.float64)
+    delta = np.repeat(np.array([1, -1], dtype=np.int64), len(rs))
+    in_flight = np.cumsum(delta[np.lexsort((delta, at))])
+    out["max_concurrent_requests"] = max(0, int(in_flight.max()))
     return out
 
 
