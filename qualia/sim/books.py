@@ -43,9 +43,8 @@ __all__ = ["Books", "TokenTimes"]
 class Books:
     """The books of one engine whose pool has ``num_pages`` pages of ``page_tokens`` tokens;
     ``n``: the size of its ``n`` groups (1: none); ``forking``: its requests are groups (``n >
-    1`` or beam search; default: ``n > 1``).  A step is booked in two calls: :meth:`book`
-    (the plan, once it is computed and updated) and :meth:`row` (its timeline row, at the
-    serving time the step ends).  The token counters and the peaks of pages used, running
+    1`` or beam search; default: ``n > 1``).  A step is booked by :meth:`book`, once its
+    plan is computed and updated.  The token counters and the peaks of pages used, running
     and waiting requests are up to date once :meth:`settle` has run; every other figure after
     each step."""
 
@@ -61,7 +60,7 @@ class Books:
         # costs a Python call per write
         self._c = self.counters.__dict__
         tl = self.timeline
-        self._rows = (tl.step.append, tl.t.append, tl.running.append, tl.waiting.append,
+        self._rows = (tl.step.append, tl.running.append, tl.waiting.append,
                       tl.pages_used.append, tl.pages_cached.append, tl.hit_rate.append)
         self._settled = 0  # timeline rows whose peaks are counted
         #: Without forks: the last step booked was a decode step of the sequences of the plan
@@ -111,17 +110,28 @@ class Books:
             self._unshared = 0
         c.beams_parked = parked
 
-    def book(self, plan, held: int, running: int, live: Dict[int, Any], step: int,
-             s: Any = None) -> Sequence[Any]:
+    def book(self, plan, held: int, running: int, live: Dict[int, Any], step: int, s, f,
+             backlog: int, quiet: bool = False) -> Sequence[Any]:
         """The books of step ``step``, its plan ``plan`` computed and updated (``held``: pages
         requests held right after the schedule, ``running``: sequences running then;
-        ``live``: the engine's record of each request not yet completed, by id; ``s``: the
-        scheduler, whose fork counters are read with forks): tokens, admissions, hits,
-        preemptions, pages with and without sharing.  Returns the records of the requests that
-        got their first token."""
+        ``live``: the engine's record of each request not yet completed, by id): tokens,
+        admissions, hits, preemptions, pages with and without sharing, and the step's
+        timeline row but its time (:attr:`Timeline.t`, which the caller appends: the serving
+        clock at the step's end).  The row holds the reads of scheduler ``s`` over facade
+        ``f`` after the step's update (running and waiting requests, pages used and only
+        cached, the prefix cache's hit rate so far), with ``backlog`` requests due that wait
+        in the engine.  Returns the records of the requests that got their first token.
+
+        ``quiet``: the step took no arrival and its update finished no request.  Without
+        forks, a quiet decode step of the last plan's sequences admits, preempts and releases
+        nothing: the queue and the cache's lookups are as they were, and its only change to
+        the cached pages is what its allocations reclaimed, which an allocation does only for
+        what the free pages lack.  Its pages only cached are then the smaller of the last
+        row's and the free pages, read without ``cache_stats()``."""
         if self.forking:
             firsts = self._record_each(plan, held, running, live, step)
             self.count_forks(s)
+            self._row(step, s, f, backlog)
             return firsts
         key = plan.request_ids.tobytes()
         fin, pre, new = (plan.finished_request_ids, plan.preempted_request_ids,
@@ -143,6 +153,20 @@ class Books:
                 if unshared > c["peak_unshared_pages"]:  # the first step with the most
                     c["peak_unshared_pages"] = unshared
                     c["pages_saved_at_peak"] = unshared - held
+            if not quiet:
+                self._row(step, s, f, backlog)
+                return ()
+            rows = self._rows
+            free = f.free_pages
+            cached = self._cached
+            if free < cached:
+                self._cached = cached = free
+            rows[0](step)
+            rows[1](s.num_running)
+            rows[2](self._waiting)
+            rows[3](self.num_pages - free)
+            rows[4](cached)
+            rows[5](self._hit_rate)
             return ()
         self.steady = False
         if key != self._key or len(fin) or len(pre) or len(new):
@@ -166,47 +190,24 @@ class Books:
         if unshared > c["peak_unshared_pages"]:  # the first step with the most
             c["peak_unshared_pages"] = unshared
             c["pages_saved_at_peak"] = unshared - held
+        self._row(step, s, f, backlog)
         # a request's first token is sampled by the row of its prompt's last token
         return self._firsts(plan, step) if prefill and self._awaiting_first else ()
 
-    def row(self, step: int, now: float, s, f, backlog: int, quiet: bool = False) -> None:
-        """The timeline row of step ``step``, at ``now`` on the serving clock: the reads of
-        scheduler ``s`` over facade ``f`` after the step's update (running and waiting
-        requests, pages used and only cached, the prefix cache's hit rate so far), with
-        ``backlog`` requests due that wait in the engine.
-
-        ``quiet``: the step took no arrival and its update finished no request.  Without
-        forks, a quiet decode step of the last plan's sequences admits, preempts and releases
-        nothing: the queue and the cache's lookups are as they were, and its only change to
-        the cached pages is what its allocations reclaimed, which an allocation does only for
-        what the free pages lack.  Its pages only cached are then the smaller of the last
-        row's and the free pages, read without ``cache_stats()``."""
-        rows = self._rows
-        if quiet and self.steady:
-            free = f.free_pages
-            cached = self._cached
-            if free < cached:
-                self._cached = cached = free
-            rows[0](step)
-            rows[1](now)
-            rows[2](s.num_running)
-            rows[3](self._waiting)
-            rows[4](self.num_pages - free)
-            rows[5](cached)
-            rows[6](self._hit_rate)
-            return
+    def _row(self, step: int, s, f, backlog: int) -> None:
+        """The timeline row of step ``step`` but its time, read (see :meth:`book`)."""
         stats = f.cache_stats()
         lookups = stats.lookup_tokens
         self._waiting = waiting = s.num_waiting + backlog
         self._cached = cached = stats.reclaimable_pages
         self._hit_rate = hit_rate = stats.hit_tokens / lookups if lookups else 0.0
+        rows = self._rows
         rows[0](step)
-        rows[1](now)
-        rows[2](s.num_running)
-        rows[3](waiting)
-        rows[4](self.num_pages - f.free_pages)
-        rows[5](cached)
-        rows[6](hit_rate)
+        rows[1](s.num_running)
+        rows[2](waiting)
+        rows[3](self.num_pages - f.free_pages)
+        rows[4](cached)
+        rows[5](hit_rate)
 
     def settle(self) -> None:
         """Bring the figures kept for many steps at once up to date: the tokens of the decode

@@ -712,11 +712,12 @@ class ModeledClock:
         decode step without reading its arrays)."""
         # cost() of the StepWork, multiplied in its order
         flops, bw = self._flops, self._bandwidth
-        seconds = (self._overhead_s
-                   + max((self._linear_per_token * tokens + self._head_per_row * rows) / flops,
-                         self._weights_s)
-                   + max(self._attention_per_pair * pairs / flops,
-                         self._kv_bytes * (context + tokens) / bw))
+        linear = (self._linear_per_token * tokens + self._head_per_row * rows) / flops
+        weights = self._weights_s
+        attention = self._attention_per_pair * pairs / flops
+        kv = self._kv_bytes * (context + tokens) / bw
+        seconds = (self._overhead_s + (linear if linear >= weights else weights)
+                   + (attention if attention >= kv else kv))
         if copied:
             seconds += 2.0 * copied * page_tokens * self.profile.model.kv_bytes_per_token / bw
         return seconds

@@ -512,7 +512,7 @@ class Engine:
         if execute is self._timed_step:
             execute = self.backend.inner.execute_step
         books = self.books
-        book, row, log = books.book, books.row, self._log
+        book, log, t_append = books.book, self._log, books.timeline.t.append
         work_seconds, step_time = self._work_seconds, self.clock.step_time
         sched_append, backend_append = self._sched_append, self._backend_append
         num_pages, page_tokens, measures = self._num_pages, self._page_tokens, self._measures
@@ -535,7 +535,7 @@ class Engine:
             ta = _now()
             try:
                 plan = s.schedule()
-                held = num_pages - int(f.free_pages)  # the step's pages are held
+                held = num_pages - f.free_pages  # the step's pages are held
                 running = s.num_running
                 tb = _now()
                 try:
@@ -579,7 +579,8 @@ class Engine:
                 else:
                     self._drained(drained)
             step = self.step_no
-            firsts = book(plan, held, running, live, step, s)
+            firsts = book(plan, held, running, live, step, s, f, len(self._backlog),
+                          not (arrived or finished))
             seqs = len(plan.request_ids)
             context = books.context
             if work_seconds is None or context is None:
@@ -594,7 +595,7 @@ class Engine:
             self.busy_s += dt
             self.sequence_s += dt * seqs
             self.now = now = self.now + dt
-            row(step, now, s, f, len(self._backlog), not (arrived or finished))
+            t_append(now)
             if not seqs:
                 self._check_progress(plan)
             elif self._empty_plans:

@@ -131,21 +131,22 @@ def test_every_timeline_row_equals_the_schedulers_reads_after_the_step(num_pages
                   output_len=(20, 120), turns=2)
     engine = Engine("c", num_pages=num_pages)
     tl, f, s = engine.timeline, engine.facade, engine.scheduler
-    row = engine.books.row
+    book = engine.books.book
     quiet_rows = 0
 
-    def checked(step, now, s_, f_, backlog, quiet=False):
+    def checked(plan, held, running, live, step, s_, f_, backlog, quiet=False):
         nonlocal quiet_rows
-        row(step, now, s_, f_, backlog, quiet)
+        firsts = book(plan, held, running, live, step, s_, f_, backlog, quiet)
         stats = f.cache_stats()
         lookups = stats.lookup_tokens
-        assert (tl.running[-1], tl.waiting[-1], tl.pages_used[-1], tl.pages_cached[-1],
-                tl.hit_rate[-1]) == (
-            s.num_running, s.num_waiting + backlog, num_pages - f.free_pages,
+        assert (tl.step[-1], tl.running[-1], tl.waiting[-1], tl.pages_used[-1],
+                tl.pages_cached[-1], tl.hit_rate[-1]) == (
+            step, s.num_running, s.num_waiting + backlog, num_pages - f.free_pages,
             stats.reclaimable_pages, stats.hit_tokens / lookups if lookups else 0.0)
         quiet_rows += bool(quiet and engine.books.steady)
+        return firsts
 
-    engine.books.row = checked
+    engine.books.book = checked
     engine.run(wl)
     stats = engine.stats()
     assert quiet_rows > 100
