@@ -479,6 +479,9 @@ class TokenTimes:
 
     def __init__(self) -> None:
         self._t = array("d")  # the serving time at the end of each step logged
+        #: ``again(now)``: one step that sampled the ids of the step logged before it (which
+        #: :meth:`log` finds by comparing them), at serving time ``now``.
+        self.again = self._t.append
         self._array = np.zeros(0, dtype=np.float64)  # _t, when last indexed
         self._key: Optional[bytes] = None  # the sampled ids of the run going on
         self._dtype: Any = np.dtype(np.uint64)

@@ -512,12 +512,16 @@ class Engine:
         if execute is self._timed_step:
             execute = self.backend.inner.execute_step
         books = self.books
-        book, log, t_append = books.book, self._log, books.timeline.t.append
+        book, t_append = books.book, books.timeline.t.append
+        log, again = self._log, self._token_times.again  # log None: no token times
         work_seconds, step_time = self._work_seconds, self.clock.step_time
         sched_append, backend_append = self._sched_append, self._backend_append
         num_pages, page_tokens, measures = self._num_pages, self._page_tokens, self._measures
         drains, free_views, buffer_size = self._drains, self._free_views, self.EVENT_BUFFER
         done = 0
+        # the last step's update finished nothing while a request ran (so the scheduler has
+        # one unfinished), and its plan computed no prefill token
+        running_on = decoding = False
         while (live if limit is None else done < limit):
             done += 1
             t0 = _now() if measures else 0.0
@@ -525,7 +529,7 @@ class Engine:
                 or self.now >= self._due_t
             if arrived:
                 self._take_arrivals()
-            if not s.has_unfinished():
+            if not running_on and not s.has_unfinished():
                 if self._arrivals:
                     self._skip_idle()
                 continue
@@ -596,14 +600,20 @@ class Engine:
             self.sequence_s += dt * seqs
             self.now = now = self.now + dt
             t_append(now)
+            steady = books.steady
+            if log is not None:  # every sampled token is delivered at the step's end
+                if steady and decoding:  # a decode step after one: the same sampled ids
+                    again(now)
+                else:
+                    log(plan.sampled_request_ids, now)
+            decoding = steady or not plan.num_prefill_tokens
+            running_on = running and not finished
             if not seqs:
                 self._check_progress(plan)
             elif self._empty_plans:
                 self._empty_plans = 0
             for lv in firsts:
                 lv.first_t = now
-            if log is not None:  # every sampled token is delivered at the step's end
-                log(plan.sampled_request_ids, now)
             self.step_no = step + 1
             for fin in finished:
                 self._complete(fin)
