@@ -358,7 +358,9 @@ class Books:
         """The records of the admitted requests that got their first token in ``plan``."""
         firsts = []
         awaiting = self._awaiting_first
-        sampled = set(plan.sampled_request_ids.tolist())
+        sampled: Any = plan.sampled_request_ids.tolist()
+        if len(awaiting) > 4:
+            sampled = set(sampled)
         for rid in [r for r in awaiting if r in sampled]:
             got = awaiting.pop(rid)
             got.first_step = step
