@@ -522,101 +522,106 @@ class Engine:
         # the last step's update finished nothing while a request ran (so the scheduler has
         # one unfinished), and its plan computed no prefill token
         running_on = decoding = False
-        while (live if limit is None else done < limit):
-            done += 1
-            t0 = _now() if measures else 0.0
-            arrived = self._backlog or self.step_no >= self._due_step \
-                or self.now >= self._due_t
-            if arrived:
-                self._take_arrivals()
-            if not running_on and not s.has_unfinished():
-                if self._arrivals:
-                    self._skip_idle()
-                continue
-            # the scheduler's and the backend's calls, timed here; the stopwatch's rows are
-            # charged with them when the engine settles its books (_settle)
-            tb = tc = None
-            ta = _now()
-            try:
-                plan = s.schedule()
-                held = num_pages - f.free_pages  # the step's pages are held
-                running = s.num_running
-                tb = _now()
+        # the serving clock's busy seconds and sequence-seconds, kept here and written back
+        busy, sequence = self.busy_s, self.sequence_s
+        try:
+            while (live if limit is None else done < limit):
+                done += 1
+                t0 = _now() if measures else 0.0
+                arrived = self._backlog or self.step_no >= self._due_step \
+                    or self.now >= self._due_t
+                if arrived:
+                    self._take_arrivals()
+                if not running_on and not s.has_unfinished():
+                    if self._arrivals:
+                        self._skip_idle()
+                    continue
+                # the scheduler's and the backend's calls, timed here; the stopwatch's rows are
+                # charged with them when the engine settles its books (_settle)
+                tb = tc = None
+                ta = _now()
                 try:
-                    sampled = execute(plan)
-                except BaseException:
+                    plan = s.schedule()
+                    held = num_pages - f.free_pages  # the step's pages are held
+                    running = s.num_running
+                    tb = _now()
+                    try:
+                        sampled = execute(plan)
+                    except BaseException:
+                        tc = _now()
+                        discard = getattr(s, "discard_plan", None)
+                        if callable(discard):
+                            discard()
+                        raise
                     tc = _now()
-                    discard = getattr(s, "discard_plan", None)
-                    if callable(discard):
-                        discard()
+                    if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
+                        finished = s.update(*sampled)
+                    else:
+                        finished = s.update(sampled)
+                    drained = f.drain_events(self._events_free) if drains else 0
+                except BaseException:
+                    td = _now()
+                    if tb is None:
+                        sched, waited = td - ta, 0.0
+                    elif tc is None:
+                        sched, waited = tb - ta, td - tb
+                    else:
+                        sched, waited = (tb - ta) + (td - tc), tc - tb
+                    secs = self.stopwatch.seconds
+                    secs[SCHEDULER] += sched
+                    secs[BACKEND] += waited
+                    secs[ENGINE] -= sched + waited
                     raise
-                tc = _now()
-                if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
-                    finished = s.update(*sampled)
-                else:
-                    finished = s.update(sampled)
-                drained = f.drain_events(self._events_free) if drains else 0
-            except BaseException:
                 td = _now()
-                if tb is None:
-                    sched, waited = td - ta, 0.0
-                elif tc is None:
-                    sched, waited = tb - ta, td - tb
+                sched_append((tb - ta) + (td - tc))
+                backend_append(tc - tb)
+                if drained:  # the next drain writes past these events (_drained)
+                    at = self._events_at + drained
+                    if at < buffer_size:
+                        self._events_at = at
+                        free = free_views[at]
+                        if free is None:
+                            free = free_views[at] = self._events[at:]
+                        self._events_free = free
+                    else:
+                        self._drained(drained)
+                step = self.step_no
+                firsts = book(plan, held, running, live, step, s, f, len(self._backlog),
+                              not (arrived or finished))
+                seqs = len(plan.request_ids)
+                context = books.context
+                if work_seconds is None or context is None:
+                    dt = float(step_time(plan, _now() - t0))
+                elif books.steady:  # a decode step, its attention pairs its context, no copy
+                    dt = work_seconds(seqs, context, context, seqs)
+                elif seqs and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
+                    dt = work_seconds(seqs, context, context, len(plan.logits_indices),
+                                      len(plan.copies), page_tokens)
                 else:
-                    sched, waited = (tb - ta) + (td - tc), tc - tb
-                secs = self.stopwatch.seconds
-                secs[SCHEDULER] += sched
-                secs[BACKEND] += waited
-                secs[ENGINE] -= sched + waited
-                raise
-            td = _now()
-            sched_append((tb - ta) + (td - tc))
-            backend_append(tc - tb)
-            if drained:  # the next drain writes past these events (_drained)
-                at = self._events_at + drained
-                if at < buffer_size:
-                    self._events_at = at
-                    free = free_views[at]
-                    if free is None:
-                        free = free_views[at] = self._events[at:]
-                    self._events_free = free
-                else:
-                    self._drained(drained)
-            step = self.step_no
-            firsts = book(plan, held, running, live, step, s, f, len(self._backlog),
-                          not (arrived or finished))
-            seqs = len(plan.request_ids)
-            context = books.context
-            if work_seconds is None or context is None:
-                dt = float(step_time(plan, _now() - t0))
-            elif books.steady:  # a decode step, its attention pairs its context, no copy
-                dt = work_seconds(seqs, context, context, seqs)
-            elif seqs and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
-                dt = work_seconds(seqs, context, context, len(plan.logits_indices),
-                                  len(plan.copies), page_tokens)
-            else:
-                dt = float(step_time(plan, _now() - t0))
-            self.busy_s += dt
-            self.sequence_s += dt * seqs
-            self.now = now = self.now + dt
-            t_append(now)
-            steady = books.steady
-            if log is not None:  # every sampled token is delivered at the step's end
-                if steady and decoding:  # a decode step after one: the same sampled ids
-                    again(now)
-                else:
-                    log(plan.sampled_request_ids, now)
-            decoding = steady or not plan.num_prefill_tokens
-            running_on = running and not finished
-            if not seqs:
-                self._check_progress(plan)
-            elif self._empty_plans:
-                self._empty_plans = 0
-            for lv in firsts:
-                lv.first_t = now
-            self.step_no = step + 1
-            for fin in finished:
-                self._complete(fin)
+                    dt = float(step_time(plan, _now() - t0))
+                busy += dt
+                sequence += dt * seqs
+                self.now = now = self.now + dt
+                t_append(now)
+                steady = books.steady
+                if log is not None:  # every sampled token is delivered at the step's end
+                    if steady and decoding:  # a decode step after one: the same sampled ids
+                        again(now)
+                    else:
+                        log(plan.sampled_request_ids, now)
+                decoding = steady or not plan.num_prefill_tokens
+                running_on = running and not finished
+                if not seqs:
+                    self._check_progress(plan)
+                elif self._empty_plans:
+                    self._empty_plans = 0
+                for lv in firsts:
+                    lv.first_t = now
+                self.step_no = step + 1
+                for fin in finished:
+                    self._complete(fin)
+        finally:
+            self.busy_s, self.sequence_s = busy, sequence
 
     #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
     #: only running request preempts itself for pages; the next step admits it again).
