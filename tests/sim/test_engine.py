@@ -778,3 +778,20 @@ def test_end_state_check_names_a_cached_page_with_a_wrong_refcount(bulk):
         verify_end_state(facade, {7: None}, {7: 1})
     facade.pool.counts[4] = 1
     verify_end_state(facade, {7: None}, {7: 1})
+
+
+def test_outputs_hold_every_completed_request_as_a_list_after_each_step():
+    engine = Engine("c", num_pages=200)
+    engine.submit_all(Workload(requests=10, seed=3, turns=1))
+    completed = []
+    while engine.pending:
+        engine.step()
+        assert set(engine.outputs) == set(engine.finish_reasons)
+        completed = list(engine.outputs)
+        assert all(type(engine.outputs[r]) is list and
+                   all(type(t) is int for t in engine.outputs[r]) for r in completed)
+    assert len(completed) == 10
+    seen = {}
+    Engine("c", num_pages=200, on_complete=lambda rid, tokens: seen.setdefault(rid, tokens)
+           ).run(Workload(requests=10, seed=3, turns=1))
+    assert seen == engine.outputs
