@@ -476,23 +476,29 @@ class Engine:
             backlog.append(live)
         self._due_step, self._due_t = self._arrivals.horizon()
         s = self.scheduler
-        room = self.config.queue_limit - s.num_waiting - s.num_running
-        group, eos = self.config.group_keywords(), self.config.eos_token_id
+        config = self.config
+        room = config.queue_limit - s.num_waiting - s.num_running
+        group, eos, n = config.group_keywords(), config.eos_token_id, config.n
+        add, secs = s.add_request, self.stopwatch.seconds
         while backlog and room > 0:
             live = backlog.popleft()
             r = live.req
+            t = _now()  # the call is charged to the scheduler row
             try:
-                self._call(s.add_request, r.request_id, r.prompt,
-                           max_new_tokens=r.max_new_tokens, namespace=r.namespace,
-                           eos_token_id=eos, **group)
+                add(r.request_id, r.prompt, max_new_tokens=r.max_new_tokens,
+                    namespace=r.namespace, eos_token_id=eos, **group)
             except StepError.QueueFull:
                 # a group takes n entries, its stopped members' too, until its result is
                 # returned: the queue is fuller than num_waiting + num_running say
-                if not self.forking:
+                if not config.forking:
                     raise
                 backlog.appendleft(live)
                 return
-            room -= self.n
+            finally:
+                t = _now() - t
+                secs[SCHEDULER] += t
+                secs[ENGINE] -= t
+            room -= n
 
     def _skip_idle(self) -> None:
         """Nothing queued or running: jump the step counter or the serving clock to the next
