@@ -19,12 +19,18 @@ bytes) is a *decode step of the same sequences*: each sequence's length grows by
 step is booked in O(1): the sum of the plan's ``seq_lens`` (:attr:`Books.context`, what the
 modeled clock costs a decode step by) grows by the number of sequences, and their pages
 without sharing by the sequences whose length crosses a page boundary, read from a count of
-the sequences by ``(seq_len - 1) % page_tokens`` taken when the lengths were last read.  Any
-other step reads its ``seq_lens`` with numpy (the sums and that count, again) and books its
-events one by one; its running set is worked out with dictionary and set operations over the
-plan's ids only when a preemption happened or a running sequence is left out of a plan (the
-plan has fewer sequences than are running).  With forks every step is booked sequence by
+the sequences by ``(seq_len - 1) % page_tokens`` taken when the lengths were last read; its
+tokens are counted from the context's growth when the books settle.  Its timeline row, when
+the step also took no arrival and finished nothing, takes its cached pages from the free pages
+(see :meth:`Books.book`).  Any other step reads its ``seq_lens`` (the sums and that count,
+again; in Python for a short plan, with numpy for a long one), the cache's counters, and books
+its events one by one; its running set is worked out with dictionary and set operations over
+the plan's ids only when a preemption happened or a running sequence is left out of a plan
+(the plan has fewer sequences than are running).  With forks every step is booked sequence by
 sequence.
+
+:class:`TokenTimes` keeps when each sampled token was delivered, as runs of steps that sampled
+one set of ids, and gives many requests' token times at once.
 """
 
 from __future__ import annotations
