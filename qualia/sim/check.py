@@ -19,6 +19,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
+import numpy as np
+
 __all__ = ["CheckResult", "hash_next_token", "hash_generate", "check_outputs", "check_groups",
            "dense_reference", "verify_end_state", "progress_reporter", "DENSE_MODEL",
            "HASH_RULE", "DENSE_BEAM"]
@@ -275,10 +277,16 @@ def verify_end_state(scheduler, submitted: Mapping[int, object], completions: Ma
     if cache.cached_pages != cache.reclaimable_pages:
         problems.append(f"{cache.cached_pages - cache.reclaimable_pages} cached pages still "
                         f"held by a request")
-    for page in s.reclaimable_pages().tolist():
-        if s.pool.refcount(page) != 1:
-            problems.append(f"cached page {page}: refcount {s.pool.refcount(page)}, expected 1")
-            break
+    reclaimable = s.reclaimable_pages()
+    refcounts = getattr(s.pool, "refcounts", None)  # every page's count at once, where read
+    if callable(refcounts):
+        wrong = next(iter(reclaimable[np.asarray(refcounts())[reclaimable] != 1].tolist()),
+                     None)
+    else:
+        wrong = next((page for page in reclaimable.tolist() if s.pool.refcount(page) != 1),
+                     None)
+    if wrong is not None:
+        problems.append(f"cached page {wrong}: refcount {s.pool.refcount(wrong)}, expected 1")
     for page, count in held.items():
         if s.pool.refcount(page) != count:
             problems.append(f"page {page}: refcount {s.pool.refcount(page)}, store holds "

@@ -618,7 +618,7 @@ class ModeledClock:
         self._attention_per_pair = 4.0 * m.layers * m.heads * m.head_dim
         self._kv_bytes = float(m.kv_bytes_per_token)
         self._flops, self._bandwidth = a.flops, a.bandwidth
-        self._ones: Dict[int, bytes] = {}  # n -> the bytes of query_start_loc [0, 1, ..., n]
+        self._overhead_s = a.step_overhead_s
 
     def __repr__(self) -> str:
         return f"ModeledClock({self.profile.name!r})"
@@ -665,41 +665,61 @@ class ModeledClock:
     def step_time(self, plan: Any, measured_s: float) -> float:
         """The serving clock's time of the step that computed ``plan`` (or did a
         :class:`StepWork`): its modeled time (``measured_s``, the step's time on this machine,
-        is not used).  The same seconds as :meth:`plan_seconds`; a plan of one token per
-        sequence (a decode step) is costed straight from its arrays, trusting its
-        ``seq_lens`` (each at least 1, as every scheduler's plan has them), where
-        :meth:`plan_seconds` checks every length first."""
+        is not used).  The same seconds as :meth:`plan_seconds`, bit for bit; a plan is costed
+        straight from its arrays (:meth:`work_seconds`), trusting its lengths (each query
+        length at least 1 and at most its ``seq_len``, as every scheduler's plan has them),
+        where :meth:`plan_seconds` checks every length first."""
         if isinstance(plan, StepWork):
             return self.seconds(plan)
         qsl = plan.query_start_loc
         n = len(qsl) - 1
-        if n < 1 or plan.num_prefill_tokens:
+        if n < 1:
             return self.plan_seconds(plan)
-        ones = self._ones.get(n)
-        if ones is None:
-            ones = self._ones[n] = np.arange(n + 1, dtype=np.int32).tobytes()
-        if qsl.tobytes() != ones:  # not one token per sequence (or not int32)
-            return self.plan_seconds(plan)
-        if plan.num_decode_tokens != n:
+        if n < 64:  # a short plan: Python ints beat numpy's per-call cost
+            ends, seqs = qsl.tolist(), plan.seq_lens.tolist()
+            tokens, context, pairs, at = ends[n] - ends[0], sum(seqs), 0, ends[0]
+            for end, seq in zip(ends[1:], seqs):
+                q, at = end - at, end
+                pairs += q * (seq - q) + q * (q + 1) // 2
+        else:
+            ends64 = qsl.astype(np.int64)
+            q64 = ends64[1:] - ends64[:-1]
+            seqs64 = plan.seq_lens.astype(np.int64)
+            tokens, context = int(ends64[n] - ends64[0]), int(seqs64.sum())
+            # the sum of q (s - q) + q (q + 1) / 2 = q s - (q^2 - q) / 2
+            pairs = int(np.dot(q64, seqs64)) - (int(np.dot(q64, q64)) - tokens) // 2
+        prefill, decode = int(plan.num_prefill_tokens), int(plan.num_decode_tokens)
+        if prefill + decode != tokens:
             raise ValueError(f"the plan's num_prefill_tokens + num_decode_tokens "
-                             f"(0 + {int(plan.num_decode_tokens)}) differ from its "
-                             f"query_start_loc ({n} tokens)")
-        seqs = plan.seq_lens
-        context = sum(seqs.tolist()) if n < 64 else int(seqs.sum(dtype=np.int64))
-        if context < n:
+                             f"({prefill} + {decode}) differ from its query_start_loc "
+                             f"({tokens} tokens)")
+        if not tokens:
+            return self.plan_seconds(plan)
+        if context < tokens:
             raise ValueError(f"context_tokens ({context}) must be at least the step's tokens "
-                             f"({n}): every computed token is in its context")
-        # cost() of StepWork(n sequences, n tokens, context, context pairs, rows, copies)
+                             f"({tokens}): every computed token is in its context")
+        copied = len(plan.copies)
+        return self.work_seconds(tokens, context, pairs, len(plan.logits_indices), copied,
+                                 int(getattr(plan, "page_tokens", 16)) if copied else 16)
+
+    def work_seconds(self, tokens: int, context: int, pairs: int, rows: int, copied: int = 0,
+                     page_tokens: int = 16) -> float:
+        """The modeled time of a step of ``tokens`` tokens (at least 1) whose sequences'
+        ``seq_lens`` add up to ``context``, with ``pairs`` causal attention pairs (a decode
+        step: ``context``), ``rows`` sampled rows and ``copied`` copy-on-write copies of
+        ``page_tokens``-token pages: :meth:`seconds` of that :class:`StepWork`, bit for bit,
+        in O(1) and unchecked (a caller that keeps the context sum from step to step costs a
+        decode step without reading its arrays)."""
+        # cost() of the StepWork, multiplied in its order
         flops, bw = self._flops, self._bandwidth
-        rows, copied = len(plan.logits_indices), len(plan.copies)
-        seconds = (self.profile.accelerator.step_overhead_s
-                   + max((self._linear_per_token * n + self._head_per_row * rows) / flops,
-                         self._weights_s)
-                   + max(self._attention_per_pair * context / flops,
-                         self._kv_bytes * (context + n) / bw))
+        linear = (self._linear_per_token * tokens + self._head_per_row * rows) / flops
+        weights = self._weights_s
+        attention = self._attention_per_pair * pairs / flops
+        kv = self._kv_bytes * (context + tokens) / bw
+        seconds = (self._overhead_s + (linear if linear >= weights else weights)
+                   + (attention if attention >= kv else kv))
         if copied:
-            pt = int(getattr(plan, "page_tokens", 16))
-            seconds += 2.0 * copied * pt * self.profile.model.kv_bytes_per_token / bw
+            seconds += 2.0 * copied * page_tokens * self.profile.model.kv_bytes_per_token / bw
         return seconds
 
 

@@ -34,16 +34,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from array import array
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional
 
 import numpy as np
 
 from .._core import KV_EVENT
+from .._types import FinishedRequest
 from ..errors import StepError
 from .adapters import is_model, step_backend
 from .books import Books, TokenTimes
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
-from .clock import serving_clock
+from .clock import FixedClock, ModeledClock, serving_clock
 from .config import EngineConfig, make_step_scheduler
 from .figures import RequestRecord, serving_figures
 from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
@@ -184,7 +186,7 @@ class Engine:
             backend, vocab=self.vocab or 32000, beams=config.beam_width is not None,
             batched=config.forking or not self.sampling.greedy), self.stopwatch)
         # the loop calls the wrapped backend itself (unless execute_step was replaced on the
-        # wrapper), times the call and tells the wrapper (_settle)
+        # wrapper: _serve), times the call and tells the wrapper (_settle)
         self._timed_step = self.backend.execute_step
         self.scheduler = make_step_scheduler(config)
         s = self.scheduler
@@ -197,10 +199,11 @@ class Engine:
         self._events = np.zeros(self.EVENT_BUFFER, dtype=KV_EVENT)
         self._events_at = 0
         self._events_free = self._events[:]
+        # the free end of the buffer past each count of events, made once each
+        self._free_views: List[Any] = [None] * self.EVENT_BUFFER
         self.on_complete = on_complete
         self._progress: Optional[Callable[[str, int, int], None]] = None
         self._drains = self.caching == "auto"
-        self._logs_tokens = config.beam_width is None
 
         self.step_no = 0
         self.now = 0.0  # the serving clock, seconds
@@ -208,10 +211,21 @@ class Engine:
         self.books = Books(config.num_pages, config.page_tokens, config.n,
                            forking=config.forking)
         self.counters, self.timeline = self.books.counters, self.books.timeline
+        # whether the clock reads a step's measured time (the known clocks that do not are
+        # handed 0.0)
+        self._measures = not isinstance(self.clock, (ModeledClock, FixedClock))
+        # the modeled clock's O(1) cost of a decode step, from the sum of its seq_lens the
+        # books keep (without forks: Books.context)
+        self._work_seconds = (self.clock.work_seconds
+                                if isinstance(self.clock, ModeledClock)
+                                and type(self.clock).step_time is ModeledClock.step_time
+                                else None)
         self._c = self.books.counters.__dict__  # written in place (see Books)
         self._requests: Dict[int, Request] = {}
         self._live: Dict[int, _Live] = {}
         self._arrivals = Arrivals()  # not yet due
+        # the step and the serving time from which an arrival is due (Arrivals.horizon)
+        self._due_step, self._due_t = self._arrivals.horizon()
         self._backlog: Deque[_Live] = collections.deque()  # due, waiting for queue room
         self._completions: Dict[int, int] = {}
         self.outputs: Dict[int, List[int]] = {}
@@ -221,20 +235,26 @@ class Engine:
         # a multi-turn Workload's next_turn(request, answer, step), set by submit_all
         self._next_turn: Optional[Callable[..., Optional[Request]]] = None
         # per step with work: seconds in the scheduler calls and in the backend
-        self.step_sched_s: List[float] = []
-        self.step_backend_s: List[float] = []
+        self.step_sched_s = array("d")
+        self.step_backend_s = array("d")
+        self._sched_append, self._backend_append = (self.step_sched_s.append,
+                                                    self.step_backend_s.append)
+        self._num_pages, self._page_tokens = config.num_pages, config.page_tokens
         #: the serving clock's seconds of the steps with work (idle gaps are not steps)
         self.busy_s = 0.0
         #: sequence-seconds: each step's time times the sequences it computed
         self.sequence_s = 0.0
         # every sampled token's delivery time (none for beam search)
         self._token_times = TokenTimes()
+        self._log = self._token_times.log if config.beam_width is None else None
         # completed requests whose records are still to be made from the token times: (their
         # live record, the ids their tokens were sampled under, their output tokens, the
         # steps logged when they completed)
         self._unrecorded: List[tuple] = []
         self._records: Dict[int, RequestRecord] = {}
-        self._backend_charged = 0  # steps whose backend time the TimedBackend was told
+        # steps whose scheduler and backend times the stopwatch's rows and the TimedBackend
+        # were charged (_settle)
+        self._charged = 0
         self.last_check: Optional[CheckResult] = None
         if self._owns_stopwatch:
             self.stopwatch.stop()  # an engine-owned stopwatch counts only inside engine methods
@@ -406,6 +426,7 @@ class Engine:
         live = _Live(request)
         self._live[rid] = live
         self._arrivals.push(request, live)
+        self._due_step, self._due_t = self._arrivals.horizon()
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -421,8 +442,7 @@ class Engine:
         token = self.stopwatch.enter(ENGINE)
         self._progress = progress
         try:
-            while self.pending:
-                self._step()
+            self._serve(None)
             self.verify_end_state()
         finally:
             self._settle()
@@ -440,7 +460,7 @@ class Engine:
         """One engine step: the arrivals due, then schedule, execute and update."""
         token = self.stopwatch.enter(ENGINE)
         try:
-            self._step()
+            self._serve(1)
         finally:
             self._settle()
             self.stopwatch.leave(token)
@@ -454,24 +474,31 @@ class Engine:
             r = live.req
             live.arrival_t = self.now if r.arrival_s is None else float(r.arrival_s)
             backlog.append(live)
+        self._due_step, self._due_t = self._arrivals.horizon()
         s = self.scheduler
-        room = self.config.queue_limit - s.num_waiting - s.num_running
-        group, eos = self.config.group_keywords(), self.config.eos_token_id
+        config = self.config
+        room = config.queue_limit - s.num_waiting - s.num_running
+        group, eos, n = config.group_keywords(), config.eos_token_id, config.n
+        add, secs = s.add_request, self.stopwatch.seconds
         while backlog and room > 0:
             live = backlog.popleft()
             r = live.req
+            t = _now()  # the call is charged to the scheduler row
             try:
-                self._call(s.add_request, r.request_id, r.prompt,
-                           max_new_tokens=r.max_new_tokens, namespace=r.namespace,
-                           eos_token_id=eos, **group)
+                add(r.request_id, r.prompt, max_new_tokens=r.max_new_tokens,
+                    namespace=r.namespace, eos_token_id=eos, **group)
             except StepError.QueueFull:
                 # a group takes n entries, its stopped members' too, until its result is
                 # returned: the queue is fuller than num_waiting + num_running say
-                if not self.forking:
+                if not config.forking:
                     raise
                 backlog.appendleft(live)
                 return
-            room -= self.n
+            finally:
+                t = _now() - t
+                secs[SCHEDULER] += t
+                secs[ENGINE] -= t
+            room -= n
 
     def _skip_idle(self) -> None:
         """Nothing queued or running: jump the step counter or the serving clock to the next
@@ -481,79 +508,126 @@ class Engine:
         self.counters.idle_s += now - self.now
         self.step_no, self.now = step, now
 
-    def _step(self) -> None:
-        t0 = _now()
-        if self._backlog or self._arrivals.has_due(self.step_no, self.now):
-            self._take_arrivals()
-        s = self.scheduler
-        if not s.has_unfinished():
-            if self._arrivals:
-                self._skip_idle()
-            return
-        # the scheduler's and the backend's calls, timed here and charged to their rows of the
-        # stopwatch (which runs in the engine row) once the update is done
-        f = self.facade
-        backend = self.backend
-        execute = backend.execute_step
+    def _serve(self, limit: Optional[int]) -> None:
+        """Run ``limit`` engine steps (None: until no request is pending).  A step: the
+        arrivals due, then schedule, execute and update, then the books.  What the loop calls
+        is looked up once: the scheduler, the backend's ``execute_step`` (the wrapped
+        backend's, or the wrapper's where it was replaced), the books, the clock."""
+        s, f, live = self.scheduler, self.facade, self._live
+        execute = self.backend.execute_step
         if execute is self._timed_step:
-            execute = backend.inner.execute_step
-        tb = tc = None
-        ta = _now()
+            execute = self.backend.inner.execute_step
+        books = self.books
+        book, t_append = books.book, books.timeline.t.append
+        log, again = self._log, self._token_times.again  # log None: no token times
+        work_seconds, step_time = self._work_seconds, self.clock.step_time
+        sched_append, backend_append = self._sched_append, self._backend_append
+        num_pages, page_tokens, measures = self._num_pages, self._page_tokens, self._measures
+        drains, free_views, buffer_size = self._drains, self._free_views, self.EVENT_BUFFER
+        done = 0
+        # the last step's update finished nothing while a request ran (so the scheduler has
+        # one unfinished), and its plan computed no prefill token
+        running_on = decoding = False
+        # the serving clock's busy seconds and sequence-seconds, kept here and written back
+        busy, sequence = self.busy_s, self.sequence_s
         try:
-            plan = s.schedule()
-            held = self.config.num_pages - int(f.free_pages)  # the step's pages are held
-            running = int(s.num_running)
-            tb = _now()
-            try:
-                sampled = execute(plan)
-            except BaseException:
-                tc = _now()
-                discard = getattr(s, "discard_plan", None)
-                if callable(discard):
-                    discard()
-                raise
-            tc = _now()
-            if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
-                finished = s.update(*sampled)
-            else:
-                finished = s.update(sampled)
-            drained = f.drain_events(self._events_free) if self._drains else 0
+            while (live if limit is None else done < limit):
+                done += 1
+                t0 = _now() if measures else 0.0
+                arrived = self._backlog or self.step_no >= self._due_step \
+                    or self.now >= self._due_t
+                if arrived:
+                    self._take_arrivals()
+                if not running_on and not s.has_unfinished():
+                    if self._arrivals:
+                        self._skip_idle()
+                    continue
+                # the scheduler's and the backend's calls, timed here; the stopwatch's rows are
+                # charged with them when the engine settles its books (_settle)
+                tb = tc = None
+                ta = _now()
+                try:
+                    plan = s.schedule()
+                    held = num_pages - f.free_pages  # the step's pages are held
+                    running = s.num_running
+                    tb = _now()
+                    try:
+                        sampled = execute(plan)
+                    except BaseException:
+                        tc = _now()
+                        discard = getattr(s, "discard_plan", None)
+                        if callable(discard):
+                            discard()
+                        raise
+                    tc = _now()
+                    if isinstance(sampled, tuple):  # beam rows: (ids, topk_ids, topk_logprobs)
+                        finished = s.update(*sampled)
+                    else:
+                        finished = s.update(sampled)
+                    drained = f.drain_events(self._events_free) if drains else 0
+                except BaseException:
+                    td = _now()
+                    if tb is None:
+                        sched, waited = td - ta, 0.0
+                    elif tc is None:
+                        sched, waited = tb - ta, td - tb
+                    else:
+                        sched, waited = (tb - ta) + (td - tc), tc - tb
+                    secs = self.stopwatch.seconds
+                    secs[SCHEDULER] += sched
+                    secs[BACKEND] += waited
+                    secs[ENGINE] -= sched + waited
+                    raise
+                td = _now()
+                sched_append((tb - ta) + (td - tc))
+                backend_append(tc - tb)
+                if drained:  # the next drain writes past these events (_drained)
+                    at = self._events_at + drained
+                    if at < buffer_size:
+                        self._events_at = at
+                        free = free_views[at]
+                        if free is None:
+                            free = free_views[at] = self._events[at:]
+                        self._events_free = free
+                    else:
+                        self._drained(drained)
+                step = self.step_no
+                firsts = book(plan, held, running, live, step, s, f, len(self._backlog),
+                              not (arrived or finished))
+                seqs = len(plan.request_ids)
+                context = books.context
+                if work_seconds is None or context is None:
+                    dt = float(step_time(plan, _now() - t0))
+                elif books.steady:  # a decode step, its attention pairs its context, no copy
+                    dt = work_seconds(seqs, context, context, seqs)
+                elif seqs and not plan.num_prefill_tokens and plan.num_decode_tokens == seqs:
+                    dt = work_seconds(seqs, context, context, len(plan.logits_indices),
+                                      len(plan.copies), page_tokens)
+                else:
+                    dt = float(step_time(plan, _now() - t0))
+                busy += dt
+                sequence += dt * seqs
+                self.now = now = self.now + dt
+                t_append(now)
+                steady = books.steady
+                if log is not None:  # every sampled token is delivered at the step's end
+                    if steady and decoding:  # a decode step after one: the same sampled ids
+                        again(now)
+                    else:
+                        log(plan.sampled_request_ids, now)
+                decoding = steady or not plan.num_prefill_tokens
+                running_on = running and not finished
+                if not seqs:
+                    self._check_progress(plan)
+                elif self._empty_plans:
+                    self._empty_plans = 0
+                for lv in firsts:
+                    lv.first_t = now
+                self.step_no = step + 1
+                for fin in finished:
+                    self._complete(fin)
         finally:
-            td = _now()
-            if tb is None:
-                sched, waited = td - ta, 0.0
-            elif tc is None:
-                sched, waited = tb - ta, td - tb
-            else:
-                sched, waited = (tb - ta) + (td - tc), tc - tb
-            secs = self.stopwatch.seconds
-            secs[SCHEDULER] += sched
-            secs[BACKEND] += waited
-            secs[ENGINE] -= sched + waited
-        if drained:
-            self._drained(drained)
-        self.step_sched_s.append(sched)
-        self.step_backend_s.append(waited)
-        seqs = len(plan.request_ids)
-        dt = float(self.clock.step_time(plan, _now() - t0))
-        self.busy_s += dt
-        self.sequence_s += dt * seqs
-        self.now = now = self.now + dt
-        step = self.step_no
-        firsts = self.books.book(plan, held, running, self._live, step, now, s, f,
-                                 len(self._backlog))
-        if seqs:
-            self._empty_plans = 0
-        else:
-            self._check_progress(plan)
-        for lv in firsts:
-            lv.first_t = now
-        if self._logs_tokens:  # every sampled token is delivered at the step's end
-            self._token_times.log(plan.sampled_request_ids, now)
-        self.step_no = step + 1
-        self._c["steps"] += 1
-        for fin in finished:
-            self._complete(fin)
+            self.busy_s, self.sequence_s = busy, sequence
 
     #: Consecutive empty plans after which the engine gives up (an empty plan happens when the
     #: only running request preempts itself for pages; the next step admits it again).
@@ -562,16 +636,25 @@ class Engine:
     EVENT_BUFFER = 4096
 
     def _settle(self) -> None:
-        """Bring the figures kept for many steps at once up to date: the books' page peaks,
-        the KV events' counts, the backend's time on its wrapper."""
+        """Bring the figures kept for many steps at once up to date: the books' (settle), the
+        steps counted, the KV events' counts, the scheduler's and the backend's times on the
+        stopwatch's rows and the backend's on its wrapper."""
         self.books.settle()
         self._count_events()
-        times = self.step_backend_s
-        charge = getattr(self.backend, "charge", None)
-        if len(times) > self._backend_charged and callable(charge):
-            charge("execute_step", sum(times[self._backend_charged:]),
-                   len(times) - self._backend_charged)
-            self._backend_charged = len(times)
+        done = len(self.step_sched_s)
+        self._c["steps"] = done
+        at = self._charged
+        if done > at:
+            sched = sum(self.step_sched_s[at:])
+            waited = sum(self.step_backend_s[at:])
+            secs = self.stopwatch.seconds
+            secs[SCHEDULER] += sched
+            secs[BACKEND] += waited
+            secs[ENGINE] -= sched + waited
+            charge = getattr(self.backend, "charge", None)
+            if callable(charge):
+                charge("execute_step", waited, done - at)
+            self._charged = done
 
     def _check_progress(self, plan) -> None:
         if len(plan.request_ids):
@@ -588,37 +671,43 @@ class Engine:
         rid = int(fin.request_id)
         lv = self._live.pop(rid)
         c = self._c
-        if hasattr(fin, "outputs"):  # a FinishedGroup: n members, or beam hypotheses
+        if type(fin) is not FinishedRequest and hasattr(fin, "outputs"):
+            # a FinishedGroup: n members, or beam hypotheses
             outs = [np.asarray(o).tolist() for o in fin.outputs]
             reasons = [str(x) for x in fin.finish_reasons]
             self.groups[rid] = GroupOutput(
                 "n" if self.beam_width is None else "beam", outs, reasons,
                 [int(m) for m in fin.member_ids],
                 None if fin.scores is None else [float(x) for x in fin.scores])
+            lv.outputs = outs[0]
+            lv.longest = max(len(o) for o in outs)
+            generated = sum(len(o) for o in outs)
+            stopped = reasons.count("stop")
+            reason = reasons[0]
+            members = [int(m) for m in fin.member_ids]
         else:
-            outs = [np.asarray(fin.output_tokens).tolist()]
-            reasons = [str(fin.finish_reason)]
-        lv.outputs = outs[0]
-        lv.longest = max(len(o) for o in outs)
+            lv.outputs = np.asarray(fin.output_tokens).tolist()
+            lv.longest = generated = len(lv.outputs)
+            reason = str(fin.finish_reason)
+            stopped = reason == "stop"
+            outs, members = [lv.outputs], [rid]
         lv.end_step, lv.end_t = self.step_no - 1, self.now
         if self.beam_width is not None:  # its longest hypothesis, without token times
             tokens = lv.longest
             self._records[rid] = RequestRecord(rid, lv.arrival_t, lv.first_t, lv.end_t,
                                                len(lv.req.prompt), tokens)
         else:  # made from the token log (_make_records)
-            tokens = sum(len(o) for o in outs)
-            members = [int(m) for m in fin.member_ids] if hasattr(fin, "member_ids") else [rid]
+            tokens = generated
             self._unrecorded.append((lv, members, tokens, len(self._token_times)))
         self._completions[rid] = self._completions.get(rid, 0) + 1
         self.outputs[rid] = lv.outputs
-        self.finish_reasons[rid] = reasons[0]
+        self.finish_reasons[rid] = reason
         self.timeline.finish(lv, tokens)
         c["completed"] += 1
         c["sequences_completed"] += len(outs)
-        c["tokens_generated"] += sum(len(o) for o in outs)
-        stopped = reasons.count("stop")
+        c["tokens_generated"] += generated
         c["finished_stop"] += stopped
-        c["finished_length"] += len(reasons) - stopped
+        c["finished_length"] += len(outs) - stopped
         if self.on_complete is not None:
             self.on_complete(rid, lv.outputs)
         if self._next_turn is not None:
@@ -634,9 +723,9 @@ class Engine:
         if not todo:
             return
         self._unrecorded = []
-        take = self._token_times.take
-        for lv, members, tokens, before in todo:
-            times = take(members, before)
+        taken = self._token_times.take_all([(members, before)
+                                            for _, members, _, before in todo])
+        for (lv, _, tokens, _), times in zip(todo, taken):
             rid = int(lv.req.request_id)
             if len(times) != tokens:
                 raise RuntimeError(f"request {rid}: {len(times)} tokens sampled for {tokens} "

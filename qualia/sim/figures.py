@@ -110,6 +110,29 @@ def _count(name: str, value: Any, minimum: int) -> int:
     return v
 
 
+class _TokenTimes:
+    """The ``token_times_s`` field of :class:`RequestRecord` (a descriptor, the field's default
+    None): the tuple it was given, or, for a record an engine made, a tuple made on the first
+    read from the float64 array the record keeps (``_token_array``)."""
+
+    def __get__(self, record: Any, owner: Any = None) -> Optional[Tuple[float, ...]]:
+        if record is None:  # the field's default
+            return None
+        d = record.__dict__
+        times = d.get("_token_times_s", d)
+        if times is d:
+            times = d["_token_times_s"] = tuple(d["_token_array"].tolist())
+        return times
+
+    def __set__(self, record: Any, value: Optional[Tuple[float, ...]]) -> None:
+        record.__dict__["_token_times_s"] = value
+
+
+def _token_array(record: "RequestRecord") -> Optional[np.ndarray]:
+    """The token times an engine's record keeps as an array (None: a record made otherwise)."""
+    return record.__dict__.get("_token_array")
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     """One completed request as its client saw it (times in seconds on one clock):
@@ -125,7 +148,7 @@ class RequestRecord:
     finish_s: float
     input_tokens: int
     output_tokens: int
-    token_times_s: Optional[Tuple[float, ...]] = None
+    token_times_s: Optional[Tuple[float, ...]] = _TokenTimes()  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         rid = f"request {self.request_id!r}"
@@ -156,22 +179,18 @@ class RequestRecord:
 
     @classmethod
     def _from_engine(cls, request_id: int, arrival_s: float, input_tokens: int,
-                  token_times_s: np.ndarray) -> "RequestRecord":
+                     token_times_s: np.ndarray) -> "RequestRecord":
         """A record an engine made from its own books: ``request_id`` an ``int``,
         ``arrival_s`` a ``float`` at most the first token time, ``input_tokens`` an ``int``,
-        and the token times a non-empty float64 array read off its serving clock, which
-        never goes back.  They are taken as they are, without the checks of the
-        constructor (one of them per token)."""
-        times = tuple(token_times_s.tolist())
+        and the token times a non-empty read-only float64 array read off its serving clock,
+        which never goes back.  They are taken as they are, without the checks of the
+        constructor (one of them per token); the record keeps the array, for
+        :func:`serving_figures`, and makes ``token_times_s`` from it when it is read."""
         r = object.__new__(cls)
-        put = object.__setattr__
-        put(r, "request_id", request_id)
-        put(r, "arrival_s", arrival_s)
-        put(r, "first_token_s", times[0])
-        put(r, "finish_s", times[-1])
-        put(r, "input_tokens", input_tokens)
-        put(r, "output_tokens", len(times))
-        put(r, "token_times_s", times)
+        r.__dict__.update(request_id=request_id, arrival_s=arrival_s,
+                          first_token_s=float(token_times_s[0]),
+                          finish_s=float(token_times_s[-1]), input_tokens=input_tokens,
+                          output_tokens=len(token_times_s), _token_array=token_times_s)
         return r
 
     @classmethod
@@ -248,15 +267,24 @@ def _checked_percentiles(percentiles: Iterable[float]) -> List[float]:
 
 def _token_times(rs: Sequence[RequestRecord]) -> Tuple[np.ndarray, np.ndarray]:
     """Every record's token times one after the other, and the gaps between consecutive
-    tokens of each record (its itl_s), record after record."""
-    counts = np.fromiter((len(r.token_times_s or ()) for r in rs), dtype=np.int64,
-                         count=len(rs))
-    times = np.fromiter(itertools.chain.from_iterable(r.token_times_s or () for r in rs),
-                        dtype=np.float64, count=int(counts.sum()))
+    tokens of each record (its itl_s), record after record (an engine's records hand their
+    times over as the arrays they keep)."""
+    arrays = [a for a in (_token_array(r) for r in rs) if a is not None]
+    times: np.ndarray
+    if rs and len(arrays) == len(rs):
+        counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(rs))
+        times = np.concatenate(arrays)
+    else:
+        counts = np.fromiter((len(r.token_times_s or ()) for r in rs), dtype=np.int64,
+                             count=len(rs))
+        times = np.fromiter(itertools.chain.from_iterable(r.token_times_s or () for r in rs),
+                            dtype=np.float64, count=int(counts.sum()))
     gaps = times[1:] - times[:-1]
     # the gap from a record's last token to the next record's first is no record's
     last = np.cumsum(counts)[:-1] - 1
-    return times, np.delete(gaps, last[last >= 0])
+    own = np.ones(len(gaps), dtype=bool)
+    own[last[last >= 0]] = False
+    return times, gaps[own]
 
 
 def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str, Number]:
@@ -270,14 +298,13 @@ def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str
         buckets = np.zeros(int(np.ceil(end - t0)) + 1, dtype=np.int64)
         idx = (times - t0).astype(np.int64)
         idx = idx[(idx >= 0) & (idx < len(buckets))]
-        np.add.at(buckets, idx, 1)
+        buckets += np.bincount(idx, minlength=len(buckets))
         out["max_output_tokens_per_s"] = float(buckets.max())
-    events = sorted([(r.arrival_s, 1) for r in rs] + [(r.finish_s, -1) for r in rs])
-    now = peak = 0
-    for _, delta in events:
-        now += delta
-        peak = max(peak, now)
-    out["max_concurrent_requests"] = peak
+    # in time order, a departure before an arrival at the same time
+    at = np.array([r.arrival_s for r in rs] + [r.finish_s for r in rs], dtype=np.float64)
+    delta = np.repeat(np.array([1, -1], dtype=np.int64), len(rs))
+    in_flight = np.cumsum(delta[np.lexsort((delta, at))])
+    out["max_concurrent_requests"] = max(0, int(in_flight.max()))
     return out
 
 
@@ -289,7 +316,8 @@ def serving_figures(records: Iterable[RequestRecord], *, start_s: Optional[float
     are undefined).  No record: ``completed`` 0 and every other figure 0."""
     rs = _records(records)
     ps = _checked_percentiles(percentiles)
-    with_tokens = bool(rs) and all(r.token_times_s is not None for r in rs)
+    with_tokens = bool(rs) and all(_token_array(r) is not None or r.token_times_s is not None
+                                   for r in rs)
     if rs:
         first = min(r.arrival_s for r in rs)
         start = first if start_s is None else _time("start_s", start_s)

@@ -213,8 +213,8 @@ def backend_label(backend, is_model: bool, is_c: bool) -> str:
     return f"{name} (Python)"
 
 
-def _per_step(values: List[float], prefix: str) -> Dict[str, float]:
-    us = [x * 1e6 for x in values]
+def _per_step(values: Sequence[float], prefix: str) -> Dict[str, float]:
+    us = np.asarray(values, dtype=np.float64) * 1e6
     return {f"{prefix}_us_per_step_p50": percentile(us, 50),
             f"{prefix}_us_per_step_p99": percentile(us, 99)}
 

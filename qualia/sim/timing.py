@@ -14,7 +14,7 @@ row, and the rows add up to the wall time by construction.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -165,7 +165,7 @@ class TimedBackend:
         return getattr(self.inner, name)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Union[Sequence[float], np.ndarray], q: float) -> float:
     if not len(values):
         return 0.0
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))

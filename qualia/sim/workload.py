@@ -102,6 +102,13 @@ class Arrivals:
         by_step, by_time = self._by_step, self._by_time
         return bool((by_step and by_step[0][0] <= step) or (by_time and by_time[0][0] <= now))
 
+    def horizon(self) -> Tuple[float, float]:
+        """The engine step and the serving time from which :meth:`has_due` holds: ``has_due(step,
+        now)`` is ``step >= horizon()[0] or now >= horizon()[1]`` until the next :meth:`push` or
+        :meth:`due` (``inf`` where no request waits)."""
+        by_step, by_time = self._by_step, self._by_time
+        return (by_step[0][0] if by_step else math.inf, by_time[0][0] if by_time else math.inf)
+
     def due(self, step: int, now: float) -> List[Any]:
         """The items of the requests due at engine step ``step`` and serving time ``now``."""
         by_step, by_time = self._by_step, self._by_time

@@ -185,6 +185,44 @@ def test_a_plan_whose_token_counts_disagree_is_refused():
         StepWork.from_plan(plan)
 
 
+def _random_plan(rng, seqs, decodes, copies):
+    """A plan of ``decodes`` one-token rows, then ``seqs - decodes`` prefill chunks."""
+    q = np.concatenate([np.ones(decodes, np.int64), rng.integers(2, 300, seqs - decodes)])
+    seq_lens = q + rng.integers(0, 4000, seqs)
+    return SimpleNamespace(query_start_loc=np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
+                           seq_lens=seq_lens.astype(np.int32),
+                           logits_indices=np.arange(seqs - 1, dtype=np.int32),
+                           copies=np.zeros((copies, 2), np.int32),
+                           num_prefill_tokens=int(q[decodes:].sum()), num_decode_tokens=decodes,
+                           page_tokens=16)
+
+
+@pytest.mark.parametrize("seqs", [1, 5, 63, 64, 300])
+@pytest.mark.parametrize("decodes", ["all", "some", "none"])
+def test_step_time_of_a_plan_is_its_plan_seconds_bit_for_bit(seqs, decodes):
+    clock = ModeledClock()
+    rng = np.random.default_rng(seqs)
+    d = {"all": seqs, "some": seqs // 2, "none": 0}[decodes]
+    for copies in (0, 3):
+        plan = _random_plan(rng, seqs, d, copies)
+        assert clock.step_time(plan, 0.0) == clock.plan_seconds(plan)
+
+
+def test_work_seconds_of_a_decode_step_are_its_plan_seconds_bit_for_bit():
+    clock = ModeledClock()
+    plan = _random_plan(np.random.default_rng(0), 40, 40, 2)
+    context = int(plan.seq_lens.sum())
+    assert clock.work_seconds(40, context, context, 39, 2, 16) == clock.plan_seconds(plan)
+
+
+def test_step_time_refuses_a_plan_whose_token_counts_disagree():
+    plan = SimpleNamespace(query_start_loc=np.array([0, 2]), seq_lens=np.array([2]),
+                           logits_indices=np.array([1]), copies=np.zeros((0, 2)),
+                           num_prefill_tokens=1, num_decode_tokens=0, page_tokens=16)
+    with pytest.raises(ValueError, match="num_prefill_tokens"):
+        ModeledClock().step_time(plan, 0.0)
+
+
 def test_kv_pool_is_memory_times_utilisation_less_weights_and_reserve_over_page_bytes():
     # 10000 x 0.9 - 472 bytes of weights - 500 reserve = 8028 bytes; a 16-token page is 128
     assert TINY_PROFILE.kv_budget_bytes() == 8028

@@ -748,3 +748,50 @@ def test_recomputed_tokens_are_what_a_preempted_request_computes_again():
     fed = sum(len(r.prompt) + r.max_new_tokens - 1 for r in reqs)
     assert st["tokens_scheduled"] == fed + st["tokens_recomputed"]
     assert 0 < st["tokens_recomputed"] and st["cache_hit_tokens"] > 0
+
+
+class _Pool:
+    """A pool of 6 pages, page 4 held twice (what the end-state check reads)."""
+
+    num_blocks = 6
+
+    def __init__(self, bulk):
+        self.counts = [1, 1, 1, 1, 2, 1]
+        if bulk:
+            self.refcounts = lambda: np.array(self.counts, dtype=np.uint32)
+
+    def refcount(self, page):
+        return self.counts[page]
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_end_state_check_names_a_cached_page_with_a_wrong_refcount(bulk):
+    from types import SimpleNamespace
+
+    from qualia.sim.check import verify_end_state
+
+    facade = SimpleNamespace(
+        active_count=0, free_pages=6, pool=_Pool(bulk), prefixes=None,
+        cache_stats=lambda: SimpleNamespace(cached_pages=6, reclaimable_pages=6),
+        reclaimable_pages=lambda: np.array([5, 2, 4, 0, 1, 3], dtype=np.uint32))
+    with pytest.raises(RuntimeError, match="cached page 4: refcount 2, expected 1"):
+        verify_end_state(facade, {7: None}, {7: 1})
+    facade.pool.counts[4] = 1
+    verify_end_state(facade, {7: None}, {7: 1})
+
+
+def test_outputs_hold_every_completed_request_as_a_list_after_each_step():
+    engine = Engine("c", num_pages=200)
+    engine.submit_all(Workload(requests=10, seed=3, turns=1))
+    completed = []
+    while engine.pending:
+        engine.step()
+        assert set(engine.outputs) == set(engine.finish_reasons)
+        completed = list(engine.outputs)
+        assert all(type(engine.outputs[r]) is list and
+                   all(type(t) is int for t in engine.outputs[r]) for r in completed)
+    assert len(completed) == 10
+    seen = {}
+    Engine("c", num_pages=200, on_complete=lambda rid, tokens: seen.setdefault(rid, tokens)
+           ).run(Workload(requests=10, seed=3, turns=1))
+    assert seen == engine.outputs

@@ -264,3 +264,44 @@ def test_figures_equal_vllms_computation_on_random_streams(seed):
     theirs = _vllm_metrics(outputs, dur, (50, 90, 99))
     for k, v in theirs.items():
         assert ours[k] == pytest.approx(v, rel=1e-9, abs=1e-9), k
+
+
+def _engine_records():
+    from qualia.sim.engine import Engine
+    from qualia.sim.workload import Workload
+
+    engine = Engine("c")
+    result = engine.run(Workload(requests=12, seed=4, arrival_rate=20.0))
+    return [result.records[k] for k in sorted(result.records)]
+
+
+def test_an_engines_records_equal_records_made_from_their_token_times():
+    got = _engine_records()
+    made = [RequestRecord.from_token_times(r.request_id, r.arrival_s, r.input_tokens,
+                                           r.token_times_s) for r in got]
+    assert got == made
+    assert all(type(r.token_times_s) is tuple and type(r.token_times_s[0]) is float
+               for r in got)
+
+
+def test_an_engines_figures_equal_those_of_records_made_from_their_token_times():
+    got = _engine_records()
+    made = [RequestRecord.from_token_times(r.request_id, r.arrival_s, r.input_tokens,
+                                           r.token_times_s) for r in _engine_records()]
+    assert serving_figures(got) == serving_figures(made)
+
+
+def test_an_engines_record_survives_pickling_and_replace():
+    import dataclasses
+    import pickle
+
+    r = _engine_records()[0]
+    assert pickle.loads(pickle.dumps(r)) == r
+    assert dataclasses.replace(r, input_tokens=r.input_tokens + 1).token_times_s == \
+        r.token_times_s
+
+
+def test_a_records_token_times_default_to_none():
+    r = RequestRecord(0, 0.0, 0.5, 0.5, 3, 1)
+    assert r.token_times_s is None
+    assert RequestRecord.token_times_s is None
