@@ -196,9 +196,9 @@ def check(w, outs):
 
 def measure(w, lim, repeat):
     """Each implementation: one untimed warm-up run, then ``repeat`` timed runs back to back,
-    the fastest kept.  The warm-up leaves the allocator holding memory already faulted in, so
-    the timed runs do not pay the first touch of what a fresh engine sizes at construction
-    (a one-time cost of a server, like building the engine, which is left out too)."""
+    the fastest kept.  Each run builds its engine outside the timed region (a one-time cost of
+    a server); qualia's constructor commits the tables it sizes, so their first touch is part of
+    building it, and the warm-up leaves Python's allocator holding the baseline's memory."""
     best = {name: float("inf") for name, _ in IMPLS}
     info, outs = {}, {}
     for name, fn in IMPLS:

@@ -9,7 +9,11 @@
    entries and token arena), 64-byte aligned (a record that fits a cache line starts one).  On
    Linux, tables of 2 MiB and more are mapped 2 MiB-aligned and marked for transparent huge
    pages, so that lookups spread over a million-page pool do not take a TLB miss per page;
-   otherwise (and under AddressSanitizer, which guards heap blocks only) calloc.  The 16 bytes
+   otherwise (and under AddressSanitizer, which guards heap blocks only) calloc.  A mapped table
+   is committed at once (every page written now, MADV_POPULATE_WRITE where the kernel has it):
+   memory sized at construction is faulted in at construction, so no step pays a page fault, and
+   a machine that cannot back the table fails the constructor (NULL: MemoryError) rather than a
+   later step.  The 16 bytes
    below the returned pointer say how to free it: the block's base, and its mapped length (0:
    calloc'd). */
 #include <stdlib.h>
@@ -17,6 +21,24 @@
 #include <sys/mman.h>
 #endif
 #define QUALIA_HUGE ((size_t)2 << 20)
+#if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
+#include <errno.h>
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+/* Fault in [p, p + n) for writing: -1 where the kernel cannot back it. */
+static int qualia_commit(char *p, size_t n) {
+    volatile char *q = (volatile char *)p;
+    size_t off;
+    if (madvise(p, n, MADV_POPULATE_WRITE) == 0)
+        return 0;
+    if (errno == ENOMEM)
+        return -1;   /* the machine cannot back it */
+    for (off = 0; off < n; off += 4096)   /* a kernel without the advice (or interrupted) */
+        q[off] = 0;
+    return 0;
+}
+#endif
 static void *qualia_big_zalloc(size_t n) {
     char *p;
 #if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
@@ -30,6 +52,10 @@ static void *qualia_big_zalloc(size_t n) {
 #ifdef MADV_HUGEPAGE
         madvise(p, n, MADV_HUGEPAGE);
 #endif
+        if (qualia_commit(p, n) != 0) {
+            munmap(base, len);
+            return NULL;
+        }
         ((void **)p)[-2] = base;
         ((size_t *)p)[-1] = len;
         return p;

@@ -44,7 +44,7 @@ def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int =
         index = 2
         while index < 2 * nb:
             index *= 2
-        parts["prefix cache"] = (nb * ((64 + 4 * pt + 63) // 64 * 64) + 4 * index
+        parts["prefix cache"] = (nb * ((64 + 4 * pt + 63) // 64 * 64) + 8 * index
                                  + 1024 * (256 + 53) + 4096 * 32)
         parts["token streams"] = mr * max(lp, 1) * (4 * pt + 20) + mr * 32
     if backend == "model":

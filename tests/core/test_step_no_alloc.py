@@ -1,4 +1,5 @@
-"""The engine step allocates nothing per step in steady state.
+"""The engine step allocates nothing per step in steady state, and its tables are resident from
+construction on.
 
 * ``run()`` with the C HashBackend: the whole schedule -> execute -> update loop runs in C
   without the GIL; the only Python allocations of a call are its result (the STEP_STATS rows, the
@@ -13,11 +14,15 @@ The probes are tests/core/test_round_no_alloc.py's (each compared against an emp
 from __future__ import annotations
 
 import gc
+import os
+import resource
+import sys
 import tracemalloc
 from itertools import repeat
 
 import numpy as np
-from helpers.memory import ROUNDS, assert_no_growth_per_step, probe
+import pytest
+from helpers.memory import ROUNDS, assert_no_growth_per_step, probe, rss
 
 import qualia  # noqa: E402
 
@@ -105,3 +110,18 @@ def test_schedule_update_no_net_allocation():
             sched()
             upd(ids)
     assert_no_growth_per_step(probe(go), "Scheduler.schedule + update")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or "san.so" in os.environ.get("LD_PRELOAD", ""),
+                    reason="Linux's mapped tables (a sanitizer build takes them from calloc)")
+def test_a_schedulers_large_tables_are_resident_once_it_is_constructed():
+    # 256 queue entries of 16,384 tokens: a 16 MiB token arena no request has touched yet
+    before = rss()
+    s = qualia.StepScheduler(1100, 16, 1024, 8, max_queued=256, cache_key=b"a" * 16)
+    grown = rss() - before
+    assert grown >= 16 * 2**20, grown
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(256):   # every arena row written: no page fault for any of them
+        s.add_request(i, np.arange(16000, dtype=np.uint32), max_new_tokens=1)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 64
