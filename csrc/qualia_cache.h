@@ -10,7 +10,7 @@
    Linux, tables of 2 MiB and more are mapped 2 MiB-aligned and marked for transparent huge
    pages, so that lookups spread over a million-page pool do not take a TLB miss per page;
    otherwise (and under AddressSanitizer, which guards heap blocks only) calloc.  A mapped table
-   is committed at once (every page written now, MADV_POPULATE_WRITE where the kernel has it):
+   of at most 1 GiB is committed at once (every page written now, MADV_POPULATE_WRITE where the kernel has it):
    memory sized at construction is faulted in at construction, so no step pays a page fault, and
    a machine that cannot back the table fails the constructor (NULL: MemoryError) rather than a
    later step.  The 16 bytes
@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #endif
 #define QUALIA_HUGE ((size_t)2 << 20)
+#define QUALIA_COMMIT_MAX ((size_t)1 << 30)   /* larger tables are faulted in as touched */
 #if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
 #include <errno.h>
 #ifndef MADV_POPULATE_WRITE
@@ -52,7 +53,7 @@ static void *qualia_big_zalloc(size_t n) {
 #ifdef MADV_HUGEPAGE
         madvise(p, n, MADV_HUGEPAGE);
 #endif
-        if (qualia_commit(p, n) != 0) {
+        if (n <= QUALIA_COMMIT_MAX && qualia_commit(p, n) != 0) {
             munmap(base, len);
             return NULL;
         }
