@@ -50,6 +50,7 @@ cdef inline void beam_give_entry(StepState *st, int32_t g, int32_t e) noexcept n
 
 
 cdef inline void beam_unindex(StepState *st, int32_t e) noexcept nogil:
+    # entry e's id leaves the id index (entry_free then skips it)
     if not st.ent[e].req.unindexed:
         oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e,
                   _step_home_of, st)

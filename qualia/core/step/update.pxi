@@ -78,6 +78,24 @@ cdef int step_stop(StepState *st, int32_t e, uint8_t reason) noexcept nogil:
     return rc
 
 
+cdef void done_unindex(StepState *st, uint32_t first) noexcept nogil:
+    # The ids of what finished since st.done.ents[first] leave the id index (the entries stay
+    # until step_collect hands them to Python): an id is taken until the update that finished
+    # it ends, however many steps a GIL-free run() takes before it collects.  An n group's
+    # members all go; a beam group's id is its group entry's (its hypotheses left at once).
+    cdef uint32_t k
+    cdef int32_t e, c
+    for k in range(first, st.done.n):
+        e = st.done.ents[k]
+        if st.ent[e].mem.group == e and not st.ent[e].rec.beam:
+            c = e
+            while c >= 0:
+                beam_unindex(st, c)
+                c = st.ent[c].mem.next_member
+        else:
+            beam_unindex(st, e)
+
+
 cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_ids,
                      const double *tk_lps, const float *tk_lps_f) noexcept nogil:
     # sampled[0..m) was validated by the caller, and so were the candidates of a plan with beam
@@ -90,6 +108,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef Slot *sl
     cdef int rc, first = Q_OK
     cdef uint64_t tc
+    cdef uint32_t done0 = st.done.n
     if not st.plan.pending:
         return Q_NO_PLAN
     # the plan listed every copy owed, and it was applied
@@ -151,6 +170,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     rc = release_deferred(st)
     if rc and first == Q_OK:
         first = rc
+    done_unindex(st, done0)
     st.plan.pending = False
     return first
 
