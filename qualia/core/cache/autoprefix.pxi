@@ -1,8 +1,10 @@
 # Automatic prefix caching, part 2: what the facade does with the page cache (docs/DESIGN.md,
 # "Automatic prefix caching").
 #
-# The facade keeps every request's token stream in a per-slot arena (prompt tokens copied at
-# admission, each decode round's input token written at its position) and, per logical page,
+# The facade keeps every request's token stream in a per-slot row (prompt tokens copied at
+# admission, each decode round's input token written at its position); the engine step lends
+# each stream its entry's row of the step's token arena instead, which already holds the prompt
+# and every sampled token, so nothing is copied.  Per logical page the stream keeps
 # the page's identity and the cache entry that stands for it (the request's own page once
 # inserted, or an identical entry that was already cached).  Admission shares the longest
 # verified cached run from page 0; every page that fills is inserted; finish hands pages back
@@ -10,7 +12,7 @@
 # decided before anything is mutated.  Each function is O(pages of one request or one call).
 
 cdef struct Stream:
-    uint32_t known      # leading positions whose tokens the arena holds
+    uint32_t known      # leading positions whose tokens the stream's row holds
     uint32_t hashed     # leading pages whose identity is computed
     uint32_t done       # leading pages handed to the cache (hit, inserted or deduplicated)
     uint32_t ns
@@ -20,9 +22,22 @@ cdef struct Stream:
     uint8_t broken      # the chain cannot be continued: no later page is cached
     uint8_t has_pending
 
+cdef struct Probe:
+    # a match auto_match made for the same prompt and namespace on the same cache state (the
+    # engine step's fit test, just before it admits): the admission takes it instead of
+    # hashing and looking up again
+    const uint64_t *ident   # the chain values of the first `hashed` pages
+    const uint32_t *canon   # the matched entries of the first `k` pages
+    const uint64_t *gen
+    uint32_t hashed
+    uint32_t k
+    bint collided
+
+
 cdef struct Streams:
     Stream *st          # max_requests
-    uint32_t *tokens    # max_requests x logical_pages x page_tokens
+    uint32_t **rows     # max_requests: each slot's token row (logical_pages x page_tokens)
+    uint32_t *tokens    # the rows' storage when the streams own them, else NULL
     uint64_t *ident     # max_requests x logical_pages: each page's chain value (pc_chain)
     uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
     uint64_t *canon_gen
@@ -45,12 +60,17 @@ cdef inline void stream_stop(Streams *ss, Stream *st) noexcept nogil:
 
 
 cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages,
-                      uint32_t page_tokens) except -1:
+                      uint32_t page_tokens, bint own_rows) except -1:
+    # own_rows: the streams hold each slot's tokens themselves (the facade); else every
+    # admission and fork lends the slot's row (auto_admit, auto_fork_stream: the engine step)
     cdef size_t pages = <size_t>max_requests * logical_pages
+    cdef uint32_t i
     memset(ss, 0, sizeof(Streams))
     ss.st = <Stream *>PyMem_Calloc(max_requests, sizeof(Stream))
-    ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
-                                              * sizeof(uint32_t))
+    ss.rows = <uint32_t **>PyMem_Calloc(max_requests if max_requests else 1, sizeof(uint32_t *))
+    if own_rows:
+        ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
+                                                  * sizeof(uint32_t))
     ss.ident = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
     ss.canon = <uint32_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint32_t))
     ss.canon_gen = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
@@ -60,7 +80,8 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
     ss.read_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
     ss.read_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
     ss.read_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
-    if ss.st == NULL or ss.tokens == NULL or ss.ident == NULL or ss.canon == NULL \
+    if ss.st == NULL or ss.rows == NULL or (own_rows and ss.tokens == NULL) \
+            or ss.ident == NULL or ss.canon == NULL \
             or ss.canon_gen == NULL or ss.probe_ident == NULL or ss.probe_canon == NULL \
             or ss.probe_gen == NULL or ss.read_ident == NULL or ss.read_canon == NULL \
             or ss.read_gen == NULL:
@@ -68,11 +89,15 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
     ss.page_tokens = page_tokens
+    if own_rows:
+        for i in range(max_requests):
+            ss.rows[i] = &ss.tokens[<size_t>i * logical_pages * page_tokens]
     return 0
 
 
 cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.st)
+    PyMem_Free(ss.rows)
     qualia_big_free(ss.tokens)
     PyMem_Free(ss.ident)
     PyMem_Free(ss.canon)
@@ -123,10 +148,15 @@ cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t
 
 cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
                     const uint32_t *tok, uint32_t n, const uint8_t *nsb, uint32_t nsl,
-                    uint64_t nsh, Admission_c *out) noexcept nogil:
+                    uint64_t nsh, uint32_t *row, const Probe *probe,
+                    Admission_c *out) noexcept nogil:
     # Admit `rid` with prompt tok[0..n): share the longest verified cached run of full pages
     # from page 0, leaving at least one token to compute.  Nothing changes on failure (a
-    # namespace interned for this call is freed again).
+    # namespace interned for this call is freed again).  `row` NULL: the prompt is copied into
+    # the slot's own row; else the stream reads `row`, which holds tok[0..n) and whose
+    # positions below the stream's known count the lender never changes while the request
+    # holds the slot (row == tok in the engine step).  `probe`, if not NULL, is the match
+    # auto_match made for this prompt in the namespace interned here, on this cache state.
     cdef int32_t index
     cdef uint32_t ns, k, hashed, i, pt = c.page_tokens
     cdef bint collided
@@ -158,7 +188,18 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     canon = &ss.canon[_sp(ss, index)]
     cgen = &ss.canon_gen[_sp(ss, index)]
     hashed = n // pt   # every full page of the prompt is hashed here, once
-    k = auto_match(c, tok, n, ns, nsh, hashed, ids, canon, cgen, &collided)
+    if probe != NULL and probe.hashed <= hashed:
+        # the probe's chain values and match; the last full page is hashed here if the probe
+        # left it (it hashes the pages an admission may reuse)
+        memcpy(ids, probe.ident, <size_t>probe.hashed * sizeof(uint64_t))
+        for i in range(probe.hashed, hashed):
+            ids[i] = pc_chain(c, ids[i - 1] if i else 0, i > 0, nsh, &tok[<size_t>i * pt])
+        k = probe.k
+        memcpy(canon, probe.canon, <size_t>k * sizeof(uint32_t))
+        memcpy(cgen, probe.gen, <size_t>k * sizeof(uint64_t))
+        collided = probe.collided
+    else:
+        k = auto_match(c, tok, n, ns, nsh, hashed, ids, canon, cgen, &collided)
     rc = table_attach(&s.slots[index].blocks, canon, k, p)
     if rc:
         ns_free_if_unused(&c.ns, ns)
@@ -176,8 +217,11 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     st.known = n
     st.hashed = hashed
     st.done = k
+    if row != NULL:
+        ss.rows[index] = row
+    elif n:
+        memcpy(ss.rows[index], tok, <size_t>n * sizeof(uint32_t))
     if n:
-        memcpy(&ss.tokens[_sp(ss, index) * pt], tok, <size_t>n * sizeof(uint32_t))
         c.lookups += 1
         c.lookup_tokens += n
         c.hit_tokens += <uint64_t>k * pt
@@ -216,7 +260,7 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         k = st.done
         if k + PC_AHEAD < ahead:
             pc_prefetch_fill(c, pc_ident(c, ids[k + PC_AHEAD]), sl.blocks.entries[k + PC_AHEAD])
-        t = &ss.tokens[(_sp(ss, index) + k) * pt]
+        t = &ss.rows[index][<size_t>k * pt]
         if k >= st.hashed:
             ids[k] = pc_chain(c, ids[k - 1] if k else 0, k > 0, c.ns.hashes[st.ns], t)
             st.hashed = k + 1
@@ -256,25 +300,11 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
-cdef inline bint auto_fill_due(Sched *s, Streams *ss, uint32_t index) noexcept nogil:
-    # whether auto_fill(index) has anything to do now (a page to hand to the cache, or a stream
-    # to stop), without a division: the check a decode makes after each token
-    cdef Stream *st = &ss.st[index]
-    cdef Slot *sl
-    cdef uint64_t tc
-    if not st.live or st.broken:
-        return False
-    sl = &s.slots[index]
-    tc = sl.token_count
-    return (tc > st.known or tc > <uint64_t>sl.blocks.len * ss.page_tokens
-            or tc >= (<uint64_t>st.done + 1) * ss.page_tokens)
-
-
 cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
                                  uint32_t tok) noexcept nogil:
     # A decode round computed `tok` at position `pos` of the slot's stream.
     cdef Stream *st = &ss.st[index]
-    cdef uint32_t *arena = &ss.tokens[_sp(ss, index) * ss.page_tokens]
+    cdef uint32_t *arena = ss.rows[index]
     if not st.live or st.broken or pos > st.known:
         return   # not cached any more, or a gap: positions whose tokens are unknown
     if pos < st.known:
@@ -286,6 +316,19 @@ cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t
     if pos < <uint64_t>ss.logical_pages * ss.page_tokens:
         arena[pos] = tok
         st.known = pos + 1
+
+
+cdef inline void auto_fill_lent(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index,
+                                uint32_t num_tokens) noexcept nogil:
+    # auto_fill for a stream whose row is lent (the engine step): the row holds the request's
+    # first `num_tokens` tokens and only ever grows at its end, so the stream knows them all.
+    # The engine step calls this only when a page may have filled, so that a decode that fills
+    # none touches no stream.
+    cdef Stream *st = &ss.st[index]
+    if not st.live or st.broken:
+        return
+    st.known = num_tokens
+    auto_fill(s, p, c, ss, index)
 
 
 cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index) noexcept nogil:

@@ -46,14 +46,15 @@ cdef int sched_fork(Sched *s, Pool *p, int32_t parent, uint64_t child_rid,
     return Q_OK
 
 
-cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
-                           uint32_t child) noexcept nogil:
+cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent, uint32_t child,
+                           uint32_t *child_row) noexcept nogil:
     # The child's token stream continues the parent's.  Only the live tail is copied, so the
     # cost does not grow with the context: auto_fill starts at page `done` (reading the chain
     # value and cache entry of page done-1) and a decode notes tokens at positions
     # >= token_count >= done * page_tokens, so nothing before that is ever read again.  A page
     # the parent holds is never reclaimable, so the retains of sched_fork move nothing in the
-    # cache.
+    # cache.  `child_row` NULL: the tail is copied into the child slot's own row; else the
+    # child's stream reads `child_row`, which the lender filled with the parent's tokens.
     cdef Stream *src = &ss.st[parent]
     cdef Stream *dst = &ss.st[child]
     cdef uint32_t pt = ss.page_tokens, first
@@ -78,17 +79,19 @@ cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
     if src.done:
         ss.canon[co + first] = ss.canon[po + first]
         ss.canon_gen[co + first] = ss.canon_gen[po + first]
-    if src.known > src.done * pt:
-        memcpy(&ss.tokens[co * pt + src.done * pt], &ss.tokens[po * pt + src.done * pt],
+    if child_row != NULL:
+        ss.rows[child] = child_row
+    elif src.known > src.done * pt:
+        memcpy(&ss.rows[child][<size_t>src.done * pt], &ss.rows[parent][<size_t>src.done * pt],
                (src.known - src.done * pt) * sizeof(uint32_t))
 
 
 cdef int facade_fork(Sched *s, Pool *p, PageCache *c, Streams *ss, bint auto, int32_t parent,
-                     uint64_t child_rid, int32_t *out) noexcept nogil:
+                     uint64_t child_rid, uint32_t *child_row, int32_t *out) noexcept nogil:
     # the facade's fork: the scheduler's, then (automatic mode) the token stream
     cdef int rc = sched_fork(s, p, parent, child_rid, out)
     if rc == Q_OK and auto:
-        auto_fork_stream(ss, c, <uint32_t>parent, <uint32_t>out[0])
+        auto_fork_stream(ss, c, <uint32_t>parent, <uint32_t>out[0], child_row)
     return rc
 
 

@@ -249,9 +249,6 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         x = &st.ent[d]
         x.mem.in_sel = 0
         arena_at(st, d)[x.req.num_tokens] = st.beams.sel[i].tok
-        if st.lim.mode == MODE_AUTO and x.at.state == SR_RUNNING:
-            auto_note_token(st.pg.s, st.pg.ss, <uint32_t>x.at.slot, x.req.num_tokens,
-                            st.beams.sel[i].tok)
         x.req.num_tokens += 1
         if x.at.state == SR_PARKED:
             heap_push(st, d)        # a parked beam continues: it has a token to compute

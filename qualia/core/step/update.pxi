@@ -37,9 +37,7 @@ cdef inline int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil
     # the stop conditions (step_stop)
     cdef StepEntry *r = &st.ent[e]
     cdef uint32_t pos = r.req.num_tokens
-    arena_at(st, e)[pos] = tok
-    if st.lim.mode == MODE_AUTO and r.at.state == SR_RUNNING:
-        auto_note_token(st.pg.s, st.pg.ss, <uint32_t>r.at.slot, pos, tok)
+    arena_at(st, e)[pos] = tok     # the token stream (auto mode) reads it here too
     r.req.num_tokens = pos + 1
     if pos + 1 - r.req.num_prompt >= r.req.max_new:
         return step_stop(st, e, FIN_LENGTH)
@@ -126,8 +124,10 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
         tc = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
         r.at.num_computed += n
-        if st.lim.mode == MODE_AUTO and auto_fill_due(st.pg.s, st.pg.ss, <uint32_t>r.at.slot):
-            auto_fill(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot)
+        if st.lim.mode == MODE_AUTO and pt_div(st, tc) != pt_div(st, tc - n):
+            # the chunk completed a page: hand what filled to the cache
+            auto_fill_lent(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot,
+                           r.req.num_tokens)
         if st.plan.plan_sample[j] < 0:
             continue
         if r.mem.group >= 0 and st.ent[r.mem.group].rec.beam:
