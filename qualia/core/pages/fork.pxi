@@ -64,7 +64,9 @@ cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent, uint32_t 
         stream_stop(ss, dst)
         dst.live = 0
         ns_unref(&c.ns, dst.ns)
+    cdef uint32_t *row = child_row if child_row != NULL else dst.row
     dst[0] = src[0]
+    dst.row = row
     dst.has_pending = 0
     if not src.live:
         return
@@ -73,16 +75,11 @@ cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent, uint32_t 
         return           # stream_stop counts only live, unbroken streams; nothing is read again
     ss.cacheable += 1
     first = src.done - 1 if src.done else 0
-    if src.hashed > first:
-        memcpy(&ss.ident[co + first], &ss.ident[po + first],
-               (src.hashed - first) * sizeof(uint64_t))
-    if src.done:
-        ss.canon[co + first] = ss.canon[po + first]
-        ss.canon_gen[co + first] = ss.canon_gen[po + first]
-    if child_row != NULL:
-        ss.rows[child] = child_row
-    elif src.known > src.done * pt:
-        memcpy(&ss.rows[child][<size_t>src.done * pt], &ss.rows[parent][<size_t>src.done * pt],
+    if src.hashed > first:      # hashed >= done: page done - 1's entry is copied too
+        memcpy(&ss.refs[co + first], &ss.refs[po + first],
+               (src.hashed - first) * sizeof(PageRef))
+    if child_row == NULL and src.known > src.done * pt:
+        memcpy(&row[<size_t>src.done * pt], &src.row[<size_t>src.done * pt],
                (src.known - src.done * pt) * sizeof(uint32_t))
 
 

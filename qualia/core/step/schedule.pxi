@@ -70,7 +70,7 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     cdef const Probe *pr = NULL
     if st.lim.mode == MODE_AUTO:
         k = _probe_hit(st, e, &rec, &probe)
-        if probe.ident != NULL:
+        if probe.refs != NULL:
             pr = &probe
         hit = k * st.lim.page_tokens
     n = _chunk(st, r.req.num_tokens - hit, left)
@@ -139,7 +139,7 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec, Probe *probe) noexcept nogil:
     # the pages an admission of entry e would take from the cache now, and how many of them are
     # reclaimable (cached_prefix's rule); `probe` the match, for the admission to take (its
-    # ident NULL when the namespace is not interned: the admission interns it and matches)
+    # refs NULL when the namespace is not interned: the admission interns it and matches)
     cdef StepEntry *r = &st.ent[e]
     cdef const uint32_t *tok = arena_at(st, e)
     cdef uint32_t n = r.req.num_tokens
@@ -147,21 +147,18 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec, Probe *probe) 
     cdef uint32_t k, i, ns
     cdef bint collided
     rec[0] = 0
-    probe.ident = NULL
+    probe.refs = NULL
     ns = ns_find(&st.pg.c.ns, r.names.nsh,
                  r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl)
     if ns == U32_MAX:
         return 0
-    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe_ident,
-                   st.pg.ss.probe_canon, st.pg.ss.probe_gen, &collided)
-    probe.ident = st.pg.ss.probe_ident
-    probe.canon = st.pg.ss.probe_canon
-    probe.gen = st.pg.ss.probe_gen
+    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe, &collided)
+    probe.refs = st.pg.ss.probe
     probe.hashed = hashed
     probe.k = k
     probe.collided = collided
     for i in range(k):
-        rec[0] += pc_rec(st.pg.c, st.pg.ss.probe_canon[i]).state == PC_RECLAIMABLE
+        rec[0] += pc_rec(st.pg.c, st.pg.ss.probe[i].canon).state == PC_RECLAIMABLE
     return k
 
 
