@@ -283,6 +283,25 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
+cdef inline void auto_prefetch_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
+                                    uint32_t num_tokens) noexcept nogil:
+    # A hint ahead of auto_fill_lent for a chunk that completes a page: the first page it will
+    # hand to the cache is hashed here (its tokens are all in the row) and its index slot and
+    # record prefetched, so that the fill does not wait on them.  Reads only.
+    cdef Stream *st = &ss.st[index]
+    cdef Slot *sl = &s.slots[index]
+    cdef uint32_t k = st.done, pt = c.page_tokens
+    cdef uint64_t chain
+    if not st.live or st.broken or k >= sl.blocks.len or <uint64_t>(k + 1) * pt > num_tokens:
+        return
+    if k < st.hashed:
+        chain = ss.refs[_sp(ss, index) + k].ident
+    else:
+        chain = pc_chain(c, ss.refs[_sp(ss, index) + k - 1].ident if k else 0, k > 0,
+                         c.ns.hashes[st.ns], &st.row[<size_t>k * pt])
+    pc_prefetch_fill(c, pc_ident(c, chain), sl.blocks.entries[k])
+
+
 cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
                                  uint32_t tok) noexcept nogil:
     # A decode round computed `tok` at position `pos` of the slot's stream.

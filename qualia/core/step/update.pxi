@@ -76,6 +76,22 @@ cdef int step_stop(StepState *st, int32_t e, uint8_t reason) noexcept nogil:
     return rc
 
 
+cdef enum:
+    FILL_AHEAD = 4      # how many page-completing plan rows ahead update() prefetches a fill
+
+
+cdef inline void _prefetch_fill(StepState *st, uint32_t f) noexcept nogil:
+    # the f-th plan row whose chunk completes a page: prefetch what its fill will read (a
+    # hint only)
+    cdef uint32_t j = st.plan.fill_rows[f]
+    cdef StepEntry *r
+    if not st.plan.plan_alive[j]:
+        return
+    r = &st.ent[st.plan.plan_entry[j]]
+    if r.at.slot >= 0:
+        auto_prefetch_lent(st.pg.s, st.pg.c, st.pg.ss, <uint32_t>r.at.slot, r.req.num_tokens)
+
+
 cdef void done_unindex(StepState *st, uint32_t first) noexcept nogil:
     # The ids of what finished since st.done.ents[first] leave the id index (the entries stay
     # until step_collect hands them to Python): an id is taken until the update that finished
@@ -106,12 +122,21 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef Slot *sl
     cdef int rc, first = Q_OK
     cdef uint64_t tc
-    cdef uint32_t done0 = st.done.n
+    cdef uint32_t done0 = st.done.n, f, nfill
     if not st.plan.pending:
         return Q_NO_PLAN
     # the plan listed every copy owed, and it was applied
     first = owed_applied(st)
+    # the fills ahead are prefetched (the list is empty but in auto mode)
+    nfill = st.plan.n_fill_rows
+    for f in range(nfill if nfill < FILL_AHEAD else FILL_AHEAD):
+        _prefetch_fill(st, f)
+    f = 0
     for j in range(st.plan.n):
+        if f < nfill and st.plan.fill_rows[f] == j:
+            if f + FILL_AHEAD < nfill:
+                _prefetch_fill(st, f + FILL_AHEAD)
+            f += 1
         e = st.plan.plan_entry[j]
         if not st.plan.plan_alive[j]:
             continue
