@@ -5,12 +5,16 @@ scheduler's reads (:class:`~qualia.sim.report.Counters`), the timeline of the ru
 Per running sequence (a request, or one member of a group) the books keep its tokens with K/V
 after the last plan it was in, and the pages that many tokens take on their own (the
 non-sharing count); per sequence that left the running set (preempted, parked) what it had
-computed (its recompute, when it resumes); and admissions so far.  The children of ``n`` groups
-sampled at their fork (a plan row under a member id that is not one of the plan's requests) and
-in no plan since are kept apart with the tokens with K/V they share from their parent:
-``update()`` forks them or queues them (no slot or row free); the forked ones hold pages before
-their first plan (the last holder of a shared page its siblings copied away from), so they
-count in the non-sharing figure too.
+computed (its recompute, when it resumes); and admissions so far.  A child forked by an
+``update()`` (an ``n`` group's member, a beam's extra continuation) runs and holds its parent's
+pages before its first plan (alone, a shared page its siblings copied away from): it is counted
+from the plan that names it among ``fork_child_ids``, with its parent's tokens with K/V (the
+parent's last plan's), so the non-sharing figure never leaves out a sequence that holds pages.
+A child queued at its fork (no slot or row free) holds nothing until it is admitted.  A beam
+parked outside any plan (after a plan that scheduled nothing) leaves the count, as a preempted
+one does.  The pages held, which the engine reads after each schedule, leave out the sources of
+copies owed that no request holds any more (:meth:`Books.copy_holds`), so the pages held never
+exceed the non-sharing count: both are over the running sequences' block tables.
 
 The cost of a step.  Without forks, a sequence enters the running set only by an admission
 (``new_request_ids``) and leaves it only by finishing or a preemption, so a plan with none of
@@ -41,6 +45,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import StepError
 from .report import Counters, Timeline
 
 __all__ = ["Books", "TokenTimes"]
@@ -79,7 +84,6 @@ class Books:
         self._unshared = 0  # with forks: sum of ceil(seq_len / page_tokens) over self._seq_of
         self._left: Dict[int, int] = {}
         self._admitted: Dict[int, int] = {}
-        self._unseen: Dict[int, int] = {}
         self._parked_seen = 0
         self._awaiting_first: Dict[int, Any] = {}  # admitted, no token sampled yet
         #: Without forks: the sum of the last plan's ``seq_lens`` (None with forks).
@@ -100,21 +104,47 @@ class Books:
         self._off: Dict[int, int] = {}
         self._off_pages = 0
 
-    def count_forks(self, s) -> None:
-        """The fork counters of scheduler ``s``, after the step's update."""
+    def count_forks(self, s, plan) -> None:
+        """The fork counters of scheduler ``s``, after the update of ``plan``."""
         c = self.counters
         c.forks = int(getattr(s, "forks", 0))
         c.fork_fallbacks = int(getattr(s, "fork_fallbacks", 0))
         parked = int(getattr(s, "parked", 0))
         if parked != self._parked_seen:
-            # beams parked by this update left the running set outside any plan: every
-            # sequence not in a plan since is treated as gone (what it computed is kept for
-            # its recompute); a running one is counted again from its next plan
             self._parked_seen = parked
-            self._left.update(self._seq_of)
-            self._seq_of.clear()
-            self._unshared = 0
+            if not len(plan.input_ids):  # parked by this update (a preemption is in the plan)
+                self._leave_parked(s)
         c.beams_parked = parked
+
+    def _leave_parked(self, s) -> None:
+        """After the update of a plan that scheduled nothing, which parks every running beam
+        that waits for a sibling outside any plan: the sequences that hold no pages now (the
+        parked beams) leave the running set, what they computed kept for their recompute.  (A
+        beam parked by a preemption is named by the plan's ``preempted_request_ids``.)"""
+        seq_of, left, pt = self._seq_of, self._left, self.page_tokens
+        for rid in list(seq_of):
+            try:
+                holds = len(s.request_pages(rid))
+            except StepError.UnknownRequest:  # pragma: no cover - finished: the next plan
+                continue  # names it
+            if not holds:
+                seq = left[rid] = seq_of.pop(rid)
+                self._unshared -= -(-seq // pt)
+
+    @staticmethod
+    def copy_holds(s, plan) -> int:
+        """The pages that ``plan``'s copies alone hold right after its schedule on scheduler
+        ``s``: sources of copies owed that no request's block table holds any more.  A copy
+        owed holds its source until the plan is applied (docs/DESIGN.md, "Copies owed"), even
+        when the schedule that made the copy preempted the source's last holder; in the
+        engine (no plan discarded, no abort) that is the only way a page is held by no
+        request, so it is read only for a plan with copies and preemptions."""
+        sources = set(plan.copies["src_page"].tolist())
+        for rid in s.requests():
+            if not sources:
+                break
+            sources.difference_update(s.request_pages(rid).tolist())
+        return len(sources)
 
     def book(self, plan, held: int, running: int, live: Dict[int, Any], step: int, s, f,
              backlog: int, quiet: bool = False) -> Sequence[Any]:
@@ -135,8 +165,8 @@ class Books:
         what the free pages lack.  Its pages only cached are then the smaller of the last
         row's and the free pages, read without ``cache_stats()``."""
         if self.forking:
-            firsts = self._record_each(plan, held, running, live, step)
-            self.count_forks(s)
+            firsts = self._record_each(plan, held, live, step)
+            self.count_forks(s, plan)
             self._row(step, s, f, backlog)
             return firsts
         key = plan.request_ids.tobytes()
@@ -373,8 +403,7 @@ class Books:
             firsts.append(got)
         return firsts
 
-    def _record_each(self, plan, held: int, running: int, live: Dict[int, Any],
-                     step: int) -> List[Any]:
+    def _record_each(self, plan, held: int, live: Dict[int, Any], step: int) -> List[Any]:
         """:meth:`record` with forks: every sequence of the plan booked on its own."""
         c = self.counters
         n_tokens = len(plan.input_ids)
@@ -387,21 +416,27 @@ class Books:
         c.max_plan_seqs = max(c.max_plan_seqs, len(plan.request_ids))
         if plan.num_prefill_tokens and plan.num_decode_tokens:
             c.mixed_steps += 1
-        seq_of, left, admitted, unseen = self._seq_of, self._left, self._admitted, self._unseen
+        seq_of, left, admitted = self._seq_of, self._left, self._admitted
         pt = self.page_tokens
         unshared = self._unshared
+        # the children forked by the last update run from their fork: each holds its parent's
+        # pages, as many tokens with K/V as its parent's last plan left it (a running parent's
+        # length is known: it was in a plan since it last entered the running set)
+        for rid, parent in zip(plan.fork_child_ids.tolist(), plan.fork_parent_ids.tolist()):
+            seq = seq_of.get(parent)
+            if seq is None:  # pragma: no cover - a parent forks only while it runs
+                continue
+            seq_of[rid] = seq
+            unshared += -(-seq // pt)
+            left.pop(rid, None)
+            admitted.setdefault(rid, 1)  # admitted by its fork (a later admission resumes it)
         for rid in plan.finished_request_ids.tolist():  # stopped since the last plan
-            unseen.pop(rid, None)
             seq = seq_of.pop(rid, None)
             if seq is not None:
                 unshared -= -(-seq // pt)
             left.pop(rid, None)
             admitted.pop(rid, None)
         for rid in plan.preempted_request_ids.tolist():  # what it computed: its last plan's
-            if rid in unseen:  # a forked child preempted before its first plan
-                seq_of[rid] = unseen.pop(rid)
-                unshared += -(-seq_of[rid] // pt)
-                admitted.setdefault(rid, 1)
             seq = seq_of.pop(rid, None)
             if seq is not None:
                 unshared -= -(-seq // pt)
@@ -418,7 +453,6 @@ class Books:
                 at = [index[rid] for rid in new]
             hits = plan.positions[qsl[at]].tolist()
             for rid, hit in zip(new, hits):
-                unseen.pop(rid, None)  # a child queued at its fork, admitted now
                 lv = live.get(rid)  # None: a group's child (queued at its fork, or parked)
                 if lv is not None and lv.first_step < 0:
                     self._awaiting_first[rid] = lv
@@ -430,37 +464,19 @@ class Books:
                 if times > 1:  # resumed after a preemption: what it computed before, less
                     c.resumed += 1  # what the cache kept, is computed again
                     c.tokens_recomputed += max(0, left.pop(rid, 0) - hit)
-        ids, seqs = plan.request_ids.tolist(), plan.seq_lens.tolist()
-        for rid, seq in zip(ids, seqs):
+        for rid, seq in zip(plan.request_ids.tolist(), plan.seq_lens.tolist()):
             old = seq_of.get(rid)
             if old is not None:
                 unshared -= -(-old // pt)
             else:
                 left.pop(rid, None)
-                if unseen.pop(rid, None) is not None:  # a forked child's first plan: it was
-                    admitted.setdefault(rid, 1)  # admitted by its fork (a later one resumes)
             seq_of[rid] = seq
             unshared += -(-seq // pt)
         self._unshared = unshared
-        # the forked children in no plan yet: running minus the sequences seen in plans; which
-        # of the unseen children those are (the others wait, queued) is not known, so the
-        # smallest count, never more than they hold
-        extra = max(0, running - len(seq_of))
-        if extra and unseen:
-            unshared += sum(sorted(-(-seq // pt) for seq in unseen.values())[:extra])
         c.peak_held_pages = max(c.peak_held_pages, held)
         if unshared > c.peak_unshared_pages:
             c.peak_unshared_pages = unshared
             c.pages_saved_at_peak = unshared - held
-        if self.n > 1:  # rows under a member id not planned: the forks this update makes
-            in_plan = set(ids)
-            forks = [(row, rid) for row, rid in zip(plan.logits_indices.tolist(),
-                                                    plan.sampled_request_ids.tolist())
-                     if rid not in in_plan]
-            if forks:
-                seq_at = dict(zip(plan.query_start_loc[1:].tolist(), seqs))  # end row -> seq
-                for row, rid in forks:
-                    unseen[rid] = seq_at[row + 1]
         firsts = []
         awaiting = self._awaiting_first
         if awaiting:

@@ -519,6 +519,7 @@ class Engine:
             execute = self.backend.inner.execute_step
         books = self.books
         book, t_append = books.book, books.timeline.t.append
+        copy_holds = books.copy_holds if books.forking else None
         log, again = self._log, self._token_times.again  # log None: no token times
         work_seconds, step_time = self._work_seconds, self.clock.step_time
         sched_append, backend_append = self._sched_append, self._backend_append
@@ -550,6 +551,9 @@ class Engine:
                     plan = s.schedule()
                     held = num_pages - f.free_pages  # the step's pages are held
                     running = s.num_running
+                    if (copy_holds is not None and len(plan.preempted_request_ids)
+                            and len(plan.copies)):
+                        held -= copy_holds(s, plan)  # held by a copy owed, not a request
                     tb = _now()
                     try:
                         sampled = execute(plan)

@@ -459,3 +459,107 @@ def test_a_forked_child_preempted_before_its_first_plan_is_counted_as_resumed():
     st_ = engine.run(_reqs([13, 8], 5), check=True).stats
     assert st_["preemptions"] == 3 and st_["recomputes"] == 3
     assert st_["tokens_recomputed"] > 0
+
+
+@pytest.mark.parametrize("implementation", ["auto", "twin"])
+def test_pages_saved_counts_a_beam_child_forked_before_its_first_plan(implementation):
+    # two one-token prompts, 3 beams each, 5 slots, budget 4: the first selection forks three
+    # children (the sixth beam waits, queued); the budget plans four beams, and the child left
+    # out is the last holder of its parent's first page, which the planned beams copied away
+    # from: 5 pages held, 5 the running beams would hold apart
+    engine = Engine("model", model_config=CONFIG, num_pages=12, max_num_seqs=5,
+                    page_tokens=3, logical_pages=8, max_num_batched_tokens=4, beam_width=3,
+                    scheduler=implementation)
+    result = engine.run(_requests([1, 1], 2), check=True)
+    st_ = result.stats
+    assert result.check.ok and st_["forks"] == 3
+    assert st_["peak_held_pages"] == 5 and st_["peak_unshared_pages"] == 5
+    assert st_["pages_saved_at_peak"] == 0
+
+
+@pytest.mark.parametrize("implementation,caching", [("auto", "off"), ("auto", "auto"),
+                                                    ("twin", "auto")])
+def test_pages_saved_leaves_out_a_copy_source_only_the_plan_holds(implementation, caching):
+    # a pool of 4 pages, n=2: prompts of 3 tokens (one full page) and 1 token (a partial page
+    # its fork shares).  The next schedule gives request 0 a new page and copies request 1's
+    # shared page away, which fills the pool, so both children are preempted; the copy owed
+    # holds that page until the plan is applied, yet no request does: 3 pages held, not 4
+    engine = Engine("c", num_pages=4, max_num_seqs=4, page_tokens=3, logical_pages=8, n=2,
+                    prefix_caching=caching, scheduler=implementation)
+    st_ = engine.run([Request(0, 0, [7, 7, 7], 0, 2), Request(1, 0, [8], 0, 2)],
+                     check=True).stats
+    assert st_["check_ok"] and st_["preemptions"] == 2 and st_["pages_copied"] == 1
+    assert st_["peak_held_pages"] == 3 and st_["peak_unshared_pages"] == 3
+    assert st_["pages_saved_at_peak"] == 0
+
+
+@pytest.mark.parametrize("implementation", ["auto", "twin"])
+def test_pages_saved_keeps_the_running_beams_when_a_preemption_parks_one(implementation):
+    # three slots for groups of 3 beams, a 4-token budget, 12 pages: a preemption parks a
+    # computed beam while a beam of its group that waits for a sibling (in no plan) and another
+    # request's beam keep running; the next step, which admits another beam, is the peak: 17
+    # pages the running beams would hold apart, 12 held, though two of them are in no plan
+    engine = Engine("model", model_config=CONFIG, num_pages=12, max_num_seqs=3,
+                    page_tokens=3, logical_pages=8, max_num_batched_tokens=4, beam_width=3,
+                    eos_token_id=3, scheduler=implementation)
+    result = engine.run(_requests([7, 13, 12, 4], 4), check=True)
+    st_ = result.stats
+    assert result.check.ok and st_["beams_parked"] > 0 and st_["preemptions"] > 0
+    assert st_["peak_unshared_pages"] == 17 and st_["pages_saved_at_peak"] == 5
+    assert st_["peak_held_pages"] == 12
+
+
+class TableWatch:
+    """A step scheduler whose every ``schedule()`` also reads every request's block table:
+    the pages the running sequences hold (each page once) and the sum of their tables'
+    lengths, what they would hold with nothing shared."""
+
+    def __init__(self, s):
+        self._s = s
+        self.held = self.unshared = -1  # right after the last schedule
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def schedule(self):
+        plan = self._s.schedule()
+        tables = [self._s.request_pages(rid).tolist() for rid in set(self._s.requests())]
+        self.held = len({p for t in tables for p in t})
+        self.unshared = sum(map(len, tables))
+        return plan
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["n", "beam"]), width=st.integers(2, 4),
+       lengths=st.lists(st.integers(1, 14), min_size=1, max_size=4),
+       max_new=st.integers(1, 5), num_pages=st.integers(4, 24), spare_seqs=st.integers(0, 2),
+       budget=st.sampled_from([3, 4, 9, 64]), end_token=st.sampled_from([None, 3]),
+       implementation=st.sampled_from(["auto", "twin"]))
+def test_pages_saved_is_the_block_tables_at_the_peak(kind, width, lengths, max_new, num_pages,
+                                                     spare_seqs, budget, end_token,
+                                                     implementation):
+    """After every step the page figures equal the running sequences' block tables read right
+    after each schedule so far: the most held, the most unshared, and at the first step with
+    that most the difference, never negative (preemption, copies, fork fallbacks, parked
+    beams)."""
+    kw = dict(n=width) if kind == "n" else dict(beam_width=width)
+    engine = Engine("model", model_config=CONFIG, num_pages=num_pages,
+                    max_num_seqs=width + spare_seqs, page_tokens=3, logical_pages=8,
+                    max_num_batched_tokens=budget, eos_token_id=end_token,
+                    sampling=HOT if kind == "n" else None, scheduler=implementation, **kw)
+    try:
+        for r in _requests(lengths, max_new):
+            engine.submit(r)
+    except ValueError:  # a request or beam group that never fits this pool
+        return
+    watch = engine.scheduler = TableWatch(engine.scheduler)
+    c = engine.counters
+    peak_held = peak_unshared = saved = 0
+    while engine.pending:
+        engine.step()
+        peak_held = max(peak_held, watch.held)
+        if watch.unshared > peak_unshared:
+            peak_unshared, saved = watch.unshared, watch.unshared - watch.held
+        assert (c.peak_held_pages, c.peak_unshared_pages, c.pages_saved_at_peak) == \
+            (peak_held, peak_unshared, saved)
+        assert saved >= 0
