@@ -28,8 +28,8 @@ def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int =
     (``prefix_entries x prefix_pages`` page ids); ``"token scratch"`` (``logical_pages x
     page_tokens`` token ids); ``"undo log"``; with ``prefix_caching="auto"``, ``"prefix cache"``
     (a record of ``round_up(64 + 4 x page_tokens, 64)`` bytes per page, the index, namespaces and
-    the event ring) and ``"token streams"`` (``max_num_seqs x logical_pages x (4 x page_tokens +
-    20)`` bytes)."""
+    the event ring) and ``"token streams"`` (``max_num_seqs x logical_pages x 24`` bytes: the
+    engine step's streams read its token arena, not a copy)."""
     mr, nb, pt, lp = int(max_num_seqs), int(num_pages), int(page_tokens), int(logical_pages)
     pp = int(prefix_pages) if prefix_pages is not None else max(lp, 1)
     parts = {
@@ -46,7 +46,7 @@ def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int =
             index *= 2
         parts["prefix cache"] = (nb * ((64 + 4 * pt + 63) // 64 * 64) + 8 * index
                                  + 1024 * (256 + 53) + 4096 * 32)
-        parts["token streams"] = mr * max(lp, 1) * (4 * pt + 20) + mr * 32
+        parts["token streams"] = mr * max(lp, 1) * 24 + mr * 40
     if backend == "model":
         import numpy as np
 

@@ -185,6 +185,7 @@ def select(s: "StepScheduler", g: BeamGroup, finished: List[Any]) -> None:
         for b in live:
             s._finish_member(b)
         hyps = sorted(g.hyps, key=lambda h: (-h[0], h[1]))
+        s._finishing.add(g.parent)
         finished.append(FinishedGroup(
             g.parent, [np.array(h[2], dtype=np.uint32) for h in hyps],
             [h[3] for h in hyps], [h[0] for h in hyps], []))

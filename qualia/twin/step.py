@@ -258,6 +258,9 @@ class StepScheduler:
         self._group_of: Dict[int, Group] = {}
         self._reserved: Set[int] = set()
         self._child_ids = itertools.count(CHILD_BASE)
+        # ids the running update() returns as finished: still taken until it returns, so a
+        # child it makes never takes an id the same call reports finished
+        self._finishing: Set[int] = set()
         self._parked: Dict[int, _Req] = {}
         self.forks = 0
         self.fork_fallbacks = 0
@@ -445,7 +448,7 @@ class StepScheduler:
         member id of a live group is taken (reserved, running, waiting or stopped) until the
         group's result is returned."""
         return (rid in self._reqs or rid in self._reserved or rid in self._group_of
-                or rid in self._groups)
+                or rid in self._groups or rid in self._finishing)
 
     def _entries_used(self) -> int:
         """Queue entries in use (the core's token-arena entries).  A group (n or beam) holds its
@@ -875,6 +878,7 @@ class StepScheduler:
         self._plan = None
         self._aborted_in_plan = set()
         self._clear_deferred_rows()
+        self._finishing.clear()
         return finished
 
     def _note(self, r: _Req, tok: int) -> None:
@@ -897,11 +901,13 @@ class StepScheduler:
         self._finish_member(r)
         g = self._group_of.get(r.request_id)
         if not isinstance(g, NGroup):
+            self._finishing.add(r.request_id)
             finished.append(FinishedRequest(r.request_id, np.array(out, dtype=np.uint32),
                                             reason))
             return
         g.results[r.request_id] = (out, reason)
         if len(g.results) == len(g.members):
+            self._finishing.update(g.members)
             finished.append(FinishedGroup(
                 g.parent, [np.array(g.results[m][0], dtype=np.uint32) for m in g.members],
                 [g.results[m][1] for m in g.members], None, list(g.members)))

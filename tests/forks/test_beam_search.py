@@ -434,6 +434,45 @@ def test_children_skip_user_ids_at_the_child_base():
     all_pages_back(c)
 
 
+
+def test_a_child_never_takes_an_id_its_own_update_reports_finished():
+    """A request at the child base finishes in the update whose beam selection forks: the
+    child skips its id (still taken until that update returns), in the core and the twin."""
+    c, t = both(64, 4, 16, 8, max_queued=12)
+    for s in (c, t):
+        s.add_request(CHILD_BASE, [1, 2], max_new_tokens=1)
+        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=2)
+    pc, pt = c.schedule(), t.schedule()
+    assert sorted(pc.sampled_request_ids.tolist()) == [1, CHILD_BASE]
+    fc, ft = c.update(*execute(pc)), t.update(*execute(pt))
+    assert [f.request_id for f in fc] == [f.request_id for f in ft] == [CHILD_BASE]
+    assert c.group_members(1) == t.group_members(1) == [1, CHILD_BASE + 1]
+    lockstep(c, t)
+    all_pages_back(c)
+
+
+def test_child_ids_in_the_c_run_loop_do_not_depend_on_when_it_collects():
+    """run(HashBackend()) collects finished requests once per slice of steps, but an id is
+    free again when the update that finished it ends: one run() call, a call per step and the
+    twin fork the same children (the backend's candidates follow the ids)."""
+    hb = qualia.HashBackend(vocab=64)
+    kw = dict(max_num_batched_tokens=8, max_num_seqs=4, max_prefill_chunk=3, max_queued=16)
+    a, b = qualia.StepScheduler(40, 4, 16, **kw), qualia.StepScheduler(40, 4, 16, **kw)
+    t = TwinStepScheduler(40, 4, 16, **kw)
+    for s in (a, b, t):
+        s.add_request(CHILD_BASE, [1, 2], max_new_tokens=1)
+        s.add_request(1, PROMPT, max_new_tokens=5, beam_width=3)
+    one = a.run(hb).finished
+    per_step = []
+    while b.has_unfinished():
+        per_step += b.run(hb, max_steps=1).finished
+
+    class Py:
+        def execute_step(self, plan):
+            return hb.execute_step_topk(plan) if plan.num_topk else hb.execute_step(plan)
+    assert finished_key(one) == finished_key(per_step) == finished_key(t.run(Py()).finished)
+    assert a.forks == b.forks == t.forks > 0
+
 # -- 5. user code around update ---------------------------------------------------------------
 
 class ArrayLike:

@@ -398,6 +398,10 @@ BAD_TOKENS = [
     ("str", "abc", TypeError), ("bytes", b"ab", TypeError), ("int", 5, TypeError),
     ("none", None, TypeError), ("floats", [1.0], TypeError), ("bools", [False], TypeError),
     ("negative", [-1], OverflowError), ("too_big", [2**32], OverflowError),
+    ("negative_one_digit", [5, -(2**30 - 1)], OverflowError),
+    ("negative_two_digits", [5, -(2**30)], OverflowError),
+    ("too_big_three_digits", [5, 2**62], OverflowError),
+    ("too_big_long_list", [7] * 300 + [2**40], OverflowError),
     ("float_array", np.ones(2, np.float32), TypeError),
     ("bool_array", np.ones(2, np.bool_), TypeError),
     ("negative_array", np.array([-1], np.int64), OverflowError),
@@ -410,6 +414,19 @@ BAD_TOKENS = [
 def test_of_tokens_bad_tokens(impl, name, tokens, exc):
     with pytest.raises(exc):
         impl.PrefixIdentity.of_tokens(tokens)
+
+
+# around the sizes of an int's digits (30 bits, or 15 where a build uses 15-bit digits)
+EDGE_IDS = [0, 1, 2**15 - 1, 2**15, 2**30 - 1, 2**30, 2**31, 2**32 - 1]
+
+
+@pytest.mark.parametrize("length", [len(EDGE_IDS), 300])
+def test_token_ids_from_a_list_of_ints_equal_those_from_a_uint32_array(impl, length):
+    ids = (EDGE_IDS * (length // len(EDGE_IDS) + 1))[:length]
+    arr = np.array(ids, np.uint32)
+    assert impl.PrefixIdentity.of_tokens(ids) == impl.PrefixIdentity.of_tokens(arr)
+    assert impl.PrefixIdentity.of_tokens(tuple(ids)) == impl.PrefixIdentity.of_tokens(arr)
+    assert impl.PrefixIdentity.of_tokens(ids) != impl.PrefixIdentity.of_tokens(arr[::-1])
 
 
 @pytest.mark.parametrize("ns", [1, None, 1.0, [b"a"], object()])

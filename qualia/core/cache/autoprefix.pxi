@@ -1,16 +1,27 @@
 # Automatic prefix caching, part 2: what the facade does with the page cache (docs/DESIGN.md,
 # "Automatic prefix caching").
 #
-# The facade keeps every request's token stream in a per-slot arena (prompt tokens copied at
-# admission, each decode round's input token written at its position) and, per logical page,
+# The facade keeps every request's token stream in a per-slot row (prompt tokens copied at
+# admission, each decode round's input token written at its position); the engine step lends
+# each stream its entry's row of the step's token arena instead, which already holds the prompt
+# and every sampled token, so nothing is copied.  Per logical page the stream keeps (one
+# PageRef, so that a page's fill reads one line of them)
 # the page's identity and the cache entry that stands for it (the request's own page once
 # inserted, or an identical entry that was already cached).  Admission shares the longest
 # verified cached run from page 0; every page that fills is inserted; finish hands pages back
 # last page first; allocations reclaim least recently used pages for what the free stack lacks,
 # decided before anything is mutated.  Each function is O(pages of one request or one call).
 
+cdef struct PageRef:
+    uint64_t ident      # the page's chain value (pc_chain)
+    uint64_t gen        # the generation of `canon` when it was matched or inserted
+    uint32_t canon      # the cache entry standing for the page
+    uint32_t pad
+
+
 cdef struct Stream:
-    uint32_t known      # leading positions whose tokens the arena holds
+    uint32_t *row       # the slot's tokens (logical_pages x page_tokens): its own, or lent
+    uint32_t known      # leading positions whose tokens the stream's row holds
     uint32_t hashed     # leading pages whose identity is computed
     uint32_t done       # leading pages handed to the cache (hit, inserted or deduplicated)
     uint32_t ns
@@ -20,18 +31,23 @@ cdef struct Stream:
     uint8_t broken      # the chain cannot be continued: no later page is cached
     uint8_t has_pending
 
+cdef struct Probe:
+    # a match auto_match made for the same prompt and namespace on the same cache state (the
+    # engine step's fit test, just before it admits): the admission takes it instead of
+    # hashing and looking up again
+    const PageRef *refs     # the chain values of the first `hashed` pages, the matched
+    uint32_t hashed         # entries of the first `k`
+    uint32_t k
+    bint collided
+
+
 cdef struct Streams:
     Stream *st          # max_requests
-    uint32_t *tokens    # max_requests x logical_pages x page_tokens
-    uint64_t *ident     # max_requests x logical_pages: each page's chain value (pc_chain)
-    uint32_t *canon     # max_requests x logical_pages: the cache entry standing for the page
-    uint64_t *canon_gen
-    uint64_t *probe_ident    # logical_pages: the engine step's probe of an admission's hit
-    uint32_t *probe_canon
-    uint64_t *probe_gen
-    uint64_t *read_ident     # logical_pages: cached_prefix's own (a read writes no core scratch)
-    uint32_t *read_canon
-    uint64_t *read_gen
+    uint32_t *tokens    # the rows' storage when the streams own them, else NULL
+    PageRef *refs       # max_requests x logical_pages
+    PageRef *probe      # logical_pages: the engine step's probe of an admission's hit
+    PageRef *read       # logical_pages: cached_prefix's own (a read writes no core scratch)
+    uint32_t *hit       # logical_pages: an admission's matched entries, for table_attach
     uint32_t logical_pages
     uint32_t page_tokens
     uint32_t cacheable  # streams that are live and not broken: 0 lets a decode round skip them
@@ -45,44 +61,39 @@ cdef inline void stream_stop(Streams *ss, Stream *st) noexcept nogil:
 
 
 cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages,
-                      uint32_t page_tokens) except -1:
+                      uint32_t page_tokens, bint own_rows) except -1:
+    # own_rows: the streams hold each slot's tokens themselves (the facade); else every
+    # admission and fork lends the slot's row (auto_admit, auto_fork_stream: the engine step)
     cdef size_t pages = <size_t>max_requests * logical_pages
+    cdef uint32_t i
     memset(ss, 0, sizeof(Streams))
     ss.st = <Stream *>PyMem_Calloc(max_requests, sizeof(Stream))
-    ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
-                                              * sizeof(uint32_t))
-    ss.ident = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
-    ss.canon = <uint32_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint32_t))
-    ss.canon_gen = <uint64_t *>PyMem_Malloc((pages if pages else 1) * sizeof(uint64_t))
-    ss.probe_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
-    ss.probe_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
-    ss.probe_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
-    ss.read_ident = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
-    ss.read_canon = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
-    ss.read_gen = <uint64_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint64_t))
-    if ss.st == NULL or ss.tokens == NULL or ss.ident == NULL or ss.canon == NULL \
-            or ss.canon_gen == NULL or ss.probe_ident == NULL or ss.probe_canon == NULL \
-            or ss.probe_gen == NULL or ss.read_ident == NULL or ss.read_canon == NULL \
-            or ss.read_gen == NULL:
+    if own_rows:
+        ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
+                                                  * sizeof(uint32_t))
+    ss.refs = <PageRef *>qualia_big_zalloc((pages if pages else 1) * sizeof(PageRef))
+    ss.probe = <PageRef *>PyMem_Malloc((logical_pages + 1) * sizeof(PageRef))
+    ss.read = <PageRef *>PyMem_Malloc((logical_pages + 1) * sizeof(PageRef))
+    ss.hit = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
+    if ss.st == NULL or (own_rows and ss.tokens == NULL) or ss.refs == NULL \
+            or ss.probe == NULL or ss.read == NULL or ss.hit == NULL:
         raise MemoryError(f"cannot allocate token streams of {max_requests} x {logical_pages} "
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
     ss.page_tokens = page_tokens
+    if own_rows:
+        for i in range(max_requests):
+            ss.st[i].row = &ss.tokens[<size_t>i * logical_pages * page_tokens]
     return 0
 
 
 cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.st)
     qualia_big_free(ss.tokens)
-    PyMem_Free(ss.ident)
-    PyMem_Free(ss.canon)
-    PyMem_Free(ss.canon_gen)
-    PyMem_Free(ss.probe_ident)
-    PyMem_Free(ss.probe_canon)
-    PyMem_Free(ss.probe_gen)
-    PyMem_Free(ss.read_ident)
-    PyMem_Free(ss.read_canon)
-    PyMem_Free(ss.read_gen)
+    qualia_big_free(ss.refs)
+    PyMem_Free(ss.probe)
+    PyMem_Free(ss.read)
+    PyMem_Free(ss.hit)
     memset(ss, 0, sizeof(Streams))
 
 
@@ -92,22 +103,22 @@ cdef inline size_t _sp(Streams *ss, uint32_t slot) noexcept nogil:
 
 
 cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t ns,
-                         uint64_t nsh, uint32_t nhash, uint64_t *ids, uint32_t *canon,
-                         uint64_t *cgen, bint *collided) noexcept nogil:
+                         uint64_t nsh, uint32_t nhash, PageRef *refs,
+                         bint *collided) noexcept nogil:
     # Hash tok's first `nhash` full pages (at least the `cap` pages an admission may reuse): their
-    # chain values into ids[]; then find the longest verified cached run from page 0
-    # (canon[]/cgen[]: each matched entry).  Two passes: the chain is the critical path, and the
-    # lookups of different pages do not depend on each other, so the CPU overlaps them.
+    # chain values into refs[].ident; then find the longest verified cached run from page 0
+    # (refs[].canon and .gen: each matched entry).  Two passes: the chain is the critical path,
+    # and the lookups of different pages do not depend on each other, so the CPU overlaps them.
     cdef uint32_t k, q, pt = c.page_tokens, pp = 0
     cdef uint32_t cap = (n - 1) // pt if n else 0
     cdef uint64_t prev = 0, pg = 0
     for k in range(nhash):
         prev = pc_chain(c, prev, k > 0, nsh, &tok[<size_t>k * pt])
-        ids[k] = prev
+        refs[k].ident = prev
     collided[0] = False
     k = 0
     while k < cap:
-        q = pc_find(c, pc_ident(c, ids[k]))
+        q = pc_find(c, pc_ident(c, refs[k].ident))
         if q == U32_MAX:
             break
         if not pc_matches(c, q, ns, k > 0, pp, pg, &tok[<size_t>k * pt]):
@@ -115,26 +126,29 @@ cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t
             break
         pp = q
         pg = pc_rec(c, q).gen
-        canon[k] = pp
-        cgen[k] = pg
+        refs[k].canon = pp
+        refs[k].gen = pg
         k += 1
     return k
 
 
 cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
                     const uint32_t *tok, uint32_t n, const uint8_t *nsb, uint32_t nsl,
-                    uint64_t nsh, Admission_c *out) noexcept nogil:
+                    uint64_t nsh, uint32_t *row, const Probe *probe,
+                    Admission_c *out) noexcept nogil:
     # Admit `rid` with prompt tok[0..n): share the longest verified cached run of full pages
     # from page 0, leaving at least one token to compute.  Nothing changes on failure (a
-    # namespace interned for this call is freed again).
+    # namespace interned for this call is freed again).  `row` NULL: the prompt is copied into
+    # the slot's own row; else the stream reads `row`, which holds tok[0..n) and whose
+    # positions below the stream's known count the lender never changes while the request
+    # holds the slot (row == tok in the engine step).  `probe`, if not NULL, is the match
+    # auto_match made for this prompt in the namespace interned here, on this cache state.
     cdef int32_t index
     cdef uint32_t ns, k, hashed, i, pt = c.page_tokens
     cdef bint collided
     cdef int rc
     cdef Admission_c adm
-    cdef uint64_t *ids
-    cdef uint32_t *canon
-    cdef uint64_t *cgen
+    cdef PageRef *refs
     cdef Stream *st
     if sched_find(s, rid) >= 0:
         return Q_DUPLICATE_REQUEST
@@ -154,17 +168,27 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     rc = pc_intern_ns(c, p, nsh, nsb, nsl, &ns)
     if rc:
         return rc
-    ids = &ss.ident[_sp(ss, index)]
-    canon = &ss.canon[_sp(ss, index)]
-    cgen = &ss.canon_gen[_sp(ss, index)]
+    refs = &ss.refs[_sp(ss, index)]
     hashed = n // pt   # every full page of the prompt is hashed here, once
-    k = auto_match(c, tok, n, ns, nsh, hashed, ids, canon, cgen, &collided)
-    rc = table_attach(&s.slots[index].blocks, canon, k, p)
+    if probe != NULL and probe.hashed <= hashed:
+        # the probe's chain values and match; the last full page is hashed here if the probe
+        # left it (it hashes the pages an admission may reuse)
+        memcpy(refs, probe.refs, <size_t>probe.hashed * sizeof(PageRef))
+        for i in range(probe.hashed, hashed):
+            refs[i].ident = pc_chain(c, refs[i - 1].ident if i else 0, i > 0, nsh,
+                                     &tok[<size_t>i * pt])
+        k = probe.k
+        collided = probe.collided
+    else:
+        k = auto_match(c, tok, n, ns, nsh, hashed, refs, &collided)
+    for i in range(k):
+        ss.hit[i] = refs[i].canon
+    rc = table_attach(&s.slots[index].blocks, ss.hit, k, p)
     if rc:
         ns_free_if_unused(&c.ns, ns)
         return rc
     for i in range(k):
-        pc_on_retain(c, p, canon[i])
+        pc_on_retain(c, p, refs[i].canon)
     sched_admit(s, rid, False, 0, 0, NULL, p, &adm)   # cannot fail: checked above
     s.slots[index].token_count = k * pt
     s.slots[index].prefix_tokens = k * pt
@@ -176,8 +200,11 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     st.known = n
     st.hashed = hashed
     st.done = k
+    if row != NULL:
+        st.row = row
+    elif n:
+        memcpy(st.row, tok, <size_t>n * sizeof(uint32_t))
     if n:
-        memcpy(&ss.tokens[_sp(ss, index) * pt], tok, <size_t>n * sizeof(uint32_t))
         c.lookups += 1
         c.lookup_tokens += n
         c.hit_tokens += <uint64_t>k * pt
@@ -196,9 +223,7 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     cdef uint32_t pt = c.page_tokens
     cdef uint32_t limit, ahead, k, q, own, pp = 0
     cdef uint64_t ident, pg = 0
-    cdef uint64_t *ids = &ss.ident[_sp(ss, index)]
-    cdef uint32_t *canon = &ss.canon[_sp(ss, index)]
-    cdef uint64_t *cgen = &ss.canon_gen[_sp(ss, index)]
+    cdef PageRef *refs = &ss.refs[_sp(ss, index)]
     cdef const uint32_t *t
     if not st.live or st.broken:
         return
@@ -210,21 +235,23 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     ahead = limit if limit < st.hashed else st.hashed
     k = st.done
     while k < ahead and k < st.done + PC_AHEAD:
-        pc_prefetch_fill(c, pc_ident(c, ids[k]), sl.blocks.entries[k])
+        pc_prefetch_fill(c, pc_ident(c, refs[k].ident), sl.blocks.entries[k])
         k += 1
     while st.done < limit:
         k = st.done
         if k + PC_AHEAD < ahead:
-            pc_prefetch_fill(c, pc_ident(c, ids[k + PC_AHEAD]), sl.blocks.entries[k + PC_AHEAD])
-        t = &ss.tokens[(_sp(ss, index) + k) * pt]
+            pc_prefetch_fill(c, pc_ident(c, refs[k + PC_AHEAD].ident),
+                             sl.blocks.entries[k + PC_AHEAD])
+        t = &st.row[<size_t>k * pt]
         if k >= st.hashed:
-            ids[k] = pc_chain(c, ids[k - 1] if k else 0, k > 0, c.ns.hashes[st.ns], t)
+            refs[k].ident = pc_chain(c, refs[k - 1].ident if k else 0, k > 0,
+                                     c.ns.hashes[st.ns], t)
             st.hashed = k + 1
             c.pages_hashed += 1
-        ident = pc_ident(c, ids[k])
+        ident = pc_ident(c, refs[k].ident)
         if k:
-            pp = canon[k - 1]
-            pg = cgen[k - 1]
+            pp = refs[k - 1].canon
+            pg = refs[k - 1].gen
             if not pc_live(c, pp, pg):     # the parent entry was reclaimed or cleared
                 stream_stop(ss, st)
                 return
@@ -236,19 +263,19 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
                 return
             if q != sl.blocks.entries[k]:
                 c.duplicates += 1          # identical entry: the request keeps its own page
-            canon[k] = q
-            cgen[k] = pc_rec(c, q).gen
+            refs[k].canon = q
+            refs[k].gen = pc_rec(c, q).gen
         else:
             own = sl.blocks.entries[k]
             if own >= c.num_blocks or pc_rec(c, own).state != PC_NONE:
                 stream_stop(ss, st)
                 return
-            if pc_insert(c, p, own, ident, k > 0, pc_ident(c, ids[k - 1]) if k else 0, pp, pg,
-                         st.ns, t):
+            if pc_insert(c, p, own, ident, k > 0, pc_ident(c, refs[k - 1].ident) if k else 0, pp,
+                         pg, st.ns, t):
                 stream_stop(ss, st)         # refcount overflow: not cached
                 return
-            canon[k] = own
-            cgen[k] = pc_rec(c, own).gen
+            refs[k].canon = own
+            refs[k].gen = pc_rec(c, own).gen
         st.done = k + 1
     if sl.token_count > <uint64_t>sl.blocks.len * pt:
         stream_stop(ss, st)  # tokens counted past the mapped pages: their KV is nowhere
@@ -256,25 +283,30 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
-cdef inline bint auto_fill_due(Sched *s, Streams *ss, uint32_t index) noexcept nogil:
-    # whether auto_fill(index) has anything to do now (a page to hand to the cache, or a stream
-    # to stop), without a division: the check a decode makes after each token
+cdef inline void auto_prefetch_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
+                                    uint32_t num_tokens) noexcept nogil:
+    # A hint ahead of auto_fill_lent for a chunk that completes a page: the first page it will
+    # hand to the cache is hashed here (its tokens are all in the row) and its index slot and
+    # record prefetched, so that the fill does not wait on them.  Reads only.
     cdef Stream *st = &ss.st[index]
-    cdef Slot *sl
-    cdef uint64_t tc
-    if not st.live or st.broken:
-        return False
-    sl = &s.slots[index]
-    tc = sl.token_count
-    return (tc > st.known or tc > <uint64_t>sl.blocks.len * ss.page_tokens
-            or tc >= (<uint64_t>st.done + 1) * ss.page_tokens)
+    cdef Slot *sl = &s.slots[index]
+    cdef uint32_t k = st.done, pt = c.page_tokens
+    cdef uint64_t chain
+    if not st.live or st.broken or k >= sl.blocks.len or <uint64_t>(k + 1) * pt > num_tokens:
+        return
+    if k < st.hashed:
+        chain = ss.refs[_sp(ss, index) + k].ident
+    else:
+        chain = pc_chain(c, ss.refs[_sp(ss, index) + k - 1].ident if k else 0, k > 0,
+                         c.ns.hashes[st.ns], &st.row[<size_t>k * pt])
+    pc_prefetch_fill(c, pc_ident(c, chain), sl.blocks.entries[k])
 
 
 cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,
                                  uint32_t tok) noexcept nogil:
     # A decode round computed `tok` at position `pos` of the slot's stream.
     cdef Stream *st = &ss.st[index]
-    cdef uint32_t *arena = &ss.tokens[_sp(ss, index) * ss.page_tokens]
+    cdef uint32_t *arena = st.row
     if not st.live or st.broken or pos > st.known:
         return   # not cached any more, or a gap: positions whose tokens are unknown
     if pos < st.known:
@@ -286,6 +318,19 @@ cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t
     if pos < <uint64_t>ss.logical_pages * ss.page_tokens:
         arena[pos] = tok
         st.known = pos + 1
+
+
+cdef inline void auto_fill_lent(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index,
+                                uint32_t num_tokens) noexcept nogil:
+    # auto_fill for a stream whose row is lent (the engine step): the row holds the request's
+    # first `num_tokens` tokens and only ever grows at its end, so the stream knows them all.
+    # The engine step calls this only when a page may have filled, so that a decode that fills
+    # none touches no stream.
+    cdef Stream *st = &ss.st[index]
+    if not st.live or st.broken:
+        return
+    st.known = num_tokens
+    auto_fill(s, p, c, ss, index)
 
 
 cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index) noexcept nogil:

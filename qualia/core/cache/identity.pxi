@@ -49,6 +49,27 @@ cdef extern from *:
        Runs no Python code: each item must be an exact int, read without __index__.  Returns -1
        when all n were converted; otherwise the index of the first item that is not an exact
        int (*why = 1) or is out of [0, 2**32-1] (*why = 2). */
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "longintrepr.h"
+    #endif
+    /* An exact int of at most one digit (every token id of a vocabulary under 2**30): its
+       value, read from the object itself; 0 for any other int (read by the C API). */
+    static inline int qualia_one_digit(PyObject *o, long long *v)
+    {
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject *)o))
+            return 0;
+        *v = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+        return 1;
+    #else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size == 0) { *v = 0; return 1; }
+        if (size != 1) return 0;
+        *v = (long long)((PyLongObject *)o)->ob_digit[0];
+        return 1;
+    #endif
+    }
+
     static Py_ssize_t qualia_exact_u32s(PyObject *seq, uint32_t *dst, Py_ssize_t n, int *why)
     {
         PyObject **items = PySequence_Fast_ITEMS(seq);
@@ -57,7 +78,8 @@ cdef extern from *:
             int overflow = 0;
             long long v;
             if (!PyLong_CheckExact(o)) { *why = 1; return i; }
-            v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (!qualia_one_digit(o, &v))
+                v = PyLong_AsLongLongAndOverflow(o, &overflow);
             if (overflow || v < 0 || v > 0xFFFFFFFFLL) { *why = 2; return i; }
             dst[i] = (uint32_t)v;
         }

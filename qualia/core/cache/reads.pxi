@@ -77,10 +77,9 @@ cdef object cache_probe(PageCache *c, Streams *ss, const uint32_t *tok, Py_ssize
     ns = ns_find(&c.ns, nsh, <const uint8_t *><char *>nsb, <uint32_t>nsl)
     if ns != U32_MAX:
         hashed = (n - 1) // c.page_tokens if n else 0
-        k = auto_match(c, tok, <uint32_t>n, ns, nsh, hashed, ss.read_ident, ss.read_canon,
-                       ss.read_gen, &collided)
+        k = auto_match(c, tok, <uint32_t>n, ns, nsh, hashed, ss.read, &collided)
         for i in range(k):
-            rec += pc_rec(c, ss.read_canon[i]).state == PC_RECLAIMABLE
+            rec += pc_rec(c, ss.read[i].canon).state == PC_RECLAIMABLE
     if not detail:
         return k * c.page_tokens
     return CachedPrefix(k * c.page_tokens, k, rec)

@@ -46,14 +46,15 @@ cdef int sched_fork(Sched *s, Pool *p, int32_t parent, uint64_t child_rid,
     return Q_OK
 
 
-cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
-                           uint32_t child) noexcept nogil:
+cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent, uint32_t child,
+                           uint32_t *child_row) noexcept nogil:
     # The child's token stream continues the parent's.  Only the live tail is copied, so the
     # cost does not grow with the context: auto_fill starts at page `done` (reading the chain
     # value and cache entry of page done-1) and a decode notes tokens at positions
     # >= token_count >= done * page_tokens, so nothing before that is ever read again.  A page
     # the parent holds is never reclaimable, so the retains of sched_fork move nothing in the
-    # cache.
+    # cache.  `child_row` NULL: the tail is copied into the child slot's own row; else the
+    # child's stream reads `child_row`, which the lender filled with the parent's tokens.
     cdef Stream *src = &ss.st[parent]
     cdef Stream *dst = &ss.st[child]
     cdef uint32_t pt = ss.page_tokens, first
@@ -63,7 +64,9 @@ cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
         stream_stop(ss, dst)
         dst.live = 0
         ns_unref(&c.ns, dst.ns)
+    cdef uint32_t *row = child_row if child_row != NULL else dst.row
     dst[0] = src[0]
+    dst.row = row
     dst.has_pending = 0
     if not src.live:
         return
@@ -72,23 +75,20 @@ cdef void auto_fork_stream(Streams *ss, PageCache *c, uint32_t parent,
         return           # stream_stop counts only live, unbroken streams; nothing is read again
     ss.cacheable += 1
     first = src.done - 1 if src.done else 0
-    if src.hashed > first:
-        memcpy(&ss.ident[co + first], &ss.ident[po + first],
-               (src.hashed - first) * sizeof(uint64_t))
-    if src.done:
-        ss.canon[co + first] = ss.canon[po + first]
-        ss.canon_gen[co + first] = ss.canon_gen[po + first]
-    if src.known > src.done * pt:
-        memcpy(&ss.tokens[co * pt + src.done * pt], &ss.tokens[po * pt + src.done * pt],
+    if src.hashed > first:      # hashed >= done: page done - 1's entry is copied too
+        memcpy(&ss.refs[co + first], &ss.refs[po + first],
+               (src.hashed - first) * sizeof(PageRef))
+    if child_row == NULL and src.known > src.done * pt:
+        memcpy(&row[<size_t>src.done * pt], &src.row[<size_t>src.done * pt],
                (src.known - src.done * pt) * sizeof(uint32_t))
 
 
 cdef int facade_fork(Sched *s, Pool *p, PageCache *c, Streams *ss, bint auto, int32_t parent,
-                     uint64_t child_rid, int32_t *out) noexcept nogil:
+                     uint64_t child_rid, uint32_t *child_row, int32_t *out) noexcept nogil:
     # the facade's fork: the scheduler's, then (automatic mode) the token stream
     cdef int rc = sched_fork(s, p, parent, child_rid, out)
     if rc == Q_OK and auto:
-        auto_fork_stream(ss, c, <uint32_t>parent, <uint32_t>out[0])
+        auto_fork_stream(ss, c, <uint32_t>parent, <uint32_t>out[0], child_row)
     return rc
 
 

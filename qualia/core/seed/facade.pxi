@@ -110,7 +110,7 @@ cdef class Scheduler:
         self._admissions = [None] * mr
         if self.mode == MODE_AUTO:
             pc_init(&self.cache, nb, pt, max_ns, ev_cap, <const uint8_t *><char *>key)
-            streams_init(&self.streams, mr, lp, pt)
+            streams_init(&self.streams, mr, lp, pt, True)
 
     def __dealloc__(self):
         PyMem_Free(self.undo)
@@ -546,7 +546,7 @@ cdef class Scheduler:
         try:
             rc = facade_fork(&self.requests.s, &self.pool.pool, &self.cache, &self.streams,
                              self.mode == MODE_AUTO, _slot_of(&self.requests.s, prid), crid,
-                             &child)
+                             NULL, &child)
         finally:
             self._unown(tok)
         if rc:
@@ -688,7 +688,8 @@ cdef class Scheduler:
                         pc_ns_hash(&self.cache, <const uint8_t *><char *>ns, <uint32_t>nsl)
                     rc = auto_admit(&self.requests.s, &self.pool.pool, &self.cache,
                                     &self.streams, rid, t.ptr, <uint32_t>t.n,
-                                    <const uint8_t *><char *>ns, <uint32_t>nsl, nsh, &adm)
+                                    <const uint8_t *><char *>ns, <uint32_t>nsl, nsh, NULL, NULL,
+                                    &adm)
             finally:
                 self._unown(tok)
         finally:

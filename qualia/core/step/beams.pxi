@@ -50,6 +50,7 @@ cdef inline void beam_give_entry(StepState *st, int32_t g, int32_t e) noexcept n
 
 
 cdef inline void beam_unindex(StepState *st, int32_t e) noexcept nogil:
+    # entry e's id leaves the id index (entry_free then skips it)
     if not st.ent[e].req.unindexed:
         oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e,
                   _step_home_of, st)
@@ -248,9 +249,6 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         x = &st.ent[d]
         x.mem.in_sel = 0
         arena_at(st, d)[x.req.num_tokens] = st.beams.sel[i].tok
-        if st.lim.mode == MODE_AUTO and x.at.state == SR_RUNNING:
-            auto_note_token(st.pg.s, st.pg.ss, <uint32_t>x.at.slot, x.req.num_tokens,
-                            st.beams.sel[i].tok)
         x.req.num_tokens += 1
         if x.at.state == SR_PARKED:
             heap_push(st, d)        # a parked beam continues: it has a token to compute

@@ -26,7 +26,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
             ps.next_token_id = 0
             ps.token_ready = 1
         rc = facade_fork(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, st.lim.mode == MODE_AUTO,
-                         par.at.slot, ch.req.rid, &slot)
+                         par.at.slot, ch.req.rid, arena_at(st, ce), &slot)
         if rc:
             return rc       # cannot happen: a slot is free and the pages are held
         ch.at.state = SR_RUNNING

@@ -28,6 +28,8 @@ cdef struct PlanState:
     uint32_t *plan_chunk    # max_seqs
     int32_t *plan_sample    # max_seqs: sampled row or -1
     uint8_t *plan_alive     # max_seqs: 0 once aborted after schedule
+    uint32_t *fill_rows     # max_seqs: the rows whose chunk completes a page (auto mode), in
+    uint32_t n_fill_rows    # order: update() prefetches their fills ahead
     # slots of requests aborted while in the pending plan, in abort order: their pages stay
     # held (a kernel may be executing the plan) until update() or discard_plan() retires it
     int32_t *deferred_slot  # max_seqs
@@ -122,9 +124,13 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     cdef int32_t *logits = st.buf.logits_indices
     cdef uint64_t *sampled_ids = st.buf.sampled_request_ids
     cdef const uint32_t *tok
+    cdef uint32_t *fill_rows = st.plan.fill_rows
+    cdef uint32_t nfill = 0
+    cdef bint auto = st.lim.mode == MODE_AUTO
     if n_plan > st.buf.cap[PB_SEQS]:
         return plan_overrun(st, PB_SEQS)
     qsl[0] = 0
+    st.plan.n_fill_rows = 0
     st.plan.csr = 0
     for j in range(n_plan):
         e = plan_entry[j]
@@ -140,6 +146,9 @@ cdef int plan_lower(StepState *st) noexcept nogil:
         tok = arena_at(st, e) + q
         lp = pt_div(st, q)
         off = q - lp * pt
+        if auto and off + n >= pt:
+            fill_rows[nfill] = j
+            nfill += 1
         if n == 1:
             # a decode (or a 1-token chunk): one token, in one page
             input_ids[T] = tok[0]
@@ -202,6 +211,7 @@ cdef int plan_lower(StepState *st) noexcept nogil:
         else:
             plan_sample[j] = -1
     st.plan.T = T
+    st.plan.n_fill_rows = nfill
     st.plan.m = m
     st.plan.num_topk = topk
     st.plan.num_decode_tokens = ndec

@@ -66,8 +66,12 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     cdef int rc
     cdef uint64_t avail
     cdef Table *t
+    cdef Probe probe
+    cdef const Probe *pr = NULL
     if st.lim.mode == MODE_AUTO:
-        k = _probe_hit(st, e, &rec)
+        k = _probe_hit(st, e, &rec, &probe)
+        if probe.refs != NULL:
+            pr = &probe
         hit = k * st.lim.page_tokens
     n = _chunk(st, r.req.num_tokens - hit, left)
     need = <uint32_t>((hit + n - 1) // st.lim.page_tokens + 1 - hit // st.lim.page_tokens)
@@ -84,7 +88,7 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     if st.lim.mode == MODE_AUTO:
         rc = auto_admit(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, r.req.rid, tok, r.req.num_tokens,
                         r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl,
-                        r.names.nsh, &adm)
+                        r.names.nsh, arena_at(st, e), pr, &adm)
     else:
         rc = sched_admit(st.pg.s, r.req.rid, False, 0, 0, NULL, st.pg.p, &adm)
     if rc:
@@ -132,9 +136,10 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
     return Q_OK
 
 
-cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil:
+cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec, Probe *probe) noexcept nogil:
     # the pages an admission of entry e would take from the cache now, and how many of them are
-    # reclaimable (cached_prefix's rule)
+    # reclaimable (cached_prefix's rule); `probe` the match, for the admission to take (its
+    # refs NULL when the namespace is not interned: the admission interns it and matches)
     cdef StepEntry *r = &st.ent[e]
     cdef const uint32_t *tok = arena_at(st, e)
     cdef uint32_t n = r.req.num_tokens
@@ -142,14 +147,18 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec) noexcept nogil
     cdef uint32_t k, i, ns
     cdef bint collided
     rec[0] = 0
+    probe.refs = NULL
     ns = ns_find(&st.pg.c.ns, r.names.nsh,
                  r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl)
     if ns == U32_MAX:
         return 0
-    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe_ident,
-                   st.pg.ss.probe_canon, st.pg.ss.probe_gen, &collided)
+    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe, &collided)
+    probe.refs = st.pg.ss.probe
+    probe.hashed = hashed
+    probe.k = k
+    probe.collided = collided
     for i in range(k):
-        rec[0] += pc_rec(st.pg.c, st.pg.ss.probe_canon[i]).state == PC_RECLAIMABLE
+        rec[0] += pc_rec(st.pg.c, st.pg.ss.probe[i].canon).state == PC_RECLAIMABLE
     return k
 
 

@@ -147,7 +147,7 @@ cdef class StepScheduler:
         self.tokens_cap = max(<Py_ssize_t>lp * pt, 1)
         if self.mode == MODE_AUTO:
             pc_init(&self.cache, nb, pt, max_ns, ev_cap, <const uint8_t *><char *>key)
-            streams_init(&self.streams, seqs, lp, pt)
+            streams_init(&self.streams, seqs, lp, pt, False)
         self._step_bufs = _StepBuffers()
         step_init(&self.step, self._step_bufs, &self.slots, &self.pool.pool, &self.cache,
                   &self.streams, self.undo, self.cow, &self.pages_copied,

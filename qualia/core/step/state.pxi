@@ -104,6 +104,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.plan.plan_chunk = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
     st.plan.plan_sample = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.plan.plan_alive = <uint8_t *>PyMem_Malloc(max_seqs)
+    st.plan.fill_rows = <uint32_t *>PyMem_Malloc(max_seqs * sizeof(uint32_t))
     st.plan.deferred_slot = <int32_t *>PyMem_Malloc(max_seqs * sizeof(int32_t))
     st.plan.rows_cap = max_queued
     st.plan.sampled = <uint32_t *>PyMem_Malloc(max_queued * sizeof(uint32_t))
@@ -122,7 +123,8 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
             or st.run.row_owner == NULL
             or st.run.dirty == NULL or st.run.row_len == NULL or st.plan.plan_entry == NULL
             or st.plan.plan_chunk == NULL or st.plan.plan_sample == NULL
-            or st.plan.plan_alive == NULL or st.plan.deferred_slot == NULL
+            or st.plan.plan_alive == NULL or st.plan.fill_rows == NULL
+            or st.plan.deferred_slot == NULL
             or st.plan.sampled == NULL or st.done.fin_accum == NULL or st.done.fork_acc == NULL
             or st.done.ents == NULL or st.beams.sel == NULL or st.beams.sel_groups == NULL):
         raise MemoryError(f"cannot allocate the engine step's state for {max_queued} requests "
@@ -162,6 +164,7 @@ cdef void step_free(StepState *st) noexcept:
     PyMem_Free(st.plan.plan_chunk)
     PyMem_Free(st.plan.plan_sample)
     PyMem_Free(st.plan.plan_alive)
+    PyMem_Free(st.plan.fill_rows)
     PyMem_Free(st.plan.deferred_slot)
     PyMem_Free(st.done.ents)
     PyMem_Free(st.plan.sampled)

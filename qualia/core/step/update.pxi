@@ -37,9 +37,7 @@ cdef inline int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil
     # the stop conditions (step_stop)
     cdef StepEntry *r = &st.ent[e]
     cdef uint32_t pos = r.req.num_tokens
-    arena_at(st, e)[pos] = tok
-    if st.lim.mode == MODE_AUTO and r.at.state == SR_RUNNING:
-        auto_note_token(st.pg.s, st.pg.ss, <uint32_t>r.at.slot, pos, tok)
+    arena_at(st, e)[pos] = tok     # the token stream (auto mode) reads it here too
     r.req.num_tokens = pos + 1
     if pos + 1 - r.req.num_prompt >= r.req.max_new:
         return step_stop(st, e, FIN_LENGTH)
@@ -78,6 +76,40 @@ cdef int step_stop(StepState *st, int32_t e, uint8_t reason) noexcept nogil:
     return rc
 
 
+cdef enum:
+    FILL_AHEAD = 4      # how many page-completing plan rows ahead update() prefetches a fill
+
+
+cdef inline void _prefetch_fill(StepState *st, uint32_t f) noexcept nogil:
+    # the f-th plan row whose chunk completes a page: prefetch what its fill will read (a
+    # hint only)
+    cdef uint32_t j = st.plan.fill_rows[f]
+    cdef StepEntry *r
+    if not st.plan.plan_alive[j]:
+        return
+    r = &st.ent[st.plan.plan_entry[j]]
+    if r.at.slot >= 0:
+        auto_prefetch_lent(st.pg.s, st.pg.c, st.pg.ss, <uint32_t>r.at.slot, r.req.num_tokens)
+
+
+cdef void done_unindex(StepState *st, uint32_t first) noexcept nogil:
+    # The ids of what finished since st.done.ents[first] leave the id index (the entries stay
+    # until step_collect hands them to Python): an id is taken until the update that finished
+    # it ends, however many steps a GIL-free run() takes before it collects.  An n group's
+    # members all go; a beam group's id is its group entry's (its hypotheses left at once).
+    cdef uint32_t k
+    cdef int32_t e, c
+    for k in range(first, st.done.n):
+        e = st.done.ents[k]
+        if st.ent[e].mem.group == e and not st.ent[e].rec.beam:
+            c = e
+            while c >= 0:
+                beam_unindex(st, c)
+                c = st.ent[c].mem.next_member
+        else:
+            beam_unindex(st, e)
+
+
 cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_ids,
                      const double *tk_lps, const float *tk_lps_f) noexcept nogil:
     # sampled[0..m) was validated by the caller, and so were the candidates of a plan with beam
@@ -90,11 +122,21 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef Slot *sl
     cdef int rc, first = Q_OK
     cdef uint64_t tc
+    cdef uint32_t done0 = st.done.n, f, nfill
     if not st.plan.pending:
         return Q_NO_PLAN
     # the plan listed every copy owed, and it was applied
     first = owed_applied(st)
+    # the fills ahead are prefetched (the list is empty but in auto mode)
+    nfill = st.plan.n_fill_rows
+    for f in range(nfill if nfill < FILL_AHEAD else FILL_AHEAD):
+        _prefetch_fill(st, f)
+    f = 0
     for j in range(st.plan.n):
+        if f < nfill and st.plan.fill_rows[f] == j:
+            if f + FILL_AHEAD < nfill:
+                _prefetch_fill(st, f + FILL_AHEAD)
+            f += 1
         e = st.plan.plan_entry[j]
         if not st.plan.plan_alive[j]:
             continue
@@ -107,8 +149,10 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
         tc = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
         r.at.num_computed += n
-        if st.lim.mode == MODE_AUTO and auto_fill_due(st.pg.s, st.pg.ss, <uint32_t>r.at.slot):
-            auto_fill(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot)
+        if st.lim.mode == MODE_AUTO and pt_div(st, tc) != pt_div(st, tc - n):
+            # the chunk completed a page: hand what filled to the cache
+            auto_fill_lent(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot,
+                           r.req.num_tokens)
         if st.plan.plan_sample[j] < 0:
             continue
         if r.mem.group >= 0 and st.ent[r.mem.group].rec.beam:
@@ -151,6 +195,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     rc = release_deferred(st)
     if rc and first == Q_OK:
         first = rc
+    done_unindex(st, done0)
     st.plan.pending = False
     return first
 
