@@ -49,14 +49,6 @@ cdef inline void beam_give_entry(StepState *st, int32_t g, int32_t e) noexcept n
     st.ids.reserved += 1
 
 
-cdef inline void beam_unindex(StepState *st, int32_t e) noexcept nogil:
-    # entry e's id leaves the id index (entry_free then skips it)
-    if not st.ent[e].req.unindexed:
-        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e,
-                  _step_home_of, st)
-        st.ent[e].req.unindexed = 1
-
-
 cdef int beam_stop(StepState *st, int32_t g, int32_t b) noexcept nogil:
     # a live beam without continuation leaves the queues (the twin's _finish_member)
     cdef int rc = Q_OK
@@ -183,7 +175,7 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         d = st.beams.sel[i].dest
         x = &st.ent[d]
         if d == st.beams.sel[i].beam:
-            beam_unindex(st, d)
+            entry_unindex(st, d)
             x.mem.in_sel = 0
         arena_at(st, d)[x.req.num_tokens] = st.beams.sel[i].tok
         x.req.num_tokens += 1

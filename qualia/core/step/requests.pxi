@@ -58,7 +58,7 @@ cdef struct StepRequest:
     uint8_t has_eos
     uint8_t ignore_eos
     uint8_t reason          # why it finished (FIN_*)
-    uint8_t unindexed       # not in the id index (the parent beam, a hypothesis)
+    uint8_t unindexed       # not in the id index (the parent beam, a hypothesis, finished)
 
 
 cdef struct StepPlace:
@@ -161,11 +161,19 @@ cdef inline int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
     return id_find(st.ids.index, st.ids.index_mask, st.ent, sizeof(StepEntry), rid)
 
 
+cdef inline void entry_unindex(StepState *st, int32_t e) noexcept nogil:
+    # entry e's id leaves the id index, once (a beam hypothesis at once, what finished at the
+    # end of its update, any entry when it is freed)
+    if not st.ent[e].req.unindexed:
+        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, st.ent[e].req.rid), e,
+                  _step_home_of, st)
+        st.ent[e].req.unindexed = 1
+
+
 cdef void entry_free(StepState *st, int32_t e) noexcept nogil:
     # forget the entry: id index, namespace reference, stop ids
     cdef StepEntry *r = &st.ent[e]
-    if not r.req.unindexed:
-        oa_remove(st.ids.index, st.ids.index_mask, _step_home(st, r.req.rid), e, _step_home_of, st)
+    entry_unindex(st, e)
     r.req.unindexed = 0
     if r.names.nsb != NULL and not r.names.nsb_borrowed:
         free(r.names.nsb)

@@ -104,10 +104,10 @@ cdef void done_unindex(StepState *st, uint32_t first) noexcept nogil:
         if st.ent[e].mem.group == e and not st.ent[e].rec.beam:
             c = e
             while c >= 0:
-                beam_unindex(st, c)
+                entry_unindex(st, c)
                 c = st.ent[c].mem.next_member
         else:
-            beam_unindex(st, e)
+            entry_unindex(st, e)
 
 
 cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_ids,
@@ -123,6 +123,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef int rc, first = Q_OK
     cdef uint64_t tc
     cdef uint32_t done0 = st.done.n, f, nfill
+    cdef bint fills
     if not st.plan.pending:
         return Q_NO_PLAN
     # the plan listed every copy owed, and it was applied
@@ -133,7 +134,8 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
         _prefetch_fill(st, f)
     f = 0
     for j in range(st.plan.n):
-        if f < nfill and st.plan.fill_rows[f] == j:
+        fills = f < nfill and st.plan.fill_rows[f] == j   # its chunk completes a page
+        if fills:
             if f + FILL_AHEAD < nfill:
                 _prefetch_fill(st, f + FILL_AHEAD)
             f += 1
@@ -149,8 +151,8 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
         tc = <uint64_t>sl.token_count + n
         sl.token_count = <uint32_t>(tc if tc <= U32_MAX else U32_MAX)
         r.at.num_computed += n
-        if st.lim.mode == MODE_AUTO and pt_div(st, tc) != pt_div(st, tc - n):
-            # the chunk completed a page: hand what filled to the cache
+        if fills:
+            # the chunk completed a page (the lowering listed the row): hand it to the cache
             auto_fill_lent(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot,
                            r.req.num_tokens)
         if st.plan.plan_sample[j] < 0:
