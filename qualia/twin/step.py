@@ -459,9 +459,11 @@ class StepScheduler:
                 + sum(g.width for g in self._groups.values()))
 
     def _new_child_id(self) -> int:
+        # a child skips taken ids and the ids of requests aborted in the pending plan: their
+        # pages stay with them (under their ids) until the plan is retired
         while True:
             cid = next(self._child_ids)
-            if not self._taken(cid):
+            if not self._taken(cid) and cid not in self._aborted_in_plan:
                 return cid
 
     # -- the running set and its rows ------------------------------------------------------------

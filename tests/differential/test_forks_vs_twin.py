@@ -18,7 +18,7 @@ refused call changes nothing.
 from __future__ import annotations
 
 import numpy as np
-from helpers.groups import IDS, group_snapshot
+from helpers.groups import CHILD, IDS, group_snapshot
 from helpers.step_checks import (
     ShadowKV,
     assert_same_step_counters,
@@ -79,6 +79,13 @@ class ForksVsTwin(StepVsTwin):
         self.both(lambda s: s.add_request(rid, prefix + tail, max_new_tokens=max_new, n=n,
                                           beam_width=width, priority=priority,
                                           eos_token_id=eos, stop_token_ids=stop))
+
+    @rule(k=st.integers(0, 3), tail=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=9),
+          max_new=st.sampled_from([1, 2, 5]))
+    def at_child_base(self, k, tail, max_new):
+        # a user id where the children's ids start: children skip it while it is taken, also
+        # while it is aborted in a pending plan (its pages are still under its id)
+        self.both(lambda s: s.add_request(CHILD + k, tail, max_new_tokens=max_new))
 
     def update_call(self, ids, rng, bad):
         # a plan with beam rows takes [m, num_topk] candidates: distinct ids per row,

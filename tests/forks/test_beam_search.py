@@ -451,6 +451,26 @@ def test_a_child_never_takes_an_id_its_own_update_reports_finished():
     all_pages_back(c)
 
 
+def test_a_child_never_takes_the_id_of_a_request_aborted_in_the_pending_plan():
+    """A request at the child base is aborted while the plan holding it is pending: its pages
+    stay with it, under its id, until the plan is retired, so the beam child that update forks
+    skips that id; the group finishes and every page comes back, in the core and the twin."""
+    c, t = both(64, 4, 16, 4, max_num_batched_tokens=64, max_queued=12)
+    for s in (c, t):
+        s.add_request(CHILD_BASE, [1, 2, 3], max_new_tokens=5)
+        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=2)
+    pc, pt = c.schedule(), t.schedule()
+    assert sorted(pc.sampled_request_ids.tolist()) == [1, CHILD_BASE]
+    for s in (c, t):
+        s.abort(CHILD_BASE)
+    c.update(*execute(pc))
+    t.update(*execute(pt))
+    assert c.group_members(1) == t.group_members(1) == [1, CHILD_BASE + 1]
+    fc = lockstep(c, t)
+    assert [f.request_id for f in fc] == [1]
+    all_pages_back(c)
+
+
 def test_child_ids_in_the_c_run_loop_do_not_depend_on_when_it_collects():
     """run(HashBackend()) collects finished requests once per slice of steps, but an id is
     free again when the update that finished it ends: one run() call, a call per step and the

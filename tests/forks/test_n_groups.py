@@ -138,6 +138,25 @@ def test_user_ids_in_the_child_range_are_skipped_and_taken_ids_refused():
             s.group_members(2**64 - 1)
 
 
+def test_children_added_while_a_plan_is_pending_skip_ids_aborted_in_it():
+    """An n group added while the plan is pending reserves its children's ids then: an id
+    aborted in that plan still names the aborted request's pages, so the children skip it."""
+    c, t = both_kinds()
+    for s in (c, t):
+        s.add_request(CHILD, PROMPT, max_new_tokens=3)
+        plan = s.schedule()
+        s.abort(CHILD)
+        s.add_request(7, PROMPT, max_new_tokens=3, n=3)
+        s.update(PyHash().execute_step(plan))
+    assert c.group_members(7) == t.group_members(7) == [7, CHILD + 1, CHILD + 2]
+    for s in (c, t):
+        r = s.run(PyHash())
+        g = [f for f in r.finished if isinstance(f, qualia.FinishedGroup)][0]
+        assert [o.tolist() for o in g.outputs] == [ref(m, PROMPT, 3) for m in g.member_ids]
+    c.clear_cache()
+    assert c.free_pages == c.num_pages
+
+
 @pytest.mark.parametrize("rows", ["one per request", "one more", "one fewer"])
 def test_update_with_the_wrong_number_of_ids_on_repeated_rows_changes_nothing(rows):
     for s in both_kinds():

@@ -212,7 +212,7 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         x = &st.ent[d]
         x.req.rid = st.ids.next_child
         st.ids.next_child += 1
-        while step_find(st, x.req.rid) >= 0:
+        while child_id_taken(st, x.req.rid):
             x.req.rid = st.ids.next_child
             st.ids.next_child += 1
         x.names.nsb_borrowed = 1

@@ -161,6 +161,13 @@ cdef inline int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
     return id_find(st.ids.index, st.ids.index_mask, st.ent, sizeof(StepEntry), rid)
 
 
+cdef inline bint child_id_taken(StepState *st, uint64_t rid) noexcept nogil:
+    # a child id skips every id the step holds and every id a slot still holds: a request
+    # aborted in the pending plan has left the step's index, but its slot keeps its id until
+    # the plan is retired (release_deferred)
+    return step_find(st, rid) >= 0 or sched_find(st.pg.s, rid) >= 0
+
+
 cdef inline void entry_unindex(StepState *st, int32_t e) noexcept nogil:
     # entry e's id leaves the id index, once (a beam hypothesis at once, what finished at the
     # end of its update, any entry when it is freed)
@@ -275,7 +282,7 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
         for k in range(1, n_members):
             cid = st.ids.next_child
             st.ids.next_child += 1
-            while step_find(st, cid) >= 0:
+            while child_id_taken(st, cid):
                 cid = st.ids.next_child
                 st.ids.next_child += 1
             st.ids.n_free -= 1
