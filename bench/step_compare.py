@@ -4,15 +4,16 @@
 
 Each tree is a checkout with the extension built in place.  Every figure is measured in a child
 interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
-alternating round after round; a figure is the lowest over the rounds of its median (of the
-mixed step: its mean).
+alternating round after round; a figure is the lowest over the rounds of its median or mean
+(as each says below).
 
   decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
-                            requests of C-token context, prefilled over several steps, so a
-                            16th of them fill a page in each step
+                            requests of C-token context, the mean over whole periods of 16
+                            steps, in which every request fills one page (prompts prefilled
+                            over one or more steps: the fills come in as many steps)
   decode no-fill ...       the same with every prompt prefilled in one step: the requests
                             fill their pages in the same step, one step in 16, and the median
-                            step fills none
+                            step (the figure) fills none
   mixed mode=M              one step of 64 decodes plus a 2,048-token prefill chunk, ns (the
                             mean over whole periods of admitting and prefilling 8,192-token
                             prompts)
@@ -44,7 +45,7 @@ def child(quick):
     import qualia
 
     out = {"qualia": os.path.dirname(qualia.__file__)}
-    steps = 30 if quick else 64
+    steps = 32 if quick else 64     # whole periods of PT steps
 
     def decode(n, ctx, mode, aligned=False):
         # aligned: every prompt prefilled in one step, so every request fills a page in the same
@@ -57,7 +58,7 @@ def child(quick):
         ids = np.zeros(n, dtype=np.uint32)
         gc.disable()
         try:
-            return time_steps(s, steps, ids) / n
+            return time_steps(s, steps, ids, mean=not aligned) / n
         finally:
             gc.enable()
 

@@ -285,20 +285,25 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
 
 cdef inline void auto_prefetch_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
                                     uint32_t num_tokens) noexcept nogil:
-    # A hint ahead of auto_fill_lent for a chunk that completes a page: the first page it will
-    # hand to the cache is hashed here (its tokens are all in the row) and its index slot and
-    # record prefetched, so that the fill does not wait on them.  Reads only.
+    # Ahead of auto_fill_lent for a chunk that completes a page: the first page it will hand
+    # to the cache is hashed here, as auto_fill would hash it (its tokens are all in the row,
+    # which only grows at its end: the chain value stays right), and its index slot and record
+    # are prefetched, so that the fill neither hashes it again nor waits on them.
     cdef Stream *st = &ss.st[index]
     cdef Slot *sl = &s.slots[index]
     cdef uint32_t k = st.done, pt = c.page_tokens
     cdef uint64_t chain
+    cdef PageRef *refs = &ss.refs[_sp(ss, index)]
     if not st.live or st.broken or k >= sl.blocks.len or <uint64_t>(k + 1) * pt > num_tokens:
         return
     if k < st.hashed:
-        chain = ss.refs[_sp(ss, index) + k].ident
+        chain = refs[k].ident
     else:
-        chain = pc_chain(c, ss.refs[_sp(ss, index) + k - 1].ident if k else 0, k > 0,
-                         c.ns.hashes[st.ns], &st.row[<size_t>k * pt])
+        chain = pc_chain(c, refs[k - 1].ident if k else 0, k > 0, c.ns.hashes[st.ns],
+                         &st.row[<size_t>k * pt])
+        refs[k].ident = chain
+        st.hashed = k + 1
+        c.pages_hashed += 1
     pc_prefetch_fill(c, pc_ident(c, chain), sl.blocks.entries[k])
 
 
