@@ -50,6 +50,8 @@ cdef struct Streams:
     uint32_t *hit       # logical_pages: an admission's matched entries, for table_attach
     uint32_t logical_pages
     uint32_t page_tokens
+    uint32_t pt_shift   # log2(page_tokens) when it is a power of two (pt_pow2)
+    bint pt_pow2
     uint32_t cacheable  # streams that are live and not broken: 0 lets a decode round skip them
 
 
@@ -81,6 +83,9 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
     ss.page_tokens = page_tokens
+    ss.pt_pow2 = page_tokens != 0 and (page_tokens & (page_tokens - 1)) == 0
+    while ss.pt_pow2 and (<uint32_t>1 << ss.pt_shift) < page_tokens:
+        ss.pt_shift += 1
     if own_rows:
         for i in range(max_requests):
             ss.st[i].row = &ss.tokens[<size_t>i * logical_pages * page_tokens]
@@ -227,7 +232,8 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     cdef const uint32_t *t
     if not st.live or st.broken:
         return
-    limit = (sl.token_count if sl.token_count < st.known else st.known) // pt
+    limit = (sl.token_count if sl.token_count < st.known else st.known)
+    limit = limit >> ss.pt_shift if ss.pt_pow2 else limit // pt
     if limit > sl.blocks.len:
         limit = sl.blocks.len
     # the pages already hashed (a prompt's, at admission): their index slots and records are

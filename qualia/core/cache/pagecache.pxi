@@ -80,6 +80,7 @@ cdef struct EventRing:
     # and is written only by the consumer; record i lives at buf[i % capacity]
     KvEvent *buf
     uint32_t capacity
+    uint32_t wpos         # the producer's: tail % capacity, kept without a division
     uint64_t head
     uint64_t tail
     uint64_t dropped      # the producer's: events refused because the ring was full
@@ -161,6 +162,15 @@ cdef inline CachePage *pc_rec(PageCache *c, uint32_t page) noexcept nogil:
 
 cdef inline uint32_t *pc_tok(PageCache *c, uint32_t page) noexcept nogil:
     return <uint32_t *>(c.recs + <size_t>page * c.stride + sizeof(CachePage))
+
+
+cdef inline void pc_copy_tokens(uint32_t *dst, const uint32_t *src, uint32_t n) noexcept nogil:
+    # a page's tokens into its record: the common page size as a fixed-size copy (a few vector
+    # moves, no call)
+    if n == 16:
+        memcpy(dst, src, 16 * sizeof(uint32_t))
+    else:
+        memcpy(dst, src, n * sizeof(uint32_t))
 
 
 cdef inline bint pc_same_tokens(const uint32_t *a, const uint32_t *b, uint32_t n) noexcept nogil:
@@ -275,10 +285,16 @@ cdef int ns_intern(NsTable *t, uint64_t h, const uint8_t *s, uint32_t n,
     return Q_OK
 
 
-cdef void ns_touch(NsTable *t, uint32_t e) noexcept nogil:
+cdef inline void ns_touch(NsTable *t, uint32_t e) noexcept nogil:
     # after refs[e] or n_rec[e] changed: e is on the idle list (at the most recent end when it
     # joins) exactly while it has references and every one is a reclaimable page
     cdef bint idle = e != 0 and t.refs[e] != 0 and t.refs[e] == t.n_rec[e]
+    if idle != t.idle[e]:
+        _ns_move(t, e, idle)
+
+
+cdef void _ns_move(NsTable *t, uint32_t e, bint idle) noexcept nogil:
+    # ns_touch's change of list membership
     if idle and not t.idle[e]:
         t.idle[e] = 1
         t.idle_prev[e] = t.idle_tail
@@ -335,7 +351,7 @@ cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, b
     if t - qualia_load_acquire(&r.head) >= r.capacity:
         r.dropped += 1
         return
-    e = &r.buf[t % r.capacity]
+    e = &r.buf[r.wpos]
     e.identity = ident
     e.parent = parent
     e.namespace_id = ns
@@ -344,6 +360,7 @@ cdef void pc_emit(PageCache *c, uint8_t kind, uint64_t ident, uint64_t parent, b
     e.kind = kind
     e.has_parent = has_parent
     e._reserved = 0
+    r.wpos = r.wpos + 1 if r.wpos + 1 < r.capacity else 0
     qualia_store_release(&r.tail, t + 1)        # the record is complete before it is seen
 
 
@@ -542,7 +559,7 @@ cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint ha
     x.parent_gen = parent_gen if has_parent else 0
     x.gen = c.gen
     x.ns = ns
-    memcpy(pc_tok(c, page), t, c.page_tokens * sizeof(uint32_t))
+    pc_copy_tokens(pc_tok(c, page), t, c.page_tokens)
     pc_index_insert(c, page, ident)
     pc_link(c, page, PC_RECLAIMABLE if p.refcount[page] == 1 else PC_INUSE)
     ns_ref(&c.ns, ns)
