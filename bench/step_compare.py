@@ -20,6 +20,11 @@ alternating round after round; a figure is the lowest over the rounds of its med
   page fill                 (mixed auto - mixed off) / pages filled in the step: every cost the
                             automatic prefix cache adds per page it takes (hash, index, LRU,
                             events, bookkeeping)
+  churn mode=M              ns per generated token, 256 running requests of 512-token prompts
+                            generating 256 tokens each, a new one queued as each finishes, in a
+                            pool that stays full: admissions, page fills, finishes and (with
+                            caching on) reclaims at their steady rate; the cost per token
+                            includes the new requests' add_request
   add_request numpy / list  ns per token of 4,096-token prompts
 """
 
@@ -111,6 +116,48 @@ def child(quick):
     out["mixed mode=auto"] = auto
     out["mixed auto / off"] = auto / off
     out["page fill (ns per page)"] = (auto - off) / (pre / PT)
+
+    def churn(mode):
+        # 256 running requests of 512-token prompts generating 256 tokens each, a new one
+        # queued for each that finishes; the pool is sized so that it fills: in the window,
+        # admissions, page fills, finishes and reclaims go on at their steady rate
+        n, steps = 256, 600 if quick else 3000
+        s = qualia.StepScheduler(n * 52 + 64, PT, 64, n, cache_key=KEY, prefix_caching=mode,
+                                 max_num_batched_tokens=8192, max_queued=4 * n)
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(0, 30000, size=512, dtype=np.uint32) for _ in range(8 * n)]
+        z = np.zeros(n, dtype=np.uint32)
+        rid = 0
+
+        def step():
+            nonlocal rid
+            plan = s.schedule()
+            for _ in s.update(z[:len(plan.logits_indices)]):
+                s.add_request(rid, prompts[rid % len(prompts)], max_new_tokens=256)
+                rid += 1
+            return len(plan.logits_indices)
+
+        for _ in range(2 * n):
+            s.add_request(rid, prompts[rid], max_new_tokens=256)
+            rid += 1
+        for _ in range(400):    # past the first wave: the pool is full from here on
+            step()
+        toks = 0
+        gc.disable()
+        try:
+            t0 = pc()
+            for _ in range(steps):
+                toks += step()
+            t = pc() - t0
+        finally:
+            gc.enable()
+        return t / toks
+
+    off = churn("off")
+    auto = churn("auto")
+    out["churn mode=off (ns per token)"] = off
+    out["churn mode=auto (ns per token)"] = auto
+    out["churn auto / off"] = auto / off
 
     n, reps = 4096, 16 if quick else 64
     arr = np.arange(n, dtype=np.uint32)
