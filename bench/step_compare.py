@@ -4,21 +4,27 @@
 
 Each tree is a checkout with the extension built in place.  Every figure is measured in a child
 interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
-alternating round after round; a figure is the lowest over the rounds of its median (of the
-mixed step: its mean).
+alternating round after round; a figure is the lowest over the rounds of its median or mean
+(as each says below), and a ratio or the page fill is computed from the figures shown.
 
   decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
-                            requests of C-token context, prefilled over several steps, so a
-                            16th of them fill a page in each step
+                            requests of C-token context, the mean over whole periods of 16
+                            steps, in which every request fills one page (prompts prefilled
+                            over one or more steps: the fills come in as many steps)
   decode no-fill ...       the same with every prompt prefilled in one step: the requests
                             fill their pages in the same step, one step in 16, and the median
-                            step fills none
+                            step (the figure) fills none
   mixed mode=M              one step of 64 decodes plus a 2,048-token prefill chunk, ns (the
                             mean over whole periods of admitting and prefilling 8,192-token
                             prompts)
   page fill                 (mixed auto - mixed off) / pages filled in the step: every cost the
                             automatic prefix cache adds per page it takes (hash, index, LRU,
                             events, bookkeeping)
+  churn mode=M              ns per generated token, 256 running requests of 512-token prompts
+                            generating 256 tokens each, a new one queued as each finishes, in a
+                            pool that stays full: admissions, page fills, finishes and (with
+                            caching on) reclaims at their steady rate; the cost per token
+                            includes the new requests' add_request
   add_request numpy / list  ns per token of 4,096-token prompts
 """
 
@@ -44,7 +50,7 @@ def child(quick):
     import qualia
 
     out = {"qualia": os.path.dirname(qualia.__file__)}
-    steps = 30 if quick else 64
+    steps = 32 if quick else 64     # whole periods of PT steps
 
     def decode(n, ctx, mode, aligned=False):
         # aligned: every prompt prefilled in one step, so every request fills a page in the same
@@ -57,7 +63,7 @@ def child(quick):
         ids = np.zeros(n, dtype=np.uint32)
         gc.disable()
         try:
-            return time_steps(s, steps, ids) / n
+            return time_steps(s, steps, ids, mean=not aligned) / n
         finally:
             gc.enable()
 
@@ -110,6 +116,49 @@ def child(quick):
     out["mixed mode=auto"] = auto
     out["mixed auto / off"] = auto / off
     out["page fill (ns per page)"] = (auto - off) / (pre / PT)
+    out["mixed pages per step"] = pre / PT
+
+    def churn(mode):
+        # 256 running requests of 512-token prompts generating 256 tokens each, a new one
+        # queued for each that finishes; the pool is sized so that it fills: in the window,
+        # admissions, page fills, finishes and reclaims go on at their steady rate
+        n, steps = 256, 600 if quick else 3000
+        s = qualia.StepScheduler(n * 52 + 64, PT, 64, n, cache_key=KEY, prefix_caching=mode,
+                                 max_num_batched_tokens=8192, max_queued=4 * n)
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(0, 30000, size=512, dtype=np.uint32) for _ in range(8 * n)]
+        z = np.zeros(n, dtype=np.uint32)
+        rid = 0
+
+        def step():
+            nonlocal rid
+            plan = s.schedule()
+            for _ in s.update(z[:len(plan.logits_indices)]):
+                s.add_request(rid, prompts[rid % len(prompts)], max_new_tokens=256)
+                rid += 1
+            return len(plan.logits_indices)
+
+        for _ in range(2 * n):
+            s.add_request(rid, prompts[rid], max_new_tokens=256)
+            rid += 1
+        for _ in range(400):    # past the first wave: the pool is full from here on
+            step()
+        toks = 0
+        gc.disable()
+        try:
+            t0 = pc()
+            for _ in range(steps):
+                toks += step()
+            t = pc() - t0
+        finally:
+            gc.enable()
+        return t / toks
+
+    off = churn("off")
+    auto = churn("auto")
+    out["churn mode=off (ns per token)"] = off
+    out["churn mode=auto (ns per token)"] = auto
+    out["churn auto / off"] = auto / off
 
     n, reps = 4096, 16 if quick else 64
     arr = np.arange(n, dtype=np.uint32)
@@ -152,11 +201,21 @@ def main():
             r = json.loads(res.stdout)
             assert r.pop("qualia") == os.path.join(t, "qualia"), "wrong qualia imported"
             runs[t].append(r)
-    keys = list(runs[trees[0]][0])
+    keys = [k for k in runs[trees[0]][0] if k != "mixed pages per step"]
+    best = {t: {k: min(r[k] for r in runs[t]) for k in keys} for t in trees}
+    for t in trees:
+        # the derived figures come from the figures shown, not from one round each (a round
+        # in which the machine slowed one mode only would make its own ratio)
+        b = best[t]
+        pages = runs[t][0]["mixed pages per step"]
+        b["mixed auto / off"] = b["mixed mode=auto"] / b["mixed mode=off"]
+        b["page fill (ns per page)"] = (b["mixed mode=auto"] - b["mixed mode=off"]) / pages
+        b["churn auto / off"] = (b["churn mode=auto (ns per token)"]
+                                 / b["churn mode=off (ns per token)"])
     print("| figure | " + " | ".join(os.path.basename(t) for t in trees) + " |")
     print("|---|" + "---:|" * len(trees))
     for k in keys:
-        vals = [min(r[k] for r in runs[t]) for t in trees]
+        vals = [best[t][k] for t in trees]
         print(f"| {k} | " + " | ".join(f"{v:.2f}" if v < 10 else f"{v:.1f}" for v in vals) + " |")
 
 

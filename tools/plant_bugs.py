@@ -137,8 +137,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a cached entry with the right identity matches whatever its tokens"),
     Mutation(
         "caching_unknown_tokens", "cache", C + "cache/autoprefix.pxi",
-        "    limit = (sl.token_count if sl.token_count < st.known else st.known) // pt",
-        "    limit = sl.token_count // pt",
+        "    limit = (sl.token_count if sl.token_count < st.known else st.known)\n",
+        "    limit = sl.token_count\n",
         "pages are cached once computed, even where their tokens are not known yet"),
     Mutation(
         "reclaim_event_missing", "cache", C + "cache/pagecache.pxi",

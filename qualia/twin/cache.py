@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -212,7 +212,7 @@ class Scheduler:
         # cache
         self._entries: Dict[int, _Entry] = {}
         self._index: Dict[int, int] = {}
-        self._inuse: "OrderedDict[int, None]" = OrderedDict()
+        self._inuse: Set[int] = set()          # cached pages a request holds (no order)
         self._reclaimable: "OrderedDict[int, None]" = OrderedDict()
         self._gen = 0
         # namespaces: name -> id, id -> [name, hash, refs, reclaimable pages]; free ids with
@@ -280,7 +280,7 @@ class Scheduler:
 
     def _on_release(self, page: int) -> None:
         if page in self._inuse and self.pool.refcount(page) == 1:
-            del self._inuse[page]
+            self._inuse.discard(page)
             self._reclaimable[page] = None
             ns = self._entries[page].ns
             self._ns[ns][3] += 1
@@ -289,7 +289,7 @@ class Scheduler:
     def _on_retain(self, page: int) -> None:
         if page in self._reclaimable and self.pool.refcount(page) >= 2:
             del self._reclaimable[page]
-            self._inuse[page] = None
+            self._inuse.add(page)
             ns = self._entries[page].ns
             self._ns[ns][3] -= 1
             self._ns_touch(ns)
@@ -329,7 +329,7 @@ class Scheduler:
             self._reclaimable[page] = None
             self._ns[ns][3] += 1
         else:
-            self._inuse[page] = None
+            self._inuse.add(page)
         self._ns_ref(ns)
         self._c["stored"] += 1
         self._emit(KV_STORED, ident, e.parent_ident, has_parent, ns, self.page_tokens, page)
@@ -384,7 +384,7 @@ class Scheduler:
     def _drop(self, page: int, emit: bool) -> None:
         e = self._entries.pop(page)
         del self._index[e.ident]
-        self._inuse.pop(page, None)
+        self._inuse.discard(page)
         if page in self._reclaimable:
             del self._reclaimable[page]
             self._ns[e.ns][3] -= 1
@@ -876,11 +876,14 @@ class Scheduler:
         return n
 
     def clear_cache(self) -> int:
+        # the reclaimable pages least recent first, then the pages in use in page order
         n = 0
-        for lst in (self._reclaimable, self._inuse):
-            while lst:
-                self._drop(next(iter(lst)), False)
-                n += 1
+        while self._reclaimable:
+            self._drop(next(iter(self._reclaimable)), False)
+            n += 1
+        for page in sorted(self._inuse):
+            self._drop(page, False)
+            n += 1
         self._emit(KV_CLEARED, 0, 0, False, 0, 0, U32_MAX)
         return n
 

@@ -259,9 +259,20 @@ def check_topk(s: "StepScheduler", plan, topk_ids, topk_logprobs,
     if bad.any():
         raise ValueError(f"topk_logprobs row {int(np.argmax(bad.any(axis=1)))} holds "
                          f"NaN or a value above 0 (a log-probability is at most 0)")
-    for r, rid in enumerate(plan.sampled_request_ids.tolist()):
-        g = s._group_of.get(rid)
-        if not isinstance(g, BeamGroup) or rid in s._aborted_in_plan:
+    # the beam rows: the first sampled row of each live chunk whose request leads or is a
+    # member of a beam group (read from the plan's own chunks: an id re-added since the plan
+    # names another request)
+    qsl = plan.query_start_loc.tolist()
+    li = plan.logits_indices.tolist()
+    row = 0
+    for i, (req, _) in enumerate(plan._chunks):
+        r = row
+        while row < m and li[row] == qsl[i + 1] - 1:
+            row += 1
+        if row == r or req.request_id in s._aborted_in_plan:
+            continue
+        g = s._group_of.get(req.request_id)
+        if not isinstance(g, BeamGroup):
             continue
         if len(set(tids[r, :g.width].tolist())) != g.width:
             raise ValueError(f"topk_ids row {r} repeats a token among its beam's "

@@ -459,11 +459,13 @@ class StepScheduler:
                 + sum(g.width for g in self._groups.values()))
 
     def _new_child_id(self) -> int:
-        # a child skips taken ids and the ids of requests aborted in the pending plan: their
-        # pages stay with them (under their ids) until the plan is retired
+        # a child skips taken ids, the ids of requests aborted in the pending plan (their pages
+        # stay with them, under their ids, until the plan is retired) and the ids the next plan
+        # reports finished (a backend applies a plan's forks before its finished ids)
         while True:
             cid = next(self._child_ids)
-            if not self._taken(cid) and cid not in self._aborted_in_plan:
+            if (not self._taken(cid) and cid not in self._aborted_in_plan
+                    and cid not in self._finished_since):
                 return cid
 
     # -- the running set and its rows ------------------------------------------------------------

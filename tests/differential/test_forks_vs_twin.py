@@ -87,6 +87,12 @@ class ForksVsTwin(StepVsTwin):
         # while it is aborted in a pending plan (its pages are still under its id)
         self.both(lambda s: s.add_request(CHILD + k, tail, max_new_tokens=max_new))
 
+    @rule(k=st.integers(0, 3))
+    def abort_at_child_base(self, k):
+        # such an id aborted while a plan is pending: its pages stay with it until the plan is
+        # retired, and the next plan reports it finished; children skip it meanwhile
+        self.both(lambda s: s.abort(CHILD + k))
+
     def update_call(self, ids, rng, bad):
         # a plan with beam rows takes [m, num_topk] candidates: distinct ids per row,
         # log-probabilities on a coarse grid (ties between beams and ids happen), sometimes

@@ -471,6 +471,51 @@ def test_a_child_never_takes_the_id_of_a_request_aborted_in_the_pending_plan():
     all_pages_back(c)
 
 
+def test_a_child_never_takes_an_id_the_next_plan_reports_finished():
+    """A waiting request at the child base is aborted while a plan is pending: its id goes to
+    the next plan's finished ids, which a backend applies after that plan's forks, so the beam
+    child forked by the update skips it (core and twin)."""
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=10)
+    c, t = both(64, 4, 16, **kw)
+    for s in (c, t):
+        s.add_request(1, PROMPT, max_new_tokens=4, beam_width=2)
+        s.add_request(CHILD_BASE, [1, 2, 3], max_new_tokens=5)     # waits: the budget is spent
+    pc, pt = c.schedule(), t.schedule()
+    assert CHILD_BASE not in pc.request_ids.tolist()
+    for s in (c, t):
+        s.abort(CHILD_BASE)
+    c.update(*execute(pc))
+    t.update(*execute(pt))
+    assert c.group_members(1) == t.group_members(1) == [1, CHILD_BASE + 1]
+    pc, pt = c.schedule(), t.schedule()
+    assert_same_plan(pc, pt)
+    assert pc.finished_request_ids.tolist() == [CHILD_BASE]
+    assert set(pc.fork_child_ids.tolist()).isdisjoint(pc.finished_request_ids.tolist())
+    c.update(*execute(pc))
+    t.update(*execute(pt))
+    lockstep(c, t)
+    all_pages_back(c)
+
+
+def test_an_id_re_added_as_a_beam_group_while_the_plan_is_pending_names_no_row_of_it():
+    """An n group's child id has a sampled row in the pending plan; the group is aborted and
+    the id added again as a beam group before update: that row belongs to the aborted group,
+    not to the new beam, so its candidates are not checked as a beam's (core and twin)."""
+    c, t = both(64, 4, 16, 8)
+    for s in (c, t):
+        s.add_request(7, PROMPT, max_new_tokens=4, beam_width=2)
+        s.add_request(1, PROMPT + [7], max_new_tokens=4, n=2)
+    pc, pt = c.schedule(), t.schedule()
+    assert pc.sampled_request_ids.tolist() == [7, 1, CHILD_BASE]
+    oc, ot = execute(pc), execute(pt)
+    for s in (c, t):
+        s.abort(1)
+        s.add_request(CHILD_BASE, [5, 5, 5], max_new_tokens=4, beam_width=3)
+    assert c.update(*oc) == t.update(*ot) == []
+    lockstep(c, t)
+    all_pages_back(c)
+
+
 def test_child_ids_in_the_c_run_loop_do_not_depend_on_when_it_collects():
     """run(HashBackend()) collects finished requests once per slice of steps, but an id is
     free again when the update that finished it ends: one run() call, a call per step and the

@@ -50,6 +50,8 @@ cdef struct Streams:
     uint32_t *hit       # logical_pages: an admission's matched entries, for table_attach
     uint32_t logical_pages
     uint32_t page_tokens
+    uint32_t pt_shift   # log2(page_tokens) when it is a power of two (pt_pow2)
+    bint pt_pow2
     uint32_t cacheable  # streams that are live and not broken: 0 lets a decode round skip them
 
 
@@ -81,6 +83,9 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
     ss.page_tokens = page_tokens
+    ss.pt_pow2 = page_tokens != 0 and (page_tokens & (page_tokens - 1)) == 0
+    while ss.pt_pow2 and (<uint32_t>1 << ss.pt_shift) < page_tokens:
+        ss.pt_shift += 1
     if own_rows:
         for i in range(max_requests):
             ss.st[i].row = &ss.tokens[<size_t>i * logical_pages * page_tokens]
@@ -227,7 +232,8 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     cdef const uint32_t *t
     if not st.live or st.broken:
         return
-    limit = (sl.token_count if sl.token_count < st.known else st.known) // pt
+    limit = (sl.token_count if sl.token_count < st.known else st.known)
+    limit = limit >> ss.pt_shift if ss.pt_pow2 else limit // pt
     if limit > sl.blocks.len:
         limit = sl.blocks.len
     # the pages already hashed (a prompt's, at admission): their index slots and records are
@@ -285,20 +291,25 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
 
 cdef inline void auto_prefetch_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
                                     uint32_t num_tokens) noexcept nogil:
-    # A hint ahead of auto_fill_lent for a chunk that completes a page: the first page it will
-    # hand to the cache is hashed here (its tokens are all in the row) and its index slot and
-    # record prefetched, so that the fill does not wait on them.  Reads only.
+    # Ahead of auto_fill_lent for a chunk that completes a page: the first page it will hand
+    # to the cache is hashed here, as auto_fill would hash it (its tokens are all in the row,
+    # which only grows at its end: the chain value stays right), and its index slot and record
+    # are prefetched, so that the fill neither hashes it again nor waits on them.
     cdef Stream *st = &ss.st[index]
     cdef Slot *sl = &s.slots[index]
     cdef uint32_t k = st.done, pt = c.page_tokens
     cdef uint64_t chain
+    cdef PageRef *refs = &ss.refs[_sp(ss, index)]
     if not st.live or st.broken or k >= sl.blocks.len or <uint64_t>(k + 1) * pt > num_tokens:
         return
     if k < st.hashed:
-        chain = ss.refs[_sp(ss, index) + k].ident
+        chain = refs[k].ident
     else:
-        chain = pc_chain(c, ss.refs[_sp(ss, index) + k - 1].ident if k else 0, k > 0,
-                         c.ns.hashes[st.ns], &st.row[<size_t>k * pt])
+        chain = pc_chain(c, refs[k - 1].ident if k else 0, k > 0, c.ns.hashes[st.ns],
+                         &st.row[<size_t>k * pt])
+        refs[k].ident = chain
+        st.hashed = k + 1
+        c.pages_hashed += 1
     pc_prefetch_fill(c, pc_ident(c, chain), sl.blocks.entries[k])
 
 

@@ -240,6 +240,7 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     memcpy(st.buf.finished_ids, st.done.fin_accum, st.done.n_accum * sizeof(uint64_t))
     st.plan.n_finished = st.done.n_accum
     st.done.n_accum = 0
+    st.done.n_ahead = 0
     for i in range(st.done.n_fork_acc):
         st.buf.fork_child_ids[i] = st.done.fork_acc[2 * i]
         st.buf.fork_parent_ids[i] = st.done.fork_acc[2 * i + 1]

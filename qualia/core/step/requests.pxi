@@ -162,10 +162,12 @@ cdef inline int32_t step_find(StepState *st, uint64_t rid) noexcept nogil:
 
 
 cdef inline bint child_id_taken(StepState *st, uint64_t rid) noexcept nogil:
-    # a child id skips every id the step holds and every id a slot still holds: a request
-    # aborted in the pending plan has left the step's index, but its slot keeps its id until
-    # the plan is retired (release_deferred)
-    return step_find(st, rid) >= 0 or sched_find(st.pg.s, rid) >= 0
+    # a child id skips every id the step holds, every id a slot still holds (a request aborted
+    # in the pending plan has left the step's index, but its slot keeps its id until the plan
+    # is retired: release_deferred) and every id the next plan reports finished (a backend
+    # applies a plan's forks before its finished ids: a child under such an id would lose the
+    # state it was just given)
+    return step_find(st, rid) >= 0 or sched_find(st.pg.s, rid) >= 0 or accum_holds(st, rid)
 
 
 cdef inline void entry_unindex(StepState *st, int32_t e) noexcept nogil:

@@ -7,6 +7,7 @@ cdef struct StepDone:
     uint64_t *fin_accum     # finished or aborted since the previous plan
     uint32_t n_accum
     uint32_t accum_cap
+    uint32_t n_ahead        # of them, ids at or past the children's next id when noted
     uint64_t *fork_acc      # forks since the previous plan: (child, parent) pairs, fork_cap
     uint32_t n_fork_acc
     uint32_t fork_cap       # fixed at construction (an update forks at most max_queued)
@@ -19,6 +20,29 @@ cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
     if st.done.n_accum < st.done.accum_cap:
         st.done.fin_accum[st.done.n_accum] = rid
         st.done.n_accum += 1
+        # a child id could meet it only if it lies ahead of the children's counter (which
+        # only grows): user ids from 2**63 up
+        st.done.n_ahead += rid >= st.ids.next_child
+
+
+cdef void accum_recount(StepState *st) noexcept nogil:
+    # n_ahead after the list was rebuilt (a discarded plan's ids back in front)
+    cdef uint32_t i
+    st.done.n_ahead = 0
+    for i in range(st.done.n_accum):
+        st.done.n_ahead += st.done.fin_accum[i] >= st.ids.next_child
+
+
+cdef bint accum_holds(StepState *st, uint64_t rid) noexcept nogil:
+    # is rid among the ids the next plan reports finished?  (a scan, only while some noted id
+    # lies ahead of the children's counter)
+    cdef uint32_t i
+    if st.done.n_ahead == 0:
+        return False
+    for i in range(st.done.n_accum):
+        if st.done.fin_accum[i] == rid:
+            return True
+    return False
 
 
 cdef inline bint is_stop_token(StepEntry *r, uint32_t tok) noexcept nogil:
@@ -81,8 +105,8 @@ cdef enum:
 
 
 cdef inline void _prefetch_fill(StepState *st, uint32_t f) noexcept nogil:
-    # the f-th plan row whose chunk completes a page: prefetch what its fill will read (a
-    # hint only)
+    # the f-th plan row whose chunk completes a page: hash the page its fill will take (kept
+    # for the fill, auto_prefetch_lent) and prefetch what the fill will read
     cdef uint32_t j = st.plan.fill_rows[f]
     cdef StepEntry *r
     if not st.plan.plan_alive[j]:
@@ -224,6 +248,7 @@ cdef int step_discard(StepState *st) noexcept nogil:
                 st.done.n_accum * sizeof(uint64_t))
         memcpy(st.done.fin_accum, st.buf.finished_ids, st.plan.n_finished * sizeof(uint64_t))
         st.done.n_accum += st.plan.n_finished
+        accum_recount(st)
     if st.plan.n_forks and st.done.n_fork_acc + st.plan.n_forks <= st.done.fork_cap:
         # no update ran since the plan: nothing forked since, in practice
         memmove(&st.done.fork_acc[2 * st.plan.n_forks], st.done.fork_acc,
