@@ -609,23 +609,7 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
         c.reclaims += 1
         if rc:
             return rc
-        pc_prefetch_reclaim(c)
     return Q_OK
-
-
-cdef inline void pc_prefetch_reclaim(PageCache *c) noexcept nogil:
-    # A hint for the reclaims to come: the next page to reclaim (the head of the reclaimable
-    # list) has its record prefetched by the reclaim before; its index slot and the record of
-    # the page after it are prefetched now.  So a reclaim finds what it reads in the cache
-    # instead of chasing the list one miss after another.  Reads only.
-    cdef uint32_t h = c.head[PC_RECLAIMABLE]
-    cdef CachePage *x
-    if h == U32_MAX:
-        return
-    x = pc_rec(c, h)
-    qualia_prefetch_r(&c.index[_pc_home(c, x.ident)])
-    if x.next != U32_MAX:
-        qualia_prefetch_w(pc_rec(c, x.next))
 
 
 cdef int pc_intern_ns(PageCache *c, Pool *p, uint64_t h, const uint8_t *s, uint32_t n,
