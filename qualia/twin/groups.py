@@ -40,7 +40,7 @@ full pages through the prefix cache): slower, never wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -216,6 +216,20 @@ def select(s: "StepScheduler", g: BeamGroup, finished: List[Any]) -> None:
         g.members.append(r.request_id)
 
 
+def chunk_rows(plan) -> Iterator[Tuple[Any, int, int, int]]:
+    """The plan's chunks in order, each as ``(request, tokens, first, end)``: its sampled rows
+    are ``first .. end - 1`` (the rows whose logits index is the chunk's last token)."""
+    qsl = plan.query_start_loc.tolist()
+    li = plan.logits_indices.tolist()
+    m = len(li)
+    row = 0
+    for i, (req, n) in enumerate(plan._chunks):
+        first = row
+        while row < m and li[row] == qsl[i + 1] - 1:
+            row += 1
+        yield req, n, first, row
+
+
 def resolve_topk(topk_ids, topk_logprobs) -> Tuple[Any, Any, Optional[Exception]]:
     """update()'s candidates as private arrays, before any state is read (user code --
     ``__array__``, sequences -- runs here only); a conversion error is raised later, and only
@@ -262,14 +276,8 @@ def check_topk(s: "StepScheduler", plan, topk_ids, topk_logprobs,
     # the beam rows: the first sampled row of each live chunk whose request leads or is a
     # member of a beam group (read from the plan's own chunks: an id re-added since the plan
     # names another request)
-    qsl = plan.query_start_loc.tolist()
-    li = plan.logits_indices.tolist()
-    row = 0
-    for i, (req, _) in enumerate(plan._chunks):
-        r = row
-        while row < m and li[row] == qsl[i + 1] - 1:
-            row += 1
-        if row == r or req.request_id in s._aborted_in_plan:
+    for req, _, r, end in chunk_rows(plan):
+        if end == r or req.request_id in s._aborted_in_plan:
             continue
         g = s._group_of.get(req.request_id)
         if not isinstance(g, BeamGroup):

@@ -66,6 +66,7 @@ from qualia.twin.groups import (
     BeamGroup,
     NGroup,
     check_topk,
+    chunk_rows,
     fork_n,
     group_size,
     park,
@@ -848,20 +849,13 @@ class StepScheduler:
         self._owed_applied()      # the plan listed every copy owed, and it is applied
         finished: List[Any] = []
         selecting: List[BeamGroup] = []
-        qsl = plan.query_start_loc.tolist()
-        li = plan.logits_indices.tolist()
-        m = len(li)
-        row = 0
-        for i, (r, n) in enumerate(plan._chunks):
-            first = row
-            while row < m and li[row] == qsl[i + 1] - 1:
-                row += 1
+        for r, n, first, end in chunk_rows(plan):
             if r.request_id in self._aborted_in_plan:
                 continue
             r.unseen = False
             f.advance(r.request_id, n)
             r.num_computed += n
-            if row == first:
+            if end == first:
                 continue
             g = self._group_of.get(r.request_id)
             if isinstance(g, BeamGroup):
@@ -871,7 +865,7 @@ class StepScheduler:
                 if not any(x is g for x in selecting):
                     selecting.append(g)
             elif isinstance(g, NGroup) and not g.forked:
-                fork_n(self, g, r, values[first:row], finished)
+                fork_n(self, g, r, values[first:end], finished)
             else:
                 self._take(r, values[first], finished)
         # beam groups select in the order their first row appears in the plan
