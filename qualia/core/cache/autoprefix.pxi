@@ -83,9 +83,7 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
     ss.page_tokens = page_tokens
-    ss.pt_pow2 = page_tokens != 0 and (page_tokens & (page_tokens - 1)) == 0
-    while ss.pt_pow2 and (<uint32_t>1 << ss.pt_shift) < page_tokens:
-        ss.pt_shift += 1
+    ss.pt_pow2 = page_shift(page_tokens, &ss.pt_shift)
     if own_rows:
         for i in range(max_requests):
             ss.st[i].row = &ss.tokens[<size_t>i * logical_pages * page_tokens]

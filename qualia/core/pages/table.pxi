@@ -5,6 +5,16 @@ cdef enum:
     COW_ALLOCATED = 1
     COW_COPY = 2
 
+cdef inline bint page_shift(uint32_t page_tokens, uint32_t *shift) noexcept nogil:
+    # whether page_tokens is a power of two, and then its log2 in *shift: the step and the
+    # token streams divide by the page size with a shift (a division takes tens of cycles)
+    cdef bint pow2 = page_tokens != 0 and (page_tokens & (page_tokens - 1)) == 0
+    shift[0] = 0
+    while pow2 and (<uint32_t>1 << shift[0]) < page_tokens:
+        shift[0] += 1
+    return pow2
+
+
 cdef struct Table:
     uint32_t *entries
     uint32_t len

@@ -66,9 +66,7 @@ cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCach
     st.lim.max_chunk = max_chunk
     st.lim.max_queued = max_queued
     st.lim.page_tokens = page_tokens
-    st.lim.pt_pow2 = page_tokens & (page_tokens - 1) == 0
-    while st.lim.pt_pow2 and (<uint32_t>1 << st.lim.pt_shift) < page_tokens:
-        st.lim.pt_shift += 1
+    st.lim.pt_pow2 = page_shift(page_tokens, &st.lim.pt_shift)
     st.lim.logical_pages = lp
     st.lim.vocab = vocab
     st.lim.mode = mode
