@@ -287,8 +287,8 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
-cdef inline void auto_prefetch_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
-                                    uint32_t num_tokens) noexcept nogil:
+cdef inline void auto_hash_ahead_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
+                                      uint32_t num_tokens) noexcept nogil:
     # Ahead of auto_fill_lent for a chunk that completes a page: the first page it will hand
     # to the cache is hashed here, as auto_fill would hash it (its tokens are all in the row,
     # which only grows at its end: the chain value stays right), and its index slot and record

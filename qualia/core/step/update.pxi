@@ -104,16 +104,16 @@ cdef enum:
     FILL_AHEAD = 4      # how many page-completing plan rows ahead update() prefetches a fill
 
 
-cdef inline void _prefetch_fill(StepState *st, uint32_t f) noexcept nogil:
+cdef inline void _hash_fill_ahead(StepState *st, uint32_t f) noexcept nogil:
     # the f-th plan row whose chunk completes a page: hash the page its fill will take (kept
-    # for the fill, auto_prefetch_lent) and prefetch what the fill will read
+    # for the fill, auto_hash_ahead_lent) and prefetch what the fill will read
     cdef uint32_t j = st.plan.fill_rows[f]
     cdef StepEntry *r
     if not st.plan.plan_alive[j]:
         return
     r = &st.ent[st.plan.plan_entry[j]]
     if r.at.slot >= 0:
-        auto_prefetch_lent(st.pg.s, st.pg.c, st.pg.ss, <uint32_t>r.at.slot, r.req.num_tokens)
+        auto_hash_ahead_lent(st.pg.s, st.pg.c, st.pg.ss, <uint32_t>r.at.slot, r.req.num_tokens)
 
 
 cdef void done_unindex(StepState *st, uint32_t first) noexcept nogil:
@@ -155,13 +155,13 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     # the fills ahead are prefetched (the list is empty but in auto mode)
     nfill = st.plan.n_fill_rows
     for f in range(nfill if nfill < FILL_AHEAD else FILL_AHEAD):
-        _prefetch_fill(st, f)
+        _hash_fill_ahead(st, f)
     f = 0
     for j in range(st.plan.n):
         fills = f < nfill and st.plan.fill_rows[f] == j   # its chunk completes a page
         if fills:
             if f + FILL_AHEAD < nfill:
-                _prefetch_fill(st, f + FILL_AHEAD)
+                _hash_fill_ahead(st, f + FILL_AHEAD)
             f += 1
         e = st.plan.plan_entry[j]
         if not st.plan.plan_alive[j]:
