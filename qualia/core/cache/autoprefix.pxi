@@ -224,63 +224,79 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     cdef Stream *st = &ss.st[index]
     cdef Slot *sl = &s.slots[index]
     cdef uint32_t pt = c.page_tokens
-    cdef uint32_t limit, ahead, k, q, own, pp = 0
-    cdef uint64_t ident, pg = 0
+    cdef uint32_t limit, k, first, q, slot, ahead = 0, pp = 0
+    cdef uint64_t ident, pid = 0, pg = 0
+    cdef uint64_t ids[PC_AHEAD]     # identities of the pages prefetched ahead, by k % PC_AHEAD
     cdef PageRef *refs = &ss.refs[_sp(ss, index)]
+    cdef const uint32_t *entries = sl.blocks.entries
     cdef const uint32_t *t
+    cdef CachePage *x
     if not st.live or st.broken:
         return
     limit = (sl.token_count if sl.token_count < st.known else st.known)
     limit = limit >> ss.pt_shift if ss.pt_pow2 else limit // pt
     if limit > sl.blocks.len:
         limit = sl.blocks.len
-    # the pages already hashed (a prompt's, at admission): their index slots and records are
-    # prefetched PC_AHEAD pages ahead, so that the lookups and inserts overlap their misses
-    ahead = limit if limit < st.hashed else st.hashed
-    k = st.done
-    while k < ahead and k < st.done + PC_AHEAD:
-        pc_prefetch_fill(c, pc_ident(c, refs[k].ident), sl.blocks.entries[k])
-        k += 1
-    while st.done < limit:
+    k = first = st.done
+    if k < limit:
+        if k:
+            pp = refs[k - 1].canon
+            pg = refs[k - 1].gen
+            pid = pc_ident(c, refs[k - 1].ident)
+        # the pages already hashed (a prompt's, at admission): their index slots and records
+        # are prefetched PC_AHEAD pages ahead, so that the lookups and inserts overlap their
+        # misses
+        ahead = limit if limit < st.hashed else st.hashed
+        while k < ahead and k < st.done + PC_AHEAD:
+            ids[k % PC_AHEAD] = pc_ident(c, refs[k].ident)
+            pc_prefetch_fill(c, ids[k % PC_AHEAD], entries[k])
+            k += 1
         k = st.done
-        if k + PC_AHEAD < ahead:
-            pc_prefetch_fill(c, pc_ident(c, refs[k + PC_AHEAD].ident),
-                             sl.blocks.entries[k + PC_AHEAD])
+    while k < limit:
         t = &st.row[<size_t>k * pt]
-        if k >= st.hashed:
+        if k < ahead:
+            ident = ids[k % PC_AHEAD]
+            if k + PC_AHEAD < ahead:
+                ids[k % PC_AHEAD] = pc_ident(c, refs[k + PC_AHEAD].ident)
+                pc_prefetch_fill(c, ids[k % PC_AHEAD], entries[k + PC_AHEAD])
+        else:
+            # past the pages hashed so far (k >= st.hashed)
             refs[k].ident = pc_chain(c, refs[k - 1].ident if k else 0, k > 0,
                                      c.ns.hashes[st.ns], t)
             st.hashed = k + 1
             c.pages_hashed += 1
-        ident = pc_ident(c, refs[k].ident)
-        if k:
-            pp = refs[k - 1].canon
-            pg = refs[k - 1].gen
-            if not pc_live(c, pp, pg):     # the parent entry was reclaimed or cleared
-                stream_stop(ss, st)
-                return
-        q = pc_find(c, ident)
+            ident = pc_ident(c, refs[k].ident)
+        if k == first and k and not pc_live(c, pp, pg):
+            # the parent entry was reclaimed or cleared (checked for the first page only: the
+            # later pages' parents were matched or inserted here, and nothing here drops one)
+            stream_stop(ss, st)
+            return
+        q = pc_find_slot(c, ident, &slot)
         if q != U32_MAX:
             if not pc_matches(c, q, st.ns, k > 0, pp, pg, t):
                 c.collisions += 1          # a different page has this identity: not cached
                 stream_stop(ss, st)
                 return
-            if q != sl.blocks.entries[k]:
+            if q != entries[k]:
                 c.duplicates += 1          # identical entry: the request keeps its own page
-            refs[k].canon = q
-            refs[k].gen = pc_rec(c, q).gen
+            x = pc_rec(c, q)
         else:
-            own = sl.blocks.entries[k]
-            if own >= c.num_blocks or pc_rec(c, own).state != PC_NONE:
+            q = entries[k]
+            if q >= c.num_blocks:
                 stream_stop(ss, st)
                 return
-            if pc_insert(c, p, own, ident, k > 0, pc_ident(c, refs[k - 1].ident) if k else 0, pp,
-                         pg, st.ns, t):
-                stream_stop(ss, st)         # refcount overflow: not cached
-                return
-            refs[k].canon = own
-            refs[k].gen = pc_rec(c, own).gen
-        st.done = k + 1
+            x = pc_rec(c, q)
+            if x.state != PC_NONE or pc_insert(c, p, q, x, ident, slot, pid,
+                                               pp if k else U32_MAX, pg, st.ns, t):
+                stream_stop(ss, st)         # cached under another identity, or refcount
+                return                      # overflow: not cached
+        pp = q
+        pg = x.gen
+        pid = ident
+        refs[k].canon = pp
+        refs[k].gen = pg
+        k += 1
+        st.done = k
     if sl.token_count > <uint64_t>sl.blocks.len * pt:
         stream_stop(ss, st)  # tokens counted past the mapped pages: their KV is nowhere
     elif sl.token_count > st.known:

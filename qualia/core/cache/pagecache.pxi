@@ -479,22 +479,32 @@ cdef inline uint32_t _pc_home(PageCache *c, uint64_t ident) noexcept nogil:
     return pc_tag(ident) & c.index_mask
 
 
-cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
-    # a slot whose tag matches is confirmed by its record's identity
+cdef inline uint32_t pc_find_slot(PageCache *c, uint64_t ident, uint32_t *slot) noexcept nogil:
+    # the cached page of identity `ident` (a slot whose tag matches is confirmed by its record's
+    # identity), or U32_MAX with *slot the empty slot that ended the probe: where inserting
+    # `ident` goes while the index does not change
     cdef uint32_t tag = pc_tag(ident)
-    cdef uint32_t i = tag & c.index_mask
+    cdef uint32_t mask = c.index_mask
+    cdef uint32_t i = tag & mask
+    cdef const PcSlot *ix = c.index
     cdef int32_t e
     while True:
-        e = c.index[i].page
+        e = ix[i].page
         if e < 0:
+            slot[0] = i
             return U32_MAX
-        if c.index[i].tag == tag and pc_rec(c, <uint32_t>e).ident == ident:
+        if ix[i].tag == tag and pc_rec(c, <uint32_t>e).ident == ident:
             return <uint32_t>e
-        i = (i + 1) & c.index_mask
+        i = (i + 1) & mask
+
+
+cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
+    cdef uint32_t slot
+    return pc_find_slot(c, ident, &slot)
 
 
 cdef enum:
-    PC_AHEAD = 8    # how many pages ahead a fill loop prefetches
+    PC_AHEAD = 16    # how many pages ahead a fill loop prefetches
 
 
 cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) noexcept nogil:
@@ -504,14 +514,6 @@ cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) n
     if page < c.num_blocks:
         qualia_prefetch_w(pc_rec(c, page))
         qualia_prefetch_w(<char *>pc_rec(c, page) + 64)
-
-
-cdef inline void pc_index_insert(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:
-    cdef uint32_t i = _pc_home(c, ident)
-    while c.index[i].page >= 0:
-        i = (i + 1) & c.index_mask
-    c.index[i].page = <int32_t>page
-    c.index[i].tag = pc_tag(ident)
 
 
 cdef void pc_index_remove(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:
@@ -554,28 +556,44 @@ cdef inline bint pc_live(PageCache *c, uint32_t page, uint64_t gen) noexcept nog
     return page < c.num_blocks and pc_rec(c, page).state != PC_NONE and pc_rec(c, page).gen == gen
 
 
-cdef int pc_insert(PageCache *c, Pool *p, uint32_t page, uint64_t ident, bint has_parent,
-                   uint64_t parent_ident, uint32_t parent, uint64_t parent_gen, uint32_t ns,
-                   const uint32_t *t) noexcept nogil:
-    # Cache `page` (not cached, identity not indexed) and take one pool reference on it.
-    cdef CachePage *x = pc_rec(c, page)
-    cdef int rc = pool_retain(p, page)
-    if rc:
-        return rc
-    c.gen += 1
+cdef inline int pc_insert(PageCache *c, Pool *p, uint32_t page, CachePage *x, uint64_t ident,
+                          uint32_t slot, uint64_t parent_ident, uint32_t parent,
+                          uint64_t parent_gen, uint32_t ns, const uint32_t *t) noexcept nogil:
+    # Cache `page` (x its record, not cached; a page some request holds) under `ident` at index
+    # slot `slot` (pc_find_slot's, the index unchanged since), and take one pool reference on
+    # it.  The parent fields are the record's as given (a first page's: 0, U32_MAX, 0).  The
+    # page stays in use: the request holds it too.
+    cdef uint32_t r
+    cdef uint64_t gen
+    if page >= p.num_blocks:
+        return Q_INVALID_PAGE
+    r = p.refcount[page]
+    if r == 0:
+        return Q_NOT_ALLOCATED
+    if r == U32_MAX:
+        return Q_OVERFLOW
+    p.refcount[page] = r + 1
+    gen = c.gen + 1
+    c.gen = gen
     x.ident = ident
-    x.parent_ident = parent_ident if has_parent else 0
-    x.has_parent = has_parent
-    x.parent = parent if has_parent else U32_MAX
-    x.parent_gen = parent_gen if has_parent else 0
-    x.gen = c.gen
+    x.parent_ident = parent_ident
+    x.gen = gen
+    x.parent_gen = parent_gen
+    x.parent = parent
     x.ns = ns
-    pc_copy_tokens(pc_tok(c, page), t, c.page_tokens)
-    pc_index_insert(c, page, ident)
-    pc_link(c, page, PC_RECLAIMABLE if p.refcount[page] == 1 else PC_INUSE)
-    ns_ref(&c.ns, ns)
+    x.prev = U32_MAX
+    x.next = U32_MAX
+    x.state = PC_INUSE
+    x.has_parent = parent != U32_MAX
+    pc_copy_tokens(<uint32_t *>(<char *>x + sizeof(CachePage)), t, c.page_tokens)
+    c.index[slot].page = <int32_t>page
+    c.index[slot].tag = pc_tag(ident)
+    c.n_state[PC_INUSE] += 1
+    # ns_ref without ns_touch: the request filling the page holds a reference to `ns` besides
+    # its reclaimable pages' (auto_admit's), so `ns` is not idle before this or after
+    c.ns.refs[ns] += 1
     c.stored += 1
-    pc_emit(c, KV_STORED, ident, x.parent_ident, has_parent, ns, c.page_tokens, page)
+    pc_emit(c, KV_STORED, ident, parent_ident, parent != U32_MAX, ns, c.page_tokens, page)
     return Q_OK
 
 
@@ -662,7 +680,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     cdef uint64_t lo = 0, hi = 0
     if num_blocks > ((<uint32_t>1) << 30):
         raise OverflowError("automatic prefix caching supports at most 2**30 pages")
-    while size < 2 * <uint64_t>num_blocks:
+    while 3 * <uint64_t>size < 4 * <uint64_t>num_blocks:   # load at most 3/4
         size <<= 1
     while nsize < 2 * <uint64_t>max_ns:
         nsize <<= 1
