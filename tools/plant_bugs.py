@@ -151,6 +151,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        page = c.tail[PC_RECLAIMABLE]\n        if page == U32_MAX:",
         "reclaim takes the most recently used reclaimable page"),
     Mutation(
+        "fill_under_a_dropped_parent", "cache", C + "cache/autoprefix.pxi",
+        "        if k == first and k and not pc_live(c, pp, pg):\n",
+        "        if False:\n",
+        "a page is cached under a parent entry that was reclaimed or cleared since it filled"),
+    Mutation(
         "cache_hit_leaves_no_token", "cache", C + "cache/autoprefix.pxi",
         "    cdef uint32_t cap = (n - 1) // pt if n else 0\n    cdef uint64_t prev = 0, pg = 0",
         "    cdef uint32_t cap = n // pt if n else 0\n    cdef uint64_t prev = 0, pg = 0",

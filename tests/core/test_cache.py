@@ -182,6 +182,24 @@ def test_the_parent_generation_is_verified(make):
     assert s.cache_stats().collisions == collisions + 1
 
 
+def test_no_page_is_cached_under_a_parent_entry_dropped_since(make):
+    # The request's page 0 is cached, then the cache is cleared: its later pages fill with no
+    # parent entry, so neither they nor any page after them is cached.
+    s = make()
+    prompt = [1] * PT + [2] * PT + [3] * PT + [4]
+    s.admit(1, prompt)
+    s.reserve(1, len(prompt))
+    s.advance(1, PT)
+    assert s.cache_stats().cached_pages == 1
+    assert s.clear_cache() == 1
+    s.advance(1, len(prompt) - PT)
+    assert s.cache_stats().cached_pages == 0
+    assert s.cache_stats().stored == 1
+    s.complete_prefill(1, 0)
+    s.finish(1)
+    assert s.admit(2, prompt).prefix_tokens == 0
+
+
 def test_namespaces_never_share_pages(make):
     s = make()
     serve(s, 1, PROMPT, namespace="tenant-a")
