@@ -7,9 +7,8 @@
 
 /* Zeroed memory for the core's large tables (the cache's records and index, the engine step's
    entries and token arena), 64-byte aligned (a record that fits a cache line starts one).  On
-   Linux, tables of 1 MiB and more are mapped 2 MiB-aligned, rounded up to whole 2 MiB pages
-   and marked for transparent huge pages, so that lookups spread over a large pool do not take
-   a TLB miss per page;
+   Linux, tables of 2 MiB and more are mapped 2 MiB-aligned and marked for transparent huge
+   pages, so that lookups spread over a million-page pool do not take a TLB miss per page;
    otherwise (and under AddressSanitizer, which guards heap blocks only) calloc.  A mapped table
    of at most 1 GiB is committed at once (every page written now, MADV_POPULATE_WRITE where the kernel has it):
    memory sized at construction is faulted in at construction, so no step pays a page fault, and
@@ -44,10 +43,8 @@ static int qualia_commit(char *p, size_t n) {
 static void *qualia_big_zalloc(size_t n) {
     char *p;
 #if defined(__linux__) && defined(MAP_ANONYMOUS) && !defined(__SANITIZE_ADDRESS__)
-    if (n >= QUALIA_HUGE / 2 && n < ((size_t)-1) / 2) {
-        size_t len;
-        n = (n + QUALIA_HUGE - 1) & ~(QUALIA_HUGE - 1);
-        len = n + QUALIA_HUGE;
+    if (n >= QUALIA_HUGE && n < ((size_t)-1) / 2) {
+        size_t len = n + QUALIA_HUGE;
         char *base = (char *)mmap(NULL, len, PROT_READ | PROT_WRITE,
                                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (base == (char *)MAP_FAILED)
