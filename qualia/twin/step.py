@@ -355,6 +355,12 @@ class StepScheduler:
     def drain_events(self, out=None):
         return self.facade.drain_events(out)
 
+    def clear_cache(self) -> int:
+        return self.facade.clear_cache()
+
+    def _debug_identity_mask(self, mask, parent_mask=(1 << 64) - 1) -> None:
+        self.facade._debug_identity_mask(mask, parent_mask)
+
     # -- the waiting queue -------------------------------------------------------------------------
     def _enqueue(self, r: _Req) -> None:
         key = (r.priority, r.arrival)

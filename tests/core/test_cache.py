@@ -200,6 +200,27 @@ def test_no_page_is_cached_under_a_parent_entry_dropped_since(make):
     assert s.admit(2, prompt).prefix_tokens == 0
 
 
+def test_every_page_of_a_long_run_is_cached_under_its_parent(make):
+    # 40 pages fill in one call (more than the fill looks ahead): each is cached on the
+    # request's own page, under the previous page's entry, with its own identity
+    n = 40
+    s = make(num_pages=64, page_tokens=1, logical_pages=48)
+    prompt = list(range(100, 100 + n))
+    s.admit(1, prompt)
+    s.reserve(1, len(prompt))
+    s.advance(1, len(prompt))
+    ids = s.page_identities(prompt).tolist()
+    pages = s.block_table(1).tolist()
+    assert s.cache_stats().stored == n
+    for k in range(n):
+        e = s.cache_entry(pages[k])
+        assert e.identity == ids[k]
+        assert e.parent == (ids[k - 1] if k else None)
+    s.complete_prefill(1, 0)
+    s.finish(1)
+    assert s.admit(2, prompt).prefix_tokens == n - 1   # one token is left to compute
+
+
 def test_namespaces_never_share_pages(make):
     s = make()
     serve(s, 1, PROMPT, namespace="tenant-a")

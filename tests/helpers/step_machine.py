@@ -242,6 +242,19 @@ class StepVsTwin(RuleBasedStateMachine):
             a, b = bufs[0][:na], bufs[1][:nb]
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), (a, b)
 
+    @rule()
+    def clear_cache(self):
+        # every entry dropped, including those of requests running or in the pending plan:
+        # their later pages fill with no parent entry
+        out = self.both(lambda s: s.clear_cache())
+        assert out[0] == out[1], out
+
+    @rule(mask=st.sampled_from([2**64 - 1, 2**64 - 1, 0, 0x3]), parent_blind=st.booleans())
+    def identity_mask(self, mask, parent_blind):
+        # a test hook: identities narrowed to force collisions, or blind to the parent, from
+        # now on (pages already hashed keep their chain values)
+        self.both(lambda s: s._debug_identity_mask(mask, 0 if parent_blind else 2**64 - 1))
+
     @invariant()
     def agree(self):
         if not hasattr(self, "core"):
