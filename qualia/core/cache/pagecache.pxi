@@ -563,16 +563,10 @@ cdef inline int pc_insert(PageCache *c, Pool *p, uint32_t page, CachePage *x, ui
     # slot `slot` (pc_find_slot's, the index unchanged since), and take one pool reference on
     # it.  The parent fields are the record's as given (a first page's: 0, U32_MAX, 0).  The
     # page stays in use: the request holds it too.
-    cdef uint32_t r
+    cdef int rc = pool_retain(p, page)
     cdef uint64_t gen
-    if page >= p.num_blocks:
-        return Q_INVALID_PAGE
-    r = p.refcount[page]
-    if r == 0:
-        return Q_NOT_ALLOCATED
-    if r == U32_MAX:
-        return Q_OVERFLOW
-    p.refcount[page] = r + 1
+    if rc:
+        return rc
     gen = c.gen + 1
     c.gen = gen
     x.ident = ident
@@ -589,8 +583,9 @@ cdef inline int pc_insert(PageCache *c, Pool *p, uint32_t page, CachePage *x, ui
     c.index[slot].page = <int32_t>page
     c.index[slot].tag = pc_tag(ident)
     c.n_state[PC_INUSE] += 1
-    # ns_ref without ns_touch: the request filling the page holds a reference to `ns` besides
-    # its reclaimable pages' (auto_admit's), so `ns` is not idle before this or after
+    # ns_ref without ns_touch: the request filling the page holds a reference to `ns` (taken
+    # when its stream went live) besides its reclaimable pages', so `ns` is idle neither
+    # before this nor after
     c.ns.refs[ns] += 1
     c.stored += 1
     pc_emit(c, KV_STORED, ident, parent_ident, parent != U32_MAX, ns, c.page_tokens, page)
