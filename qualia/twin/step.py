@@ -59,7 +59,7 @@ from qualia._types import (
     RunResult,
 )
 from qualia.errors import BusyError, PrefixCacheError, SchedulerError, StepError, TableError
-from qualia.twin.cache import NS_MAX_BYTES
+from qualia.twin.cache import M64, NS_MAX_BYTES
 from qualia.twin.cache import Scheduler as _Facade
 from qualia.twin.groups import (
     CHILD_BASE,
@@ -358,7 +358,7 @@ class StepScheduler:
     def clear_cache(self) -> int:
         return self.facade.clear_cache()
 
-    def _debug_identity_mask(self, mask, parent_mask=(1 << 64) - 1) -> None:
+    def _debug_identity_mask(self, mask, parent_mask=M64) -> None:
         self.facade._debug_identity_mask(mask, parent_mask)
 
     # -- the waiting queue -------------------------------------------------------------------------

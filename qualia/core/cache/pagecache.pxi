@@ -562,7 +562,7 @@ cdef inline int pc_insert(PageCache *c, Pool *p, uint32_t page, CachePage *x, ui
     # Cache `page` (x its record, not cached; a page some request holds) under `ident` at index
     # slot `slot` (pc_find_slot's, the index unchanged since), and take one pool reference on
     # it.  The parent fields are the record's as given (a first page's: 0, U32_MAX, 0).  The
-    # page stays in use: the request holds it too.
+    # page is in use: the request holds it too (its count is at least 2 after the retain).
     cdef int rc = pool_retain(p, page)
     cdef uint64_t gen
     if rc:
@@ -575,14 +575,11 @@ cdef inline int pc_insert(PageCache *c, Pool *p, uint32_t page, CachePage *x, ui
     x.parent_gen = parent_gen
     x.parent = parent
     x.ns = ns
-    x.prev = U32_MAX
-    x.next = U32_MAX
-    x.state = PC_INUSE
     x.has_parent = parent != U32_MAX
-    pc_copy_tokens(<uint32_t *>(<char *>x + sizeof(CachePage)), t, c.page_tokens)
+    pc_copy_tokens(pc_tok(c, page), t, c.page_tokens)
     c.index[slot].page = <int32_t>page
     c.index[slot].tag = pc_tag(ident)
-    c.n_state[PC_INUSE] += 1
+    pc_link(c, page, PC_INUSE)
     # ns_ref without ns_touch: the request filling the page holds a reference to `ns` (taken
     # when its stream went live) besides its reclaimable pages', so `ns` is idle neither
     # before this nor after
