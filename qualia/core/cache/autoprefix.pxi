@@ -34,7 +34,7 @@ cdef struct Stream:
 cdef struct Probe:
     # a match auto_match made for the same prompt and namespace on the same cache state (the
     # engine step's fit test, just before it admits): the admission takes it instead of
-    # hashing and looking up again
+    # hashing and looking up again; `refs` may be the admitted slot's own page records
     const PageRef *refs     # the chain values of the first `hashed` pages, the matched
     uint32_t hashed         # entries of the first `k`
     uint32_t k
@@ -45,7 +45,6 @@ cdef struct Streams:
     Stream *st          # max_requests
     uint32_t *tokens    # the rows' storage when the streams own them, else NULL
     PageRef *refs       # max_requests x logical_pages
-    PageRef *probe      # logical_pages: the engine step's probe of an admission's hit
     PageRef *read       # logical_pages: cached_prefix's own (a read writes no core scratch)
     uint32_t *hit       # logical_pages: an admission's matched entries, for table_attach
     uint32_t logical_pages
@@ -74,11 +73,10 @@ cdef int streams_init(Streams *ss, uint32_t max_requests, uint32_t logical_pages
         ss.tokens = <uint32_t *>qualia_big_zalloc((pages * page_tokens if pages else 1)
                                                   * sizeof(uint32_t))
     ss.refs = <PageRef *>qualia_big_zalloc((pages if pages else 1) * sizeof(PageRef))
-    ss.probe = <PageRef *>PyMem_Malloc((logical_pages + 1) * sizeof(PageRef))
     ss.read = <PageRef *>PyMem_Malloc((logical_pages + 1) * sizeof(PageRef))
     ss.hit = <uint32_t *>PyMem_Malloc((logical_pages + 1) * sizeof(uint32_t))
     if ss.st == NULL or (own_rows and ss.tokens == NULL) or ss.refs == NULL \
-            or ss.probe == NULL or ss.read == NULL or ss.hit == NULL:
+            or ss.read == NULL or ss.hit == NULL:
         raise MemoryError(f"cannot allocate token streams of {max_requests} x {logical_pages} "
                           f"x {page_tokens} tokens")
     ss.logical_pages = logical_pages
@@ -94,7 +92,6 @@ cdef void streams_free(Streams *ss) noexcept:
     PyMem_Free(ss.st)
     qualia_big_free(ss.tokens)
     qualia_big_free(ss.refs)
-    PyMem_Free(ss.probe)
     PyMem_Free(ss.read)
     PyMem_Free(ss.hit)
     memset(ss, 0, sizeof(Streams))
@@ -103,6 +100,11 @@ cdef void streams_free(Streams *ss) noexcept:
 cdef inline size_t _sp(Streams *ss, uint32_t slot) noexcept nogil:
     # offset of the slot's first page in the per-page arrays
     return <size_t>slot * ss.logical_pages
+
+
+cdef inline PageRef *stream_refs(Streams *ss, uint32_t slot) noexcept nogil:
+    # the slot's page records
+    return &ss.refs[_sp(ss, slot)]
 
 
 cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t ns,
@@ -171,12 +173,14 @@ cdef int auto_admit(Sched *s, Pool *p, PageCache *c, Streams *ss, uint64_t rid,
     rc = pc_intern_ns(c, p, nsh, nsb, nsl, &ns)
     if rc:
         return rc
-    refs = &ss.refs[_sp(ss, index)]
+    refs = stream_refs(ss, index)
     hashed = n // pt   # every full page of the prompt is hashed here, once
     if probe != NULL and probe.hashed <= hashed:
-        # the probe's chain values and match; the last full page is hashed here if the probe
-        # left it (it hashes the pages an admission may reuse)
-        memcpy(refs, probe.refs, <size_t>probe.hashed * sizeof(PageRef))
+        # the probe's chain values and match (copied unless the probe wrote them here); the
+        # last full page is hashed here if the probe left it (it hashes the pages an
+        # admission may reuse)
+        if probe.refs != refs:
+            memcpy(refs, probe.refs, <size_t>probe.hashed * sizeof(PageRef))
         for i in range(probe.hashed, hashed):
             refs[i].ident = pc_chain(c, refs[i - 1].ident if i else 0, i > 0, nsh,
                                      &tok[<size_t>i * pt])
@@ -227,7 +231,7 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
     cdef uint32_t limit, k, first, q, slot, ahead = 0, pp = 0
     cdef uint64_t ident, pid = 0, pg = 0
     cdef uint64_t ids[PC_AHEAD]     # identities of the pages prefetched ahead, by k % PC_AHEAD
-    cdef PageRef *refs = &ss.refs[_sp(ss, index)]
+    cdef PageRef *refs = stream_refs(ss, index)
     cdef const uint32_t *entries = sl.blocks.entries
     cdef const uint32_t *t
     cdef CachePage *x
@@ -313,7 +317,7 @@ cdef inline void auto_hash_ahead_lent(Sched *s, PageCache *c, Streams *ss, uint3
     cdef Slot *sl = &s.slots[index]
     cdef uint32_t k = st.done, pt = c.page_tokens
     cdef uint64_t chain
-    cdef PageRef *refs = &ss.refs[_sp(ss, index)]
+    cdef PageRef *refs = stream_refs(ss, index)
     if not st.live or st.broken or k >= sl.blocks.len or <uint64_t>(k + 1) * pt > num_tokens:
         return
     if k < st.hashed:

@@ -139,26 +139,35 @@ cdef int admit_waiting(StepState *st, int32_t e, uint32_t left, uint32_t *chunk,
 cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec, Probe *probe) noexcept nogil:
     # the pages an admission of entry e would take from the cache now, and how many of them are
     # reclaimable (cached_prefix's rule); `probe` the match, for the admission to take (its
-    # refs NULL when the namespace is not interned: the admission interns it and matches)
+    # refs NULL when the namespace is not interned: the admission interns it and matches).
+    # The match is written where the admission keeps it: the page records of the slot it
+    # will take (the lowest free one; a free slot's records are read by no one).  No free
+    # slot: no admission, no match.
     cdef StepEntry *r = &st.ent[e]
     cdef const uint32_t *tok = arena_at(st, e)
     cdef uint32_t n = r.req.num_tokens
     cdef uint32_t hashed = (n - 1) // st.lim.page_tokens if n else 0
     cdef uint32_t k, i, ns
+    cdef int32_t slot
     cdef bint collided
+    cdef PageRef *refs
     rec[0] = 0
     probe.refs = NULL
+    slot = sched_lowest_free(st.pg.s)
+    if slot < 0:
+        return 0
     ns = ns_find(&st.pg.c.ns, r.names.nsh,
                  r.names.nsb if r.names.nsb != NULL else <const uint8_t *>"", r.names.nsl)
     if ns == U32_MAX:
         return 0
-    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, st.pg.ss.probe, &collided)
-    probe.refs = st.pg.ss.probe
+    refs = stream_refs(st.pg.ss, <uint32_t>slot)
+    k = auto_match(st.pg.c, tok, n, ns, r.names.nsh, hashed, refs, &collided)
+    probe.refs = refs
     probe.hashed = hashed
     probe.k = k
     probe.collided = collided
     for i in range(k):
-        rec[0] += pc_rec(st.pg.c, st.pg.ss.probe[i].canon).state == PC_RECLAIMABLE
+        rec[0] += pc_rec(st.pg.c, refs[i].canon).state == PC_RECLAIMABLE
     return k
 
 
