@@ -66,9 +66,8 @@ cdef tuple cache_namespace(object namespace):
 cdef object cache_probe(PageCache *c, Streams *ss, const uint32_t *tok, Py_ssize_t n,
                         bytes nsb, bint detail):
     # what an admission of tok[0..n) in namespace nsb would take from the cache now: tokens, or
-    # CachedPrefix(tokens, pages, reclaimable).  Reads with the reads' own scratch (read_*): the
-    # probe scratch belongs to the engine step, which may be between its probe and its admission
-    # (a Python backend calling back)
+    # CachedPrefix(tokens, pages, reclaimable).  Reads with the reads' own scratch (read_*),
+    # never into a slot's page records, where the engine step's admissions match
     cdef uint32_t ns, k = 0, i, rec = 0, hashed
     cdef bint collided
     cdef Py_ssize_t nsl = len(nsb)
