@@ -244,7 +244,22 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "    if pos + 1 - r.req.num_prompt >= r.req.max_new:",
         "    if pos + 1 - r.req.num_prompt > r.req.max_new:",
         "a request generates max_new_tokens + 1 tokens"),
+    Mutation(
+        "prompt_last_token_unset", "plan", C + "step/requests.pxi",
+        "    r.at.last_token = tok[n - 1] if n else 0\n",
+        "",
+        "a prompt lowered as a last chunk of one token reads the entry's previous last token"),
+    Mutation(
+        "decode_last_token_stale", "plan", C + "step/update.pxi",
+        "    r.req.num_tokens = pos + 1\n    r.at.last_token = tok\n",
+        "    r.req.num_tokens = pos + 1\n",
+        "a decode's input is the entry's previous last token, not the token just sampled"),
     # -- beam search -----------------------------------------------------------------------------
+    Mutation(
+        "beam_continues_with_stale_last_token", "beam", C + "step/beams.pxi",
+        "        x.at.last_token = st.beams.sel[i].tok\n        if x.at.state == SR_PARKED:",
+        "        if x.at.state == SR_PARKED:",
+        "a continuing beam's next input is its token before the selection"),
     Mutation(
         "beam_tie_rank_reversed", "beam", C + "step/beams.pxi",
         "        return rank < x.rank\n",

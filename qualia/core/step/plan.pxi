@@ -150,8 +150,9 @@ cdef int plan_lower(StepState *st) noexcept nogil:
             fill_rows[nfill] = j
             nfill += 1
         if n == 1:
-            # a decode (or a 1-token chunk): one token, in one page
-            input_ids[T] = tok[0]
+            # a decode (or a 1-token chunk): one token, in one page; the last token is kept in
+            # the entry's first line (the arena's line is a cache miss per row in a large step)
+            input_ids[T] = r.at.last_token if q + 1 == r.req.num_tokens else tok[0]
             positions[T] = <int32_t>q
             slot_mapping[T] = <int64_t>tb.entries[lp] * pt + off
         else:

@@ -72,6 +72,9 @@ cdef struct StepPlace:
     uint8_t decode          # scheduled in the pending plan as a decode
     uint8_t unseen          # admitted or resumed; in no applied plan since
     uint8_t row_fresh       # forked child: its row is written whole when next lowered
+    # the arena's token at num_tokens - 1: a decode's lowering reads it here, in the line it
+    # reads anyway, not in the arena
+    uint32_t last_token
 
 
 cdef struct StepOrder:
@@ -246,6 +249,7 @@ cdef int step_add(StepState *st, uint64_t rid, const uint32_t *tok, uint32_t n,
     r.mem.group = -1
     r.mem.next_member = -1
     memcpy(arena_at(st, e), tok, <size_t>n * sizeof(uint32_t))
+    r.at.last_token = tok[n - 1] if n else 0
     if beam_width:
         # the group's record holds the id (and the namespace); the parent beam is one of the w
         # entries, the other w - 1 are reserved

@@ -5,6 +5,12 @@
 
 cdef enum:
     ROW_DEFERRED = -2   # row_owner of a row whose request was aborted in the pending plan
+    # A step over many rows: the lines each row touches at random (its block-table entry in
+    # schedule(), its token arena line in update()) are prefetched ROWS_AHEAD rows ahead.  A
+    # step of fewer than FAR_ROWS rows finds them in cache from the step before (measured:
+    # bench/RESULTS-step.md), where the prefetch would only add instructions.
+    ROWS_AHEAD = 16
+    FAR_ROWS = 1024
 
 
 cdef struct StepRunning:

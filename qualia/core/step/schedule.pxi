@@ -171,10 +171,21 @@ cdef uint32_t _probe_hit(StepState *st, int32_t e, uint32_t *rec, Probe *probe) 
     return k
 
 
+cdef inline void _prefetch_table(StepState *st, int32_t e) noexcept nogil:
+    # the block-table entry that step_reserve reads for running entry e's next position (a
+    # hint only: a prefetch never faults, and nothing changes)
+    cdef int32_t slot = st.ent[e].at.slot
+    cdef Slot *sl
+    if slot < 0:
+        return
+    sl = &st.pg.s.slots[slot]
+    qualia_prefetch_r(sl.blocks.entries + pt_div(st, sl.token_count))
+
+
 cdef int step_schedule(StepState *st) noexcept nogil:
     cdef uint32_t i, j, nd = 0, left = st.lim.budget, n, rem, hit
     cdef int32_t e, v
-    cdef bint preempted = False
+    cdef bint preempted = False, far
     cdef int rc
     cdef PlanState *pl = &st.plan
     if pl.pending:
@@ -197,8 +208,11 @@ cdef int step_schedule(StepState *st) noexcept nogil:
     if j:
         memcpy(&st.run.order[nd], st.run.order_pre, j * sizeof(int32_t))
     j += nd
+    far = j >= FAR_ROWS
     for i in range(j):
         e = st.run.order[i]
+        if far and i + ROWS_AHEAD < j:
+            _prefetch_table(st, st.run.order[i + ROWS_AHEAD])
         if left == 0:
             break
         if st.ent[e].at.state != SR_RUNNING:

@@ -63,6 +63,7 @@ cdef inline int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil
     cdef uint32_t pos = r.req.num_tokens
     arena_at(st, e)[pos] = tok     # the token stream (auto mode) reads it here too
     r.req.num_tokens = pos + 1
+    r.at.last_token = tok
     if pos + 1 - r.req.num_prompt >= r.req.max_new:
         return step_stop(st, e, FIN_LENGTH)
     if (r.req.has_eos or r.req.n_stop) and is_stop_token(r, tok):
@@ -116,6 +117,12 @@ cdef inline void _hash_fill_ahead(StepState *st, uint32_t f) noexcept nogil:
         auto_hash_ahead_lent(st.pg.s, st.pg.c, st.pg.ss, <uint32_t>r.at.slot, r.req.num_tokens)
 
 
+cdef inline void _prefetch_take(StepState *st, int32_t e) noexcept nogil:
+    # the arena line step_take writes entry e's next token to (a hint only: a prefetch never
+    # faults, and nothing changes)
+    qualia_prefetch_w(arena_at(st, e) + st.ent[e].req.num_tokens)
+
+
 cdef void done_unindex(StepState *st, uint32_t first) noexcept nogil:
     # The ids of what finished since st.done.ents[first] leave the id index (the entries stay
     # until step_collect hands them to Python): an id is taken until the update that finished
@@ -147,7 +154,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef int rc, first = Q_OK
     cdef uint64_t tc
     cdef uint32_t done0 = st.done.n, f, nfill
-    cdef bint fills
+    cdef bint fills, far
     if not st.plan.pending:
         return Q_NO_PLAN
     # the plan listed every copy owed, and it was applied
@@ -157,6 +164,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     for f in range(nfill if nfill < FILL_AHEAD else FILL_AHEAD):
         _hash_fill_ahead(st, f)
     f = 0
+    far = st.plan.n >= FAR_ROWS
     for j in range(st.plan.n):
         fills = f < nfill and st.plan.fill_rows[f] == j   # its chunk completes a page
         if fills:
@@ -164,6 +172,8 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
                 _hash_fill_ahead(st, f + FILL_AHEAD)
             f += 1
         e = st.plan.plan_entry[j]
+        if far and j + ROWS_AHEAD < st.plan.n:
+            _prefetch_take(st, st.plan.plan_entry[j + ROWS_AHEAD])
         if not st.plan.plan_alive[j]:
             continue
         r = &st.ent[e]
