@@ -250,16 +250,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "",
         "a prompt lowered as a last chunk of one token reads the entry's previous last token"),
     Mutation(
-        "decode_last_token_stale", "plan", C + "step/update.pxi",
-        "    r.req.num_tokens = pos + 1\n    r.at.last_token = tok\n",
-        "    r.req.num_tokens = pos + 1\n",
-        "a decode's input is the entry's previous last token, not the token just sampled"),
+        "appended_last_token_stale", "plan", C + "step/arena.pxi",
+        "    r.req.num_tokens += 1\n    r.at.last_token = tok\n",
+        "    r.req.num_tokens += 1\n",
+        "a decode's input is the entry's previous last token, not the token just appended"),
     # -- beam search -----------------------------------------------------------------------------
-    Mutation(
-        "beam_continues_with_stale_last_token", "beam", C + "step/beams.pxi",
-        "        x.at.last_token = st.beams.sel[i].tok\n        if x.at.state == SR_PARKED:",
-        "        if x.at.state == SR_PARKED:",
-        "a continuing beam's next input is its token before the selection"),
     Mutation(
         "beam_tie_rank_reversed", "beam", C + "step/beams.pxi",
         "        return rank < x.rank\n",

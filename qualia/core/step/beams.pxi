@@ -162,12 +162,9 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
             continue
         d = beam_take_entry(st, g)
         memset(&st.ent[d], 0, sizeof(StepEntry))
-        memcpy(arena_at(st, d), arena_at(st, src),
-               <size_t>x.req.num_tokens * sizeof(uint32_t))
+        arena_copy(st, d, src)
         st.ent[d].req.rid = x.req.rid
         st.ent[d].req.num_prompt = x.req.num_prompt
-        st.ent[d].req.num_tokens = x.req.num_tokens
-        st.ent[d].at.last_token = x.at.last_token
         st.ent[d].req.unindexed = 1
         st.beams.sel[i].dest = d
     for i in range(nk):
@@ -178,9 +175,7 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         if d == st.beams.sel[i].beam:
             entry_unindex(st, d)
             x.mem.in_sel = 0
-        arena_at(st, d)[x.req.num_tokens] = st.beams.sel[i].tok
-        x.req.num_tokens += 1
-        x.at.last_token = st.beams.sel[i].tok
+        arena_append(st, d, st.beams.sel[i].tok)
         x.at.state = SR_MEMBER_DONE
         x.mem.group = g
         x.at.slot = -1
@@ -242,9 +237,7 @@ cdef int beam_select(StepState *st, int32_t g) noexcept nogil:
         d = st.beams.sel[i].dest
         x = &st.ent[d]
         x.mem.in_sel = 0
-        arena_at(st, d)[x.req.num_tokens] = st.beams.sel[i].tok
-        x.req.num_tokens += 1
-        x.at.last_token = st.beams.sel[i].tok
+        arena_append(st, d, st.beams.sel[i].tok)
         if x.at.state == SR_PARKED:
             heap_push(st, d)        # a parked beam continues: it has a token to compute
         x.hyp.score = st.beams.sel[i].score

@@ -14,10 +14,7 @@ cdef int step_spawn(StepState *st, int32_t pe, int32_t ce) noexcept nogil:
     cdef int32_t row = row_lowest_free(st), slot = -1
     cdef Slot *ps
     cdef int rc
-    memcpy(arena_at(st, ce), arena_at(st, pe),
-           <size_t>par.req.num_tokens * sizeof(uint32_t))
-    ch.req.num_tokens = par.req.num_tokens
-    ch.at.last_token = par.at.last_token
+    arena_copy(st, ce, pe)
     st.ids.count += 1
     if par.at.state == SR_RUNNING and row >= 0 and st.pg.s.active < st.pg.s.max_requests:
         ps = &st.pg.s.slots[par.at.slot]

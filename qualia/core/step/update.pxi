@@ -61,9 +61,7 @@ cdef inline int step_take(StepState *st, int32_t e, uint32_t tok) noexcept nogil
     # the stop conditions (step_stop)
     cdef StepEntry *r = &st.ent[e]
     cdef uint32_t pos = r.req.num_tokens
-    arena_at(st, e)[pos] = tok     # the token stream (auto mode) reads it here too
-    r.req.num_tokens = pos + 1
-    r.at.last_token = tok
+    arena_append(st, e, tok)       # the token stream (auto mode) reads it there too
     if pos + 1 - r.req.num_prompt >= r.req.max_new:
         return step_stop(st, e, FIN_LENGTH)
     if (r.req.has_eos or r.req.n_stop) and is_stop_token(r, tok):
