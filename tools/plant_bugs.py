@@ -156,6 +156,16 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        if False:\n",
         "a page is cached under a parent entry that was reclaimed or cleared since it filled"),
     Mutation(
+        "finish_run_tail_unflushed", "cache", C + "cache/pagecache.pxi",
+        "    c.tail[PC_RECLAIMABLE] = r.tail\n",
+        "",
+        "a finish relinks its pages as reclaimable but leaves the list's tail where it was"),
+    Mutation(
+        "appended_pages_undercounted", "cache", C + "cache/autoprefix.pxi",
+        "        need[0] += last - first + 1\n",
+        "        need[0] += last - first\n",
+        "a chunk of new pages reclaims room for one page fewer than it allocates"),
+    Mutation(
         "cache_hit_leaves_no_token", "cache", C + "cache/autoprefix.pxi",
         "    cdef uint32_t cap = (n - 1) // pt if n else 0\n    cdef uint64_t prev = 0, pg = 0",
         "    cdef uint32_t cap = n // pt if n else 0\n    cdef uint64_t prev = 0, pg = 0",

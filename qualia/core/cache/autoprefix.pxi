@@ -369,6 +369,7 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
     cdef Table *t = &s.slots[index].blocks
     cdef uint32_t i, page
     cdef int rc, first = Q_OK
+    cdef PcRun run
     # the records the releases read (and may relink), prefetched PC_AHEAD pages ahead
     i = t.len
     while i > 0 and i + PC_AHEAD > t.len:
@@ -376,6 +377,7 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
         if t.entries[i] < c.num_blocks:
             qualia_prefetch_w(pc_rec(c, t.entries[i]))
     i = t.len
+    pc_run_begin(c, &run)
     while i > 0:
         i -= 1
         if i >= PC_AHEAD and t.entries[i - PC_AHEAD] < c.num_blocks:
@@ -386,7 +388,8 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
             if first == Q_OK:
                 first = rc
         else:
-            pc_on_release(c, p, page)
+            pc_run_release(c, p, page, &run)
+    pc_run_end(c, &run)
     t.len = 0
     if first:
         return first
@@ -407,6 +410,14 @@ cdef int auto_need_pages(Table *t, uint32_t first, uint32_t last, Pool *p, PageC
     cdef uint64_t avail = <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]
     cdef uint64_t lp
     cdef uint32_t page
+    if first == vlen and first <= last and last < t.capacity:
+        # every page is appended (a prefill chunk's): the loop's count at once, and where it
+        # would stop
+        if need[0] + (last - first + 1) > avail:
+            need[0] = (avail if need[0] <= avail else need[0]) + 1
+            return Q_EXHAUSTED
+        need[0] += last - first + 1
+        return Q_OK
     for lp in range(first, <uint64_t>last + 1):
         if lp >= t.capacity:
             return Q_OUT_OF_RANGE

@@ -461,6 +461,66 @@ cdef inline void pc_on_release(PageCache *c, Pool *p, uint32_t page) noexcept no
         ns_touch(&c.ns, pc_rec(c, page).ns)
 
 
+# A run of releases (a finishing request's pages, last page first): pc_on_release for each, with
+# the reclaimable list's tail and the moved count kept in the run until pc_run_end, and a
+# namespace's idle check made once at the end of each run of its pages.  The lists, counts and
+# idle list end as pc_on_release page by page leaves them: while the pages of one namespace
+# are relinked only that namespace's n_rec changes, and it can turn idle only at the last of
+# them (n_rec never passes refs), so one check after them finds what a check after each would.
+cdef struct PcRun:
+    uint32_t tail         # the reclaimable list's tail
+    uint32_t ns           # the namespace whose idle check is owed (U32_MAX: none)
+    uint32_t moved        # pages relinked from in use to reclaimable
+
+
+cdef inline void pc_run_begin(PageCache *c, PcRun *r) noexcept nogil:
+    r.tail = c.tail[PC_RECLAIMABLE]
+    r.ns = U32_MAX
+    r.moved = 0
+
+
+cdef inline void pc_run_release(PageCache *c, Pool *p, uint32_t page, PcRun *r) noexcept nogil:
+    # pc_on_release within a run
+    cdef CachePage *x
+    cdef NsTable *t = &c.ns
+    cdef uint32_t ns
+    if page >= c.num_blocks or p.refcount[page] != 1:
+        return
+    x = pc_rec(c, page)
+    if x.state != PC_INUSE:
+        return
+    ns = x.ns
+    if ns != r.ns:
+        if r.ns != U32_MAX:
+            ns_touch(t, r.ns)
+        r.ns = ns
+    x.state = PC_RECLAIMABLE
+    x.prev = r.tail
+    x.next = U32_MAX
+    if r.tail != U32_MAX:
+        pc_rec(c, r.tail).next = page
+    else:
+        c.head[PC_RECLAIMABLE] = page
+    r.tail = page
+    x.ns_prev = t.rec_tail[ns]
+    x.ns_next = U32_MAX
+    if t.rec_tail[ns] != U32_MAX:
+        pc_rec(c, t.rec_tail[ns]).ns_next = page
+    else:
+        t.rec_head[ns] = page
+    t.rec_tail[ns] = page
+    t.n_rec[ns] += 1
+    r.moved += 1
+
+
+cdef inline void pc_run_end(PageCache *c, PcRun *r) noexcept nogil:
+    c.tail[PC_RECLAIMABLE] = r.tail
+    c.n_state[PC_INUSE] -= r.moved
+    c.n_state[PC_RECLAIMABLE] += r.moved
+    if r.ns != U32_MAX:
+        ns_touch(&c.ns, r.ns)
+
+
 cdef inline void pc_on_retain(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
     # after a request retained `page`: a reclaimable page is in use again (O(1))
     if pc_rec(c, page).state == PC_RECLAIMABLE and p.refcount[page] >= 2:

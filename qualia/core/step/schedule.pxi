@@ -40,8 +40,8 @@ cdef int step_reserve(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     owed_add(st, slot, st.pg.cow, n_copies)
     st.pg.pages_copied[0] += n_copies
     st.pg.pages_allocated[0] += n_undo - n_copies
-    if st.lim.mode == MODE_AUTO:
-        auto_after_cow(st.pg.c, st.pg.p, st.pg.undo, n_undo)
+    if st.lim.mode == MODE_AUTO and n_copies:
+        auto_after_cow(st.pg.c, st.pg.p, st.pg.undo, n_undo)   # it acts on the copies only
     row_write(st, e, first, last)
     return Q_OK
 
