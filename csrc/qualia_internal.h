@@ -19,4 +19,33 @@ void qualia_blake2b_final(qualia_blake2b *s, uint8_t *out);
    "Prefix identity").  `tokens` holds n native-endian u32 ids at any alignment. */
 void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const void *tokens, size_t n,
                           uint8_t out[16]);
+
+/* The positions and KV slots of one whole page of 16 tokens, from position `pos` and slot
+   `slot`: the lowering's common case, as vector stores where the compiler has vectors (a fixed
+   16-iteration loop is unrolled into 32 scalar stores instead). */
+static inline void qualia_lower_page16(int32_t *positions, int64_t *slots, int32_t pos,
+                                       int64_t slot) {
+    int i;
+#if defined(__GNUC__) || defined(__clang__)
+    typedef int32_t qualia_v4i32 __attribute__((vector_size(16)));
+    typedef int64_t qualia_v2i64 __attribute__((vector_size(16)));
+    qualia_v4i32 p = {pos, pos + 1, pos + 2, pos + 3};
+    const qualia_v4i32 p4 = {4, 4, 4, 4};
+    qualia_v2i64 s = {slot, slot + 1};
+    const qualia_v2i64 s2 = {2, 2};
+    for (i = 0; i < 4; i++) {
+        __builtin_memcpy(positions + 4 * i, &p, sizeof(p));
+        p += p4;
+    }
+    for (i = 0; i < 8; i++) {
+        __builtin_memcpy(slots + 2 * i, &s, sizeof(s));
+        s += s2;
+    }
+#else
+    for (i = 0; i < 16; i++) {
+        positions[i] = pos + i;
+        slots[i] = slot + i;
+    }
+#endif
+}
 #endif

@@ -77,11 +77,12 @@ AREAS: Dict[str, Tuple[str, ...]] = {
     "facade": ("test_request_scheduler.py", "test_facade.py", "test_fork_pages.py",
                "test_seed_vs_twin.py"),
     "cache": ("test_cache.py", "test_cache_known_tokens.py", "test_prefix.py",
-              "test_cache_vs_twin.py"),
+              "test_cache_vs_twin.py", "test_whole_pages_vs_twin.py"),
     "step": ("test_step.py", "test_twin_step_vs_dense.py", "test_step_vs_twin.py"),
     "copies": ("test_copies_owed.py", "test_n_groups.py", "test_forks_vs_twin.py",
                "test_step_vs_twin.py"),
-    "plan": ("test_step.py", "test_step_runner.py", "test_step_vs_twin.py"),
+    "plan": ("test_step.py", "test_step_runner.py", "test_step_vs_twin.py",
+             "test_whole_pages_vs_twin.py"),
     "stop": ("test_step.py", "test_step_vs_twin.py"),
     "beam": ("test_beam_ties.py", "test_beam_search.py", "test_twin_forks_vs_dense.py",
              "test_forks_vs_twin.py"),
@@ -155,6 +156,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        if k == first and k and not pc_live(c, pp, pg):\n",
         "        if False:\n",
         "a page is cached under a parent entry that was reclaimed or cleared since it filled"),
+    Mutation(
+        "page_copy_short_at_16", "cache", C + "cache/pagecache.pxi",
+        "        memcpy(dst, src, 16 * sizeof(uint32_t))\n",
+        "        memcpy(dst, src, 15 * sizeof(uint32_t))\n",
+        "a cached page of 16 tokens keeps 15 of them for the hits to verify against"),
     Mutation(
         "finish_run_tail_unflushed", "cache", C + "cache/pagecache.pxi",
         "    c.tail[PC_RECLAIMABLE] = r.tail\n",
@@ -259,6 +265,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "    r.at.last_token = tok[n - 1] if n else 0\n",
         "",
         "a prompt lowered as a last chunk of one token reads the entry's previous last token"),
+    Mutation(
+        "lowered_page_slots_shifted", "plan", C + "step/plan.pxi",
+        "        qualia_lower_page16(positions, slot_mapping, p, sm)\n",
+        "        qualia_lower_page16(positions, slot_mapping, p, sm + 1)\n",
+        "a whole page's tokens are lowered into the slots one to the right"),
     Mutation(
         "appended_last_token_stale", "plan", C + "step/arena.pxi",
         "    r.req.num_tokens += 1\n    r.at.last_token = tok\n",

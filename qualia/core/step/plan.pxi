@@ -90,6 +90,23 @@ cdef inline int plan_add(StepState *st, int32_t e, uint32_t n) noexcept nogil:
     return Q_OK
 
 
+cdef inline void _lower_run(int32_t *positions, int64_t *slot_mapping, uint32_t pos, int64_t sm,
+                            uint32_t run) noexcept nogil:
+    # the positions and slots of `run` tokens of one page from position `pos` and slot `sm`: a
+    # whole page of the common size in vector stores, any other run in two loops through
+    # pointers, each with a counter of its array's width, which the compiler vectorises (a u32
+    # index may wrap, which keeps a loop scalar)
+    cdef int32_t k, p = <int32_t>pos, n = <int32_t>run
+    cdef int64_t k64
+    if run == 16:
+        qualia_lower_page16(positions, slot_mapping, p, sm)
+        return
+    for k in range(n):
+        positions[k] = p + k
+    for k64 in range(<int64_t>run):
+        slot_mapping[k64] = sm + k64
+
+
 cdef int plan_lower(StepState *st) noexcept nogil:
     # The scheduled entries (plan_entry / plan_chunk) lowered into the plan's arrays, in plan
     # order: ids, lengths, input ids from the arena, positions and slot mapping, the sampled rows
@@ -165,9 +182,7 @@ cdef int plan_lower(StepState *st) noexcept nogil:
                 run = pt - off
                 if run > q + n - pos:
                     run = q + n - pos
-                for k in range(run):
-                    positions[i + k] = <int32_t>(pos + k)
-                    slot_mapping[i + k] = sm + k
+                _lower_run(&positions[i], &slot_mapping[i], pos, sm, run)
                 pos += run
                 i += run
                 lp += 1
