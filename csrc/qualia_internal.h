@@ -23,14 +23,15 @@ void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const void *tokens
 /* The positions and KV slots of one whole page of 16 tokens, from position `pos` and slot
    `slot`: the lowering's common case, as vector stores where the compiler has vectors (a fixed
    16-iteration loop is unrolled into 32 scalar stores instead). */
-static inline void qualia_lower_page16(int32_t *positions, int64_t *slots, int32_t pos,
+static inline void qualia_lower_page16(int32_t *positions, int64_t *slots, uint32_t pos,
                                        int64_t slot) {
+    /* positions are computed unsigned (wrapping, as the plan's int32 positions take them) */
     int i;
 #if defined(__GNUC__) || defined(__clang__)
-    typedef int32_t qualia_v4i32 __attribute__((vector_size(16)));
+    typedef uint32_t qualia_v4u32 __attribute__((vector_size(16)));
     typedef int64_t qualia_v2i64 __attribute__((vector_size(16)));
-    qualia_v4i32 p = {pos, pos + 1, pos + 2, pos + 3};
-    const qualia_v4i32 p4 = {4, 4, 4, 4};
+    qualia_v4u32 p = {pos, pos + 1u, pos + 2u, pos + 3u};
+    const qualia_v4u32 p4 = {4u, 4u, 4u, 4u};
     qualia_v2i64 s = {slot, slot + 1};
     const qualia_v2i64 s2 = {2, 2};
     for (i = 0; i < 4; i++) {
@@ -43,7 +44,7 @@ static inline void qualia_lower_page16(int32_t *positions, int64_t *slots, int32
     }
 #else
     for (i = 0; i < 16; i++) {
-        positions[i] = pos + i;
+        positions[i] = (int32_t)(pos + (uint32_t)i);
         slots[i] = slot + i;
     }
 #endif

@@ -267,8 +267,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a prompt lowered as a last chunk of one token reads the entry's previous last token"),
     Mutation(
         "lowered_page_slots_shifted", "plan", C + "step/plan.pxi",
-        "        qualia_lower_page16(positions, slot_mapping, p, sm)\n",
-        "        qualia_lower_page16(positions, slot_mapping, p, sm + 1)\n",
+        "        qualia_lower_page16(positions, slot_mapping, pos, sm)\n",
+        "        qualia_lower_page16(positions, slot_mapping, pos, sm + 1)\n",
         "a whole page's tokens are lowered into the slots one to the right"),
     Mutation(
         "appended_last_token_stale", "plan", C + "step/arena.pxi",

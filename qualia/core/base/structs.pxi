@@ -74,7 +74,7 @@ cdef extern from "Python.h":
 cdef extern from "qualia_internal.h" nogil:
     void qualia_prefix_digest(const uint8_t *ns, uint32_t ns_len, const void *tokens,
                               size_t n, uint8_t *out)
-    void qualia_lower_page16(int32_t *positions, int64_t *slots, int32_t pos, int64_t slot)
+    void qualia_lower_page16(int32_t *positions, int64_t *slots, uint32_t pos, int64_t slot)
 
 cdef extern from *:
     """

@@ -96,13 +96,13 @@ cdef inline void _lower_run(int32_t *positions, int64_t *slot_mapping, uint32_t 
     # whole page of the common size in vector stores, any other run in two loops through
     # pointers, each with a counter of its array's width, which the compiler vectorises (a u32
     # index may wrap, which keeps a loop scalar)
-    cdef int32_t k, p = <int32_t>pos, n = <int32_t>run
+    cdef uint32_t k
     cdef int64_t k64
     if run == 16:
-        qualia_lower_page16(positions, slot_mapping, p, sm)
+        qualia_lower_page16(positions, slot_mapping, pos, sm)
         return
-    for k in range(n):
-        positions[k] = p + k
+    for k in range(run):
+        positions[k] = <int32_t>(pos + k)
     for k64 in range(<int64_t>run):
         slot_mapping[k64] = sm + k64
 
