@@ -388,12 +388,38 @@ cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
 
 # -- lists ---------------------------------------------------------------------------------------
 
+cdef inline void _pc_append(PageCache *c, CachePage *x, uint32_t p, uint32_t *head,
+                            uint32_t *tail) noexcept nogil:
+    # page p (x its record) to the tail of the list whose ends are *head and *tail
+    x.prev = tail[0]
+    x.next = U32_MAX
+    if tail[0] != U32_MAX:
+        pc_rec(c, tail[0]).next = p
+    else:
+        head[0] = p
+    tail[0] = p
+
+
+cdef inline void _pc_ns_append(PageCache *c, CachePage *x, uint32_t p,
+                               uint32_t ns) noexcept nogil:
+    # reclaimable page p (x its record, ns its namespace) to the tail of the namespace's
+    # reclaimable list
+    cdef NsTable *t = &c.ns
+    x.ns_prev = t.rec_tail[ns]
+    x.ns_next = U32_MAX
+    if t.rec_tail[ns] != U32_MAX:
+        pc_rec(c, t.rec_tail[ns]).ns_next = p
+    else:
+        t.rec_head[ns] = p
+    t.rec_tail[ns] = p
+    t.n_rec[ns] += 1
+
+
 cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil:
     # a page in use is on no list (counted only); a reclaimable page goes to the tail (most
     # recent end) of the reclaimable list and of its namespace's; the caller then calls
     # ns_touch for the namespace
     cdef CachePage *x = pc_rec(c, p)
-    cdef NsTable *t = &c.ns
     if state == PC_INUSE:
         x.state = state
         x.prev = U32_MAX
@@ -401,22 +427,9 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
         c.n_state[state] += 1
         return
     if state == PC_RECLAIMABLE:
-        x.ns_prev = t.rec_tail[x.ns]
-        x.ns_next = U32_MAX
-        if t.rec_tail[x.ns] != U32_MAX:
-            pc_rec(c, t.rec_tail[x.ns]).ns_next = p
-        else:
-            t.rec_head[x.ns] = p
-        t.rec_tail[x.ns] = p
-        t.n_rec[x.ns] += 1
+        _pc_ns_append(c, x, p, x.ns)
     x.state = state
-    x.prev = c.tail[state]
-    x.next = U32_MAX
-    if c.tail[state] != U32_MAX:
-        pc_rec(c, c.tail[state]).next = p
-    else:
-        c.head[state] = p
-    c.tail[state] = p
+    _pc_append(c, x, p, &c.head[state], &c.tail[state])
     c.n_state[state] += 1
 
 
@@ -482,7 +495,6 @@ cdef inline void pc_run_begin(PageCache *c, PcRun *r) noexcept nogil:
 cdef inline void pc_run_release(PageCache *c, Pool *p, uint32_t page, PcRun *r) noexcept nogil:
     # pc_on_release within a run
     cdef CachePage *x
-    cdef NsTable *t = &c.ns
     cdef uint32_t ns
     if page >= c.num_blocks or p.refcount[page] != 1:
         return
@@ -492,24 +504,11 @@ cdef inline void pc_run_release(PageCache *c, Pool *p, uint32_t page, PcRun *r) 
     ns = x.ns
     if ns != r.ns:
         if r.ns != U32_MAX:
-            ns_touch(t, r.ns)
+            ns_touch(&c.ns, r.ns)
         r.ns = ns
     x.state = PC_RECLAIMABLE
-    x.prev = r.tail
-    x.next = U32_MAX
-    if r.tail != U32_MAX:
-        pc_rec(c, r.tail).next = page
-    else:
-        c.head[PC_RECLAIMABLE] = page
-    r.tail = page
-    x.ns_prev = t.rec_tail[ns]
-    x.ns_next = U32_MAX
-    if t.rec_tail[ns] != U32_MAX:
-        pc_rec(c, t.rec_tail[ns]).ns_next = page
-    else:
-        t.rec_head[ns] = page
-    t.rec_tail[ns] = page
-    t.n_rec[ns] += 1
+    _pc_append(c, x, page, &c.head[PC_RECLAIMABLE], &r.tail)
+    _pc_ns_append(c, x, page, ns)
     r.moved += 1
 
 
