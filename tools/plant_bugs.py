@@ -152,6 +152,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        page = c.tail[PC_RECLAIMABLE]\n        if page == U32_MAX:",
         "reclaim takes the most recently used reclaimable page"),
     Mutation(
+        "index_removal_moves_entry_off_home", "cache", C + "cache/pagecache.pxi",
+        "        move = ((k - i - 1) & mask) >= ((j - i) & mask)\n",
+        "        move = ((k - i - 1) & mask) >= ((j - i - 1) & mask)\n",
+        "a removal from the prefix index moves an entry sitting at its home back, before it"),
+    Mutation(
         "fill_under_a_dropped_parent", "cache", C + "cache/autoprefix.pxi",
         "        if k == first and k and not pc_live(c, pp, pg):\n",
         "        if False:\n",

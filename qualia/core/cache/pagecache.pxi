@@ -48,12 +48,17 @@ cdef struct CachePage:
     uint64_t parent_gen
     uint32_t parent       # the parent's physical page (U32_MAX: first page of a chain)
     uint32_t ns
+    uint8_t state
+    uint8_t has_parent
+
+cdef struct PcLinks:
+    # a page's places on the lists, apart from its record: 16 bytes a page, so that the links
+    # of every page stay in cache while the records do not, and walking a list ahead of its
+    # head (a reclaim's scout) costs no record miss per step
     uint32_t prev         # list links (U32_MAX: none)
     uint32_t next
     uint32_t ns_prev      # links of its namespace's reclaimable list (U32_MAX: none)
     uint32_t ns_next
-    uint8_t state
-    uint8_t has_parent
 
 cdef struct NsTable:
     uint8_t *names        # capacity x NS_MAX_BYTES
@@ -94,6 +99,7 @@ cdef struct PcSlot:
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
     size_t stride
+    PcLinks *links        # num_blocks: each page's list links
     # open addressing by identity: each slot's page (-1: empty) beside its identity's 32-bit tag,
     # so that a probe reads no record but a tag's match (8 bytes a slot: 8 slots a cache line)
     PcSlot *index
@@ -388,27 +394,27 @@ cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
 
 # -- lists ---------------------------------------------------------------------------------------
 
-cdef inline void _pc_append(PageCache *c, CachePage *x, uint32_t p, uint32_t *head,
+cdef inline void _pc_append(PageCache *c, PcLinks *x, uint32_t p, uint32_t *head,
                             uint32_t *tail) noexcept nogil:
-    # page p (x its record) to the tail of the list whose ends are *head and *tail
+    # page p (x its links) to the tail of the list whose ends are *head and *tail
     x.prev = tail[0]
     x.next = U32_MAX
     if tail[0] != U32_MAX:
-        pc_rec(c, tail[0]).next = p
+        c.links[tail[0]].next = p
     else:
         head[0] = p
     tail[0] = p
 
 
-cdef inline void _pc_ns_append(PageCache *c, CachePage *x, uint32_t p,
+cdef inline void _pc_ns_append(PageCache *c, PcLinks *x, uint32_t p,
                                uint32_t ns) noexcept nogil:
-    # reclaimable page p (x its record, ns its namespace) to the tail of the namespace's
+    # reclaimable page p (x its links, ns its namespace) to the tail of the namespace's
     # reclaimable list
     cdef NsTable *t = &c.ns
     x.ns_prev = t.rec_tail[ns]
     x.ns_next = U32_MAX
     if t.rec_tail[ns] != U32_MAX:
-        pc_rec(c, t.rec_tail[ns]).ns_next = p
+        c.links[t.rec_tail[ns]].ns_next = p
     else:
         t.rec_head[ns] = p
     t.rec_tail[ns] = p
@@ -416,49 +422,52 @@ cdef inline void _pc_ns_append(PageCache *c, CachePage *x, uint32_t p,
 
 
 cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil:
-    # a page in use is on no list (counted only); a reclaimable page goes to the tail (most
-    # recent end) of the reclaimable list and of its namespace's; the caller then calls
-    # ns_touch for the namespace
+    # a page in use is on no list (counted only: its links are all none, as pc_init and every
+    # unlink leave them); a reclaimable page goes to the tail (most recent end) of the
+    # reclaimable list and of its namespace's; the caller then calls ns_touch for the namespace
     cdef CachePage *x = pc_rec(c, p)
+    cdef PcLinks *l
     if state == PC_INUSE:
         x.state = state
-        x.prev = U32_MAX
-        x.next = U32_MAX
         c.n_state[state] += 1
         return
+    l = &c.links[p]
     if state == PC_RECLAIMABLE:
-        _pc_ns_append(c, x, p, x.ns)
+        _pc_ns_append(c, l, p, x.ns)
     x.state = state
-    _pc_append(c, x, p, &c.head[state], &c.tail[state])
+    _pc_append(c, l, p, &c.head[state], &c.tail[state])
     c.n_state[state] += 1
 
 
 cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
     # the caller then calls ns_touch for the namespace
-    cdef CachePage *x = pc_rec(c, p)
-    cdef uint8_t state = x.state
+    cdef CachePage *r = pc_rec(c, p)
+    cdef PcLinks *x = &c.links[p]
+    cdef uint8_t state = r.state
+    cdef uint32_t ns
     cdef NsTable *t = &c.ns
     if state == PC_INUSE:
         c.n_state[state] -= 1      # on no list: no neighbour to touch
         return
     if state == PC_RECLAIMABLE:
+        ns = r.ns
         if x.ns_prev != U32_MAX:
-            pc_rec(c, x.ns_prev).ns_next = x.ns_next
+            c.links[x.ns_prev].ns_next = x.ns_next
         else:
-            t.rec_head[x.ns] = x.ns_next
+            t.rec_head[ns] = x.ns_next
         if x.ns_next != U32_MAX:
-            pc_rec(c, x.ns_next).ns_prev = x.ns_prev
+            c.links[x.ns_next].ns_prev = x.ns_prev
         else:
-            t.rec_tail[x.ns] = x.ns_prev
+            t.rec_tail[ns] = x.ns_prev
         x.ns_prev = U32_MAX
         x.ns_next = U32_MAX
-        t.n_rec[x.ns] -= 1
+        t.n_rec[ns] -= 1
     if x.prev != U32_MAX:
-        pc_rec(c, x.prev).next = x.next
+        c.links[x.prev].next = x.next
     else:
         c.head[state] = x.next
     if x.next != U32_MAX:
-        pc_rec(c, x.next).prev = x.prev
+        c.links[x.next].prev = x.prev
     else:
         c.tail[state] = x.prev
     x.prev = U32_MAX
@@ -507,8 +516,8 @@ cdef inline void pc_run_release(PageCache *c, Pool *p, uint32_t page, PcRun *r) 
             ns_touch(&c.ns, r.ns)
         r.ns = ns
     x.state = PC_RECLAIMABLE
-    _pc_append(c, x, page, &c.head[PC_RECLAIMABLE], &r.tail)
-    _pc_ns_append(c, x, page, ns)
+    _pc_append(c, &c.links[page], page, &c.head[PC_RECLAIMABLE], &r.tail)
+    _pc_ns_append(c, &c.links[page], page, ns)
     r.moved += 1
 
 
@@ -581,7 +590,8 @@ cdef void pc_index_remove(PageCache *c, uint32_t page, uint64_t ident) noexcept 
     # follow read from their slots' tags instead of from their records
     cdef uint32_t mask = c.index_mask
     cdef uint32_t i = _pc_home(c, ident)
-    cdef uint32_t j, k
+    cdef uint32_t j, k, src
+    cdef bint move
     while c.index[i].page != <int32_t>page:
         i = (i + 1) & mask
     j = i
@@ -590,12 +600,13 @@ cdef void pc_index_remove(PageCache *c, uint32_t page, uint64_t ident) noexcept 
         if c.index[j].page < 0:
             break
         k = c.index[j].tag & mask
-        # leave slot j where it is if its home lies cyclically in (i, j]
-        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
-            continue
-        c.index[i].page = c.index[j].page
-        c.index[i].tag = c.index[j].tag
-        i = j
+        # slot j moves back to the hole i unless its home k lies cyclically in (i, j]; the
+        # move is made branch-free (slot i is rewritten with itself when nothing moves), as
+        # whether an entry moves follows no pattern a branch predictor learns
+        move = ((k - i - 1) & mask) >= ((j - i) & mask)
+        src = i ^ ((i ^ j) & (<uint32_t>0 - <uint32_t>move))
+        c.index[i] = c.index[src]
+        i = src
     c.index[i].page = -1
 
 
@@ -662,39 +673,41 @@ cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil
     return pool_release(p, page)
 
 
-cdef inline uint32_t _pc_scout(PageCache *c, uint32_t scout) noexcept nogil:
-    # one step of a reclaim's scout: the index slot of page `scout` (its record prefetched a
-    # step before) and the record of the page after it, prefetched; returns that page
-    cdef CachePage *x = pc_rec(c, scout)
-    qualia_prefetch_w(&c.index[_pc_home(c, x.ident)])
-    scout = x.next
-    if scout != U32_MAX:
-        qualia_prefetch_w(pc_rec(c, scout))
-    return scout
-
-
 cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
     # Make `need` pages allocatable: reclaim the least recently used reclaimable pages for what
     # the free stack lacks.  Q_EXHAUSTED, reclaiming nothing, when even that is not enough.
-    # A scout walks the reclaimable list PC_SCOUT pages ahead of the head, one page a drop, and
-    # prefetches what a drop reads (a hint only: the drops decide what is reclaimed), so that
-    # the only misses a drop waits on are the scout's.
-    cdef uint32_t page, scout, ahead = 0
+    # Two scouts walk the reclaimable list's links ahead of the head, one page a drop: the far
+    # one prefetches a page's record PC_AHEAD pages ahead, the near one, PC_SCOUT pages ahead,
+    # reads the identity from it and prefetches the page's index slot.  So a drop finds what
+    # it reads in cache (the scouts are hints only: the drops decide what is reclaimed).
+    cdef uint32_t page, near, far, ahead = 0
+    cdef uint64_t todo
     cdef int rc
     if need <= p.free_top:
         return Q_OK
     if need > <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]:
         return Q_EXHAUSTED
-    scout = c.head[PC_RECLAIMABLE]
-    while scout != U32_MAX and ahead < PC_SCOUT and ahead < need - p.free_top:
-        scout = _pc_scout(c, scout)
+    todo = need - p.free_top
+    near = far = c.head[PC_RECLAIMABLE]
+    while far != U32_MAX and ahead < PC_AHEAD and ahead < todo:
+        qualia_prefetch_w(pc_rec(c, far))
+        far = c.links[far].next
+        ahead += 1
+    ahead = 0
+    while near != U32_MAX and ahead < PC_SCOUT and ahead < todo:
+        qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
+        near = c.links[near].next
         ahead += 1
     while p.free_top < need:
         page = c.head[PC_RECLAIMABLE]
         if page == U32_MAX:
             return Q_EXHAUSTED   # only if the pool was changed behind the cache's back
-        if scout != U32_MAX and ahead < need - p.free_top:
-            scout = _pc_scout(c, scout)
+        if far != U32_MAX:
+            qualia_prefetch_w(pc_rec(c, far))
+            far = c.links[far].next
+        if near != U32_MAX:
+            qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
+            near = c.links[near].next
         rc = pc_drop(c, p, page, True)
         c.reclaims += 1
         if rc:
@@ -752,7 +765,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     cdef uint64_t lo = 0, hi = 0
     if num_blocks > ((<uint32_t>1) << 30):
         raise OverflowError("automatic prefix caching supports at most 2**30 pages")
-    while 3 * <uint64_t>size < 4 * <uint64_t>num_blocks:   # load at most 3/4
+    while <uint64_t>size < 2 * <uint64_t>num_blocks:   # load at most 1/2
         size <<= 1
     while nsize < 2 * <uint64_t>max_ns:
         nsize <<= 1
@@ -763,6 +776,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     # that a lookup touches one record, not a record and a token array
     c.stride = (sizeof(CachePage) + <size_t>page_tokens * sizeof(uint32_t) + 63) & ~(<size_t>63)
     c.recs = <char *>qualia_big_zalloc((num_blocks if num_blocks else 1) * c.stride)
+    c.links = <PcLinks *>qualia_big_zalloc((num_blocks if num_blocks else 1) * sizeof(PcLinks))
     c.index = <PcSlot *>qualia_big_zalloc(size * sizeof(PcSlot))
     c.nh = <uint64_t *>PyMem_Calloc(pc_nh_words(page_tokens), sizeof(uint64_t))
     c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
@@ -778,7 +792,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
     c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
     c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
-    if (c.recs == NULL or c.index == NULL or c.nh == NULL
+    if (c.recs == NULL or c.links == NULL or c.index == NULL or c.nh == NULL
             or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
             or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
             or c.ns.n_rec == NULL or c.ns.rec_head == NULL or c.ns.rec_tail == NULL
@@ -789,10 +803,10 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
         c.index[i].page = -1
     c.index_mask = size - 1
     for i in range(num_blocks):
-        pc_rec(c, i).prev = U32_MAX
-        pc_rec(c, i).next = U32_MAX
-        pc_rec(c, i).ns_prev = U32_MAX
-        pc_rec(c, i).ns_next = U32_MAX
+        c.links[i].prev = U32_MAX
+        c.links[i].next = U32_MAX
+        c.links[i].ns_prev = U32_MAX
+        c.links[i].ns_next = U32_MAX
     for i in range(3):
         c.head[i] = U32_MAX
         c.tail[i] = U32_MAX
@@ -825,6 +839,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
 
 cdef void pc_free(PageCache *c) noexcept:
     qualia_big_free(c.recs)
+    qualia_big_free(c.links)
     qualia_big_free(c.index)
     PyMem_Free(c.nh)
     PyMem_Free(c.ns.names)

@@ -130,7 +130,7 @@ cdef object cache_reclaimable(PageCache *c, int mode):
             while p != U32_MAX and k < n:
                 tmp[k] = p
                 k += 1
-                p = pc_rec(c, p).next
+                p = c.links[p].next
         return _array_of(tmp, k)
     finally:
         PyMem_Free(tmp)
