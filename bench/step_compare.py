@@ -21,6 +21,10 @@ alternating round after round; a figure is the lowest over the rounds of its med
   page fill                 (mixed auto - mixed off) / pages filled in the step: every cost the
                             automatic prefix cache adds per page it takes (hash, index, LRU,
                             events, bookkeeping)
+  mixed pool full ...       the same after 320 untimed steps, which fill the pool: with caching
+  page fill pool full       on, every page the window allocates is a reclaimed one (checked), as
+                            in a serving engine whose cache holds all it can; the page fill then
+                            includes the reclaim (the index removal, the lists, the event)
   churn mode=M              ns per generated token, 256 running requests of 512-token prompts
                             generating 256 tokens each, a new one queued as each finishes, in a
                             pool that stays full: admissions, page fills, finishes and (with
@@ -78,7 +82,10 @@ def child(quick):
         for n, c in ((64, 512), (1024, 512), (128, 8192)):
             out[f"decode no-fill n={n} ctx={c} mode={mode}"] = decode(n, c, mode, True)
 
-    def mixed(mode):
+    def mixed(mode, full):
+        # full: the pool is filled first (untimed), so that every page the window allocates
+        # with caching on comes from a reclaim, as in a serving engine whose cache holds all
+        # it can; otherwise the window's pages all come from the free stack
         n, chunk = 64, 2048
         lp = 512 // PT + 40
         s = qualia.StepScheduler((n + 4) * 600, PT, 600, n + 1, cache_key=KEY,
@@ -93,37 +100,59 @@ def child(quick):
             s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
             if plan.num_prefill_tokens == 0:
                 break
-        for i in range(80):
-            s.add_request(1000 + i, rng.integers(0, 30000, size=8192, dtype=np.uint32),
-                          max_new_tokens=1)
+        prompts = [rng.integers(0, 30000, size=8192, dtype=np.uint32) for _ in range(40)]
+        z = np.zeros(n + 1, dtype=np.uint32)
+        rid = 0
+        warm = 320 if full else 0     # 36,000 free pages / 128 a step: full from step 282
+        timed = 12 if quick else 120
+
+        def queue(k):
+            # k more 8,192-token prompts, every one distinct (no page is a hit)
+            nonlocal rid
+            for _ in range(k):
+                p = prompts[rid % len(prompts)].copy()
+                p[0] = rid
+                s.add_request(1000 + rid, p, max_new_tokens=1)
+                rid += 1
+
+        queue(80)
+        for _ in range(warm):
+            plan = s.schedule()
+            queue(len(s.update(z[:len(plan.logits_indices)])))
+        reclaims = s.cache_stats().reclaims if mode == "auto" else 0
         ts, pre = [], []
         gc.disable()
         try:
-            for _ in range(12 if quick else 120):
+            for _ in range(timed):
                 t0 = pc()
                 plan = s.schedule()
-                s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
+                s.update(z[:len(plan.logits_indices)])
                 ts.append(pc() - t0)
                 pre.append(plan.num_prefill_tokens)
         finally:
             gc.enable()
+        if full and mode == "auto":
+            # every page allocated in the window was reclaimed: the pool stayed full
+            assert s.cache_stats().reclaims - reclaims >= sum(pre) // PT, "pool not full"
         # the mean over whole periods (120 steps, or 12: 30 or 3 prompts of four 2,048-token
         # chunks, each admitted and hashed in its first): a median picks a light or a heavy step
         return sum(ts) / len(ts), sum(pre) / len(pre)
 
     # three windows per mode, the modes alternating, each mode's lowest kept: one window in
     # which the machine slowed moves neither mode's figure nor the ratio
-    best = {"off": float("inf"), "auto": float("inf")}
-    for _ in range(1 if quick else 3):
-        for mode in best:
-            t, pre = mixed(mode)
-            best[mode] = min(best[mode], t)
-    off, auto = best["off"], best["auto"]
-    out["mixed mode=off"] = off
-    out["mixed mode=auto"] = auto
-    out["mixed auto / off"] = auto / off
-    out["page fill (ns per page)"] = (auto - off) / (pre / PT)
-    out["mixed pages per step"] = pre / PT
+    for full in (False, True):
+        best = {"off": float("inf"), "auto": float("inf")}
+        for _ in range(1 if quick else 3):
+            for mode in best:
+                t, pre = mixed(mode, full)
+                best[mode] = min(best[mode], t)
+        off, auto = best["off"], best["auto"]
+        tag = " pool full" if full else ""
+        out[f"mixed{tag} mode=off"] = off
+        out[f"mixed{tag} mode=auto"] = auto
+        out[f"mixed{tag} auto / off"] = auto / off
+        out[f"page fill{tag} (ns per page)"] = (auto - off) / (pre / PT)
+        out[f"mixed{tag} pages per step"] = pre / PT
 
     def churn(mode):
         # 256 running requests of 512-token prompts generating 256 tokens each, a new one
@@ -208,15 +237,17 @@ def main():
             r = json.loads(res.stdout)
             assert r.pop("qualia") == os.path.join(t, "qualia"), "wrong qualia imported"
             runs[t].append(r)
-    keys = [k for k in runs[trees[0]][0] if k != "mixed pages per step"]
+    keys = [k for k in runs[trees[0]][0] if "pages per step" not in k]
     best = {t: {k: min(r[k] for r in runs[t]) for k in keys} for t in trees}
     for t in trees:
         # the derived figures come from the figures shown, not from one round each (a round
         # in which the machine slowed one mode only would make its own ratio)
         b = best[t]
-        pages = runs[t][0]["mixed pages per step"]
-        b["mixed auto / off"] = b["mixed mode=auto"] / b["mixed mode=off"]
-        b["page fill (ns per page)"] = (b["mixed mode=auto"] - b["mixed mode=off"]) / pages
+        for tag in ("", " pool full"):
+            pages = runs[t][0][f"mixed{tag} pages per step"]
+            b[f"mixed{tag} auto / off"] = b[f"mixed{tag} mode=auto"] / b[f"mixed{tag} mode=off"]
+            b[f"page fill{tag} (ns per page)"] = (
+                (b[f"mixed{tag} mode=auto"] - b[f"mixed{tag} mode=off"]) / pages)
         b["churn auto / off"] = (b["churn mode=auto (ns per token)"]
                                  / b["churn mode=off (ns per token)"])
     print("| figure | " + " | ".join(os.path.basename(t) for t in trees) + " |")
