@@ -426,16 +426,16 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
     # unlink leave them); a reclaimable page goes to the tail (most recent end) of the
     # reclaimable list and of its namespace's; the caller then calls ns_touch for the namespace
     cdef CachePage *x = pc_rec(c, p)
-    cdef PcLinks *l
+    cdef PcLinks *lk
     if state == PC_INUSE:
         x.state = state
         c.n_state[state] += 1
         return
-    l = &c.links[p]
+    lk = &c.links[p]
     if state == PC_RECLAIMABLE:
-        _pc_ns_append(c, l, p, x.ns)
+        _pc_ns_append(c, lk, p, x.ns)
     x.state = state
-    _pc_append(c, l, p, &c.head[state], &c.tail[state])
+    _pc_append(c, lk, p, &c.head[state], &c.tail[state])
     c.n_state[state] += 1
 
 
