@@ -157,6 +157,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        move = ((k - i - 1) & mask) >= ((j - i - 1) & mask)\n",
         "a removal from the prefix index moves an entry sitting at its home back, before it"),
     Mutation(
+        "reclaim_keeps_namespace_count", "cache", C + "cache/pagecache.pxi",
+        "    lk.ns_next = U32_MAX\n    t.n_rec[ns] -= 1\n",
+        "    lk.ns_next = U32_MAX\n",
+        "a reclaimed page stays counted among its namespace's reclaimable pages"),
+    Mutation(
         "fill_under_a_dropped_parent", "cache", C + "cache/autoprefix.pxi",
         "        if k == first and k and not pc_live(c, pp, pg):\n",
         "        if False:\n",

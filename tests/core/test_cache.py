@@ -508,6 +508,26 @@ def test_the_least_recently_used_idle_namespace_goes_first(make):
     assert s.cache_stats().namespaces == 3
 
 
+def test_a_namespace_whose_pages_an_allocation_reclaimed_goes_idle_with_its_last_request(make):
+    s = make(max_namespaces=2, num_pages=16)
+    serve(s, 1, PROMPT, namespace="a")                         # 4 reclaimable pages of "a"
+    other = [100 + t for t in PROMPT]
+    serve(s, 2, other, namespace="a", finish=False)            # "a" in use by a live request
+    assert len(s.reclaimable_pages()) == 4
+    before = s.cache_stats().reclaims
+    third = list(range(500, 500 + s.free_pages * PT))          # every free and reclaimable page
+    s.admit(3, third)
+    prefill(s, 3, third)
+    assert s.cache_stats().reclaims == before + 4              # request 1's pages, all of them
+    s.finish(3)
+    with pytest.raises(PrefixCacheError.NamespaceTableFull):
+        s.admit(4, PROMPT, namespace="b")                      # "a" still has a live request
+    s.finish(2)                                                # now only reclaimable pages: idle
+    adm = s.admit(4, PROMPT, namespace="b")                    # so "b" takes the id of "a"
+    assert adm.prefix_tokens == 0 and s.cache_stats().namespaces == 2
+    assert s.cached_prefix_tokens(other, "a") == 0
+
+
 @pytest.mark.parametrize("kind", ["core", "twin"])
 def test_the_engine_step_serves_more_tenants_than_namespace_ids(kind):
     from qualia.twin import StepScheduler

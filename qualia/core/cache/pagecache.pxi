@@ -673,42 +673,76 @@ cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil
     return pool_release(p, page)
 
 
+cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
+    # pc_drop(c, p, page, True) for the head of the reclaimable list, which is also the head of
+    # its namespace's list (that list holds the namespace's reclaimable pages in the global
+    # order): both heads move to the page's successors, with none of pc_unlink's tests for a
+    # predecessor.  A page that is not at both heads takes pc_drop.
+    cdef CachePage *x = pc_rec(c, page)
+    cdef PcLinks *lk = &c.links[page]
+    cdef NsTable *t = &c.ns
+    cdef uint32_t ns = x.ns, nxt = lk.next, ns_nxt = lk.ns_next
+    if lk.prev != U32_MAX or lk.ns_prev != U32_MAX or x.state != PC_RECLAIMABLE:
+        return pc_drop(c, p, page, True)
+    pc_index_remove(c, page, x.ident)
+    c.head[PC_RECLAIMABLE] = nxt
+    if nxt != U32_MAX:
+        c.links[nxt].prev = U32_MAX
+    else:
+        c.tail[PC_RECLAIMABLE] = U32_MAX
+    t.rec_head[ns] = ns_nxt
+    if ns_nxt != U32_MAX:
+        c.links[ns_nxt].ns_prev = U32_MAX
+    else:
+        t.rec_tail[ns] = U32_MAX
+    lk.next = U32_MAX
+    lk.ns_next = U32_MAX
+    t.n_rec[ns] -= 1
+    c.n_state[PC_RECLAIMABLE] -= 1
+    x.state = PC_NONE
+    ns_unref(t, ns)
+    pc_emit(c, KV_REMOVED, x.ident, x.parent_ident, x.has_parent, ns, c.page_tokens, page)
+    return pool_release(p, page)
+
+
 cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
     # Make `need` pages allocatable: reclaim the least recently used reclaimable pages for what
     # the free stack lacks.  Q_EXHAUSTED, reclaiming nothing, when even that is not enough.
-    # Two scouts walk the reclaimable list's links ahead of the head, one page a drop: the far
-    # one prefetches a page's record PC_AHEAD pages ahead, the near one, PC_SCOUT pages ahead,
-    # reads the identity from it and prefetches the page's index slot.  So a drop finds what
-    # it reads in cache (the scouts are hints only: the drops decide what is reclaimed).
-    cdef uint32_t page, near, far, ahead = 0
-    cdef uint64_t todo
+    # Two scouts walk the reclaimable list's links ahead of the head, one page a drop, as far as
+    # the last page to reclaim: the far one prefetches a page's record PC_AHEAD pages ahead,
+    # the near one, PC_SCOUT pages ahead, reads the identity from it and prefetches the page's
+    # index slot.  So a drop finds what it reads in cache (the scouts are hints only: the drops
+    # decide what is reclaimed).
+    cdef uint32_t page, near, far
+    cdef uint64_t far_left, near_left
     cdef int rc
     if need <= p.free_top:
         return Q_OK
     if need > <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]:
         return Q_EXHAUSTED
-    todo = need - p.free_top
+    far_left = near_left = need - p.free_top    # pages the scouts have yet to visit
     near = far = c.head[PC_RECLAIMABLE]
-    while far != U32_MAX and ahead < PC_AHEAD and ahead < todo:
+    while far != U32_MAX and far_left and far_left + PC_AHEAD > need - p.free_top:
         qualia_prefetch_w(pc_rec(c, far))
         far = c.links[far].next
-        ahead += 1
-    ahead = 0
-    while near != U32_MAX and ahead < PC_SCOUT and ahead < todo:
+        far_left -= 1
+    while near != U32_MAX and near_left and near_left + PC_SCOUT > need - p.free_top:
         qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
         near = c.links[near].next
-        ahead += 1
+        near_left -= 1
     while p.free_top < need:
         page = c.head[PC_RECLAIMABLE]
         if page == U32_MAX:
             return Q_EXHAUSTED   # only if the pool was changed behind the cache's back
-        if far != U32_MAX:
+        if far != U32_MAX and far_left:
             qualia_prefetch_w(pc_rec(c, far))
             far = c.links[far].next
-        if near != U32_MAX:
+            far_left -= 1
+        if near != U32_MAX and near_left:
             qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
             near = c.links[near].next
-        rc = pc_drop(c, p, page, True)
+            near_left -= 1
+        rc = _pc_drop_head(c, p, page)
         c.reclaims += 1
         if rc:
             return rc
