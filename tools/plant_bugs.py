@@ -143,8 +143,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "pages are cached once computed, even where their tokens are not known yet"),
     Mutation(
         "reclaim_event_missing", "cache", C + "cache/pagecache.pxi",
-        "        rc = pc_drop(c, p, page, True)\n        c.reclaims += 1",
-        "        rc = pc_drop(c, p, page, False)\n        c.reclaims += 1",
+        "    pc_emit(c, KV_REMOVED, x.ident, x.parent_ident, x.has_parent, ns, c.page_tokens, "
+        "page)\n",
+        "",
         "a reclaimed page emits no 'removed' KV event"),
     Mutation(
         "reclaim_most_recent_first", "cache", C + "cache/pagecache.pxi",
