@@ -367,7 +367,10 @@ class Scheduler:
                 raise PrefixCacheError.NamespaceTableFull(None, f"{len(self._ns)} namespaces")
             victim = next(iter(self._ns_idle))
             for page in [q for q in self._reclaimable if self._entries[q].ns == victim]:
-                self._drop(page, True)
+                try:
+                    self._drop(page, True)
+                except PoolError as exc:     # the pool was changed behind the cache's back
+                    raise SchedulerError.Table(TableError.VARIANTS[exc.variant]()) from exc
                 self._c["reclaims"] += 1
         ns = self._ns_free.pop()
         self._ns_ids[name] = ns
@@ -402,7 +405,10 @@ class Scheduler:
             return "Exhausted"
         while self.pool.free_count < need:
             page = next(iter(self._reclaimable))
-            self._drop(page, True)
+            try:
+                self._drop(page, True)
+            except PoolError as exc:     # the pool was changed behind the cache's back
+                return exc.variant
             self._c["reclaims"] += 1
         return None
 

@@ -528,6 +528,24 @@ def test_a_namespace_whose_pages_an_allocation_reclaimed_goes_idle_with_its_last
     assert s.cached_prefix_tokens(other, "a") == 0
 
 
+@pytest.mark.parametrize("new_namespace", [False, True])
+def test_a_reclaim_of_a_page_released_behind_the_caches_back_fails_uncounted(make,
+                                                                              new_namespace):
+    s = make(max_requests=2, num_pages=8, page_tokens=1, logical_pages=8, max_namespaces=2)
+    serve(s, 1, [1, 2, 3, 4], namespace="a" if new_namespace else "")
+    first = int(s.reclaimable_pages()[0])
+    s.pool.release(first)                 # the cache's reference, not through the facade
+    with pytest.raises(SchedulerError.Table) as info:
+        if new_namespace:
+            s.admit(2, [9, 9], namespace="b")          # "a" is idle: its pages go
+        else:
+            s.admit(2, list(range(100, 108)))
+            s.reserve(2, 8)                            # every free page and one reclaim
+    assert isinstance(info.value.cause, TableError.NotAllocated)
+    assert s.cache_stats().reclaims == 0
+    assert s.cache_entry(first) is None and first not in s.reclaimable_pages().tolist()
+
+
 @pytest.mark.parametrize("kind", ["core", "twin"])
 def test_the_engine_step_serves_more_tenants_than_namespace_ids(kind):
     from qualia.twin import StepScheduler

@@ -743,9 +743,9 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
             near = c.links[near].next
             near_left -= 1
         rc = _pc_drop_head(c, p, page)
-        c.reclaims += 1
         if rc:
-            return rc
+            return rc    # the page's entry is gone, but its count was not the cache's
+        c.reclaims += 1
     return Q_OK
 
 
@@ -767,9 +767,9 @@ cdef int pc_intern_ns(PageCache *c, Pool *p, uint64_t h, const uint8_t *s, uint3
             return Q_NAMESPACES_FULL
         while c.ns.rec_head[e] != U32_MAX:
             rc = pc_drop(c, p, c.ns.rec_head[e], True)
-            c.reclaims += 1
             if rc:
                 return rc
+            c.reclaims += 1
     return ns_intern(&c.ns, h, s, n, out)
 
 
