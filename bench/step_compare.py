@@ -1,11 +1,19 @@
 """The engine step's figures for two builds side by side, in one run.
 
-    python bench/step_compare.py BASE_TREE THIS_TREE [--rounds 2] [--quick]
+    python bench/step_compare.py BASE_TREE THIS_TREE [--rounds 2] [--quick] [--mixed-pool N]
 
 Each tree is a checkout with the extension built in place.  Every figure is measured in a child
 interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
 alternating round after round; a figure is the lowest over the rounds of its median or mean
 (as each says below), and a ratio or the page fill is computed from the figures shown.
+
+Beside every tree after the first, a column compares it with the first round by round (the
+two ran one after the other, in an order that rotates, so a slow spell of the machine moves
+both): the median over the rounds of the difference (this tree's figure minus the first's), in
+how many rounds it was the lower, and a two-sided sign test's p: how often rounds split at
+least that unevenly when the two builds are the same.  A difference of a few percent is a
+change only where p is small; two builds of the same code differ by about that much in their
+lowest figures.
 
   decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
                             requests of C-token context, the mean over whole periods of 16
@@ -24,7 +32,9 @@ alternating round after round; a figure is the lowest over the rounds of its med
   mixed pool full ...       the same after 320 untimed steps, which fill the pool: with caching
   page fill pool full       on, every page the window allocates is a reclaimed one (checked), as
                             in a serving engine whose cache holds all it can; the page fill then
-                            includes the reclaim (the index removal, the lists, the event)
+                            includes the reclaim (the index removal, the lists, the event).
+                            --mixed-pool N sizes that pool (default 40,800 pages); below the
+                            default only this regime is measured
   churn mode=M              ns per generated token, 256 running requests of 512-token prompts
                             generating 256 tokens each, a new one queued as each finishes, in a
                             pool that stays full: admissions, page fills, finishes and (with
@@ -37,14 +47,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+MIXED_POOL = (64 + 4) * 600     # the mixed workload's pool: room for its first window
 
 
-def child(quick):
+def child(quick, mixed_pool):
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     sys.path.insert(0, HERE)
     import gc
@@ -88,7 +101,7 @@ def child(quick):
         # it can; otherwise the window's pages all come from the free stack
         n, chunk = 64, 2048
         lp = 512 // PT + 40
-        s = qualia.StepScheduler((n + 4) * 600, PT, 600, n + 1, cache_key=KEY,
+        s = qualia.StepScheduler(mixed_pool, PT, 600, n + 1, cache_key=KEY,
                                  prefix_caching=mode, max_num_batched_tokens=n + chunk,
                                  max_queued=n + 96)
         rng = np.random.default_rng(1)
@@ -140,7 +153,9 @@ def child(quick):
 
     # three windows per mode, the modes alternating, each mode's lowest kept: one window in
     # which the machine slowed moves neither mode's figure nor the ratio
-    for full in (False, True):
+    # a pool smaller than the default fills within the first regime's window: that regime is
+    # then not "with room", and only the full pool is measured
+    for full in (False, True) if mixed_pool >= MIXED_POOL else (True,):
         best = {"off": float("inf"), "auto": float("inf")}
         for _ in range(1 if quick else 3):
             for mode in best:
@@ -214,24 +229,47 @@ def child(quick):
     print(json.dumps(out))
 
 
+def sign_test(lower, higher):
+    # two-sided: the chance that rounds of two equal builds split at least as unevenly (ties,
+    # rounds with no difference, left out)
+    n = lower + higher
+    tail = sum(math.comb(n, i) for i in range(min(lower, higher) + 1))
+    return min(1.0, 2 * tail / 2 ** n) if n else 1.0
+
+
+def paired(base, runs, key):
+    # this tree against the first, round by round: the median difference, the rounds in which
+    # this tree's figure was the lower, and the sign test's p
+    d = [r[key] - b[key] for b, r in zip(base, runs)]
+    lower, higher = sum(x < 0 for x in d), sum(x > 0 for x in d)
+    med = statistics.median(d)
+    num = f"{med:+.2f}" if abs(med) < 10 else f"{med:+.1f}"
+    return f"{num} ({lower}/{len(d)} lower, p={sign_test(lower, higher):.2g})"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="*")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--mixed-pool", type=int, default=MIXED_POOL,
+                    help="pages in the mixed workload's pool (at least 5,300: the 64 decodes "
+                         "and one prompt; below the default, the pool full regime only)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
-        child(args.quick)
+        child(args.quick, args.mixed_pool)
         return
     trees = [os.path.abspath(t) for t in args.trees]
     runs = {t: [] for t in trees}
-    for _ in range(args.rounds):
-        for t in trees:
+    for rnd in range(args.rounds):
+        # the order rotates from round to round, so that no tree always runs first in a round
+        for t in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
             env = dict(os.environ, PYTHONPATH=t)
             cmd = [sys.executable, os.path.abspath(__file__), "--child"]
             if args.quick:
                 cmd.append("--quick")
+            cmd += ["--mixed-pool", str(args.mixed_pool)]
             res = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True,
                                  check=True)
             r = json.loads(res.stdout)
@@ -244,17 +282,23 @@ def main():
         # in which the machine slowed one mode only would make its own ratio)
         b = best[t]
         for tag in ("", " pool full"):
+            if f"mixed{tag} pages per step" not in runs[t][0]:
+                continue
             pages = runs[t][0][f"mixed{tag} pages per step"]
             b[f"mixed{tag} auto / off"] = b[f"mixed{tag} mode=auto"] / b[f"mixed{tag} mode=off"]
             b[f"page fill{tag} (ns per page)"] = (
                 (b[f"mixed{tag} mode=auto"] - b[f"mixed{tag} mode=off"]) / pages)
         b["churn auto / off"] = (b["churn mode=auto (ns per token)"]
                                  / b["churn mode=off (ns per token)"])
-    print("| figure | " + " | ".join(os.path.basename(t) for t in trees) + " |")
-    print("|---|" + "---:|" * len(trees))
+    names = [os.path.basename(t) for t in trees]
+    vs = [f"{n} - {names[0]} by round" for n in names[1:]]
+    print("| figure | " + " | ".join(names + vs) + " |")
+    print("|---|" + "---:|" * (len(trees) + len(vs)))
     for k in keys:
         vals = [best[t][k] for t in trees]
-        print(f"| {k} | " + " | ".join(f"{v:.2f}" if v < 10 else f"{v:.1f}" for v in vals) + " |")
+        cells = [f"{v:.2f}" if v < 10 else f"{v:.1f}" for v in vals]
+        cells += [paired(runs[trees[0]], runs[t], k) for t in trees[1:]]
+        print(f"| {k} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
