@@ -42,7 +42,7 @@ def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int =
     }
     if prefix_caching == "auto":
         index = 2
-        while index < 2 * nb:
+        while index < 4 * nb:
             index *= 2
         parts["prefix cache"] = (nb * ((64 + 4 * pt + 63) // 64 * 64) + 8 * index
                                  + 1024 * (256 + 53) + 4096 * 32)

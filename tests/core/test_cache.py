@@ -137,6 +137,31 @@ def test_verified_hits_reject_forced_collisions(make):
     assert s.admit(3, PROMPT).prefix_tokens == PT  # the genuine page still hits
 
 
+def test_a_removal_from_the_index_leaves_the_entry_after_it_at_its_home(make):
+    # identities narrowed to one bit: a first page of identity 0 sits at index slot 0 and one of
+    # identity 1 at slot 1, its home, right after it.  Reclaiming the first shifts the cluster
+    # behind it back; an entry at its home stays there, where a lookup starts
+    s = make(max_requests=3, num_pages=3, logical_pages=2)
+    s._debug_identity_mask(1)
+    by_identity = {}
+    t = 0
+    while len(by_identity) < 2:
+        page = [t, t + 1, t + 2, t + 3]
+        by_identity.setdefault(int(s.page_identities(page)[0]), page)
+        t += 4
+    first, second = by_identity[0] + [7], by_identity[1] + [7]
+    serve(s, 1, first)
+    serve(s, 2, second)                           # both cached, "first" least recently used
+    assert s.cached_prefix_tokens(first) == s.cached_prefix_tokens(second) == PT
+    s.admit(3, [9])
+    prefill(s, 3, [9])                            # the free page
+    s.admit(4, [8])
+    prefill(s, 4, [8])                            # no page free: "first" is reclaimed
+    assert s.cache_stats().reclaims == 1
+    assert s.cached_prefix_tokens(first) == 0
+    assert s.cached_prefix_tokens(second) == PT
+
+
 def test_the_parent_entry_is_verified(make):
     s = make()
     s._debug_identity_mask(2**64 - 1, parent_mask=0)   # identities ignore the parent

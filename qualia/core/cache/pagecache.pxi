@@ -799,7 +799,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     cdef uint64_t lo = 0, hi = 0
     if num_blocks > ((<uint32_t>1) << 30):
         raise OverflowError("automatic prefix caching supports at most 2**30 pages")
-    while <uint64_t>size < 2 * <uint64_t>num_blocks:   # load at most 1/2
+    while <uint64_t>size < 4 * <uint64_t>num_blocks:   # load at most 1/4
         size <<= 1
     while nsize < 2 * <uint64_t>max_ns:
         nsize <<= 1
