@@ -14,6 +14,11 @@ import sys
 import types
 
 import pytest
+from hypothesis import Phase, settings
+
+# tools/plant_bugs.py runs the tests with this profile: a planted bug has only to be found, and
+# shrinking its example to the smallest can take minutes a bug
+settings.register_profile("plant_bugs", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 CHECKOUT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE_PACKAGE = CHECKOUT / "qualia"

@@ -11,8 +11,10 @@ copy of the tree (one copy for the whole run, in a temporary folder):
 2. rebuilds the extension in place (``python setup.py build_ext --inplace``, with
    ``QUALIA_OPT=-O0`` to build faster; twin mutations reuse the unmutated build);
 3. runs the tests of the mutation's area (``pytest -x -q -p no:cacheprovider
-   --hypothesis-seed=0``, the hypothesis database emptied first, so a run is deterministic)
-   with a per-mutation timeout; a failing test, a crash or a hang counts as caught;
+   --hypothesis-seed=0 --hypothesis-profile=plant_bugs``, the hypothesis database emptied
+   first, so a run is deterministic; the profile, registered in ``tests/conftest.py``, skips
+   shrinking a failing example) with a per-mutation timeout; a failing test, a crash or a hang
+   counts as caught;
 4. restores the file (and the unmutated build).
 
 It prints one line per mutation (name, area, caught / survived / build failed, and the test that
@@ -408,7 +410,8 @@ def _run_tests(scratch: str, area: str, timeout: float,
                names: Optional[Sequence[str]] = None) -> Tuple[str, str]:
     shutil.rmtree(os.path.join(scratch, ".hypothesis"), ignore_errors=True)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           "--hypothesis-seed=0", "-rfE", *area_tests(area, scratch, names)]
+           "--hypothesis-seed=0", "--hypothesis-profile=plant_bugs", "-rfE",
+           *area_tests(area, scratch, names)]
     proc = subprocess.Popen(cmd, cwd=scratch, env=_env(scratch), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:

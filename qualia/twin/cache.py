@@ -952,6 +952,10 @@ class Scheduler:
             out.append(self._ident(chain))
         return np.array(out, dtype=np.uint64)
 
+    def _debug_namespaces(self) -> Tuple[List[Tuple[int, bytes, int, int]], List[int]]:
+        rows = [(i, v[0], v[2], v[3]) for i, v in sorted(self._ns.items())]
+        return rows, list(self._ns_idle)
+
     def _debug_identity_mask(self, mask, parent_mask=M64) -> None:
         m = _u64(mask, "mask")
         self._parent_mask = _u64(parent_mask, "parent_mask")

@@ -361,6 +361,9 @@ class StepScheduler:
     def _debug_identity_mask(self, mask, parent_mask=M64) -> None:
         self.facade._debug_identity_mask(mask, parent_mask)
 
+    def _debug_namespaces(self):
+        return self.facade._debug_namespaces()
+
     # -- the waiting queue -------------------------------------------------------------------------
     def _enqueue(self, r: _Req) -> None:
         key = (r.priority, r.arrival)

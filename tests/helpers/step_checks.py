@@ -28,12 +28,27 @@ def assert_same_plan(a, b):
     assert getattr(a, "num_topk", 0) == getattr(b, "num_topk", 0), "num_topk"
 
 
+def namespace_table(s):
+    """The namespace table of a scheduler with automatic prefix caching (the ``_debug_namespaces``
+    hook: every id in use with its name, references and reclaimable pages, and the idle ids in
+    the order they give their ids up), or None with another mode."""
+    cache = getattr(s, "facade", s)    # the twin's engine step keeps its cache in its facade
+    if cache.prefix_caching != "auto":
+        return None
+    rows, idle = s._debug_namespaces()
+    return {"rows": rows, "idle": idle}
+
+
 def facade_counters(s):
     """Every counter of an admit/decode/finish scheduler: ``stats()`` (pages free, used, cached,
-    reclaimable, copied and allocated, decode rounds, ...) and ``cache_stats()`` (lookups, hits,
+    reclaimable, copied and allocated, decode rounds, ...), ``cache_stats()`` (lookups, hits,
     reclaims, pages stored, duplicates, collisions, hashed, KV events pending and dropped,
-    namespaces, usage)."""
-    return {"stats": s.stats(), "cache_stats": s.cache_stats()._asdict()}
+    namespaces, usage) and, with automatic caching, the namespace table."""
+    out = {"stats": s.stats(), "cache_stats": s.cache_stats()._asdict()}
+    table = namespace_table(s)
+    if table is not None:
+        out["namespaces"] = table
+    return out
 
 
 def step_counters(s):

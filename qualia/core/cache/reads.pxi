@@ -117,6 +117,26 @@ cdef object cache_stats_of(PageCache *c, Pool *p):
                       (<double>held) / nb if nb else 0.0)
 
 
+cdef tuple cache_namespaces(PageCache *c):
+    # the namespace table: (id, name, references, reclaimable pages) for every id in use, by
+    # id, and the idle ids, least recently used first (a test hook's reading)
+    cdef NsTable *t = &c.ns
+    cdef uint32_t i, e
+    cdef size_t at
+    cdef set free = {t.free_ids[i] for i in range(t.n_free)}
+    cdef list rows = []
+    cdef list idle = []
+    for i in range(t.capacity):
+        if i not in free:
+            at = <size_t>i * NS_MAX_BYTES
+            rows.append((i, (<char *>t.names)[at:at + t.lens[i]], t.refs[i], t.n_rec[i]))
+    e = t.idle_head
+    while e != U32_MAX and len(idle) <= t.capacity:
+        idle.append(e)
+        e = t.idle_next[e]
+    return rows, idle
+
+
 cdef object cache_reclaimable(PageCache *c, int mode):
     # the reclaimable cached pages, least recently used first
     cdef uint32_t n = c.n_state[PC_RECLAIMABLE] if mode == MODE_AUTO else 0

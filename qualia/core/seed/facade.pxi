@@ -774,6 +774,13 @@ cdef class Scheduler:
         cache_need_auto(self.mode, "page_identities")
         return cache_page_identities(&self.cache, tokens, namespace)
 
+    def _debug_namespaces(self):
+        """Test hook: the namespace table as ``(rows, idle)``: ``(id, name, references,
+        reclaimable pages)`` for every id in use, by id, and the idle ids, least recently used
+        first, for tests that hold it against the twin's."""
+        cache_need_auto(self.mode, "_debug_namespaces")
+        return cache_namespaces(&self.cache)
+
     def _debug_identity_mask(self, mask, parent_mask=0xFFFFFFFFFFFFFFFF):
         """Test hook: AND every page identity computed from now on with ``mask`` (0 makes every
         page collide) and the parent identity it is derived from with ``parent_mask`` (0 makes
