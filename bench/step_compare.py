@@ -1,19 +1,22 @@
 """The engine step's figures for two builds side by side, in one run.
 
-    python bench/step_compare.py BASE_TREE THIS_TREE [--rounds 2] [--quick] [--mixed-pool N]
+    python bench/step_compare.py BASE_TREE THIS_TREE [--rounds 10] [--quick] [--mixed-pool N]
 
 Each tree is a checkout with the extension built in place.  Every figure is measured in a child
 interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
 alternating round after round; a figure is the lowest over the rounds of its median or mean
 (as each says below), and a ratio or the page fill is computed from the figures shown.
 
-Beside every tree after the first, a column compares it with the first round by round (the
-two ran one after the other, in an order that rotates, so a slow spell of the machine moves
-both): the median over the rounds of the difference (this tree's figure minus the first's), in
-how many rounds it was the lower, and a two-sided sign test's p: how often rounds split at
-least that unevenly when the two builds are the same.  A difference of a few percent is a
-change only where p is small; two builds of the same code differ by about that much in their
-lowest figures.
+Beside every tree after the first, a column compares it with the first round by round (each
+round runs every tree once, in an order that rotates from round to round, so a slow spell of
+the machine moves the trees of a round together): the median over the rounds of the
+difference (this tree's figure minus the first's), in how many rounds it was lower and higher,
+and a two-sided sign test's p: how often rounds split at least that unevenly when the two
+builds are the same.  For the ratios and page fills the rounds' own figures are compared (each
+from its round's mixed windows), not the lowest figures of the columns beside.  The smallest p
+n rounds can give is 2^(1-n): below 0.05 takes 6 rounds without a tie.  A difference of a few
+percent is a change only where p is small; two builds of the same code differ by about that
+much in their lowest figures, with p down to 0.01 now and then.
 
   decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
                             requests of C-token context, the mean over whole periods of 16
@@ -116,7 +119,9 @@ def child(quick, mixed_pool):
         prompts = [rng.integers(0, 30000, size=8192, dtype=np.uint32) for _ in range(40)]
         z = np.zeros(n + 1, dtype=np.uint32)
         rid = 0
-        warm = 320 if full else 0     # 36,000 free pages / 128 a step: full from step 282
+        # untimed steps that fill the pool: the decodes hold about 4,800 pages, and 128 pages
+        # a step fill the rest (the default pool's 36,000 free pages from step 282)
+        warm = max(320, -(-(mixed_pool - 4800) // 128) + 38) if full else 0
         timed = 12 if quick else 120
 
         def queue(k):
@@ -244,19 +249,23 @@ def paired(base, runs, key):
     lower, higher = sum(x < 0 for x in d), sum(x > 0 for x in d)
     med = statistics.median(d)
     num = f"{med:+.2f}" if abs(med) < 10 else f"{med:+.1f}"
-    return f"{num} ({lower}/{len(d)} lower, p={sign_test(lower, higher):.2g})"
+    return f"{num} ({lower} lower, {higher} higher of {len(d)}, p={sign_test(lower, higher):.2g})"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="*")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--mixed-pool", type=int, default=MIXED_POOL,
                     help="pages in the mixed workload's pool (at least 5,300: the 64 decodes "
                          "and one prompt; below the default, the pool full regime only)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
+    if args.mixed_pool < 5300:
+        ap.error(f"--mixed-pool must be at least 5,300 pages, got {args.mixed_pool}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         child(args.quick, args.mixed_pool)
         return

@@ -12,9 +12,9 @@ copy of the tree (one copy for the whole run, in a temporary folder):
    ``QUALIA_OPT=-O0`` to build faster; twin mutations reuse the unmutated build);
 3. runs the tests of the mutation's area (``pytest -x -q -p no:cacheprovider
    --hypothesis-seed=0 --hypothesis-profile=plant_bugs``, the hypothesis database emptied
-   first, so a run is deterministic; the profile, registered in ``tests/conftest.py``, skips
-   shrinking a failing example) with a per-mutation timeout; a failing test, a crash or a hang
-   counts as caught;
+   first, so a run is deterministic; the profile, registered in ``tests/conftest.py``, neither
+   shrinks nor explains a failing example) with a per-mutation timeout; a failing test, a crash
+   or a hang counts as caught;
 4. restores the file (and the unmutated build).
 
 It prints one line per mutation (name, area, caught / survived / build failed, and the test that

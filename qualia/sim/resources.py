@@ -27,9 +27,9 @@ def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int =
     twice: the tables and the decode scratch); ``"request slots"``; ``"prefix store"``
     (``prefix_entries x prefix_pages`` page ids); ``"token scratch"`` (``logical_pages x
     page_tokens`` token ids); ``"undo log"``; with ``prefix_caching="auto"``, ``"prefix cache"``
-    (a record of ``round_up(64 + 4 x page_tokens, 64)`` bytes per page, the index, namespaces and
-    the event ring) and ``"token streams"`` (``max_num_seqs x logical_pages x 24`` bytes: the
-    engine step's streams read its token arena, not a copy)."""
+    (a record of ``round_up(48 + 4 x page_tokens, 64)`` bytes and 16 bytes of list links per
+    page, the index, namespaces and the event ring) and ``"token streams"`` (``max_num_seqs x
+    logical_pages x 24`` bytes: the engine step's streams read its token arena, not a copy)."""
     mr, nb, pt, lp = int(max_num_seqs), int(num_pages), int(page_tokens), int(logical_pages)
     pp = int(prefix_pages) if prefix_pages is not None else max(lp, 1)
     parts = {
@@ -44,7 +44,7 @@ def memory_estimate(backend="model", *, max_num_seqs: int = 24, num_pages: int =
         index = 2
         while index < 4 * nb:
             index *= 2
-        parts["prefix cache"] = (nb * ((64 + 4 * pt + 63) // 64 * 64) + 8 * index
+        parts["prefix cache"] = (nb * ((48 + 4 * pt + 63) // 64 * 64 + 16) + 8 * index
                                  + 1024 * (256 + 53) + 4096 * 32)
         parts["token streams"] = mr * max(lp, 1) * 24 + mr * 40
     if backend == "model":

@@ -589,6 +589,7 @@ def step_reads(s, shared):
         "cache_stats": lambda: s.cache_stats(),
         "reclaimable_pages": lambda: s.reclaimable_pages(),
         "cache_entry": lambda: s.cache_entry(0),
+        "_debug_namespaces": lambda: s._debug_namespaces(),
         "num_waiting": lambda: s.num_waiting,
         "num_running": lambda: s.num_running,
         "has_unfinished": lambda: s.has_unfinished(),

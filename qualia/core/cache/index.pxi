@@ -1,6 +1,8 @@
-# Open addressing (linear probing, load <= 1/2) shared by the prefix index and the two request
-# indexes (the seed scheduler's slots, the engine step's entries).  Deletion shifts later entries
-# back instead of leaving tombstones, so lookups stay O(1) however long an engine runs.
+# Open addressing (linear probing, load <= 1/2) shared by the explicit prefix store's index,
+# the namespace table and the two request indexes (the seed scheduler's slots, the engine
+# step's entries); the automatic cache's page index has its own slots (pagecache.pxi).
+# Deletion shifts later entries back instead of leaving tombstones, so lookups stay O(1)
+# however long an engine runs.
 
 ctypedef uint32_t (*home_fn)(void *ctx, int32_t e) noexcept nogil
 

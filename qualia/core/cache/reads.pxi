@@ -132,7 +132,9 @@ cdef tuple cache_namespaces(PageCache *c):
             rows.append((i, (<char *>t.names)[at:at + t.lens[i]], t.refs[i], t.n_rec[i]))
     e = t.idle_head
     while e != U32_MAX and len(idle) <= t.capacity:
-        idle.append(e)
+        idle.append(e)         # a cycle or an id out of range ends the walk, shown as it is
+        if e >= t.capacity:
+            break
         e = t.idle_next[e]
     return rows, idle
 
