@@ -74,7 +74,7 @@ def child(quick, mixed_pool):
     import gc
 
     import numpy as np
-    from steptime import KEY, PT, decoding, pc, time_steps
+    from steptime import KEY, PT, MixedSteady, decoding, pc, time_steps
 
     import qualia
 
@@ -183,65 +183,22 @@ def child(quick, mixed_pool):
         out[f"mixed{tag} pages per step"] = pre / PT
 
     def steady(mode):
-        # the mixed workload as a serving engine runs it for a while: the pool full, and every
-        # decode request replaced by a new one when it finishes.  A decode takes a page one at
-        # a time, so the pages it hands back lie apart, and each pass of the pool through the
-        # reclaimable list scatters its order further: after about one step per page in the
-        # pool, a reclaim's next page lies next to it in memory in under 5% of cases (checked),
-        # where after the warm-up of "pool full" it is the next page in more than 90%.  Each of
-        # the three windows is the mean over 480 steps; the lowest is kept
-        n, chunk, lp = 64, 2048, 512 // PT + 40
-        s = qualia.StepScheduler(mixed_pool, PT, 600, n + 1, cache_key=KEY,
-                                 prefix_caching=mode, max_num_batched_tokens=n + chunk,
-                                 max_queued=n + 96)
-        rng = np.random.default_rng(2)
-        shorts = [rng.integers(0, 30000, size=512, dtype=np.uint32) for _ in range(n)]
-        longs = [rng.integers(0, 30000, size=8192, dtype=np.uint32) for _ in range(40)]
-        z = np.zeros(n + 1, dtype=np.uint32)
-        rid = 0
-
-        def add(short):
-            # a new request, every one distinct (no page is a hit)
-            nonlocal rid
-            p = (shorts if short else longs)[rid % (n if short else 40)].copy()
-            p[0] = rid
-            s.add_request(rid, p, max_new_tokens=lp * PT - 600 if short else 1)
-            rid += 1
-
-        short_ids = set()
-        for _ in range(n):
-            short_ids.add(rid)
-            add(True)
-        for _ in range(80):
-            add(False)
-
-        def step(ts=None):
-            t0 = pc()
-            plan = s.schedule()
-            done = s.update(z[:len(plan.logits_indices)])
-            if ts is not None:
-                ts.append(pc() - t0)
-            for f in done:
-                short = f.request_id in short_ids
-                if short:
-                    short_ids.discard(f.request_id)
-                    short_ids.add(rid)
-                add(short)
-            return plan.num_prefill_tokens
-
+        # MixedSteady after about one step per page of the pool: its reclaim order scattered
+        # (checked: under 5% of a reclaim's next pages adjacent in memory, where after the
+        # warm-up of "pool full" more than 90% are); the lowest mean of three windows of 480
+        # steps
+        w = MixedSteady(qualia, mixed_pool, mode)
         for _ in range(max(320, -(-(mixed_pool - 4800) // 128) + 38) + mixed_pool):
-            step()
+            w.step()
         if mode == "auto":
-            order = s.reclaimable_pages().astype(np.int64)
-            adjacent = float(np.mean(np.abs(np.diff(order)) == 1))
-            assert adjacent < 0.05, f"reclaim order not scattered: {adjacent:.2f} adjacent"
+            assert w.adjacent() < 0.05, f"reclaim order not scattered: {w.adjacent():.2f}"
         best, pages = float("inf"), 0.0
         gc.disable()
         try:
             for _ in range(3):
                 ts, pre = [], 0
                 for _ in range(48 if quick else 480):
-                    pre += step(ts)
+                    pre += w.step(ts)
                 best, pages = min(best, sum(ts) / len(ts)), pre / len(ts) / PT
         finally:
             gc.enable()

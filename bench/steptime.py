@@ -71,3 +71,61 @@ def decode_cost(cls, n, ctx, steps, group=1):
     finally:
         gc.enable()
     return t / n
+
+
+class MixedSteady:
+    """The mixed workload of step_compare.py (64 decoding requests of 512-token prompts and
+    8,192-token prompts prefilled in 2,048-token chunks, one step taking 64 decodes and one
+    chunk) as a serving engine runs it for a while: every request replaced by a new, distinct
+    one (no page is a hit) when it finishes, in a pool of `pool` pages that fills.  A decode
+    takes its pages one at a time, so the pages it hands back lie apart in memory, and each
+    pass of the pool through the reclaimable list scatters that list's order further."""
+
+    N, CHUNK = 64, 2048
+
+    def __init__(self, qualia, pool, mode, seed=2):
+        n = self.N
+        self.lp = 512 // PT + 40
+        self.s = qualia.StepScheduler(pool, PT, 600, n + 1, cache_key=KEY, prefix_caching=mode,
+                                      max_num_batched_tokens=n + self.CHUNK, max_queued=n + 96)
+        rng = np.random.default_rng(seed)
+        self.shorts = [rng.integers(0, 30000, size=512, dtype=np.uint32) for _ in range(n)]
+        self.longs = [rng.integers(0, 30000, size=8192, dtype=np.uint32) for _ in range(40)]
+        self.z = np.zeros(n + 1, dtype=np.uint32)
+        self.rid = 0
+        self.short_ids = set()
+        for _ in range(n):
+            self.add(True)
+        for _ in range(80):
+            self.add(False)
+
+    def add(self, short):
+        rid = self.rid
+        p = (self.shorts if short else self.longs)[rid % len(self.shorts if short else
+                                                             self.longs)].copy()
+        p[0] = rid
+        self.s.add_request(rid, p, max_new_tokens=self.lp * PT - 600 if short else 1)
+        if short:
+            self.short_ids.add(rid)
+        self.rid += 1
+
+    def step(self, ts=None):
+        """One step (schedule + update, its ns appended to ts if given; the replacements are
+        not timed); returns the step's prefill tokens."""
+        t0 = pc()
+        plan = self.s.schedule()
+        done = self.s.update(self.z[:len(plan.logits_indices)])
+        if ts is not None:
+            ts.append(pc() - t0)
+        for f in done:
+            short = f.request_id in self.short_ids
+            self.short_ids.discard(f.request_id)
+            self.add(short)
+        return plan.num_prefill_tokens
+
+    def adjacent(self):
+        """The share of the reclaimable list's neighbours that are neighbours in memory too
+        (pages p and p +- 1): near 1 just after the pool first fills, near 0 once the order
+        is scattered (nan with caching off: no list)."""
+        order = self.s.reclaimable_pages().astype(np.int64)
+        return float(np.mean(np.abs(np.diff(order)) == 1)) if len(order) > 1 else float("nan")
