@@ -52,11 +52,9 @@ cdef struct CachePage:
     uint8_t has_parent
 
 cdef struct PcLinks:
-    # a page's places on the lists, apart from its record: 16 bytes a page, so that the links
-    # of every page stay in cache while the records do not, and walking a list ahead of its
-    # head (a reclaim's scout) costs no record miss per step
-    uint32_t prev         # list links (U32_MAX: none)
-    uint32_t next
+    # a page's places on the lists, apart from its record (12 bytes a page), but for its
+    # successor on the reclaimable list, which sits in an array of its own (PageCache.next)
+    uint32_t prev         # its predecessor on the reclaimable list (U32_MAX: none)
     uint32_t ns_prev      # links of its namespace's reclaimable list (U32_MAX: none)
     uint32_t ns_next
 
@@ -99,7 +97,11 @@ cdef struct PcSlot:
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
     size_t stride
-    PcLinks *links        # num_blocks: each page's list links
+    PcLinks *links        # num_blocks: each page's list links but one
+    # num_blocks: each page's successor on the reclaimable list (U32_MAX: none), 4 bytes a page
+    # apart from everything else: a reclaim walks the list page after page, each step a load
+    # that waits for the one before, so the array it walks stays dense enough to stay in cache
+    uint32_t *next
     # open addressing by identity: each slot's page (-1: empty) beside its identity's 32-bit tag,
     # so that a probe reads no record but a tag's match (8 bytes a slot: 8 slots a cache line)
     PcSlot *index
@@ -398,9 +400,9 @@ cdef inline void _pc_append(PageCache *c, PcLinks *x, uint32_t p, uint32_t *head
                             uint32_t *tail) noexcept nogil:
     # page p (x its links) to the tail of the list whose ends are *head and *tail
     x.prev = tail[0]
-    x.next = U32_MAX
+    c.next[p] = U32_MAX
     if tail[0] != U32_MAX:
-        c.links[tail[0]].next = p
+        c.next[tail[0]] = p
     else:
         head[0] = p
     tail[0] = p
@@ -444,7 +446,7 @@ cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
     cdef CachePage *r = pc_rec(c, p)
     cdef PcLinks *x = &c.links[p]
     cdef uint8_t state = r.state
-    cdef uint32_t ns
+    cdef uint32_t ns, nxt
     cdef NsTable *t = &c.ns
     if state == PC_INUSE:
         c.n_state[state] -= 1      # on no list: no neighbour to touch
@@ -462,16 +464,17 @@ cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
         x.ns_prev = U32_MAX
         x.ns_next = U32_MAX
         t.n_rec[ns] -= 1
+    nxt = c.next[p]
     if x.prev != U32_MAX:
-        c.links[x.prev].next = x.next
+        c.next[x.prev] = nxt
     else:
-        c.head[state] = x.next
-    if x.next != U32_MAX:
-        c.links[x.next].prev = x.prev
+        c.head[state] = nxt
+    if nxt != U32_MAX:
+        c.links[nxt].prev = x.prev
     else:
         c.tail[state] = x.prev
     x.prev = U32_MAX
-    x.next = U32_MAX
+    c.next[p] = U32_MAX
     c.n_state[state] -= 1
 
 
@@ -681,7 +684,7 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
     cdef CachePage *x = pc_rec(c, page)
     cdef PcLinks *lk = &c.links[page]
     cdef NsTable *t = &c.ns
-    cdef uint32_t ns = x.ns, nxt = lk.next, ns_nxt = lk.ns_next
+    cdef uint32_t ns = x.ns, nxt = c.next[page], ns_nxt = lk.ns_next
     if lk.prev != U32_MAX or lk.ns_prev != U32_MAX or x.state != PC_RECLAIMABLE:
         return pc_drop(c, p, page, True)
     pc_index_remove(c, page, x.ident)
@@ -695,7 +698,7 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
         c.links[ns_nxt].ns_prev = U32_MAX
     else:
         t.rec_tail[ns] = U32_MAX
-    lk.next = U32_MAX
+    c.next[page] = U32_MAX
     lk.ns_next = U32_MAX
     t.n_rec[ns] -= 1
     c.n_state[PC_RECLAIMABLE] -= 1
@@ -724,11 +727,11 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
     near = far = c.head[PC_RECLAIMABLE]
     while far != U32_MAX and far_left and far_left + PC_AHEAD > need - p.free_top:
         qualia_prefetch_w(pc_rec(c, far))
-        far = c.links[far].next
+        far = c.next[far]
         far_left -= 1
     while near != U32_MAX and near_left and near_left + PC_SCOUT > need - p.free_top:
         qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
-        near = c.links[near].next
+        near = c.next[near]
         near_left -= 1
     while p.free_top < need:
         page = c.head[PC_RECLAIMABLE]
@@ -736,11 +739,11 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
             return Q_EXHAUSTED   # only if the pool was changed behind the cache's back
         if far != U32_MAX and far_left:
             qualia_prefetch_w(pc_rec(c, far))
-            far = c.links[far].next
+            far = c.next[far]
             far_left -= 1
         if near != U32_MAX and near_left:
             qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
-            near = c.links[near].next
+            near = c.next[near]
             near_left -= 1
         rc = _pc_drop_head(c, p, page)
         if rc:
@@ -811,6 +814,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.stride = (sizeof(CachePage) + <size_t>page_tokens * sizeof(uint32_t) + 63) & ~(<size_t>63)
     c.recs = <char *>qualia_big_zalloc((num_blocks if num_blocks else 1) * c.stride)
     c.links = <PcLinks *>qualia_big_zalloc((num_blocks if num_blocks else 1) * sizeof(PcLinks))
+    c.next = <uint32_t *>qualia_big_zalloc((num_blocks if num_blocks else 1) * sizeof(uint32_t))
     c.index = <PcSlot *>qualia_big_zalloc(size * sizeof(PcSlot))
     c.nh = <uint64_t *>PyMem_Calloc(pc_nh_words(page_tokens), sizeof(uint64_t))
     c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
@@ -826,7 +830,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
     c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
     c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
-    if (c.recs == NULL or c.links == NULL or c.index == NULL or c.nh == NULL
+    if (c.recs == NULL or c.links == NULL or c.next == NULL or c.index == NULL or c.nh == NULL
             or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
             or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
             or c.ns.n_rec == NULL or c.ns.rec_head == NULL or c.ns.rec_tail == NULL
@@ -838,7 +842,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.index_mask = size - 1
     for i in range(num_blocks):
         c.links[i].prev = U32_MAX
-        c.links[i].next = U32_MAX
+        c.next[i] = U32_MAX
         c.links[i].ns_prev = U32_MAX
         c.links[i].ns_next = U32_MAX
     for i in range(3):
@@ -874,6 +878,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
 cdef void pc_free(PageCache *c) noexcept:
     qualia_big_free(c.recs)
     qualia_big_free(c.links)
+    qualia_big_free(c.next)
     qualia_big_free(c.index)
     PyMem_Free(c.nh)
     PyMem_Free(c.ns.names)

@@ -152,7 +152,7 @@ cdef object cache_reclaimable(PageCache *c, int mode):
             while p != U32_MAX and k < n:
                 tmp[k] = p
                 k += 1
-                p = c.links[p].next
+                p = c.next[p]
         return _array_of(tmp, k)
     finally:
         PyMem_Free(tmp)
