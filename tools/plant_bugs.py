@@ -160,6 +160,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        move = ((k - i - 1) & mask) >= ((j - i - 1) & mask)\n",
         "a removal from the prefix index moves an entry sitting at its home back, before it"),
     Mutation(
+        "unlink_leaves_successor_link", "cache", C + "cache/pagecache.pxi",
+        "    if x.prev != U32_MAX:\n        c.next[x.prev] = nxt\n",
+        "    if x.prev != U32_MAX:\n        pass\n",
+        "a page taken off the middle of the reclaimable list stays its predecessor's successor"),
+    Mutation(
         "reclaim_keeps_namespace_count", "cache", C + "cache/pagecache.pxi",
         "    lk.ns_next = U32_MAX\n    t.n_rec[ns] -= 1\n",
         "    lk.ns_next = U32_MAX\n",
