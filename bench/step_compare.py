@@ -184,9 +184,9 @@ def child(quick, mixed_pool):
 
     def steady(mode):
         # MixedSteady after about one step per page of the pool: its reclaim order scattered
-        # (checked: under 5% of a reclaim's next pages adjacent in memory, where after the
-        # warm-up of "pool full" more than 90% are); the lowest mean of three windows of 480
-        # steps
+        # (checked: under 5% of a reclaim's next pages adjacent in memory, where just after the
+        # warm-up of "pool full" about 99% are); the lowest mean of three windows of 480 steps,
+        # with the pages filled in that window
         w = MixedSteady(qualia, mixed_pool, mode)
         for _ in range(max(320, -(-(mixed_pool - 4800) // 128) + 38) + mixed_pool):
             w.step()
@@ -199,7 +199,8 @@ def child(quick, mixed_pool):
                 ts, pre = [], 0
                 for _ in range(48 if quick else 480):
                     pre += w.step(ts)
-                best, pages = min(best, sum(ts) / len(ts)), pre / len(ts) / PT
+                if sum(ts) / len(ts) < best:
+                    best, pages = sum(ts) / len(ts), pre / len(ts) / PT
         finally:
             gc.enable()
         return best, pages
