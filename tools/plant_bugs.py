@@ -165,6 +165,11 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "    if x.prev != U32_MAX:\n        pass\n",
         "a page taken off the middle of the reclaimable list stays its predecessor's successor"),
     Mutation(
+        "reclaim_leaves_the_new_heads_predecessor", "cache", C + "cache/pagecache.pxi",
+        "    if nxt != U32_MAX:\n        c.links[nxt].prev = U32_MAX\n",
+        "    if nxt != U32_MAX:\n        pass\n",
+        "a reclaim leaves the new head of the reclaimable list linked to the page it dropped"),
+    Mutation(
         "reclaim_keeps_namespace_count", "cache", C + "cache/pagecache.pxi",
         "    lk.ns_next = U32_MAX\n    t.n_rec[ns] -= 1\n",
         "    lk.ns_next = U32_MAX\n",

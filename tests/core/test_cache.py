@@ -328,6 +328,24 @@ def test_a_hit_retakes_a_reclaimable_page_in_place(make):
     assert s.reclaimable_pages().tolist() == [order[0], order[2], order[1]]
 
 
+
+def test_a_hit_retakes_the_head_a_reclaim_left(make):
+    s = make(num_pages=4, max_requests=3)
+    serve(s, 1, PROMPT[:PT] + [50])                       # page 0 of chain A
+    serve(s, 2, [9] * PT + [51])                          # page 0 of chain B
+    serve(s, 3, [8] * PT + [52])                          # page 0 of chain C
+    a, b, c = s.reclaimable_pages().tolist()
+    assert s.pool.free_count == 1
+    s.admit(4)
+    s.reserve(4, 2 * PT)                                  # one page short: reclaims A
+    assert s.reclaimable_pages().tolist() == [b, c]
+    s.admit(5, [9] * PT + [53])                           # retakes B, the new head
+    assert s.reclaimable_pages().tolist() == [c]
+    s.reserve(4, 3 * PT)                                  # reclaims C, not B
+    assert s.reclaimable_pages().tolist() == []
+    assert s.cache_stats().reclaims == 2
+    assert s.admit(6, [9] * PT + [54]).prefix_tokens == PT
+
 def test_decode_reclaims_when_the_pool_is_exhausted(make):
     s = make(num_pages=5, max_requests=2)
     serve(s, 1, PROMPT[:2 * PT] + [1])                    # pages 0, 1 cached; 2 freed
