@@ -165,7 +165,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "    if x.prev != U32_MAX:\n        pass\n",
         "a page taken off the middle of the reclaimable list stays its predecessor's successor"),
     Mutation(
-        "reclaim_leaves_the_new_heads_predecessor", "cache", C + "cache/pagecache.pxi",
+        "reclaim_keeps_new_heads_predecessor", "cache", C + "cache/pagecache.pxi",
         "    if nxt != U32_MAX:\n        c.links[nxt].prev = U32_MAX\n",
         "    if nxt != U32_MAX:\n        pass\n",
         "a reclaim leaves the new head of the reclaimable list linked to the page it dropped"),
