@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -535,6 +536,10 @@ def test_threads_racing_one_scheduler_neither_crash_nor_corrupt():
         stop.set()
 
     def runner():
+        # run() owns the scheduler for the whole call, and without the GIL for most of it: a
+        # runner that called it again at once would leave the other threads only the moment
+        # between two calls (a slow build under load starved the stepper for half an hour),
+        # so it pauses between calls, with the scheduler free and the GIL released
         while not stop.is_set():
             try:
                 s.run(qualia.HashBackend(vocab=50), max_steps=5)
@@ -542,6 +547,7 @@ def test_threads_racing_one_scheduler_neither_crash_nor_corrupt():
                 pass
             except Exception as exc:  # noqa: BLE001 - recorded
                 errors.append(exc)
+            time.sleep(0.001)
 
     threads = [threading.Thread(target=f) for f in (adder, aborter, stepper, runner)]
     for t in threads:
