@@ -23,14 +23,14 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from steptime import PT, MixedSteady  # noqa: E402
+from steptime import PT, MixedSteady, steps_to_fill  # noqa: E402
 
 import qualia  # noqa: E402
 
 
 def run(mode, pool, blocks, steps):
     w = MixedSteady(qualia, pool, mode)
-    for _ in range(max(320, -(-(pool - 4800) // 128) + 38)):   # the pool fills
+    for _ in range(steps_to_fill(pool)):
         w.step()
     rows = []
     for _ in range(blocks):

@@ -74,7 +74,7 @@ def child(quick, mixed_pool):
     import gc
 
     import numpy as np
-    from steptime import KEY, PT, MixedSteady, decoding, pc, time_steps
+    from steptime import KEY, PT, MixedSteady, decoding, pc, steps_to_fill, time_steps
 
     import qualia
 
@@ -127,9 +127,8 @@ def child(quick, mixed_pool):
         prompts = [rng.integers(0, 30000, size=8192, dtype=np.uint32) for _ in range(40)]
         z = np.zeros(n + 1, dtype=np.uint32)
         rid = 0
-        # untimed steps that fill the pool: the decodes hold about 4,800 pages, and 128 pages
-        # a step fill the rest (the default pool's 36,000 free pages from step 282)
-        warm = max(320, -(-(mixed_pool - 4800) // 128) + 38) if full else 0
+        # untimed steps that fill the pool
+        warm = steps_to_fill(mixed_pool) if full else 0
         timed = 12 if quick else 120
 
         def queue(k):
@@ -188,7 +187,7 @@ def child(quick, mixed_pool):
         # warm-up of "pool full" about 99% are); the lowest mean of three windows of 480 steps,
         # with the pages filled in that window
         w = MixedSteady(qualia, mixed_pool, mode)
-        for _ in range(max(320, -(-(mixed_pool - 4800) // 128) + 38) + mixed_pool):
+        for _ in range(steps_to_fill(mixed_pool) + mixed_pool):
             w.step()
         if mode == "auto":
             assert w.adjacent() < 0.05, f"reclaim order not scattered: {w.adjacent():.2f}"
@@ -199,8 +198,9 @@ def child(quick, mixed_pool):
                 ts, pre = [], 0
                 for _ in range(48 if quick else 480):
                     pre += w.step(ts)
-                if sum(ts) / len(ts) < best:
-                    best, pages = sum(ts) / len(ts), pre / len(ts) / PT
+                mean = sum(ts) / len(ts)
+                if mean < best:
+                    best, pages = mean, pre / len(ts) / PT
         finally:
             gc.enable()
         return best, pages

@@ -73,6 +73,13 @@ def decode_cost(cls, n, ctx, steps, group=1):
     return t / n
 
 
+def steps_to_fill(pool):
+    """Steps of the mixed workload (step_compare.py, MixedSteady) after which a pool of `pool`
+    pages is full: its 64 decodes hold about 4,800 pages, and a step's 2,048-token chunk fills
+    128 more (the default pool's 36,000 free pages from step 282); at least 320."""
+    return max(320, -(-(pool - 4800) // 128) + 38)
+
+
 class MixedSteady:
     """The mixed workload of step_compare.py (64 decoding requests of 512-token prompts and
     8,192-token prompts prefilled in 2,048-token chunks, one step taking 64 decodes and one
@@ -104,8 +111,8 @@ class MixedSteady:
 
     def add(self, short):
         rid = self.rid
-        p = (self.shorts if short else self.longs)[rid % len(self.shorts if short else
-                                                             self.longs)].copy()
+        prompts = self.shorts if short else self.longs
+        p = prompts[rid % len(prompts)].copy()
         p[0] = rid
         self.s.add_request(rid, p, max_new_tokens=self.lp * PT - 600 if short else 1,
                            priority=0 if short else 1)
