@@ -328,7 +328,6 @@ def test_a_hit_retakes_a_reclaimable_page_in_place(make):
     assert s.reclaimable_pages().tolist() == [order[0], order[2], order[1]]
 
 
-
 def test_a_hit_retakes_the_head_a_reclaim_left(make):
     s = make(num_pages=4, max_requests=3)
     serve(s, 1, PROMPT[:PT] + [50])                       # page 0 of chain A
@@ -345,6 +344,7 @@ def test_a_hit_retakes_the_head_a_reclaim_left(make):
     assert s.reclaimable_pages().tolist() == []
     assert s.cache_stats().reclaims == 2
     assert s.admit(6, [9] * PT + [54]).prefix_tokens == PT
+
 
 def test_decode_reclaims_when_the_pool_is_exhausted(make):
     s = make(num_pages=5, max_requests=2)
