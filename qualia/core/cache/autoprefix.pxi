@@ -307,15 +307,16 @@ cdef void auto_fill(Sched *s, Pool *p, PageCache *c, Streams *ss, uint32_t index
         stream_stop(ss, st)  # positions with unknown tokens: never continued
 
 
-cdef inline void auto_hash_ahead_lent(Sched *s, PageCache *c, Streams *ss, uint32_t index,
-                                      uint32_t num_tokens) noexcept nogil:
+cdef inline void auto_hash_ahead_lent(Sched *s, Pool *p, PageCache *c, Streams *ss,
+                                      uint32_t index, uint32_t num_tokens) noexcept nogil:
     # Ahead of auto_fill_lent for a chunk that completes a page: the first page it will hand
     # to the cache is hashed here, as auto_fill would hash it (its tokens are all in the row,
-    # which only grows at its end: the chain value stays right), and its index slot and record
-    # are prefetched, so that the fill neither hashes it again nor waits on them.
+    # which only grows at its end: the chain value stays right), and what the fill reads is
+    # prefetched (the index slot, the page's record and pool count, the parent's record), so
+    # that the fill neither hashes it again nor waits on them.
     cdef Stream *st = &ss.st[index]
     cdef Slot *sl = &s.slots[index]
-    cdef uint32_t k = st.done, pt = c.page_tokens
+    cdef uint32_t k = st.done, pt = c.page_tokens, page
     cdef uint64_t chain
     cdef PageRef *refs = stream_refs(ss, index)
     if not st.live or st.broken or k >= sl.blocks.len or <uint64_t>(k + 1) * pt > num_tokens:
@@ -328,7 +329,12 @@ cdef inline void auto_hash_ahead_lent(Sched *s, PageCache *c, Streams *ss, uint3
         refs[k].ident = chain
         st.hashed = k + 1
         c.pages_hashed += 1
-    pc_prefetch_fill(c, pc_ident(c, chain), sl.blocks.entries[k])
+    page = sl.blocks.entries[k]
+    pc_prefetch_fill(c, pc_ident(c, chain), page)
+    if page < p.num_blocks:
+        qualia_prefetch_w(&p.refcount[page])             # the cache's reference the fill takes
+    if k and refs[k - 1].canon < c.num_blocks:
+        qualia_prefetch_r(pc_rec(c, refs[k - 1].canon))   # the parent, whose entry the fill checks
 
 
 cdef inline void auto_note_token(Sched *s, Streams *ss, uint32_t index, uint32_t pos,

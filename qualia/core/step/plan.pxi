@@ -109,6 +109,21 @@ cdef inline void _lower_run(int32_t *positions, int64_t *slot_mapping, uint32_t 
         slot_mapping[k64] = sm + k64
 
 
+cdef inline void _prefetch_lower(StepState *st, const int32_t *plan_entry, uint32_t j,
+                                 uint32_t n_plan) noexcept nogil:
+    # a plan of many rows: what lowering row j + ROWS_AHEAD reads at random (the block-table
+    # entry of its first position), and the two entry lines of row j + 2 * ROWS_AHEAD, which
+    # the former's load finds in cache when that row's turn comes (hints only)
+    cdef StepEntry *r = &st.ent[plan_entry[j + ROWS_AHEAD]]
+    cdef StepEntry *f
+    if r.at.slot >= 0:
+        qualia_prefetch_r(st.pg.s.slots[r.at.slot].blocks.entries + pt_div(st, r.at.num_computed))
+    if j + 2 * ROWS_AHEAD < n_plan:
+        f = &st.ent[plan_entry[j + 2 * ROWS_AHEAD]]
+        qualia_prefetch_r(f)
+        qualia_prefetch_r(&f.mem)
+
+
 cdef int plan_lower(StepState *st) noexcept nogil:
     # The scheduled entries (plan_entry / plan_chunk) lowered into the plan's arrays, in plan
     # order: ids, lengths, input ids from the arena, positions and slot mapping, the sampled rows
@@ -145,13 +160,15 @@ cdef int plan_lower(StepState *st) noexcept nogil:
     cdef const uint32_t *tok
     cdef uint32_t *fill_rows = st.plan.fill_rows
     cdef uint32_t nfill = 0
-    cdef bint auto = st.lim.mode == MODE_AUTO
+    cdef bint auto = st.lim.mode == MODE_AUTO, deep = n_plan >= DEEP_ROWS
     if n_plan > st.buf.cap[PB_SEQS]:
         return plan_overrun(st, PB_SEQS)
     qsl[0] = 0
     st.plan.n_fill_rows = 0
     st.plan.csr = 0
     for j in range(n_plan):
+        if deep and j + ROWS_AHEAD < n_plan:
+            _prefetch_lower(st, plan_entry, j, n_plan)
         e = plan_entry[j]
         r = &ents[e]
         n = plan_chunk[j]

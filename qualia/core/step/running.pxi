@@ -11,6 +11,9 @@ cdef enum:
     # bench/RESULTS-step.md), where the prefetch would only add instructions.
     ROWS_AHEAD = 16
     FAR_ROWS = 1024
+    # A step of DEEP_ROWS rows or more also prefetches, 2 * ROWS_AHEAD rows ahead, the lines
+    # the loads of those prefetches read (the rows' entries), so that no load waits on memory
+    DEEP_ROWS = 2048
 
 
 cdef struct StepRunning:

@@ -185,7 +185,7 @@ cdef inline void _prefetch_table(StepState *st, int32_t e) noexcept nogil:
 cdef int step_schedule(StepState *st) noexcept nogil:
     cdef uint32_t i, j, nd = 0, left = st.lim.budget, n, rem, hit
     cdef int32_t e, v
-    cdef bint preempted = False, far
+    cdef bint preempted = False, far, deep
     cdef int rc
     cdef PlanState *pl = &st.plan
     if pl.pending:
@@ -209,10 +209,13 @@ cdef int step_schedule(StepState *st) noexcept nogil:
         memcpy(&st.run.order[nd], st.run.order_pre, j * sizeof(int32_t))
     j += nd
     far = j >= FAR_ROWS
+    deep = j >= DEEP_ROWS
     for i in range(j):
         e = st.run.order[i]
         if far and i + ROWS_AHEAD < j:
             _prefetch_table(st, st.run.order[i + ROWS_AHEAD])
+            if deep and i + 2 * ROWS_AHEAD < j:
+                qualia_prefetch_r(&st.ent[st.run.order[i + 2 * ROWS_AHEAD]])   # for the former
         if left == 0:
             break
         if st.ent[e].at.state != SR_RUNNING:

@@ -112,7 +112,33 @@ cdef inline void _hash_fill_ahead(StepState *st, uint32_t f) noexcept nogil:
         return
     r = &st.ent[st.plan.plan_entry[j]]
     if r.at.slot >= 0:
-        auto_hash_ahead_lent(st.pg.s, st.pg.c, st.pg.ss, <uint32_t>r.at.slot, r.req.num_tokens)
+        auto_hash_ahead_lent(st.pg.s, st.pg.p, st.pg.c, st.pg.ss, <uint32_t>r.at.slot,
+                             r.req.num_tokens)
+
+
+cdef inline void _prefetch_fill_refs(StepState *st, uint32_t f) noexcept nogil:
+    # further ahead of _hash_fill_ahead, in a step of many rows: the chain value it continues
+    # (the previous page's), the page's tokens and its block-table entry, which the stream's
+    # last fill or admission left long ago (a hint only: a prefetch never faults, and nothing
+    # changes)
+    cdef uint32_t j = st.plan.fill_rows[f]
+    cdef int32_t slot = st.ent[st.plan.plan_entry[j]].at.slot
+    cdef Stream *sm
+    if slot < 0:
+        return
+    sm = &st.pg.ss.st[slot]
+    if not sm.live or sm.broken or sm.done >= st.pg.s.slots[slot].blocks.len:
+        return
+    qualia_prefetch_r(stream_refs(st.pg.ss, <uint32_t>slot) + (sm.done - 1 if sm.done else 0))
+    qualia_prefetch_r(sm.row + <size_t>sm.done * st.pg.ss.page_tokens)
+    qualia_prefetch_r(st.pg.s.slots[slot].blocks.entries + sm.done)
+
+
+cdef inline void _prefetch_entry(StepState *st, int32_t e) noexcept nogil:
+    # entry e's two lines the update reads (its request and place, then its group), ahead of
+    # _prefetch_take, which reads the first (a hint only)
+    qualia_prefetch_r(&st.ent[e])
+    qualia_prefetch_r(&st.ent[e].mem)
 
 
 cdef inline void _prefetch_take(StepState *st, int32_t e) noexcept nogil:
@@ -152,26 +178,34 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
     cdef int rc, first = Q_OK
     cdef uint64_t tc
     cdef uint32_t done0 = st.done.n, f, nfill
-    cdef bint fills, far
+    cdef bint fills, far, deep
     if not st.plan.pending:
         return Q_NO_PLAN
     # the plan listed every copy owed, and it was applied
     first = owed_applied(st)
     # the fills ahead are prefetched (the list is empty but in auto mode)
     nfill = st.plan.n_fill_rows
+    far = st.plan.n >= FAR_ROWS
+    deep = st.plan.n >= DEEP_ROWS
+    if deep:
+        for f in range(nfill if nfill < 2 * FILL_AHEAD else 2 * FILL_AHEAD):
+            _prefetch_fill_refs(st, f)
     for f in range(nfill if nfill < FILL_AHEAD else FILL_AHEAD):
         _hash_fill_ahead(st, f)
     f = 0
-    far = st.plan.n >= FAR_ROWS
     for j in range(st.plan.n):
         fills = f < nfill and st.plan.fill_rows[f] == j   # its chunk completes a page
         if fills:
             if f + FILL_AHEAD < nfill:
                 _hash_fill_ahead(st, f + FILL_AHEAD)
+                if deep and f + 2 * FILL_AHEAD < nfill:
+                    _prefetch_fill_refs(st, f + 2 * FILL_AHEAD)
             f += 1
         e = st.plan.plan_entry[j]
         if far and j + ROWS_AHEAD < st.plan.n:
             _prefetch_take(st, st.plan.plan_entry[j + ROWS_AHEAD])
+            if deep and j + 2 * ROWS_AHEAD < st.plan.n:
+                _prefetch_entry(st, st.plan.plan_entry[j + 2 * ROWS_AHEAD])
         if not st.plan.plan_alive[j]:
             continue
         r = &st.ent[e]
