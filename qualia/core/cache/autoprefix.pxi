@@ -107,6 +107,10 @@ cdef inline PageRef *stream_refs(Streams *ss, uint32_t slot) noexcept nogil:
     return &ss.refs[_sp(ss, slot)]
 
 
+cdef enum:
+    HASH_AHEAD = 1024   # how many bytes ahead auto_match prefetches the tokens it hashes
+
+
 cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t ns,
                          uint64_t nsh, uint32_t nhash, PageRef *refs,
                          bint *collided) noexcept nogil:
@@ -117,7 +121,14 @@ cdef uint32_t auto_match(PageCache *c, const uint32_t *tok, uint32_t n, uint32_t
     cdef uint32_t k, q, pt = c.page_tokens, pp = 0
     cdef uint32_t cap = (n - 1) // pt if n else 0
     cdef uint64_t prev = 0, pg = 0
+    cdef size_t i, end = <size_t>nhash * pt
     for k in range(nhash):
+        # the tokens HASH_AHEAD bytes past this page's, a line at a time: a prompt's tokens
+        # were written when it was queued and have left the cache since
+        i = <size_t>k * pt + HASH_AHEAD // sizeof(uint32_t)
+        while i < end and i < <size_t>(k + 1) * pt + HASH_AHEAD // sizeof(uint32_t):
+            qualia_prefetch_r(&tok[i])
+            i += 64 // sizeof(uint32_t)
         prev = pc_chain(c, prev, k > 0, nsh, &tok[<size_t>k * pt])
         refs[k].ident = prev
     collided[0] = False
@@ -376,18 +387,18 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
     cdef uint32_t i, page
     cdef int rc, first = Q_OK
     cdef PcRun run
-    # the records the releases read (and may relink), prefetched PC_AHEAD pages ahead
+    # what the releases write (pool counts, records, list links), prefetched PC_AHEAD pages
+    # ahead
     i = t.len
     while i > 0 and i + PC_AHEAD > t.len:
         i -= 1
-        if t.entries[i] < c.num_blocks:
-            qualia_prefetch_w(pc_rec(c, t.entries[i]))
+        pc_prefetch_release(c, p, t.entries[i])
     i = t.len
     pc_run_begin(c, &run)
     while i > 0:
         i -= 1
-        if i >= PC_AHEAD and t.entries[i - PC_AHEAD] < c.num_blocks:
-            qualia_prefetch_w(pc_rec(c, t.entries[i - PC_AHEAD]))
+        if i >= PC_AHEAD:
+            pc_prefetch_release(c, p, t.entries[i - PC_AHEAD])
         page = t.entries[i]
         rc = pool_release(p, page)
         if rc:

@@ -588,6 +588,16 @@ cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) n
         qualia_prefetch_w(<char *>pc_rec(c, page) + 64)
 
 
+cdef inline void pc_prefetch_release(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
+    # what releasing `page` (a request's) will write: its pool count, its record and, when it
+    # becomes reclaimable, its list links (a hint only: no state changes)
+    if page < c.num_blocks and page < p.num_blocks:
+        qualia_prefetch_w(&p.refcount[page])
+        qualia_prefetch_w(pc_rec(c, page))
+        qualia_prefetch_w(&c.links[page])
+        qualia_prefetch_w(&c.next[page])
+
+
 cdef void pc_index_remove(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:
     # linear-probing deletion without tombstones (as oa_remove), the homes of the entries that
     # follow read from their slots' tags instead of from their records
