@@ -151,24 +151,31 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a reclaimed page emits no 'removed' KV event"),
     Mutation(
         "reclaim_most_recent_first", "cache", C + "cache/pagecache.pxi",
-        "        page = c.head[PC_RECLAIMABLE]\n        if page == U32_MAX:",
-        "        page = c.tail[PC_RECLAIMABLE]\n        if page == U32_MAX:",
-        "reclaim takes the most recently used reclaimable page"),
+        "    k = _pc_slot(c, c.ring_len)\n    c.order[k] = p\n",
+        "    c.ring_head = c.ring_head - 1 if c.ring_head else c.ring_cap - 1\n"
+        "    k = c.ring_head\n    c.order[k] = p\n",
+        "a page that becomes reclaimable goes to the head of the list: reclaim takes the most "
+        "recently used page"),
     Mutation(
         "index_removal_moves_entry_off_home", "cache", C + "cache/pagecache.pxi",
         "        move = ((k - i - 1) & mask) >= ((j - i) & mask)\n",
         "        move = ((k - i - 1) & mask) >= ((j - i - 1) & mask)\n",
         "a removal from the prefix index moves an entry sitting at its home back, before it"),
     Mutation(
-        "unlink_leaves_successor_link", "cache", C + "cache/pagecache.pxi",
-        "    if x.prev != U32_MAX:\n        c.next[x.prev] = nxt\n",
-        "    if x.prev != U32_MAX:\n        pass\n",
-        "a page taken off the middle of the reclaimable list stays its predecessor's successor"),
+        "unlink_leaves_ring_entry_live", "cache", C + "cache/pagecache.pxi",
+        "        r.pos = U32_MAX            # its ring entry is dead\n",
+        "",
+        "a page taken off the middle of the reclaimable list keeps its live entry in the ring"),
     Mutation(
-        "reclaim_keeps_new_heads_predecessor", "cache", C + "cache/pagecache.pxi",
-        "    if nxt != U32_MAX:\n        c.links[nxt].prev = U32_MAX\n",
-        "    if nxt != U32_MAX:\n        pass\n",
-        "a reclaim leaves the new head of the reclaimable list linked to the page it dropped"),
+        "reclaim_leaves_ring_length", "cache", C + "cache/pagecache.pxi",
+        "    c.ring_head = k + 1 if k + 1 < c.ring_cap else 0\n    c.ring_len -= 1\n",
+        "    c.ring_head = k + 1 if k + 1 < c.ring_cap else 0\n",
+        "a reclaim moves the ring's head past the page it dropped but keeps the ring's length"),
+    Mutation(
+        "ring_compaction_keeps_old_slots", "cache", C + "cache/pagecache.pxi",
+        "            c.order[w] = page\n            pc_rec(c, page).pos = w\n",
+        "            c.order[w] = page\n",
+        "compacting the ring moves its live entries but leaves their pages' slots where they were"),
     Mutation(
         "reclaim_keeps_namespace_count", "cache", C + "cache/pagecache.pxi",
         "    lk.ns_next = U32_MAX\n    t.n_rec[ns] -= 1\n",
@@ -185,10 +192,10 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "        memcpy(dst, src, 15 * sizeof(uint32_t))\n",
         "a cached page of 16 tokens keeps 15 of them for the hits to verify against"),
     Mutation(
-        "finish_run_tail_unflushed", "cache", C + "cache/pagecache.pxi",
-        "    c.tail[PC_RECLAIMABLE] = r.tail\n",
+        "finish_run_reclaimable_uncounted", "cache", C + "cache/pagecache.pxi",
+        "    c.n_state[PC_RECLAIMABLE] += r.moved\n",
         "",
-        "a finish relinks its pages as reclaimable but leaves the list's tail where it was"),
+        "a finish relinks its pages as reclaimable but leaves them out of the reclaimable count"),
     Mutation(
         "appended_pages_undercounted", "cache", C + "cache/autoprefix.pxi",
         "        need[0] += last - first + 1\n",

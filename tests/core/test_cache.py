@@ -346,6 +346,31 @@ def test_a_hit_retakes_the_head_a_reclaim_left(make):
     assert s.admit(6, [9] * PT + [54]).prefix_tokens == PT
 
 
+def test_pages_retaken_and_released_many_times_keep_the_reclaim_order(make):
+    # each hit takes a page off the reclaimable list and its finish puts the page back at the
+    # most recent end: many times the pool's size over, the list keeps exactly that order, and
+    # reclaims then drop its pages least recently used first
+    s = make(num_pages=4, max_requests=3)
+    chains = [[t] * PT for t in (7, 8, 9)]
+    for i, chain in enumerate(chains):
+        serve(s, 100 + i, chain + [50])
+    pages = s.reclaimable_pages().tolist()
+    order = [0, 1, 2]                                     # chains, least recently used first
+    rng = np.random.default_rng(3)
+    for rid in range(40):
+        i = int(rng.integers(0, 3))
+        assert serve(s, rid, chains[i] + [60 + rid])[0].prefix_tokens == PT
+        order.remove(i)
+        order.append(i)
+        assert s.reclaimable_pages().tolist() == [pages[j] for j in order], rid
+    s.admit(200)
+    s.reserve(200, 3 * PT)                                # two reclaims: the two oldest
+    assert s.reclaimable_pages().tolist() == [pages[order[2]]]
+    assert s.cache_stats().reclaims == 2
+    assert s.admit(201, chains[order[2]] + [1]).prefix_tokens == PT
+    assert s.admit(202, chains[order[0]] + [1]).prefix_tokens == 0
+
+
 def test_decode_reclaims_when_the_pool_is_exhausted(make):
     s = make(num_pages=5, max_requests=2)
     serve(s, 1, PROMPT[:2 * PT] + [1])                    # pages 0, 1 cached; 2 freed

@@ -2,9 +2,10 @@
 #
 # One record per physical page of the pool: whether the page is cached, its 64-bit identity, its
 # parent link (the parent's physical page and the generation of the parent's entry, or none for
-# the first page of a chain), its namespace id, the generation stamped when it was inserted, and
-# the links of the reclaimable lists.  A copy of every cached page's tokens sits beside the
-# records, and an open-addressing index maps identity -> page.  The cache holds one pool
+# the first page of a chain), its namespace id, the generation stamped when it was inserted, its
+# links on its namespace's reclaimable list and its slot in the reclaim ring.  A copy of every
+# cached page's tokens sits beside the records, and an open-addressing index maps identity ->
+# page.  The cache holds one pool
 # reference on every page it caches, so the block pool is unchanged.
 #
 # A cached page is "in use" (a request holds it too: counted, on no list, so that inserting or
@@ -14,7 +15,8 @@
 # list of idle namespaces, least recently used first, whose head gives up its pages and its id
 # when a new namespace needs one and none is free.  Lookups verify tokens, namespace and parent
 # link, so a hash collision can never hand out the wrong page.  Every function is O(1) or
-# O(pages of one call), but clearing the cache, which walks the records once.  All memory is
+# O(pages of one call), amortised where the reclaim ring skips its dead entries or compacts
+# (see PageCache.order), but clearing the cache, which walks the records once.  All memory is
 # allocated by pc_init.
 
 cdef enum:
@@ -41,6 +43,11 @@ cdef struct KvEvent:
     uint8_t has_parent
     uint16_t _reserved
 
+cdef struct PcLinks:
+    # a reclaimable page's links on its namespace's reclaimable list (U32_MAX: none)
+    uint32_t ns_prev
+    uint32_t ns_next
+
 cdef struct CachePage:
     uint64_t ident
     uint64_t parent_ident
@@ -48,15 +55,10 @@ cdef struct CachePage:
     uint64_t parent_gen
     uint32_t parent       # the parent's physical page (U32_MAX: first page of a chain)
     uint32_t ns
+    PcLinks lk
+    uint32_t pos          # the ring slot of its live entry on the reclaimable list (U32_MAX: none)
     uint8_t state
     uint8_t has_parent
-
-cdef struct PcLinks:
-    # a page's places on the lists, apart from its record (12 bytes a page), but for its
-    # successor on the reclaimable list, which sits in an array of its own (PageCache.next)
-    uint32_t prev         # its predecessor on the reclaimable list (U32_MAX: none)
-    uint32_t ns_prev      # links of its namespace's reclaimable list (U32_MAX: none)
-    uint32_t ns_next
 
 cdef struct NsTable:
     uint8_t *names        # capacity x NS_MAX_BYTES
@@ -97,11 +99,18 @@ cdef struct PcSlot:
 cdef struct PageCache:
     char *recs            # num_blocks records of `stride` bytes: a CachePage, then the tokens
     size_t stride
-    PcLinks *links        # num_blocks: each page's list links but one
-    # num_blocks: each page's successor on the reclaimable list (U32_MAX: none), 4 bytes a page
-    # apart from everything else: a reclaim walks the list page after page, each step a load
-    # that waits for the one before, so the array it walks stays dense enough to stay in cache
-    uint32_t *next
+    # The reclaimable list, least recently used first, as a ring of ring_cap slots holding
+    # pages: ring_len slots from ring_head, of which the live ones are the list in order.  A
+    # page's entry is live while its record's pos is its slot: a page that leaves the list mid-way
+    # (a hit retakes it, a namespace gives it up) only has its pos cleared, and the entry is
+    # skipped when the head reaches it.  A reclaim reads the pages it will drop from
+    # consecutive slots, so it knows them ahead without a load that waits on the one before.
+    # A full ring is compacted in place (ring_cap is twice num_blocks: at least num_blocks
+    # dead entries go at once).
+    uint32_t *order       # ring_cap slots
+    uint32_t ring_cap
+    uint32_t ring_head
+    uint32_t ring_len
     # open addressing by identity: each slot's page (-1: empty) beside its identity's 32-bit tag,
     # so that a probe reads no record but a tag's match (8 bytes a slot: 8 slots a cache line)
     PcSlot *index
@@ -109,8 +118,6 @@ cdef struct PageCache:
     uint32_t index_mask
     uint32_t num_blocks
     uint32_t page_tokens
-    uint32_t head[3]      # per state: list head (least recent) and tail
-    uint32_t tail[3]
     uint32_t n_state[3]
     uint64_t gen
     uint64_t ident_mask   # all ones; a test hook narrows it to force collisions
@@ -396,16 +403,56 @@ cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
 
 # -- lists ---------------------------------------------------------------------------------------
 
-cdef inline void _pc_append(PageCache *c, PcLinks *x, uint32_t p, uint32_t *head,
-                            uint32_t *tail) noexcept nogil:
-    # page p (x its links) to the tail of the list whose ends are *head and *tail
-    x.prev = tail[0]
-    c.next[p] = U32_MAX
-    if tail[0] != U32_MAX:
-        c.next[tail[0]] = p
-    else:
-        head[0] = p
-    tail[0] = p
+cdef inline uint32_t _pc_slot(PageCache *c, uint32_t i) noexcept nogil:
+    # the ring slot i slots past the head (i < ring_cap)
+    cdef uint32_t k = c.ring_head + i
+    return k - c.ring_cap if k >= c.ring_cap else k
+
+
+cdef inline bint _pc_live(PageCache *c, uint32_t k) noexcept nogil:
+    # is the entry in ring slot k (one of the ring_len from the head) a page on the list?
+    return pc_rec(c, c.order[k]).pos == k
+
+
+cdef void _pc_ring_compact(PageCache *c) noexcept nogil:
+    # the live entries moved, in order, to the slots from the head (each moves to a slot at
+    # or before its own, so the pass reads every entry before it is overwritten)
+    cdef uint32_t i, k, w = c.ring_head, n = 0, page
+    for i in range(c.ring_len):
+        k = _pc_slot(c, i)
+        page = c.order[k]
+        if pc_rec(c, page).pos == k:
+            c.order[w] = page
+            pc_rec(c, page).pos = w
+            w += 1
+            if w == c.ring_cap:
+                w = 0
+            n += 1
+    c.ring_len = n
+
+
+cdef inline void _pc_append(PageCache *c, uint32_t p) noexcept nogil:
+    # page p to the tail (most recent end) of the reclaimable list
+    cdef uint32_t k
+    if c.ring_len == c.ring_cap:
+        _pc_ring_compact(c)
+    k = _pc_slot(c, c.ring_len)
+    c.order[k] = p
+    pc_rec(c, p).pos = k
+    c.ring_len += 1
+
+
+cdef inline uint32_t pc_head(PageCache *c) noexcept nogil:
+    # the head of the reclaimable list (U32_MAX: empty), the dead entries before it skipped
+    # (they leave the ring: the list is unchanged)
+    cdef uint32_t k
+    while c.ring_len:
+        k = c.ring_head
+        if _pc_live(c, k):
+            return c.order[k]
+        c.ring_head = k + 1 if k + 1 < c.ring_cap else 0
+        c.ring_len -= 1
+    return U32_MAX
 
 
 cdef inline void _pc_ns_append(PageCache *c, PcLinks *x, uint32_t p,
@@ -416,7 +463,7 @@ cdef inline void _pc_ns_append(PageCache *c, PcLinks *x, uint32_t p,
     x.ns_prev = t.rec_tail[ns]
     x.ns_next = U32_MAX
     if t.rec_tail[ns] != U32_MAX:
-        c.links[t.rec_tail[ns]].ns_next = p
+        pc_rec(c, t.rec_tail[ns]).lk.ns_next = p
     else:
         t.rec_head[ns] = p
     t.rec_tail[ns] = p
@@ -428,25 +475,22 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
     # unlink leave them); a reclaimable page goes to the tail (most recent end) of the
     # reclaimable list and of its namespace's; the caller then calls ns_touch for the namespace
     cdef CachePage *x = pc_rec(c, p)
-    cdef PcLinks *lk
     if state == PC_INUSE:
         x.state = state
         c.n_state[state] += 1
         return
-    lk = &c.links[p]
-    if state == PC_RECLAIMABLE:
-        _pc_ns_append(c, lk, p, x.ns)
+    _pc_ns_append(c, &pc_rec(c, p).lk, p, x.ns)
     x.state = state
-    _pc_append(c, lk, p, &c.head[state], &c.tail[state])
+    _pc_append(c, p)
     c.n_state[state] += 1
 
 
 cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
     # the caller then calls ns_touch for the namespace
     cdef CachePage *r = pc_rec(c, p)
-    cdef PcLinks *x = &c.links[p]
+    cdef PcLinks *x = &pc_rec(c, p).lk
     cdef uint8_t state = r.state
-    cdef uint32_t ns, nxt
+    cdef uint32_t ns
     cdef NsTable *t = &c.ns
     if state == PC_INUSE:
         c.n_state[state] -= 1      # on no list: no neighbour to touch
@@ -454,27 +498,17 @@ cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
     if state == PC_RECLAIMABLE:
         ns = r.ns
         if x.ns_prev != U32_MAX:
-            c.links[x.ns_prev].ns_next = x.ns_next
+            pc_rec(c, x.ns_prev).lk.ns_next = x.ns_next
         else:
             t.rec_head[ns] = x.ns_next
         if x.ns_next != U32_MAX:
-            c.links[x.ns_next].ns_prev = x.ns_prev
+            pc_rec(c, x.ns_next).lk.ns_prev = x.ns_prev
         else:
             t.rec_tail[ns] = x.ns_prev
         x.ns_prev = U32_MAX
         x.ns_next = U32_MAX
         t.n_rec[ns] -= 1
-    nxt = c.next[p]
-    if x.prev != U32_MAX:
-        c.next[x.prev] = nxt
-    else:
-        c.head[state] = nxt
-    if nxt != U32_MAX:
-        c.links[nxt].prev = x.prev
-    else:
-        c.tail[state] = x.prev
-    x.prev = U32_MAX
-    c.next[p] = U32_MAX
+        r.pos = U32_MAX            # its ring entry is dead
     c.n_state[state] -= 1
 
 
@@ -493,13 +527,11 @@ cdef inline void pc_on_release(PageCache *c, Pool *p, uint32_t page) noexcept no
 # are relinked only that namespace's n_rec changes, and it can turn idle only at the last of
 # them (n_rec never passes refs), so one check after them finds what a check after each would.
 cdef struct PcRun:
-    uint32_t tail         # the reclaimable list's tail
     uint32_t ns           # the namespace whose idle check is owed (U32_MAX: none)
     uint32_t moved        # pages relinked from in use to reclaimable
 
 
 cdef inline void pc_run_begin(PageCache *c, PcRun *r) noexcept nogil:
-    r.tail = c.tail[PC_RECLAIMABLE]
     r.ns = U32_MAX
     r.moved = 0
 
@@ -519,13 +551,12 @@ cdef inline void pc_run_release(PageCache *c, Pool *p, uint32_t page, PcRun *r) 
             ns_touch(&c.ns, r.ns)
         r.ns = ns
     x.state = PC_RECLAIMABLE
-    _pc_append(c, &c.links[page], page, &c.head[PC_RECLAIMABLE], &r.tail)
-    _pc_ns_append(c, &c.links[page], page, ns)
+    _pc_append(c, page)
+    _pc_ns_append(c, &pc_rec(c, page).lk, page, ns)
     r.moved += 1
 
 
 cdef inline void pc_run_end(PageCache *c, PcRun *r) noexcept nogil:
-    c.tail[PC_RECLAIMABLE] = r.tail
     c.n_state[PC_INUSE] -= r.moved
     c.n_state[PC_RECLAIMABLE] += r.moved
     if r.ns != U32_MAX:
@@ -577,6 +608,9 @@ cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
 cdef enum:
     PC_AHEAD = 16    # how many pages ahead a fill loop prefetches
     PC_SCOUT = 8     # how many pages ahead of the reclaimable list's head a reclaim prefetches
+    # what a reclaim prefetches (the drop's lines, then the index slot from the record)
+    PC_DROP_AHEAD = 32
+    PC_INDEX_AHEAD = 16
 
 
 cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) noexcept nogil:
@@ -594,8 +628,6 @@ cdef inline void pc_prefetch_release(PageCache *c, Pool *p, uint32_t page) noexc
     if page < c.num_blocks and page < p.num_blocks:
         qualia_prefetch_w(&p.refcount[page])
         qualia_prefetch_w(pc_rec(c, page))
-        qualia_prefetch_w(&c.links[page])
-        qualia_prefetch_w(&c.next[page])
 
 
 cdef void pc_index_remove(PageCache *c, uint32_t page, uint64_t ident) noexcept nogil:
@@ -687,28 +719,28 @@ cdef int pc_drop(PageCache *c, Pool *p, uint32_t page, bint emit) noexcept nogil
 
 
 cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
-    # pc_drop(c, p, page, True) for the head of the reclaimable list, which is also the head of
-    # its namespace's list (that list holds the namespace's reclaimable pages in the global
-    # order): both heads move to the page's successors, with none of pc_unlink's tests for a
-    # predecessor.  A page that is not at both heads takes pc_drop.
+    # pc_drop(c, p, page, True) for the head of the reclaimable list (pc_head), which is also
+    # the head of its namespace's list (that list holds the namespace's reclaimable pages in
+    # the global order): its ring entry leaves at the head and the namespace's head moves to
+    # the page's successor, with none of pc_unlink's tests for a predecessor.  A page that is
+    # not at both heads takes pc_drop.
     cdef CachePage *x = pc_rec(c, page)
-    cdef PcLinks *lk = &c.links[page]
+    cdef PcLinks *lk = &pc_rec(c, page).lk
     cdef NsTable *t = &c.ns
-    cdef uint32_t ns = x.ns, nxt = c.next[page], ns_nxt = lk.ns_next
-    if lk.prev != U32_MAX or lk.ns_prev != U32_MAX or x.state != PC_RECLAIMABLE:
+    cdef uint32_t ns = x.ns, ns_nxt = lk.ns_next, k = c.ring_head
+    if (not c.ring_len or c.order[k] != page or x.pos != k or lk.ns_prev != U32_MAX
+            or x.state != PC_RECLAIMABLE):
         return pc_drop(c, p, page, True)
     pc_index_remove(c, page, x.ident)
-    c.head[PC_RECLAIMABLE] = nxt
-    if nxt != U32_MAX:
-        c.links[nxt].prev = U32_MAX
-    else:
-        c.tail[PC_RECLAIMABLE] = U32_MAX
+    # the entry leaves the ring at its head (its pos is left: no slot outside the ring's
+    # ring_len is read, and the next append of the page sets it)
+    c.ring_head = k + 1 if k + 1 < c.ring_cap else 0
+    c.ring_len -= 1
     t.rec_head[ns] = ns_nxt
     if ns_nxt != U32_MAX:
-        c.links[ns_nxt].ns_prev = U32_MAX
+        pc_rec(c, ns_nxt).lk.ns_prev = U32_MAX
     else:
         t.rec_tail[ns] = U32_MAX
-    c.next[page] = U32_MAX
     lk.ns_next = U32_MAX
     t.n_rec[ns] -= 1
     c.n_state[PC_RECLAIMABLE] -= 1
@@ -718,43 +750,50 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
     return pool_release(p, page)
 
 
+cdef inline void _pc_prefetch_drop(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
+    # what dropping reclaimable `page` at the head reads and writes first (a hint only)
+    if page < c.num_blocks and page < p.num_blocks:
+        qualia_prefetch_w(pc_rec(c, page))
+        qualia_prefetch_w(&p.refcount[page])
+
+
+cdef inline void _pc_prefetch_index(PageCache *c, uint32_t page) noexcept nogil:
+    # the index slot dropping `page` empties (its record prefetched before; a hint only)
+    if page < c.num_blocks:
+        qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, page).ident)])
+
+
 cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
     # Make `need` pages allocatable: reclaim the least recently used reclaimable pages for what
     # the free stack lacks.  Q_EXHAUSTED, reclaiming nothing, when even that is not enough.
-    # Two scouts walk the reclaimable list's links ahead of the head, one page a drop, as far as
-    # the last page to reclaim: the far one prefetches a page's record PC_AHEAD pages ahead,
-    # the near one, PC_SCOUT pages ahead, reads the identity from it and prefetches the page's
-    # index slot.  So a drop finds what it reads in cache (the scouts are hints only: the drops
-    # decide what is reclaimed).
-    cdef uint32_t page, near, far
-    cdef uint64_t far_left, near_left
+    # The pages to drop are read from the ring ahead of the head, no further than the last
+    # page to reclaim (less the dead entries among them): PC_DROP_AHEAD slots ahead, what the drop
+    # of a page reads and writes is prefetched (its record, namespace links and pool count,
+    # the ring's liveness word); PC_INDEX_AHEAD slots ahead, the identity is read from the record
+    # and its index slot prefetched.  So a drop finds what it touches in cache (hints only:
+    # the drops decide what is reclaimed).
+    cdef uint32_t page, i, left
     cdef int rc
     if need <= p.free_top:
         return Q_OK
     if need > <uint64_t>p.free_top + c.n_state[PC_RECLAIMABLE]:
         return Q_EXHAUSTED
-    far_left = near_left = need - p.free_top    # pages the scouts have yet to visit
-    near = far = c.head[PC_RECLAIMABLE]
-    while far != U32_MAX and far_left and far_left + PC_AHEAD > need - p.free_top:
-        qualia_prefetch_w(pc_rec(c, far))
-        far = c.next[far]
-        far_left -= 1
-    while near != U32_MAX and near_left and near_left + PC_SCOUT > need - p.free_top:
-        qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
-        near = c.next[near]
-        near_left -= 1
+    left = <uint32_t>(need - p.free_top)        # pages still to reclaim
+    for i in range(left if left < PC_DROP_AHEAD else PC_DROP_AHEAD):
+        if i < c.ring_len:
+            _pc_prefetch_drop(c, p, c.order[_pc_slot(c, i)])
+    for i in range(left if left < PC_INDEX_AHEAD else PC_INDEX_AHEAD):
+        if i < c.ring_len:
+            _pc_prefetch_index(c, c.order[_pc_slot(c, i)])
     while p.free_top < need:
-        page = c.head[PC_RECLAIMABLE]
+        page = pc_head(c)
         if page == U32_MAX:
             return Q_EXHAUSTED   # only if the pool was changed behind the cache's back
-        if far != U32_MAX and far_left:
-            qualia_prefetch_w(pc_rec(c, far))
-            far = c.next[far]
-            far_left -= 1
-        if near != U32_MAX and near_left:
-            qualia_prefetch_w(&c.index[_pc_home(c, pc_rec(c, near).ident)])
-            near = c.next[near]
-            near_left -= 1
+        left = <uint32_t>(need - p.free_top)
+        if PC_DROP_AHEAD < left and PC_DROP_AHEAD < c.ring_len:
+            _pc_prefetch_drop(c, p, c.order[_pc_slot(c, PC_DROP_AHEAD)])
+        if PC_INDEX_AHEAD < left and PC_INDEX_AHEAD < c.ring_len:
+            _pc_prefetch_index(c, c.order[_pc_slot(c, PC_INDEX_AHEAD)])
         rc = _pc_drop_head(c, p, page)
         if rc:
             return rc    # the page's entry is gone, but its count was not the cache's
@@ -791,9 +830,11 @@ cdef uint32_t pc_clear(PageCache *c, Pool *p) noexcept nogil:
     # order (they are on no list: the one walk over the records); pages that requests hold stay
     # with them.  One "cleared" event; returns the number of entries dropped.
     cdef uint32_t n = 0, page
-    while c.head[PC_RECLAIMABLE] != U32_MAX:
-        pc_drop(c, p, c.head[PC_RECLAIMABLE], False)
+    page = pc_head(c)
+    while page != U32_MAX:
+        pc_drop(c, p, page, False)
         n += 1
+        page = pc_head(c)
     page = 0
     while page < c.num_blocks and c.n_state[PC_INUSE]:
         if pc_rec(c, page).state == PC_INUSE:
@@ -823,8 +864,8 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     # that a lookup touches one record, not a record and a token array
     c.stride = (sizeof(CachePage) + <size_t>page_tokens * sizeof(uint32_t) + 63) & ~(<size_t>63)
     c.recs = <char *>qualia_big_zalloc((num_blocks if num_blocks else 1) * c.stride)
-    c.links = <PcLinks *>qualia_big_zalloc((num_blocks if num_blocks else 1) * sizeof(PcLinks))
-    c.next = <uint32_t *>qualia_big_zalloc((num_blocks if num_blocks else 1) * sizeof(uint32_t))
+    c.ring_cap = 2 * num_blocks if num_blocks else 2
+    c.order = <uint32_t *>qualia_big_zalloc(<size_t>c.ring_cap * sizeof(uint32_t))
     c.index = <PcSlot *>qualia_big_zalloc(size * sizeof(PcSlot))
     c.nh = <uint64_t *>PyMem_Calloc(pc_nh_words(page_tokens), sizeof(uint64_t))
     c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
@@ -840,7 +881,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
     c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
     c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
-    if (c.recs == NULL or c.links == NULL or c.next == NULL or c.index == NULL or c.nh == NULL
+    if (c.recs == NULL or c.order == NULL or c.index == NULL or c.nh == NULL
             or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
             or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
             or c.ns.n_rec == NULL or c.ns.rec_head == NULL or c.ns.rec_tail == NULL
@@ -851,13 +892,9 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
         c.index[i].page = -1
     c.index_mask = size - 1
     for i in range(num_blocks):
-        c.links[i].prev = U32_MAX
-        c.next[i] = U32_MAX
-        c.links[i].ns_prev = U32_MAX
-        c.links[i].ns_next = U32_MAX
-    for i in range(3):
-        c.head[i] = U32_MAX
-        c.tail[i] = U32_MAX
+        pc_rec(c, i).pos = U32_MAX
+        pc_rec(c, i).lk.ns_prev = U32_MAX
+        pc_rec(c, i).lk.ns_next = U32_MAX
     c.ident_mask = U64_MAX
     c.parent_mask = U64_MAX
     for i in range(8):
@@ -887,8 +924,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
 
 cdef void pc_free(PageCache *c) noexcept:
     qualia_big_free(c.recs)
-    qualia_big_free(c.links)
-    qualia_big_free(c.next)
+    qualia_big_free(c.order)
     qualia_big_free(c.index)
     PyMem_Free(c.nh)
     PyMem_Free(c.ns.names)

@@ -143,16 +143,17 @@ cdef object cache_reclaimable(PageCache *c, int mode):
     # the reclaimable cached pages, least recently used first
     cdef uint32_t n = c.n_state[PC_RECLAIMABLE] if mode == MODE_AUTO else 0
     cdef uint32_t *tmp = <uint32_t *>PyMem_Malloc((n if n else 1) * sizeof(uint32_t))
-    cdef uint32_t p, k = 0
+    cdef uint32_t i, s, k = 0
     if tmp == NULL:
         raise MemoryError()
     try:
         if n:
-            p = c.head[PC_RECLAIMABLE]
-            while p != U32_MAX and k < n:
-                tmp[k] = p
-                k += 1
-                p = c.next[p]
+            # the live ring entries from the head (a read: the dead ones are skipped in place)
+            for i in range(c.ring_len):
+                s = _pc_slot(c, i)
+                if _pc_live(c, s) and k < n:
+                    tmp[k] = c.order[s]
+                    k += 1
         return _array_of(tmp, k)
     finally:
         PyMem_Free(tmp)
