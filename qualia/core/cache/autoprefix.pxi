@@ -387,8 +387,7 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
     cdef uint32_t i, page
     cdef int rc, first = Q_OK
     cdef PcRun run
-    # what the releases write (pool counts, records, list links), prefetched PC_AHEAD pages
-    # ahead
+    # what the releases write (pool counts, records), prefetched PC_AHEAD pages ahead
     i = t.len
     while i > 0 and i + PC_AHEAD > t.len:
         i -= 1

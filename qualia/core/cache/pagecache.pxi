@@ -521,8 +521,8 @@ cdef inline void pc_on_release(PageCache *c, Pool *p, uint32_t page) noexcept no
 
 
 # A run of releases (a finishing request's pages, last page first): pc_on_release for each, with
-# the reclaimable list's tail and the moved count kept in the run until pc_run_end, and a
-# namespace's idle check made once at the end of each run of its pages.  The lists, counts and
+# the count of pages moved kept in the run until pc_run_end, and a namespace's idle check made
+# once at the end of each run of its pages.  The lists, counts and
 # idle list end as pc_on_release page by page leaves them: while the pages of one namespace
 # are relinked only that namespace's n_rec changes, and it can turn idle only at the last of
 # them (n_rec never passes refs), so one check after them finds what a check after each would.
@@ -607,7 +607,6 @@ cdef inline uint32_t pc_find(PageCache *c, uint64_t ident) noexcept nogil:
 
 cdef enum:
     PC_AHEAD = 16    # how many pages ahead a fill loop prefetches
-    PC_SCOUT = 8     # how many pages ahead of the reclaimable list's head a reclaim prefetches
     # what a reclaim prefetches (the drop's lines, then the index slot from the record)
     PC_DROP_AHEAD = 32
     PC_INDEX_AHEAD = 16
@@ -623,8 +622,9 @@ cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) n
 
 
 cdef inline void pc_prefetch_release(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
-    # what releasing `page` (a request's) will write: its pool count, its record and, when it
-    # becomes reclaimable, its list links (a hint only: no state changes)
+    # what releasing `page` (a request's) will write: its pool count and its record (which
+    # holds its namespace links and ring slot, written when it becomes reclaimable; a hint
+    # only: no state changes)
     if page < c.num_blocks and page < p.num_blocks:
         qualia_prefetch_w(&p.refcount[page])
         qualia_prefetch_w(pc_rec(c, page))
