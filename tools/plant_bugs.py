@@ -168,8 +168,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a page taken off the middle of the reclaimable list keeps its live entry in the ring"),
     Mutation(
         "reclaim_leaves_ring_length", "cache", C + "cache/pagecache.pxi",
-        "    c.ring_head = k + 1 if k + 1 < c.ring_cap else 0\n    c.ring_len -= 1\n",
-        "    c.ring_head = k + 1 if k + 1 < c.ring_cap else 0\n",
+        "    c.ring_head = _pc_slot(c, 1)\n    c.ring_len -= 1\n    t.rec_head[ns] = ns_nxt\n",
+        "    c.ring_head = _pc_slot(c, 1)\n    t.rec_head[ns] = ns_nxt\n",
         "a reclaim moves the ring's head past the page it dropped but keeps the ring's length"),
     Mutation(
         "ring_compaction_keeps_old_slots", "cache", C + "cache/pagecache.pxi",

@@ -391,13 +391,13 @@ cdef int auto_finish(Sched *s, Pool *p, PageCache *c, Streams *ss, int32_t index
     i = t.len
     while i > 0 and i + PC_AHEAD > t.len:
         i -= 1
-        pc_prefetch_release(c, p, t.entries[i])
+        pc_prefetch_page(c, p, t.entries[i])
     i = t.len
     pc_run_begin(c, &run)
     while i > 0:
         i -= 1
         if i >= PC_AHEAD:
-            pc_prefetch_release(c, p, t.entries[i - PC_AHEAD])
+            pc_prefetch_page(c, p, t.entries[i - PC_AHEAD])
         page = t.entries[i]
         rc = pool_release(p, page)
         if rc:

@@ -421,7 +421,7 @@ cdef void _pc_ring_compact(PageCache *c) noexcept nogil:
     for i in range(c.ring_len):
         k = _pc_slot(c, i)
         page = c.order[k]
-        if pc_rec(c, page).pos == k:
+        if _pc_live(c, k):
             c.order[w] = page
             pc_rec(c, page).pos = w
             w += 1
@@ -450,7 +450,7 @@ cdef inline uint32_t pc_head(PageCache *c) noexcept nogil:
         k = c.ring_head
         if _pc_live(c, k):
             return c.order[k]
-        c.ring_head = k + 1 if k + 1 < c.ring_cap else 0
+        c.ring_head = _pc_slot(c, 1)
         c.ring_len -= 1
     return U32_MAX
 
@@ -479,7 +479,7 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
         x.state = state
         c.n_state[state] += 1
         return
-    _pc_ns_append(c, &pc_rec(c, p).lk, p, x.ns)
+    _pc_ns_append(c, &x.lk, p, x.ns)
     x.state = state
     _pc_append(c, p)
     c.n_state[state] += 1
@@ -488,7 +488,7 @@ cdef inline void pc_link(PageCache *c, uint32_t p, uint8_t state) noexcept nogil
 cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
     # the caller then calls ns_touch for the namespace
     cdef CachePage *r = pc_rec(c, p)
-    cdef PcLinks *x = &pc_rec(c, p).lk
+    cdef PcLinks *x = &r.lk
     cdef uint8_t state = r.state
     cdef uint32_t ns
     cdef NsTable *t = &c.ns
@@ -552,7 +552,7 @@ cdef inline void pc_run_release(PageCache *c, Pool *p, uint32_t page, PcRun *r) 
         r.ns = ns
     x.state = PC_RECLAIMABLE
     _pc_append(c, page)
-    _pc_ns_append(c, &pc_rec(c, page).lk, page, ns)
+    _pc_ns_append(c, &x.lk, page, ns)
     r.moved += 1
 
 
@@ -621,10 +621,10 @@ cdef inline void pc_prefetch_fill(PageCache *c, uint64_t ident, uint32_t page) n
         qualia_prefetch_w(<char *>pc_rec(c, page) + 64)
 
 
-cdef inline void pc_prefetch_release(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
-    # what releasing `page` (a request's) will write: its pool count and its record (which
-    # holds its namespace links and ring slot, written when it becomes reclaimable; a hint
-    # only: no state changes)
+cdef inline void pc_prefetch_page(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
+    # what a request's release of `page`, or a reclaim's drop of it, writes first: its pool
+    # count and its record (which holds its namespace links and ring slot; a hint only: no
+    # state changes)
     if page < c.num_blocks and page < p.num_blocks:
         qualia_prefetch_w(&p.refcount[page])
         qualia_prefetch_w(pc_rec(c, page))
@@ -725,7 +725,7 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
     # the page's successor, with none of pc_unlink's tests for a predecessor.  A page that is
     # not at both heads takes pc_drop.
     cdef CachePage *x = pc_rec(c, page)
-    cdef PcLinks *lk = &pc_rec(c, page).lk
+    cdef PcLinks *lk = &x.lk
     cdef NsTable *t = &c.ns
     cdef uint32_t ns = x.ns, ns_nxt = lk.ns_next, k = c.ring_head
     if (not c.ring_len or c.order[k] != page or x.pos != k or lk.ns_prev != U32_MAX
@@ -734,7 +734,7 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
     pc_index_remove(c, page, x.ident)
     # the entry leaves the ring at its head (its pos is left: no slot outside the ring's
     # ring_len is read, and the next append of the page sets it)
-    c.ring_head = k + 1 if k + 1 < c.ring_cap else 0
+    c.ring_head = _pc_slot(c, 1)
     c.ring_len -= 1
     t.rec_head[ns] = ns_nxt
     if ns_nxt != U32_MAX:
@@ -748,13 +748,6 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
     ns_unref(t, ns)
     pc_emit(c, KV_REMOVED, x.ident, x.parent_ident, x.has_parent, ns, c.page_tokens, page)
     return pool_release(p, page)
-
-
-cdef inline void _pc_prefetch_drop(PageCache *c, Pool *p, uint32_t page) noexcept nogil:
-    # what dropping reclaimable `page` at the head reads and writes first (a hint only)
-    if page < c.num_blocks and page < p.num_blocks:
-        qualia_prefetch_w(pc_rec(c, page))
-        qualia_prefetch_w(&p.refcount[page])
 
 
 cdef inline void _pc_prefetch_index(PageCache *c, uint32_t page) noexcept nogil:
@@ -781,7 +774,7 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
     left = <uint32_t>(need - p.free_top)        # pages still to reclaim
     for i in range(left if left < PC_DROP_AHEAD else PC_DROP_AHEAD):
         if i < c.ring_len:
-            _pc_prefetch_drop(c, p, c.order[_pc_slot(c, i)])
+            pc_prefetch_page(c, p, c.order[_pc_slot(c, i)])
     for i in range(left if left < PC_INDEX_AHEAD else PC_INDEX_AHEAD):
         if i < c.ring_len:
             _pc_prefetch_index(c, c.order[_pc_slot(c, i)])
@@ -791,7 +784,7 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
             return Q_EXHAUSTED   # only if the pool was changed behind the cache's back
         left = <uint32_t>(need - p.free_top)
         if PC_DROP_AHEAD < left and PC_DROP_AHEAD < c.ring_len:
-            _pc_prefetch_drop(c, p, c.order[_pc_slot(c, PC_DROP_AHEAD)])
+            pc_prefetch_page(c, p, c.order[_pc_slot(c, PC_DROP_AHEAD)])
         if PC_INDEX_AHEAD < left and PC_INDEX_AHEAD < c.ring_len:
             _pc_prefetch_index(c, c.order[_pc_slot(c, PC_INDEX_AHEAD)])
         rc = _pc_drop_head(c, p, page)

@@ -112,16 +112,13 @@ cdef inline void _lower_run(int32_t *positions, int64_t *slot_mapping, uint32_t 
 cdef inline void _prefetch_lower(StepState *st, const int32_t *plan_entry, uint32_t j,
                                  uint32_t n_plan) noexcept nogil:
     # a plan of many rows: what lowering row j + ROWS_AHEAD reads at random (the block-table
-    # entry of its first position), and the two entry lines of row j + 2 * ROWS_AHEAD, which
-    # the former's load finds in cache when that row's turn comes (hints only)
+    # entry of its first position), and the entry of row j + 2 * ROWS_AHEAD, which the
+    # former's load finds in cache when that row's turn comes (hints only)
     cdef StepEntry *r = &st.ent[plan_entry[j + ROWS_AHEAD]]
-    cdef StepEntry *f
     if r.at.slot >= 0:
         qualia_prefetch_r(st.pg.s.slots[r.at.slot].blocks.entries + pt_div(st, r.at.num_computed))
     if j + 2 * ROWS_AHEAD < n_plan:
-        f = &st.ent[plan_entry[j + 2 * ROWS_AHEAD]]
-        qualia_prefetch_r(f)
-        qualia_prefetch_r(&f.mem)
+        prefetch_entry(st, plan_entry[j + 2 * ROWS_AHEAD])
 
 
 cdef int plan_lower(StepState *st) noexcept nogil:

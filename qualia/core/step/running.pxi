@@ -27,6 +27,13 @@ cdef struct StepRunning:
     uint32_t *row_len       # max_seqs: leading entries of the row that may be set
 
 
+cdef inline void prefetch_entry(StepState *st, int32_t e) noexcept nogil:
+    # entry e's two lines a pass over the rows reads (its request and place, then its group),
+    # 2 * ROWS_AHEAD rows ahead, for the prefetches that load the first (a hint only)
+    qualia_prefetch_r(&st.ent[e])
+    qualia_prefetch_r(&st.ent[e].mem)
+
+
 cdef inline void row_mark_dirty(StepState *st, int32_t r) noexcept nogil:
     st.run.dirty[<uint32_t>r >> 6] |= (<uint64_t>1) << (<uint32_t>r & 63)
 

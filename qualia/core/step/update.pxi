@@ -134,13 +134,6 @@ cdef inline void _prefetch_fill_refs(StepState *st, uint32_t f) noexcept nogil:
     qualia_prefetch_r(st.pg.s.slots[slot].blocks.entries + sm.done)
 
 
-cdef inline void _prefetch_entry(StepState *st, int32_t e) noexcept nogil:
-    # entry e's two lines the update reads (its request and place, then its group), ahead of
-    # _prefetch_take, which reads the first (a hint only)
-    qualia_prefetch_r(&st.ent[e])
-    qualia_prefetch_r(&st.ent[e].mem)
-
-
 cdef inline void _prefetch_take(StepState *st, int32_t e) noexcept nogil:
     # the arena line step_take writes entry e's next token to (a hint only: a prefetch never
     # faults, and nothing changes)
@@ -205,7 +198,7 @@ cdef int step_update(StepState *st, const uint32_t *sampled, const uint32_t *tk_
         if far and j + ROWS_AHEAD < st.plan.n:
             _prefetch_take(st, st.plan.plan_entry[j + ROWS_AHEAD])
             if deep and j + 2 * ROWS_AHEAD < st.plan.n:
-                _prefetch_entry(st, st.plan.plan_entry[j + 2 * ROWS_AHEAD])
+                prefetch_entry(st, st.plan.plan_entry[j + 2 * ROWS_AHEAD])
         if not st.plan.plan_alive[j]:
             continue
         r = &st.ent[e]
