@@ -1,6 +1,7 @@
 """The engine step's figures for two builds side by side, in one run.
 
     python bench/step_compare.py BASE_TREE THIS_TREE [--rounds 10] [--quick] [--mixed-pool N]
+    python bench/step_compare.py BASE_TREE THIS_TREE --paired [--windows 24] [--figure NAME]...
 
 Each tree is a checkout with the extension built in place.  Every figure is measured in a child
 interpreter whose ``qualia`` is the tree's (PYTHONPATH=tree), by this file's own code, the trees
@@ -17,6 +18,14 @@ from its round's mixed windows), not the lowest figures of the columns beside.  
 n rounds can give is 2^(1-n): below 0.05 takes 6 rounds without a tie.  A difference of a few
 percent is a change only where p is small; two builds of the same code differ by about that
 much in their lowest figures, with p down to 0.01 now and then.
+
+The paired mode (--paired) resolves a decode figure to a few ns where rounds minutes apart do
+not: one child a tree, kept for the run, measures the named decode figures (default: n=4096
+ctx=512, both modes; --steps steps each, 64 by default) on a new workload per window, the
+trees alternating window by window (the order rotating), so the values a window pairs are
+seconds apart.  A tree's figure is then its median over the windows, and the column beside
+compares the windows pairwise as the rounds are compared above.  The same tree named twice
+gives an A/A run: the noise of the machine at that moment.
 
   decode n=N ctx=C mode=M   ns per request of a decode-only step (update + schedule): N running
                             requests of C-token context, the mean over whole periods of 16
@@ -60,6 +69,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,33 +78,63 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MIXED_POOL = (64 + 4) * 600     # the mixed workload's pool: room for its first window
 
 
-def child(quick, mixed_pool):
+DECODE = re.compile(r"decode( no-fill)? n=(\d+) ctx=(\d+) mode=(off|auto)")
+PAIRED = ("decode n=4096 ctx=512 mode=off", "decode n=4096 ctx=512 mode=auto")
+
+
+def child_imports():
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     sys.path.insert(0, HERE)
+    import qualia
+    return qualia
+
+
+def decode_figure(qualia, name, steps):
+    """The decode figure `name` (DECODE's form, as the table names it): a new workload, timed
+    over `steps` steps (whole periods of PT steps)."""
     import gc
 
     import numpy as np
-    from steptime import KEY, PT, MixedSteady, decoding, pc, steps_to_fill, time_steps
+    from steptime import PT, decoding, time_steps
 
-    import qualia
+    m = DECODE.fullmatch(name)
+    aligned, n, ctx, mode = m[1] is not None, int(m[2]), int(m[3]), m[4]
+    # aligned: every prompt prefilled in one step, so every request fills a page in the same
+    # step (one in PT); otherwise the prompts prefill over several steps and the page fills
+    # spread evenly over the steps (a PT-th of the requests fill a page in each step)
+    kw = {"max_num_batched_tokens": n * ctx + n} if aligned else {}
+    s = decoding(qualia.StepScheduler, n, ctx, extra_pages=steps // PT + 2,
+                 prefix_caching=mode, **kw)
+    s.schedule()
+    ids = np.zeros(n, dtype=np.uint32)
+    gc.disable()
+    try:
+        return time_steps(s, steps, ids, mean=not aligned) / n
+    finally:
+        gc.enable()
+
+
+def serve(steps):
+    # the paired mode's child: the tree's qualia, then one figure for each name read
+    qualia = child_imports()
+    print(json.dumps(os.path.dirname(qualia.__file__)), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(decode_figure(qualia, line.strip(), steps)), flush=True)
+
+
+def child(quick, mixed_pool):
+    qualia = child_imports()
+    import gc
+
+    import numpy as np
+    from steptime import KEY, PT, MixedSteady, pc, steps_to_fill
 
     out = {"qualia": os.path.dirname(qualia.__file__)}
     steps = 32 if quick else 64     # whole periods of PT steps
 
     def decode(n, ctx, mode, aligned=False):
-        # aligned: every prompt prefilled in one step, so every request fills a page in the same
-        # step (one in PT); otherwise the prompts prefill over several steps and the page fills
-        # spread evenly over the steps (a PT-th of the requests fill a page in each step)
-        kw = {"max_num_batched_tokens": n * ctx + n} if aligned else {}
-        s = decoding(qualia.StepScheduler, n, ctx, extra_pages=steps // PT + 2,
-                     prefix_caching=mode, **kw)
-        s.schedule()
-        ids = np.zeros(n, dtype=np.uint32)
-        gc.disable()
-        try:
-            return time_steps(s, steps, ids, mean=not aligned) / n
-        finally:
-            gc.enable()
+        fill = " no-fill" if aligned else ""
+        return decode_figure(qualia, f"decode{fill} n={n} ctx={ctx} mode={mode}", steps)
 
     sizes = (64, 256, 1024) if quick else (64, 256, 1024, 4096)
     ctxs = (128, 2048, 8192) if quick else (128, 2048, 8192, 32768)
@@ -290,11 +330,73 @@ def paired(base, runs, key):
     return f"{num} ({lower} lower, {higher} higher of {len(d)}, p={sign_test(lower, higher):.2g})"
 
 
+def run_paired(trees, names, windows, steps):
+    """The paired mode: for each tree in order (the same tree may come twice: an A/A run shows
+    the noise), {figure: [one value a window]}.  One child a tree, kept for the whole run; in
+    each window every child measures every figure once, the trees in an order that rotates
+    from window to window, so the values a window pairs are seconds apart."""
+    kids = []
+    try:
+        for t in trees:
+            kids.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--serve", "--steps", str(steps)],
+                env=dict(os.environ, PYTHONPATH=t), cwd=HERE, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True))
+            got = json.loads(kids[-1].stdout.readline())
+            assert got == os.path.join(t, "qualia"), f"wrong qualia imported: {got}"
+        vals = [{k: [] for k in names} for _ in trees]
+        order = list(range(len(trees)))
+        for w in range(windows):
+            for k in names:
+                for i in order[w % len(trees):] + order[:w % len(trees)]:
+                    kids[i].stdin.write(k + "\n")
+                    kids[i].stdin.flush()
+                    line = kids[i].stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"the child for {trees[i]} ended "
+                                           f"(exit {kids[i].wait()})")
+                    vals[i][k].append(json.loads(line))
+        return vals
+    finally:
+        for kid in kids:
+            kid.stdin.close()
+            kid.wait()
+
+
+def paired_table(trees, vals):
+    """The paired mode's table (vals as run_paired returns them): each tree's median over the
+    windows, and each tree after the first against it window by window (median difference,
+    windows lower and higher, p)."""
+    names = [os.path.basename(t) for t in trees]
+    keys = list(vals[0])
+    n = len(vals[0][keys[0]])
+    rows = [[{k: v[k][w] for k in keys} for w in range(n)] for v in vals]
+    vs = [f"{m} - {names[0]} by window" for m in names[1:]]
+    lines = ["| figure | " + " | ".join(names + vs) + " |",
+             "|---|" + "---:|" * (len(trees) + len(vs))]
+    for k in keys:
+        cells = [f"{statistics.median(v[k]):.1f}" for v in vals]
+        cells += [paired(rows[0], r, k) for r in rows[1:]]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trees", nargs="*")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--paired", action="store_true",
+                    help="decode figures in paired windows (see --figure, --windows)")
+    ap.add_argument("--windows", type=int, default=24,
+                    help="the paired mode's windows (default 24)")
+    ap.add_argument("--figure", action="append", default=None,
+                    help="a decode figure for the paired mode, named as in the table "
+                         "(repeatable; default: n=4096 ctx=512, both modes)")
+    ap.add_argument("--steps", type=int, default=64,
+                    help="the paired mode: steps a decode figure times (whole periods of 16; "
+                         "default 64)")
+    ap.add_argument("--serve", action="store_true")
     ap.add_argument("--mixed-pool", type=int, default=MIXED_POOL,
                     help="pages in the mixed workload's pool (at least 5,300: the 64 decodes "
                          "and one prompt; below the default, the pool full regime only)")
@@ -304,14 +406,34 @@ def main():
         ap.error(f"--mixed-pool must be at least 5,300 pages, got {args.mixed_pool}")
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.steps < 16 or args.steps % 16:
+        ap.error(f"--steps must be a positive multiple of 16, got {args.steps}")
     if args.child:
         child(args.quick, args.mixed_pool)
         return
+    if args.serve:
+        serve(args.steps)
+        return
     trees = [os.path.abspath(t) for t in args.trees]
-    runs = {t: [] for t in trees}
+    if not trees:
+        ap.error("name at least one tree")
+    if args.paired:
+        names = args.figure or list(PAIRED)
+        for k in names:
+            if not DECODE.fullmatch(k):
+                ap.error(f"--figure must name a decode figure as the table does "
+                         f"(e.g. {PAIRED[1]!r}), got {k!r}")
+        if args.windows < 1:
+            ap.error(f"--windows must be at least 1, got {args.windows}")
+        print(paired_table(trees, run_paired(trees, names, args.windows, args.steps)))
+        return
+    # by position: the same tree may come twice (an A/A run shows the noise)
+    runs = [[] for _ in trees]
     for rnd in range(args.rounds):
         # the order rotates from round to round, so that no tree always runs first in a round
-        for t in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
+        order = list(range(len(trees)))
+        for i in order[rnd % len(trees):] + order[:rnd % len(trees)]:
+            t = trees[i]
             env = dict(os.environ, PYTHONPATH=t)
             cmd = [sys.executable, os.path.abspath(__file__), "--child"]
             if args.quick:
@@ -321,17 +443,16 @@ def main():
                                  check=True)
             r = json.loads(res.stdout)
             assert r.pop("qualia") == os.path.join(t, "qualia"), "wrong qualia imported"
-            runs[t].append(r)
-    keys = [k for k in runs[trees[0]][0] if "pages per step" not in k]
-    best = {t: {k: min(r[k] for r in runs[t]) for k in keys} for t in trees}
-    for t in trees:
+            runs[i].append(r)
+    keys = [k for k in runs[0][0] if "pages per step" not in k]
+    best = [{k: min(r[k] for r in rs) for k in keys} for rs in runs]
+    for b, rs in zip(best, runs):
         # the derived figures come from the figures shown, not from one round each (a round
         # in which the machine slowed one mode only would make its own ratio)
-        b = best[t]
         for tag in ("", " pool full", " steady"):
-            if f"mixed{tag} pages per step" not in runs[t][0]:
+            if f"mixed{tag} pages per step" not in rs[0]:
                 continue
-            pages = runs[t][0][f"mixed{tag} pages per step"]
+            pages = rs[0][f"mixed{tag} pages per step"]
             b[f"mixed{tag} auto / off"] = b[f"mixed{tag} mode=auto"] / b[f"mixed{tag} mode=off"]
             b[f"page fill{tag} (ns per page)"] = (
                 (b[f"mixed{tag} mode=auto"] - b[f"mixed{tag} mode=off"]) / pages)
@@ -342,9 +463,9 @@ def main():
     print("| figure | " + " | ".join(names + vs) + " |")
     print("|---|" + "---:|" * (len(trees) + len(vs)))
     for k in keys:
-        vals = [best[t][k] for t in trees]
+        vals = [b[k] for b in best]
         cells = [f"{v:.2f}" if v < 10 else f"{v:.1f}" for v in vals]
-        cells += [paired(runs[trees[0]], runs[t], k) for t in trees[1:]]
+        cells += [paired(runs[0], rs, k) for rs in runs[1:]]
         print(f"| {k} | " + " | ".join(cells) + " |")
 
 
