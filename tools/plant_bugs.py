@@ -163,19 +163,36 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a removal from the prefix index moves an entry sitting at its home back, before it"),
     Mutation(
         "unlink_leaves_ring_entry_live", "cache", C + "cache/pagecache.pxi",
-        "        r.pos = U32_MAX            # its ring entry is dead\n",
+        "        c.alive[r.pos] = 0         # its ring entry is dead\n",
         "",
         "a page taken off the middle of the reclaimable list keeps its live entry in the ring"),
     Mutation(
-        "reclaim_leaves_ring_length", "cache", C + "cache/pagecache.pxi",
-        "    c.ring_head = _pc_slot(c, 1)\n    c.ring_len -= 1\n    t.rec_head[ns] = ns_nxt\n",
-        "    c.ring_head = _pc_slot(c, 1)\n    t.rec_head[ns] = ns_nxt\n",
-        "a reclaim moves the ring's head past the page it dropped but keeps the ring's length"),
+        "head_passes_one_past_the_dead_slots", "cache", C + "cache/pagecache.pxi",
+        "            c.ring_head = _pc_slot(c, c.cmp_r)\n",
+        "            c.ring_head = _pc_slot(c, c.cmp_r + 1)\n",
+        "a head passing the dead slots of a compaction in progress passes one entry more"),
     Mutation(
         "ring_compaction_keeps_old_slots", "cache", C + "cache/pagecache.pxi",
-        "            c.order[w] = page\n            pc_rec(c, page).pos = w\n",
-        "            c.order[w] = page\n",
+        "                c.alive[w] = 1\n                pc_rec(c, page).pos = w\n",
+        "                c.alive[w] = 1\n",
         "compacting the ring moves its live entries but leaves their pages' slots where they were"),
+    Mutation(
+        "compaction_offsets_ignore_the_head", "cache", C + "cache/pagecache.pxi",
+        "    if c.cmp_r:\n        c.cmp_r -= 1\n        if c.cmp_w:\n            c.cmp_w -= 1\n",
+        "",
+        "the ring's head moves on during a compaction, but the compaction's offsets from it stay"),
+    Mutation(
+        "compaction_end_keeps_dead_slots", "cache", C + "cache/pagecache.pxi",
+        "    if c.cmp_r == c.ring_len:\n        c.ring_len = c.cmp_w\n",
+        "    if c.cmp_r == c.ring_len:\n",
+        "a compaction that has read every entry leaves the dead slots after the compacted ones "
+        "in the ring"),
+    Mutation(
+        "head_passes_compacted_entries", "cache", C + "cache/pagecache.pxi",
+        "        if c.cmp_w == 0 and c.cmp_r:\n",
+        "        if c.cmp_r:\n",
+        "a head that meets a compaction in progress passes the compacted entries with the dead "
+        "ones"),
     Mutation(
         "reclaim_keeps_namespace_count", "cache", C + "cache/pagecache.pxi",
         "    lk.ns_next = U32_MAX\n    t.n_rec[ns] -= 1\n",

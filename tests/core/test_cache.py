@@ -371,6 +371,58 @@ def test_pages_retaken_and_released_many_times_keep_the_reclaim_order(make):
     assert s.admit(202, chains[order[0]] + [1]).prefix_tokens == 0
 
 
+def test_reclaims_between_hits_keep_the_reclaim_order(make):
+    # more one-page chains than the pool holds, used at random: a hit takes its page off the
+    # reclaimable list and its finish puts it back at the most recent end; a miss reclaims the
+    # least recently used pages it lacks.  The list keeps exactly that order throughout, while
+    # the hits leave entries behind for the ring to compact and the reclaims take its head.
+    s = make(num_pages=40, max_requests=2)
+    chains = [[t] * PT for t in range(10, 54)]
+    cached = {}                                        # chain -> its cached page
+    order = []                                         # the expected list, oldest first
+    rng = np.random.default_rng(5)
+    for rid in range(1200):
+        i = int(rng.integers(0, len(chains)))
+        hit = i in cached
+        if hit:
+            order.remove(cached[i])
+        lack = (1 if hit else 2) - s.pool.free_count   # the partial page, and a miss's full one
+        for page in order[:max(lack, 0)]:
+            del cached[next(c for c, q in cached.items() if q == page)]
+        order = order[max(lack, 0):]
+        adm, _ = serve(s, rid, chains[i] + [100 + rid], finish=False)
+        assert adm.prefix_tokens == (PT if hit else 0), rid
+        cached[i] = s.block_table(rid)[0]
+        s.finish(rid)
+        order.append(cached[i])
+        assert s.reclaimable_pages().tolist() == order, rid
+    assert s.cache_stats().reclaims > 100
+
+
+def test_a_reclaim_after_hits_on_the_oldest_pages_takes_the_oldest_left(make):
+    # hits on the least recently used page leave a run of dead entries at the head of the
+    # ring, and hits on the most recently used one more dead entries behind; once the ring
+    # holds enough, the compaction reads them a few at a time, passing the run at the head.
+    # A miss then reclaims the oldest page still on the list, whatever the two counts.
+    for old in range(12):
+        for new in range(20):
+            s = make(num_pages=8, max_requests=2)
+            chains = [[t] * PT for t in range(10, 18)]
+            for i in range(7):
+                serve(s, i, chains[i] + [50])
+            order = s.reclaimable_pages().tolist()           # chains 0..6, oldest first
+            lru = list(range(7))
+            for h in range(old + new):
+                i = lru.pop(0) if h < old else lru[-1]
+                assert serve(s, 100 + h, chains[i] + [60])[0].prefix_tokens == PT
+                if h < old:
+                    lru.append(i)
+                    order.append(order.pop(0))
+                assert s.reclaimable_pages().tolist() == order, (old, new, h)
+            serve(s, 200, chains[7] + [70])                  # a miss: the oldest page goes
+            assert s.reclaimable_pages().tolist()[:-1] == order[1:], (old, new)
+
+
 def test_decode_reclaims_when_the_pool_is_exhausted(make):
     s = make(num_pages=5, max_requests=2)
     serve(s, 1, PROMPT[:2 * PT] + [1])                    # pages 0, 1 cached; 2 freed

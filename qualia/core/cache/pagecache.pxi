@@ -15,7 +15,7 @@
 # list of idle namespaces, least recently used first, whose head gives up its pages and its id
 # when a new namespace needs one and none is free.  Lookups verify tokens, namespace and parent
 # link, so a hash collision can never hand out the wrong page.  Every function is O(1) or
-# O(pages of one call), amortised where the reclaim ring skips its dead entries or compacts
+# O(pages of one call), amortised where a reclaim skips the ring's dead entries at its head
 # (see PageCache.order), but clearing the cache, which walks the records once.  All memory is
 # allocated by pc_init.
 
@@ -105,12 +105,23 @@ cdef struct PageCache:
     # (a hit retakes it, a namespace gives it up) only has its pos cleared, and the entry is
     # skipped when the head reaches it.  A reclaim reads the pages it will drop from
     # consecutive slots, so it knows them ahead without a load that waits on the one before.
-    # A full ring is compacted in place (ring_cap is twice num_blocks: at least num_blocks
-    # dead entries go at once).
+    # The dead entries are compacted away a few at a time (ring_cap is 3 num_blocks; see
+    # _pc_compact_some), so that no call does more than a bounded part of it.
     uint32_t *order       # ring_cap slots
+    # whether each slot's entry is live (read in slot order, so that skipping and compacting
+    # dead entries reads no record)
+    uint8_t *alive        # ring_cap
     uint32_t ring_cap
     uint32_t ring_head
     uint32_t ring_len
+    # The compaction in progress (cmp_on), as offsets from the head: the entries before cmp_w
+    # are compacted (live when moved there, in order), those from cmp_w to cmp_r are dead (moved
+    # on or dead already), those from cmp_r on are still to be read.  It starts when ring_len
+    # reaches cmp_start and ends when cmp_r reaches the tail, which then moves back to cmp_w.
+    uint32_t cmp_w
+    uint32_t cmp_r
+    uint32_t cmp_start
+    bint cmp_on
     # open addressing by identity: each slot's page (-1: empty) beside its identity's 32-bit tag,
     # so that a probe reads no record but a tag's match (8 bytes a slot: 8 slots a cache line)
     PcSlot *index
@@ -404,54 +415,102 @@ cdef uint32_t pc_drain(PageCache *c, KvEvent *out, uint32_t cap) noexcept nogil:
 # -- lists ---------------------------------------------------------------------------------------
 
 cdef inline uint32_t _pc_slot(PageCache *c, uint32_t i) noexcept nogil:
-    # the ring slot i slots past the head (i < ring_cap)
-    cdef uint32_t k = c.ring_head + i
-    return k - c.ring_cap if k >= c.ring_cap else k
+    # the ring slot i slots past the head (i < ring_cap; the sum in 64 bits: ring_cap may pass
+    # 2**31)
+    cdef uint64_t k = <uint64_t>c.ring_head + i
+    return <uint32_t>(k - c.ring_cap if k >= c.ring_cap else k)
 
 
 cdef inline bint _pc_live(PageCache *c, uint32_t k) noexcept nogil:
-    # is the entry in ring slot k (one of the ring_len from the head) a page on the list?
-    return pc_rec(c, c.order[k]).pos == k
+    # is the entry in ring slot k (one of the ring_len from the head) a page on the list?  (Its
+    # page's record then has pos == k.)
+    return c.alive[k]
 
 
-cdef void _pc_ring_compact(PageCache *c) noexcept nogil:
-    # the live entries moved, in order, to the slots from the head (each moves to a slot at
-    # or before its own, so the pass reads every entry before it is overwritten)
-    cdef uint32_t i, k, w = c.ring_head, n = 0, page
-    for i in range(c.ring_len):
-        k = _pc_slot(c, i)
-        page = c.order[k]
+cdef enum:
+    # ring entries an append compacts: a compaction starts at 5/2 num_blocks entries, of which
+    # each append reads 7 and adds 1 (reclaims only take entries away), so it ends within
+    # 5/12 num_blocks appends, before the ring (3 num_blocks slots) is full; the live entries
+    # then number at most num_blocks, so the next starts 3/2 num_blocks appends later at the
+    # soonest: on average about 1.5 entries read an append at most
+    PC_COMPACT_STEP = 7
+    PC_COMPACT_AHEAD = 8    # how many entries ahead the compaction prefetches the page's record
+
+
+cdef void _pc_compact_some(PageCache *c, uint32_t m) noexcept nogil:
+    # The compaction in progress reads up to m more entries: each live one moves back to the
+    # first slot after the compacted ones (its old slot is then dead: its pos names the new
+    # one).  When every entry is read, the dead slots after the compacted ones leave the ring.
+    cdef uint32_t k, w, page
+    while m and c.cmp_r < c.ring_len:
+        if c.cmp_r + PC_COMPACT_AHEAD < c.ring_len:
+            k = _pc_slot(c, c.cmp_r + PC_COMPACT_AHEAD)
+            if _pc_live(c, k) and c.cmp_w != c.cmp_r:
+                qualia_prefetch_w(pc_rec(c, c.order[k]))    # the record whose pos moves
+        k = _pc_slot(c, c.cmp_r)
         if _pc_live(c, k):
-            c.order[w] = page
-            pc_rec(c, page).pos = w
-            w += 1
-            if w == c.ring_cap:
-                w = 0
-            n += 1
-    c.ring_len = n
+            if c.cmp_w != c.cmp_r:
+                page = c.order[k]
+                w = _pc_slot(c, c.cmp_w)
+                c.alive[k] = 0
+                c.order[w] = page
+                c.alive[w] = 1
+                pc_rec(c, page).pos = w
+            c.cmp_w += 1
+        c.cmp_r += 1
+        m -= 1
+    if c.cmp_r == c.ring_len:
+        c.ring_len = c.cmp_w
+        c.cmp_on = False
+        c.cmp_w = c.cmp_r = 0
 
 
 cdef inline void _pc_append(PageCache *c, uint32_t p) noexcept nogil:
-    # page p to the tail (most recent end) of the reclaimable list
+    # page p to the tail (most recent end) of the reclaimable list, a step of the compaction
+    # first (started here when the ring holds cmp_start entries)
     cdef uint32_t k
+    if not c.cmp_on and c.ring_len >= c.cmp_start:
+        c.cmp_on = True
+    if c.cmp_on:
+        _pc_compact_some(c, PC_COMPACT_STEP)
     if c.ring_len == c.ring_cap:
-        _pc_ring_compact(c)
+        # not reached (a compaction ends before the ring fills, see PC_COMPACT_STEP): were
+        # it, the compaction would run to its end here, at once
+        c.cmp_on = True
+        _pc_compact_some(c, c.ring_len)
     k = _pc_slot(c, c.ring_len)
     c.order[k] = p
+    c.alive[k] = 1
     pc_rec(c, p).pos = k
     c.ring_len += 1
 
 
+cdef inline void _pc_pop_head(PageCache *c) noexcept nogil:
+    # the head's entry leaves the ring (the compaction's offsets follow the head)
+    c.alive[c.ring_head] = 0
+    c.ring_head = _pc_slot(c, 1)
+    c.ring_len -= 1
+    if c.cmp_r:
+        c.cmp_r -= 1
+        if c.cmp_w:
+            c.cmp_w -= 1
+
+
 cdef inline uint32_t pc_head(PageCache *c) noexcept nogil:
     # the head of the reclaimable list (U32_MAX: empty), the dead entries before it skipped
-    # (they leave the ring: the list is unchanged)
+    # (they leave the ring: the list is unchanged); a head that has reached the dead slots of
+    # the compaction in progress passes them all at once
     cdef uint32_t k
     while c.ring_len:
+        if c.cmp_w == 0 and c.cmp_r:
+            c.ring_head = _pc_slot(c, c.cmp_r)
+            c.ring_len -= c.cmp_r
+            c.cmp_r = 0
+            continue
         k = c.ring_head
         if _pc_live(c, k):
             return c.order[k]
-        c.ring_head = _pc_slot(c, 1)
-        c.ring_len -= 1
+        _pc_pop_head(c)
     return U32_MAX
 
 
@@ -508,7 +567,8 @@ cdef inline void pc_unlink(PageCache *c, uint32_t p) noexcept nogil:
         x.ns_prev = U32_MAX
         x.ns_next = U32_MAX
         t.n_rec[ns] -= 1
-        r.pos = U32_MAX            # its ring entry is dead
+        c.alive[r.pos] = 0         # its ring entry is dead
+        r.pos = U32_MAX
     c.n_state[state] -= 1
 
 
@@ -734,8 +794,7 @@ cdef inline int _pc_drop_head(PageCache *c, Pool *p, uint32_t page) noexcept nog
     pc_index_remove(c, page, x.ident)
     # the entry leaves the ring at its head (its pos is left: no slot outside the ring's
     # ring_len is read, and the next append of the page sets it)
-    c.ring_head = _pc_slot(c, 1)
-    c.ring_len -= 1
+    _pc_pop_head(c)
     t.rec_head[ns] = ns_nxt
     if ns_nxt != U32_MAX:
         pc_rec(c, ns_nxt).lk.ns_prev = U32_MAX
@@ -857,8 +916,10 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     # that a lookup touches one record, not a record and a token array
     c.stride = (sizeof(CachePage) + <size_t>page_tokens * sizeof(uint32_t) + 63) & ~(<size_t>63)
     c.recs = <char *>qualia_big_zalloc((num_blocks if num_blocks else 1) * c.stride)
-    c.ring_cap = 2 * num_blocks if num_blocks else 2
+    c.ring_cap = 3 * num_blocks if num_blocks else 2
+    c.cmp_start = 2 * num_blocks + num_blocks // 2
     c.order = <uint32_t *>qualia_big_zalloc(<size_t>c.ring_cap * sizeof(uint32_t))
+    c.alive = <uint8_t *>qualia_big_zalloc(c.ring_cap)
     c.index = <PcSlot *>qualia_big_zalloc(size * sizeof(PcSlot))
     c.nh = <uint64_t *>PyMem_Calloc(pc_nh_words(page_tokens), sizeof(uint64_t))
     c.ns.names = <uint8_t *>PyMem_Malloc(<size_t>max_ns * NS_MAX_BYTES)
@@ -874,7 +935,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
     c.ns.index = <int32_t *>PyMem_Malloc(nsize * sizeof(int32_t))
     c.ns.free_ids = <uint32_t *>PyMem_Malloc(max_ns * sizeof(uint32_t))
     c.ev.buf = <KvEvent *>PyMem_Calloc(event_capacity if event_capacity else 1, sizeof(KvEvent))
-    if (c.recs == NULL or c.order == NULL or c.index == NULL or c.nh == NULL
+    if (c.recs == NULL or c.order == NULL or c.alive == NULL or c.index == NULL or c.nh == NULL
             or c.ns.names == NULL or c.ns.lens == NULL or c.ns.hashes == NULL
             or c.ns.refs == NULL or c.ns.index == NULL or c.ns.free_ids == NULL
             or c.ns.n_rec == NULL or c.ns.rec_head == NULL or c.ns.rec_tail == NULL
@@ -918,6 +979,7 @@ cdef int pc_init(PageCache *c, uint32_t num_blocks, uint32_t page_tokens, uint32
 cdef void pc_free(PageCache *c) noexcept:
     qualia_big_free(c.recs)
     qualia_big_free(c.order)
+    qualia_big_free(c.alive)
     qualia_big_free(c.index)
     PyMem_Free(c.nh)
     PyMem_Free(c.ns.names)
