@@ -101,9 +101,10 @@ cdef struct PageCache:
     size_t stride
     # The reclaimable list, least recently used first, as a ring of ring_cap slots holding
     # pages: ring_len slots from ring_head, of which the live ones are the list in order.  A
-    # page's entry is live while its record's pos is its slot: a page that leaves the list mid-way
-    # (a hit retakes it, a namespace gives it up) only has its pos cleared, and the entry is
-    # skipped when the head reaches it.  A reclaim reads the pages it will drop from
+    # live entry's slot is marked in `alive` and noted in its page's record (pos): a page that
+    # leaves the list mid-way (a hit retakes it, a namespace gives it up) only has its slot
+    # marked dead and its pos cleared, and the entry is skipped when the head reaches it.  A
+    # reclaim reads the pages it will drop from
     # consecutive slots, so it knows them ahead without a load that waits on the one before.
     # The dead entries are compacted away a few at a time (ring_cap is 3 num_blocks; see
     # _pc_compact_some), so that no call does more than a bounded part of it.
@@ -429,10 +430,13 @@ cdef inline bint _pc_live(PageCache *c, uint32_t k) noexcept nogil:
 
 cdef enum:
     # ring entries an append compacts: a compaction starts at 5/2 num_blocks entries, of which
-    # each append reads 7 and adds 1 (reclaims only take entries away), so it ends within
-    # 5/12 num_blocks appends, before the ring (3 num_blocks slots) is full; the live entries
-    # then number at most num_blocks, so the next starts 3/2 num_blocks appends later at the
-    # soonest: on average about 1.5 entries read an append at most
+    # each append reads 7 and adds 1 (reclaims only take entries away), so it ends after
+    # about 5/12 num_blocks appends, before the ring (3 num_blocks slots) is full (the most it
+    # can hold then is within two slots of that: a larger start or a smaller step needs this
+    # bound checked again).  It leaves the entries that were live when it moved them, some
+    # num_blocks or a few more (a page moved and then retaken leaves a dead one among them),
+    # so entries are read at about 1.5 an append on average (1.6 measured in a model where
+    # every hit retakes the oldest page) and never more than 7
     PC_COMPACT_STEP = 7
     PC_COMPACT_AHEAD = 8    # how many entries ahead the compaction prefetches the page's record
 
@@ -820,10 +824,10 @@ cdef int pc_make_room(PageCache *c, Pool *p, uint64_t need) noexcept nogil:
     # the free stack lacks.  Q_EXHAUSTED, reclaiming nothing, when even that is not enough.
     # The pages to drop are read from the ring ahead of the head, no further than the last
     # page to reclaim (less the dead entries among them): PC_DROP_AHEAD slots ahead, what the drop
-    # of a page reads and writes is prefetched (its record, namespace links and pool count,
-    # the ring's liveness word); PC_INDEX_AHEAD slots ahead, the identity is read from the record
-    # and its index slot prefetched.  So a drop finds what it touches in cache (hints only:
-    # the drops decide what is reclaimed).
+    # of a page reads and writes is prefetched (its record, with its namespace links and ring
+    # slot, and its pool count; the liveness bytes are read in order); PC_INDEX_AHEAD slots
+    # ahead, the identity is read from the record and its index slot prefetched.  So a drop
+    # finds what it touches in cache (hints only: the drops decide what is reclaimed).
     cdef uint32_t page, i, left
     cdef int rc
     if need <= p.free_top:
