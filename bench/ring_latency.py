@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+
+from treerun import rotated, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -93,16 +94,10 @@ def main():
         ap.error("name at least one tree")
     best = [None] * len(trees)
     for rnd in range(args.rounds):
-        # the order rotates from round to round, so that no tree always runs first
-        order = list(range(len(trees)))
-        for i in order[rnd % len(trees):] + order[:rnd % len(trees)]:
-            t = trees[i]
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--pool", str(args.pool),
-                   "--pages", str(args.pages), "--cycles", str(args.cycles)]
-            res = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=t), cwd=HERE,
-                                 capture_output=True, text=True, check=True)
-            r = json.loads(res.stdout)
-            assert r.pop("qualia") == os.path.join(t, "qualia"), "wrong qualia imported"
+        for i in rotated(len(trees), rnd):
+            r = run_child(os.path.abspath(__file__), trees[i],
+                          ["--pool", str(args.pool), "--pages", str(args.pages),
+                           "--cycles", str(args.cycles)])
             if best[i] is None or r["mean"] < best[i]["mean"]:
                 best[i] = r
     print(f"pool {args.pool} pages, prompts of {args.pages} pages, {args.cycles} served "

@@ -74,6 +74,8 @@ import statistics
 import subprocess
 import sys
 
+from treerun import check_qualia, child_env, rotated, run_child
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIXED_POOL = (64 + 4) * 600     # the mixed workload's pool: room for its first window
 
@@ -340,15 +342,13 @@ def run_paired(trees, names, windows, steps):
         for t in trees:
             kids.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--serve", "--steps", str(steps)],
-                env=dict(os.environ, PYTHONPATH=t), cwd=HERE, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True))
-            got = json.loads(kids[-1].stdout.readline())
-            assert got == os.path.join(t, "qualia"), f"wrong qualia imported: {got}"
+                env=child_env(t), cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                text=True))
+            check_qualia(t, json.loads(kids[-1].stdout.readline()))
         vals = [{k: [] for k in names} for _ in trees]
-        order = list(range(len(trees)))
         for w in range(windows):
             for k in names:
-                for i in order[w % len(trees):] + order[:w % len(trees)]:
+                for i in rotated(len(trees), w):
                     kids[i].stdin.write(k + "\n")
                     kids[i].stdin.flush()
                     line = kids[i].stdout.readline()
@@ -431,18 +431,9 @@ def main():
     runs = [[] for _ in trees]
     for rnd in range(args.rounds):
         # the order rotates from round to round, so that no tree always runs first in a round
-        order = list(range(len(trees)))
-        for i in order[rnd % len(trees):] + order[:rnd % len(trees)]:
-            t = trees[i]
-            env = dict(os.environ, PYTHONPATH=t)
-            cmd = [sys.executable, os.path.abspath(__file__), "--child"]
-            if args.quick:
-                cmd.append("--quick")
-            cmd += ["--mixed-pool", str(args.mixed_pool)]
-            res = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True,
-                                 check=True)
-            r = json.loads(res.stdout)
-            assert r.pop("qualia") == os.path.join(t, "qualia"), "wrong qualia imported"
+        for i in rotated(len(trees), rnd):
+            opts = (["--quick"] if args.quick else []) + ["--mixed-pool", str(args.mixed_pool)]
+            r = run_child(os.path.abspath(__file__), trees[i], opts)
             runs[i].append(r)
     keys = [k for k in runs[0][0] if "pages per step" not in k]
     best = [{k: min(r[k] for r in rs) for k in keys} for rs in runs]

@@ -104,8 +104,8 @@ cdef struct PageCache:
     # live entry's slot is marked in `alive` and noted in its page's record (pos): a page that
     # leaves the list mid-way (a hit retakes it, a namespace gives it up) only has its slot
     # marked dead and its pos cleared, and the entry is skipped when the head reaches it.  A
-    # reclaim reads the pages it will drop from
-    # consecutive slots, so it knows them ahead without a load that waits on the one before.
+    # reclaim reads the pages it will drop from consecutive slots, so it knows them ahead
+    # without a load that waits on the one before.
     # The dead entries are compacted away a few at a time (ring_cap is 3 num_blocks; see
     # _pc_compact_some), so that no call does more than a bounded part of it.
     uint32_t *order       # ring_cap slots
@@ -443,7 +443,7 @@ cdef enum:
 
 cdef void _pc_compact_some(PageCache *c, uint32_t m) noexcept nogil:
     # The compaction in progress reads up to m more entries: each live one moves back to the
-    # first slot after the compacted ones (its old slot is then dead: its pos names the new
+    # first slot after the compacted ones (its old slot marked dead, its pos naming the new
     # one).  When every entry is read, the dead slots after the compacted ones leave the ring.
     cdef uint32_t k, w, page
     while m and c.cmp_r < c.ring_len:
