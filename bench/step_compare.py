@@ -152,58 +152,23 @@ def child(quick, mixed_pool):
         # full: the pool is filled first (untimed), so that every page the window allocates
         # with caching on comes from a reclaim, as in a serving engine whose cache holds all
         # it can; otherwise the window's pages all come from the free stack
-        n, chunk = 64, 2048
-        lp = 512 // PT + 40
-        s = qualia.StepScheduler(mixed_pool, PT, 600, n + 1, cache_key=KEY,
-                                 prefix_caching=mode, max_num_batched_tokens=n + chunk,
-                                 max_queued=n + 96)
-        rng = np.random.default_rng(1)
-        for i in range(n):
-            s.add_request(i, rng.integers(0, 30000, size=512, dtype=np.uint32),
-                          max_new_tokens=lp * PT - 600)
-        while True:
-            plan = s.schedule()
-            s.update(np.zeros(len(plan.logits_indices), dtype=np.uint32))
-            if plan.num_prefill_tokens == 0:
-                break
-        prompts = [rng.integers(0, 30000, size=8192, dtype=np.uint32) for _ in range(40)]
-        z = np.zeros(n + 1, dtype=np.uint32)
-        rid = 0
-        # untimed steps that fill the pool
-        warm = steps_to_fill(mixed_pool) if full else 0
-        timed = 12 if quick else 120
-
-        def queue(k):
-            # k more 8,192-token prompts, every one distinct (no page is a hit)
-            nonlocal rid
-            for _ in range(k):
-                p = prompts[rid % len(prompts)].copy()
-                p[0] = rid
-                s.add_request(1000 + rid, p, max_new_tokens=1)
-                rid += 1
-
-        queue(80)
-        for _ in range(warm):
-            plan = s.schedule()
-            queue(len(s.update(z[:len(plan.logits_indices)])))
-        reclaims = s.cache_stats().reclaims if mode == "auto" else 0
-        ts, pre = [], []
+        w = MixedSteady(qualia, mixed_pool, mode, seed=1, settle=True)
+        for _ in range(steps_to_fill(mixed_pool) if full else 0):
+            w.step()
+        reclaims = w.s.cache_stats().reclaims if mode == "auto" else 0
+        ts, pre = [], 0
         gc.disable()
         try:
-            for _ in range(timed):
-                t0 = pc()
-                plan = s.schedule()
-                s.update(z[:len(plan.logits_indices)])
-                ts.append(pc() - t0)
-                pre.append(plan.num_prefill_tokens)
+            for _ in range(12 if quick else 120):
+                pre += w.step(ts)
         finally:
             gc.enable()
         if full and mode == "auto":
             # every page allocated in the window was reclaimed: the pool stayed full
-            assert s.cache_stats().reclaims - reclaims >= sum(pre) // PT, "pool not full"
+            assert w.s.cache_stats().reclaims - reclaims >= pre // PT, "pool not full"
         # the mean over whole periods (120 steps, or 12: 30 or 3 prompts of four 2,048-token
         # chunks, each admitted and hashed in its first): a median picks a light or a heavy step
-        return sum(ts) / len(ts), sum(pre) / len(pre)
+        return sum(ts) / len(ts), pre / len(ts)
 
     # three windows per mode, the modes alternating, each mode's lowest kept: one window in
     # which the machine slowed moves neither mode's figure nor the ratio

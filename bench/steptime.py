@@ -89,11 +89,15 @@ class MixedSteady:
     within a few steps and the step keeps its 64 decodes (in 97% of the steps after the pool
     fills, 63.9 on average).  A decode takes its pages one at a time, so the pages it hands
     back lie apart in memory, and each pass of the pool through the reclaimable list scatters
-    that list's order further."""
+    that list's order further.
+
+    settle=True prefills the decoding requests before the long prompts are queued (step_compare's
+    "with room" and "pool full" windows: every step from then on takes 64 decodes and one chunk,
+    as long as no decoding request finishes, 552 steps)."""
 
     N, CHUNK = 64, 2048
 
-    def __init__(self, qualia, pool, mode, seed=2):
+    def __init__(self, qualia, pool, mode, seed=2, settle=False):
         n = self.N
         self.lp = 512 // PT + 40
         self.s = qualia.StepScheduler(pool, PT, 600, n + 1, cache_key=KEY, prefix_caching=mode,
@@ -106,6 +110,8 @@ class MixedSteady:
         self.short_ids = set()
         for _ in range(n):
             self.add(True)
+        while settle and self.step():
+            pass
         for _ in range(80):
             self.add(False)
 
