@@ -194,6 +194,19 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "a head that meets a compaction in progress passes the compacted entries with the dead "
         "ones"),
     Mutation(
+        "dead_run_passes_a_live_word", "cache", C + "cache/pagecache.pxi",
+        "        if w[0] | w[1] | w[2] | w[3]:\n",
+        "        if w[0] | w[1] | w[2]:\n",
+        "the head's pass over a run of dead entries misses a live entry in the last 8 of 32 "
+        "liveness bytes read at once"),
+    Mutation(
+        "dead_run_leaves_compaction_offsets", "cache", C + "cache/pagecache.pxi",
+        "        if c.cmp_r:\n            c.cmp_r -= d if d < c.cmp_r else c.cmp_r\n"
+        "            c.cmp_w -= d if d < c.cmp_w else c.cmp_w\n",
+        "",
+        "the head passes a run of dead entries during a compaction, but the compaction's "
+        "offsets from it stay"),
+    Mutation(
         "reclaim_keeps_namespace_count", "cache", C + "cache/pagecache.pxi",
         "    lk.ns_next = U32_MAX\n    t.n_rec[ns] -= 1\n",
         "    lk.ns_next = U32_MAX\n",

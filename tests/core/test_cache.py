@@ -423,6 +423,31 @@ def test_a_reclaim_after_hits_on_the_oldest_pages_takes_the_oldest_left(make):
             assert s.reclaimable_pages().tolist()[:-1] == order[1:], (old, new)
 
 
+def test_a_reclaim_after_a_long_run_of_hits_on_the_oldest_pages_takes_the_oldest_left(make):
+    # as above, with runs of dead entries at the head long enough to be passed many slots at
+    # a time, from every head position the ring reaches (it wraps), before and during a
+    # compaction
+    for old in (31, 32, 33, 63, 64, 65, 96, 97, 130, 151, 170, 199, 230):
+        for new in (0, 1, 9, 40):
+            s = make(num_pages=100, max_requests=2)
+            chains = [[t] * PT for t in range(10, 110)]
+            for i in range(99):
+                serve(s, i, chains[i] + [50])
+            order = s.reclaimable_pages().tolist()           # chains 0..98, oldest first
+            lru = list(range(99))
+            for h in range(old + new):
+                i = lru.pop(0) if h < old else lru[-1]
+                assert serve(s, 1000 + h, chains[i] + [60])[0].prefix_tokens == PT
+                if h < old:
+                    lru.append(i)
+                    order.append(order.pop(0))
+            assert s.reclaimable_pages().tolist() == order, (old, new)
+            serve(s, 2000, chains[99] + [70])                # a miss: the oldest page goes
+            assert s.reclaimable_pages().tolist()[:-1] == order[1:], (old, new)
+            serve(s, 2001, [5] * (3 * PT) + [70])            # three more: the next three
+            assert s.reclaimable_pages().tolist()[:-4] == order[4:], (old, new)
+
+
 def test_decode_reclaims_when_the_pool_is_exhausted(make):
     s = make(num_pages=5, max_requests=2)
     serve(s, 1, PROMPT[:2 * PT] + [1])                    # pages 0, 1 cached; 2 freed

@@ -500,11 +500,30 @@ cdef inline void _pc_pop_head(PageCache *c) noexcept nogil:
             c.cmp_w -= 1
 
 
+cdef inline uint32_t _pc_dead_run(const uint8_t *a, uint32_t n) noexcept nogil:
+    # how many of the liveness bytes a[0..n) are zero before the first that is not (n if none),
+    # read 32 bytes at a time once aligned: a long run of dead entries costs a few ns a line
+    cdef uint32_t i = 0
+    cdef uint64_t w[4]
+    while i < n and (<uintptr_t>(a + i) & 31):
+        if a[i]:
+            return i
+        i += 1
+    while i + 32 <= n:
+        memcpy(w, a + i, 32)
+        if w[0] | w[1] | w[2] | w[3]:
+            break
+        i += 32
+    while i < n and not a[i]:
+        i += 1
+    return i
+
+
 cdef inline uint32_t pc_head(PageCache *c) noexcept nogil:
     # the head of the reclaimable list (U32_MAX: empty), the dead entries before it skipped
     # (they leave the ring: the list is unchanged); a head that has reached the dead slots of
     # the compaction in progress passes them all at once
-    cdef uint32_t k
+    cdef uint32_t k, d, lim
     while c.ring_len:
         if c.cmp_w == 0 and c.cmp_r:
             c.ring_head = _pc_slot(c, c.cmp_r)
@@ -514,7 +533,19 @@ cdef inline uint32_t pc_head(PageCache *c) noexcept nogil:
         k = c.ring_head
         if _pc_live(c, k):
             return c.order[k]
-        _pc_pop_head(c)
+        # the run of dead entries from the head leaves at once (their liveness bytes are zero
+        # already), read no further than the ring's last slot in memory; the compaction's
+        # offsets follow the head, none below zero (a run may pass every compacted entry, the
+        # dead slots after them and unread entries too)
+        lim = c.ring_len
+        if c.ring_cap - k < lim:
+            lim = c.ring_cap - k
+        d = _pc_dead_run(&c.alive[k], lim)
+        c.ring_head = _pc_slot(c, d)
+        c.ring_len -= d
+        if c.cmp_r:
+            c.cmp_r -= d if d < c.cmp_r else c.cmp_r
+            c.cmp_w -= d if d < c.cmp_w else c.cmp_w
     return U32_MAX
 
 
