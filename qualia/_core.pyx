@@ -61,6 +61,7 @@ from collections.abc import Sequence as _AbcSequence
 
 import numpy as np
 
+cimport cython
 cimport numpy as cnp
 
 cnp.import_array()

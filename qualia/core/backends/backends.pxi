@@ -184,19 +184,26 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     cdef _LoweredPlan lp = _LoweredPlan.__new__(_LoweredPlan)
     cdef dict bufs = {}
     cdef _Buffer b
+    # the scalars first: their __index__ may write the plan's arrays, which are checked below
+    # and must not change after (no user code runs from the first check on)
+    cdef uint32_t num_prefill = _u32(getattr(plan, "num_prefill_tokens", 0),
+                                     "plan.num_prefill_tokens")
+    cdef uint32_t num_decode = _u32(getattr(plan, "num_decode_tokens", 0),
+                                    "plan.num_decode_tokens")
+    cdef uint32_t num_topk = _u32(getattr(plan, "num_topk", 0), "plan.num_topk")
+    cdef uint32_t pt = _u32(getattr(plan, "page_tokens", 0), "plan.page_tokens")
     lp.held = []
     for name, kind in _PLAN_KINDS:
         b = _plan_array(plan, name, kind)
         bufs[name] = b
         lp.held.append(b)
-    page_tokens = getattr(plan, "page_tokens", 0)
     table = getattr(plan, "block_table", None)
     if table is None:
         raise TypeError("plan has no 'block_table' array")
     cdef qualia_step_plan *p = &lp.plan
     memset(p, 0, sizeof(qualia_step_plan))
     p.struct_size = sizeof(qualia_step_plan)
-    p.page_tokens = _u32(page_tokens, "plan.page_tokens")
+    p.page_tokens = pt
     # the 2-D block table: int32, rows of contiguous entries, row stride a whole number of entries
     try:
         PyObject_GetBuffer(table, &lp.table, PyBUF_STRIDES | PyBUF_FORMAT)
@@ -254,8 +261,8 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     p.num_tokens = <uint32_t>T
     p.num_sampled = <uint32_t>m
     p.num_kv_indices = <uint32_t>nkv
-    p.num_prefill_tokens = _u32(getattr(plan, "num_prefill_tokens", 0), "plan.num_prefill_tokens")
-    p.num_decode_tokens = _u32(getattr(plan, "num_decode_tokens", 0), "plan.num_decode_tokens")
+    p.num_prefill_tokens = num_prefill
+    p.num_decode_tokens = num_decode
     p.num_changed_rows = <uint32_t>(<_Buffer>bufs["changed_rows"]).length
     p.num_copies = <uint32_t>(<_Buffer>bufs["copies"]).length
     p.num_new = <uint32_t>(<_Buffer>bufs["new_request_ids"]).length
@@ -284,7 +291,7 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     p.fork_child_ids = <const uint64_t *>(<_Buffer>bufs["fork_child_ids"]).ptr
     p.fork_parent_ids = <const uint64_t *>(<_Buffer>bufs["fork_parent_ids"]).ptr
     # beam rows: the caller points topk_ids_out / topk_logprobs_out at [m, num_topk] buffers
-    p.num_topk = _u32(getattr(plan, "num_topk", 0), "plan.num_topk")
+    p.num_topk = num_topk
     return lp
 
 
@@ -320,10 +327,11 @@ def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logpr
     if cap is None:
         raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule), "
                         f"not {type(backend).__name__}")
+    want_logprobs = bool(logprobs)   # user code: before the plan is lowered and checked
     cdef _LoweredPlan lp = _lower_step_plan(plan)
     lp.plan.num_topk = 0    # no candidates asked for here
     out, lps, bs, bl = _step_outputs(lp.plan.num_sampled, sampled_out, logprobs_out,
-                                     bool(logprobs))
+                                     want_logprobs)
     cdef float *lptr = NULL
     cdef float nan = float("nan")
     cdef Py_ssize_t i
@@ -390,12 +398,15 @@ cdef int _parse_receipt(object result, qualia_batch_receipt *rec) except -1:
         if isinstance(result, np.void) and result.dtype.names:
             result = result.item()
         elif isinstance(result, np.ndarray) and result.ndim == 1:
-            result = result.tolist()
+            result = np.asarray(result).tolist()   # no subclass method runs
         if (not isinstance(result, _AbcSequence) or isinstance(result, (str, bytes, bytearray))
                 or len(result) != 2):
             raise TypeError("not a 2-sequence")
-        rec.batch_size = _u32(result[0], "receipt batch_size")
-        rec.backend_launches = _u32(result[1], "receipt backend_launches")
+        pair = tuple(result)   # what is read below: no __index__ can change it
+        if len(pair) != 2:
+            raise TypeError("not a 2-sequence")
+        rec.batch_size = _u32(pair[0], "receipt batch_size")
+        rec.backend_launches = _u32(pair[1], "receipt backend_launches")
     except Exception as exc:
         err = TypeError(f"execute_ragged must return a RaggedBatchReceipt or a "
                         f"(batch_size, backend_launches) pair of u32, got {result!r:.80}")

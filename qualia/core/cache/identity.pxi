@@ -182,7 +182,7 @@ cdef object _tokens_resolve(object tokens, Toks *t, Py_ssize_t limit, str limit_
     if isinstance(tokens, _BYTES_LIKE):
         raise TypeError(f"tokens must be a sequence of token ids, not {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
-        arr = tokens
+        arr = np.asarray(tokens)   # a subclass read as an ndarray: none of its methods run
         if arr.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got {arr.ndim} dimensions")
         if arr.dtype.kind == "b" or arr.dtype.kind not in "iu":
@@ -199,7 +199,8 @@ cdef object _tokens_resolve(object tokens, Toks *t, Py_ssize_t limit, str limit_
         except TypeError:
             raise TypeError(f"tokens must be a sequence of token ids, "
                             f"not {type(tokens).__name__}") from None
-        seq = list(_islice(it, limit + 1)) if limit >= 0 else list(it)
+        # a tuple: no __index__ run below can change what is read
+        seq = tuple(_islice(it, limit + 1)) if limit >= 0 else tuple(it)
         n = len(seq)
         if limit >= 0 and n > limit:
             _too_long(-1, limit, limit_what)
@@ -207,7 +208,7 @@ cdef object _tokens_resolve(object tokens, Toks *t, Py_ssize_t limit, str limit_
         if n:
             v = private
             for i in range(n):
-                v[i] = _u32(seq[i], "token id")
+                v[i] = _u32((<tuple>seq)[i], "token id")
     if not _u32_array(private, &p, &n):
         raise SystemError("qualia internal error: a private token array is not plain uint32")
     t.ptr = p

@@ -332,17 +332,17 @@ cdef class PrefixRouterIndex:
                 raise ValueError(f"identities must be 1-D, got {identities.ndim} dimensions")
             if identities.dtype.kind not in "iu":
                 raise TypeError(f"identities must be integers, got dtype {identities.dtype}")
-            items = identities.tolist()
+            items = tuple(np.asarray(identities).tolist())   # no subclass method runs
         else:
             try:
-                items = list(identities)
+                items = tuple(identities)   # no __index__ run below can change it
             except TypeError:
                 raise TypeError("identities must be a sequence of integers, not "
                                 f"{type(identities).__name__}") from None
         out = np.empty(len(items), dtype=np.uint64)
         v = out
         for k in range(len(items)):
-            v[k] = _u64(items[k], "identity")
+            v[k] = _u64((<tuple>items)[k], "identity")
         ptr[0] = <const uint64_t *>cnp.PyArray_DATA(<cnp.ndarray>out)
         n[0] = len(items)
         return out

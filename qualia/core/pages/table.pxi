@@ -122,12 +122,12 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
             raise TypeError(f"{what} must hold integers, got dtype {pages.dtype}")
         if pages.ndim != 1:
             raise ValueError(f"{what} must be 1-D, got {pages.ndim} dimensions")
-        seq = pages.tolist()
+        seq = tuple(np.asarray(pages).tolist())   # a subclass's own tolist never runs
     elif isinstance(pages, _BYTES_LIKE):
         raise TypeError(f"{what} must be a sequence of page ids, not {type(pages).__name__}")
     else:
         try:
-            seq = list(pages)
+            seq = tuple(pages)   # a tuple: no __index__ run below can change it
         except TypeError:
             raise TypeError(f"{what} must be a sequence of page ids, "
                             f"not {type(pages).__name__}") from None
@@ -139,7 +139,7 @@ cdef uint32_t *_pages_from(object pages, uint32_t *n_out, str what) except NULL:
         raise MemoryError()
     try:
         for i in range(n):
-            buf[i] = _u32(seq[i], "page")
+            buf[i] = _u32((<tuple>seq)[i], "page")
     except BaseException:
         PyMem_Free(buf)
         raise

@@ -35,6 +35,9 @@ cdef object _schedule_error(StepState *st, int rc):
     return _error(E_STEP, rc)
 
 
+# no tp_clear: __dealloc__ hands the pool back, so the cycle collector must not clear
+# self.pool first (a cycle through a scheduler is still broken at its other objects)
+@cython.no_gc_clear
 cdef class StepScheduler:
     """The engine step over an owned pool, slot table and page cache (docs/DESIGN.md, "The engine
     step"): requests go in with ``add_request``; each ``schedule()`` returns a

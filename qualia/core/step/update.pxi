@@ -321,11 +321,12 @@ cdef object update_resolve_sampled(object ids):
     if _u32_array(ids, &p, &n):
         return ids
     if isinstance(ids, np.ndarray):
+        ids = np.asarray(ids)   # an ndarray subclass read as an ndarray: none of its methods run
         if ids.ndim != 1:
             raise ValueError(f"sampled_token_ids must be 1-D, got {ids.ndim} dimensions")
         if ids.dtype.kind not in "iu":
             raise TypeError(f"sampled_token_ids must be integers, got dtype {ids.dtype}")
-        return ids.tolist()
+        return [_u32(x, "sampled token id") for x in ids.tolist()]
     if isinstance(ids, (str, bytes, bytearray, memoryview)):
         raise TypeError("sampled_token_ids must be a sequence of token ids")
     return [_u32(x, "sampled token id") for x in ids]
@@ -351,7 +352,8 @@ cdef int update_load_sampled(StepState *st, object values) except -1:
         for i in range(n):
             st.plan.sampled[i] = <uint32_t>(<list>values)[i]
         return 0
-    _u32_array(values, &p, &n)
+    if not _u32_array(values, &p, &n):
+        raise SystemError("qualia internal error: sampled ids neither a private list nor uint32")
     if n != st.plan.m:
         raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
     memcpy(st.plan.sampled, p, n * sizeof(uint32_t))
