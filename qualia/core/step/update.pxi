@@ -326,7 +326,7 @@ cdef object update_resolve_sampled(object ids):
             raise ValueError(f"sampled_token_ids must be 1-D, got {ids.ndim} dimensions")
         if ids.dtype.kind not in "iu":
             raise TypeError(f"sampled_token_ids must be integers, got dtype {ids.dtype}")
-        return [_u32(x, "sampled token id") for x in ids.tolist()]
+        return ids.tolist()   # exact ints (ndarray's own tolist), checked under ownership
     if isinstance(ids, (str, bytes, bytearray, memoryview)):
         raise TypeError("sampled_token_ids must be a sequence of token ids")
     return [_u32(x, "sampled token id") for x in ids]
