@@ -346,6 +346,14 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "    return tok < x.tok\n",
         "    return tok > x.tok\n",
         "equal scores of one beam: the higher token id goes first"),
+    Mutation(
+        "update_room_misses_parked_beams", "beam", C + "step/scheduler.pxi",
+        "        self._accum_room(<uint64_t>self.step.done.n_accum + self.step.lim.max_queued)\n",
+        "        self._accum_room(<uint64_t>self.step.done.n_accum + self.step.plan.m "
+        "+ self.step.run.n)\n",
+        "update makes room for the ids of its sampled rows and running requests only: a parked "
+        "beam a selection stops is dropped from the next plan's finished ids once aborts filled "
+        "the list"),
     # -- the twin (the executable spec) ----------------------------------------------------------
     Mutation(
         "twin_cow_skipped_at_refcount_2", "table", T + "seed.py",

@@ -80,9 +80,10 @@ MAX_STEP_MS = 3.6e6
 
 
 def step_ms(text: str) -> float:
-    """--step-ms: a number of milliseconds > 0 (the clock must move) and <= MAX_STEP_MS."""
+    """--step-ms: a number of milliseconds > 0 (the clock must move, in seconds too: a
+    subnormal number of milliseconds is 0 seconds) and <= MAX_STEP_MS."""
     v = _number(text)
-    if not 0.0 < v <= MAX_STEP_MS:  # also nan
+    if not 0.0 < v <= MAX_STEP_MS or not v / 1e3 > 0.0:  # also nan
         raise argparse.ArgumentTypeError(
             f"must be > 0 and <= {MAX_STEP_MS:.0f} (an hour), got {text!r}")
     return v

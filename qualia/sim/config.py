@@ -405,6 +405,7 @@ _SET_BY = {
     "token scratch": "--logical-pages x --page-tokens",
     "undo log": "--max-num-seqs, --logical-pages",
     "workload": "--requests x --turns x --prompt-len, --output-len (or the --trace)",
+    "system prompts": "--system-prompts x --system-prompt-len",
 }
 
 
@@ -422,6 +423,11 @@ def memory_needed(args, workload) -> Dict[str, int]:
     replicas = getattr(args, "replicas", None) or 1
     parts = {k: v * replicas for k, v in parts.items()}
     parts["workload"] = workload.memory_estimate()
+    # every system prompt is drawn before the run, whatever the requests (a Python int and a
+    # list slot a token, as the workload's estimate counts them)
+    k = getattr(workload, "system_prompts", 0)
+    if k:
+        parts["system prompts"] = 48 * k * workload.system_prompt_len
     return parts
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import random
 from itertools import repeat
 
 import numpy as np
@@ -1032,3 +1033,50 @@ def test_example_step_backends_run_beam_groups(example_backend, cython_backend, 
         assert len(g.outputs) == len(g.scores) == widths[rid]
         assert g.scores == sorted(g.scores, reverse=True)
     assert a.forks == t.forks and a.free_pages == a.num_pages
+
+
+def _parked_beams_finished(cls):
+    # beams parked under a tight budget, and before every update as many fresh requests added
+    # and aborted as fill the finished-id list up to the sampled rows and running requests: a
+    # selection that stops parked beams must still report each of them
+    rng = np.random.default_rng(13)
+    modes = random.Random(13)
+    queued, seqs = 24, 3
+    s = cls(10, 2, 12, max_num_batched_tokens=3, max_num_seqs=seqs, max_queued=queued,
+            cache_key=b"p" * 16)
+    s.add_request(0, [5, 5, 4], max_new_tokens=5, eos_token_id=1, beam_width=3)
+    s.add_request(1, [5], max_new_tokens=6, priority=2, beam_width=3)
+    s.add_request(2, [0, 4, 5], max_new_tokens=3, priority=1, eos_token_id=1, beam_width=3)
+    seen, reported, filler = set(), [], 10**12
+    while True:
+        plan = s.schedule()
+        seen.update(plan.request_ids.tolist())
+        reported += plan.finished_request_ids.tolist()
+        if not s.has_unfinished() and not len(plan.request_ids):
+            return s.parked, seen, reported
+        for _ in range(queued + seqs - len(plan.logits_indices) - s.num_running):
+            filler += 1
+            s.add_request(filler, [1], max_new_tokens=1)
+            s.abort(filler)
+        m, k = len(plan.logits_indices), plan.num_topk
+        ids = rng.integers(0, 32, m).astype(np.uint32)
+        if not k:
+            s.update(ids)
+            continue
+        mode = modes.choice([0, 0, 1, 3])
+        cand = np.array([rng.permutation(32)[:k] for _ in range(m)]).reshape(m, k)
+        if mode == 0:
+            lps = -0.25 * np.sort(rng.integers(0, 4, size=(m, k)), axis=1)
+        elif mode == 1:     # one finite candidate a row at most: beams run out and park
+            lps = np.full((m, k), -np.inf)
+            lps[:, 0] = rng.choice([0.0, -0.0, -np.inf, -1e308], size=m)
+        else:               # all tied
+            lps = np.zeros((m, k))
+        s.update(ids, cand, lps)
+
+
+def test_beams_a_selection_stops_while_parked_are_reported_finished_with_a_full_list():
+    parked, seen, reported = _parked_beams_finished(qualia.StepScheduler)
+    assert parked > 0
+    assert seen <= set(reported)
+    assert (parked, seen, reported) == _parked_beams_finished(qualia.twin.StepScheduler)

@@ -309,6 +309,17 @@ def test_huge_pools_are_refused_before_allocating(monkeypatch, capsys):
     assert "--requests" in capsys.readouterr().err
 
 
+def test_system_prompts_are_counted_before_they_are_drawn(monkeypatch, capsys):
+    # K system prompts are drawn before the run whatever --requests is: the preflight counts
+    # them and names their options
+    _no_run(monkeypatch)
+    assert main(["simulate", "--backend", "c", "--requests", "4", "--turns", "1",
+                 "--system-prompts", "4294967295", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "system prompts" in err and "--system-prompts x --system-prompt-len" in err
+    assert err.count("\n") == 1
+
+
 def test_memory_error_is_a_clean_exit_2(monkeypatch, capsys):
     from qualia.sim import engine as engine_mod
 
@@ -646,7 +657,7 @@ def test_plot_and_json_into_one_file_are_refused(tmp_path, monkeypatch, capsys):
     assert rc == 2 and "argument --plot" in err and "--json" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e308", "3600000.1"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e308", "3600000.1", "5e-324"])
 def test_step_ms_moves_the_clock_by_at_most_an_hour(value, monkeypatch, capsys):
     _no_run(monkeypatch)
     rc, err = _refused(["--backend", "c", f"--step-ms={value}"], capsys)

@@ -411,8 +411,10 @@ cdef class StepScheduler:
         if cand is not None:
             tk_ids = <const uint32_t *>cnp.PyArray_DATA(<cnp.ndarray>cand[0])
             tk_lps = <const double *>cnp.PyArray_DATA(<cnp.ndarray>cand[1])
-        # every sampled member, and every running beam a selection may finish
-        self._accum_room(<uint64_t>self.step.done.n_accum + self.step.plan.m + self.step.run.n)
+        # every id an update may note finished: each entry at most once (a request's, a member
+        # forked in it, a running, waiting or parked beam a selection stops), and there are
+        # max_queued entries
+        self._accum_room(<uint64_t>self.step.done.n_accum + self.step.lim.max_queued)
         rc = step_update(&self.step, self.step.plan.sampled, tk_ids, tk_lps, NULL)
         finished = step_collect(&self.step)
         if rc:

@@ -16,7 +16,10 @@ cdef struct StepDone:
 
 
 cdef void accum_finished(StepState *st, uint64_t rid) noexcept nogil:
-    # the caller made room (abort grows the buffer with the GIL; update needs at most max_seqs)
+    # the caller made room: abort grows the buffer with the GIL, and an update notes each of
+    # the max_queued entries at most once (update() grows it to n_accum + max_queued first; in
+    # run()'s loop each update follows a schedule, which emptied it, and accum_cap is
+    # max_queued + max_seqs)
     if st.done.n_accum < st.done.accum_cap:
         st.done.fin_accum[st.done.n_accum] = rid
         st.done.n_accum += 1
