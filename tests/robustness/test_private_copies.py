@@ -4,18 +4,24 @@
 A call reads its arguments' values from a private copy made while resolving them: an ndarray
 subclass is read as an ndarray (none of its own methods run), and the items of a sequence are
 read from a tuple, which no `__index__` can shrink, whatever lists it reaches (`gc` hands it
-every list that refers to it).  A scheduler the cycle collector frees hands its pool back like
-one freed by its last reference.
+every list that refers to it).  A Python plan lowered for a C step backend is copied before it
+is checked, so what the backend reads is what was checked.  A scheduler the cycle collector
+frees hands its pool back like one freed by its last reference.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import types
+import warnings
 
 import numpy as np
 import pytest
+from helpers.ctypes_abi import EXECUTE_STEP, step_capsule
 
 import qualia
+from qualia import _core
 
 
 class NoMethods(np.ndarray):
@@ -184,3 +190,108 @@ def test_a_collected_scheduler_hands_its_pool_back(in_cycle):
     gc.collect()
     assert pool.free_count == 8
     assert pool.allocate() in range(8)
+
+
+PLAN_ARRAYS = ("request_ids", "query_start_loc", "seq_lens", "input_ids", "positions",
+               "slot_mapping", "logits_indices", "sampled_request_ids", "block_table",
+               "block_table_rows", "changed_rows", "kv_indptr", "kv_indices", "kv_last_page_len",
+               "copies")
+
+
+def plan_and_backend():
+    # a plan of one prefilling request as writable copies, and a ctypes C step backend that
+    # records the kv_indptr and block_table_rows it reads
+    s = qualia.StepScheduler(16, 4, 8, 4)
+    s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=2)
+    p = s.schedule()
+    plan = types.SimpleNamespace(**{k: np.array(getattr(p, k)) for k in PLAN_ARRAYS})
+    plan.page_tokens = p.page_tokens
+    seen = {}
+
+    @EXECUTE_STEP
+    def execute(ctx, cplan, sampled, logprobs):
+        c = cplan.contents
+        seen["kv_indptr"] = [ctypes.c_int32.from_address(c.kv_indptr + 4 * i).value
+                             for i in range(c.num_requests + 1)]
+        seen["block_table_rows"] = [
+            ctypes.c_int32.from_address(c.block_table_rows + 4 * i).value
+            for i in range(c.num_requests)]
+        for r in range(c.num_sampled):
+            ctypes.c_uint32.from_address(sampled + 4 * r).value = 7
+        return 0
+
+    return plan, step_capsule(execute), seen, execute
+
+
+def test_an_output_array_sharing_a_plan_array_cannot_change_what_the_backend_reads():
+    plan, cap, seen, _ = plan_and_backend()
+    checked = plan.kv_indptr.tolist()
+    assert len(plan.logits_indices) == 1
+    # the sampled ids go where kv_indptr lies: every row is set to 2**32 - 1 before the call
+    _core._call_step_backend(cap, plan, sampled_out=plan.kv_indptr.view(np.uint32))
+    assert seen["kv_indptr"] == checked
+
+
+def test_a_gc_callback_changing_the_plan_cannot_slip_past_its_checks():
+    # a collection at every allocation; a first call counts those before the backend runs, a
+    # second one's callback writes out-of-range values into the plan's arrays at the last of
+    # them (the one nearest the backend call): refused by a check, or never read
+    count, target, tampered = [0], [None], []
+
+    def hook(phase, info):
+        if phase == "start" and not seen:
+            count[0] += 1
+            if count[0] == target[0]:
+                plan.block_table_rows[0] = 50_000_000
+                plan.kv_indptr[0] = -5
+                tampered.append(True)
+
+    old = gc.get_threshold()
+    gc.callbacks.append(hook)
+    try:
+        for attempt in range(2):
+            plan, cap, seen, _ = plan_and_backend()
+            honest = (plan.kv_indptr.tolist(), plan.block_table_rows.tolist())
+            count[0] = 0
+            gc.set_threshold(1)
+            try:
+                _core._call_step_backend(cap, plan)
+                refused = False
+            except ValueError:
+                refused = True
+            finally:
+                gc.set_threshold(*old)
+            if attempt == 0:
+                assert not refused and count[0] > 0
+                target[0] = count[0]
+            elif refused:
+                assert not seen     # a check refused the plan: the backend never ran
+            else:
+                assert (seen["kv_indptr"], seen["block_table_rows"]) == honest
+        assert tampered
+    finally:
+        gc.callbacks.remove(hook)
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_sampled_ids_changed_by_a_candidate_array_hook_are_read_as_changed(change):
+    s, _ = step_with_one_request()
+    ids = np.array([7], np.uint32)
+
+    class Candidates:   # the plan has no beam rows: converted, then ignored
+        def __array__(self, dtype=None, copy=None):
+            if change == "dtype":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ids.dtype = np.int32
+            else:
+                ids.shape = (1, 1)
+            return np.zeros((1, 1))
+
+    if change == "dtype":
+        s.update(ids, topk_ids=Candidates(), topk_logprobs=np.zeros((1, 1)))
+        assert s.request_tokens(1).tolist() == [1, 2, 3, 7]
+    else:
+        with pytest.raises(ValueError, match="1-D"):
+            s.update(ids, topk_ids=Candidates(), topk_logprobs=np.zeros((1, 1)))
+        assert s.request_tokens(1).tolist() == [1, 2, 3]

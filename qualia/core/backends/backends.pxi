@@ -126,11 +126,14 @@ cdef class _LoweredPlan:
     cdef list held
     cdef Py_buffer table
     cdef bint table_held
+    cdef void *priv         # the private copies the plan points into (PyMem)
 
     def __dealloc__(self):
         if self.table_held:
             PyBuffer_Release(&self.table)
             self.table_held = False
+        PyMem_Free(self.priv)
+        self.priv = NULL
 
 
 cdef tuple _PLAN_KINDS = (("request_ids", "u64"), ("query_start_loc", "i32"),
@@ -179,8 +182,9 @@ cdef int _check_indices(const int32_t *a, Py_ssize_t n, int64_t limit, str what)
 
 
 cdef _LoweredPlan _lower_step_plan(object plan):
-    # RESOLVE: read and check every array of `plan` (attributes named as StepPlan's) and fill a
-    # qualia_step_plan pointing into them.  Runs user code (attribute access, buffer exports).
+    # RESOLVE: read every array of `plan` (attributes named as StepPlan's), copy them into
+    # private memory, check the copies and fill a qualia_step_plan pointing into them.  Runs
+    # user code (attribute access, buffer exports) before the copies only.
     cdef _LoweredPlan lp = _LoweredPlan.__new__(_LoweredPlan)
     cdef dict bufs = {}
     cdef _Buffer b
@@ -230,10 +234,35 @@ cdef _LoweredPlan _lower_step_plan(object plan):
         raise ValueError("plan.block_table is misaligned")
     if rows > U32_MAX or cols > U32_MAX or s0 // 4 > U32_MAX:
         raise OverflowError("plan.block_table is too large")
-    p.block_table = <const int32_t *>lp.table.buf
+    # PRIVATE COPIES, before any check: every array (and the block table's rows) copied into
+    # C memory no Python code can reach, which is what is checked and what the backend reads.
+    # A gc callback, or an output array that shares memory with a plan array (the caller's
+    # sampled_out is written before the backend runs), may change the plan's own arrays later.
+    cdef size_t total = 0, off = 0, nbytes
+    cdef char *base
+    cdef Py_ssize_t r
+    for name, kind in _PLAN_KINDS:
+        total += ((<size_t>(<_Buffer>bufs[name]).length * <size_t>_KIND_SIZE[kind] + 63)
+                  & ~(<size_t>63))
+    total += (<size_t>rows * <size_t>cols * 4 + 63) & ~(<size_t>63)
+    lp.priv = PyMem_Malloc(total + 64)
+    if lp.priv == NULL:
+        raise MemoryError()
+    base = <char *>((<uintptr_t>lp.priv + 63) & ~(<uintptr_t>63))
+    for name, kind in _PLAN_KINDS:
+        b = <_Buffer>bufs[name]
+        nbytes = <size_t>b.length * <size_t>_KIND_SIZE[kind]
+        if nbytes:
+            memcpy(base + off, b.ptr, nbytes)
+        b.ptr = base + off
+        off += (nbytes + 63) & ~(<size_t>63)
+    for r in range(rows):
+        memcpy(base + off + <size_t>r * cols * 4, <char *>lp.table.buf + r * s0,
+               <size_t>cols * 4)
+    p.block_table = <const int32_t *>(base + off)
     p.block_table_num_rows = <uint32_t>rows
     p.block_table_num_cols = <uint32_t>cols
-    p.block_table_row_stride = <uint32_t>(s0 // 4 if rows > 1 else cols)
+    p.block_table_row_stride = <uint32_t>cols
     cdef Py_ssize_t n = (<_Buffer>bufs["request_ids"]).length
     cdef Py_ssize_t T = (<_Buffer>bufs["input_ids"]).length
     cdef Py_ssize_t m = (<_Buffer>bufs["logits_indices"]).length

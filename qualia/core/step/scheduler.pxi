@@ -429,8 +429,10 @@ cdef class StepScheduler:
         if not self.gil_free and not self.step.plan.pending:
             # fails early (a read, so not while the loop runs); checked again once owned
             raise StepError.NoPlan(None, "schedule() first")
-        values = update_resolve_sampled(sampled_token_ids)
+        # the candidates first: their conversion runs user code (__array__), and the sampled
+        # ids may be the caller's array, read in place once owned
         topk = _resolve_topk(topk_ids, topk_logprobs)
+        values = update_resolve_sampled(sampled_token_ids)
         tok = self._own()
         try:
             return self._update_owned(values, topk)
@@ -629,8 +631,8 @@ cdef class StepScheduler:
                             ids, tk, tl = out
                         else:
                             ids, tk, tl = out, None, None
-                        values = update_resolve_sampled(ids)
                         topk = _resolve_topk(tk, tl)
+                        values = update_resolve_sampled(ids)
                         update_load_sampled(&self.step, values)
                         cand = update_load_topk(&self.step, topk)
                     except BaseException:

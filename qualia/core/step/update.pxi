@@ -356,7 +356,10 @@ cdef int update_load_sampled(StepState *st, object values) except -1:
             st.plan.sampled[i] = <uint32_t>(<list>values)[i]
         return 0
     if not _u32_array(values, &p, &n):
-        raise SystemError("qualia internal error: sampled ids neither a private list nor uint32")
+        # the caller's uint32 array, read in place, was changed since it was resolved (its
+        # dtype or shape, by user code: a topk argument's __array__, a gc callback)
+        raise TypeError("sampled_token_ids changed while update() resolved its arguments: "
+                        "pass an array that nothing changes during the call")
     if n != st.plan.m:
         raise ValueError(f"the plan samples {st.plan.m} rows, got {n} token ids")
     memcpy(st.plan.sampled, p, n * sizeof(uint32_t))
