@@ -365,12 +365,12 @@ cdef class PrefixRouterIndex:
         cdef const uint64_t *ids
         cdef Py_ssize_t n, m
         cdef void *optr
+        keep = self._ids(identities, &ids, &n)   # user code first: out is read after it
         if not _fast_array(out, _DT_U32, 4, True, &optr, &m):
             raise TypeError("out must be a writable 1-D C-contiguous numpy array of dtype "
                             "uint32")
         if m < self.x.max_replicas:
             raise ValueError(f"out must have at least {self.x.max_replicas} entries, got {m}")
-        keep = self._ids(identities, &ids, &n)
         return ri_match(&self.x, ids, n, <uint32_t *>optr)
 
     def route(self, identities, cost, out):
@@ -384,6 +384,7 @@ cdef class PrefixRouterIndex:
         cdef Py_ssize_t n, m, c
         cdef void *optr
         cdef void *cptr
+        keep = self._ids(identities, &ids, &n)   # user code first: out and cost are read after
         if not _fast_array(out, _DT_U32, 4, True, &optr, &m):
             raise TypeError("out must be a writable 1-D C-contiguous numpy array of dtype "
                             "uint32")
@@ -394,7 +395,6 @@ cdef class PrefixRouterIndex:
         if c > self.x.max_replicas:
             raise ValueError(f"cost has {c} entries, more than max_replicas "
                              f"({self.x.max_replicas})")
-        keep = self._ids(identities, &ids, &n)
         for m in range(c):
             if (<const double *>cptr)[m] != (<const double *>cptr)[m]:
                 raise ValueError(f"cost[{m}] is NaN")
