@@ -181,6 +181,18 @@ class StepPlan:
         return len(self.input_ids)
 
 
+def _is_topk_triple(out: Any) -> bool:
+    """A Python step backend returns the sampled ids (an array or a sequence of ints, a tuple of
+    ints included) or ``(sampled, topk_ids, topk_logprobs)``: a tuple whose first item is not an
+    integer, which must then be that triple."""
+    if type(out) is not tuple or not out or isinstance(out[0], (int, np.integer)):
+        return False
+    if len(out) != 3:
+        raise ValueError("execute_step returns the sampled ids, or (sampled, topk_ids, "
+                         "topk_logprobs)")
+    return True
+
+
 def _i32(value: Any, name: str) -> int:
     """A signed 32-bit argument (the core's range): bool or non-integer -> TypeError, outside
     [-2**31, 2**31-1] -> OverflowError.  (``twin._int`` is for unsigned fields: it refuses every
@@ -974,7 +986,7 @@ class StepScheduler:
         # anything changed discards it
         try:
             out = execute(plan)
-            ids, tk, tl = out if isinstance(out, tuple) else (out, None, None)
+            ids, tk, tl = out if _is_topk_triple(out) else (out, None, None)
             return self._update(self._resolve_sampled(ids), *resolve_topk(tk, tl))
         except BaseException:
             if self._plan is plan:

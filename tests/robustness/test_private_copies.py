@@ -21,7 +21,7 @@ import pytest
 from helpers.ctypes_abi import EXECUTE_STEP, step_capsule
 
 import qualia
-from qualia import _core
+from qualia import _core, twin
 
 
 class NoMethods(np.ndarray):
@@ -295,3 +295,42 @@ def test_sampled_ids_changed_by_a_candidate_array_hook_are_read_as_changed(chang
         with pytest.raises(ValueError, match="1-D"):
             s.update(ids, topk_ids=Candidates(), topk_logprobs=np.zeros((1, 1)))
         assert s.request_tokens(1).tolist() == [1, 2, 3]
+
+
+def test_a_c_backend_changing_its_own_struct_mid_run_is_called_as_it_was_checked():
+    from helpers import ctypes_abi
+
+    s = qualia.StepScheduler(32, 4, 8, 4, vocab_size=64)
+    s.add_request(1, [1, 2, 3, 4, 5], max_new_tokens=6)
+
+    @EXECUTE_STEP
+    def execute(ctx, cplan, sampled, logprobs):
+        iface.execute_step = None       # its own struct: the core called a copy
+        for r in range(cplan.contents.num_sampled):
+            ctypes.c_uint32.from_address(sampled + 4 * r).value = 5
+        return 0
+
+    cap = step_capsule(execute)
+    iface = ctypes_abi._CAPSULES[-1][0]
+    result = s.run(cap)
+    assert [f.output_tokens.tolist() for f in result.finished] == [[5] * 6]
+
+
+@pytest.mark.parametrize("impl", [qualia.StepScheduler, twin.StepScheduler])
+@pytest.mark.parametrize("requests", [1, 2, 3])
+def test_a_python_backend_may_return_its_ids_as_a_tuple_of_ints(impl, requests):
+    # a tuple is (ids, topk_ids, topk_logprobs) only when its first item is not an integer: a
+    # tuple of three ids is three ids (and an empty tuple none)
+    hb = qualia.HashBackend(64)
+
+    class TupleIds:
+        def execute_step(self, plan):
+            return tuple(int(x) for x in hb.execute_step(plan))
+
+    def finish(backend):
+        s = impl(32, 4, 8, 4, vocab_size=64)
+        for i in range(requests):
+            s.add_request(i, [1, 2, 3][:3 - i], max_new_tokens=2)
+        return sorted((f.request_id, f.output_tokens.tolist()) for f in s.run(backend).finished)
+
+    assert finish(TupleIds()) == finish(hb)

@@ -12,7 +12,7 @@ cdef object _receipt(list cache, uint32_t n):
 _ZERO_RECEIPT = RaggedBatchReceipt(0, 0)
 
 
-cdef object _c_backend(object backend, qualia_backend **out):
+cdef object _c_backend(object backend, qualia_backend **out, qualia_backend *store):
     # A C backend is a PyCapsule named QUALIA_BACKEND_CAPSULE_NAME, handed over directly or as
     # the backend's __qualia_backend__ attribute (or the result of calling it).
     cdef const char *name
@@ -44,16 +44,20 @@ cdef object _c_backend(object backend, qualia_backend **out):
                                     f"{sizeof(qualia_backend)}")
     if b.execute_ragged == NULL:
         raise BackendAbiError(None, "backend execute_ragged pointer is NULL")
-    out[0] = b
+    # the core reads a copy, taken with the checks: a backend that changes its own struct later
+    # (a NULL function pointer) changes nothing the core calls
+    store[0] = b[0]
+    out[0] = store
     return cap
 
 
-cdef object _resolve_backend(object backend, qualia_backend **cb):
-    # RESOLVE for a decode round: for a C backend, set *cb and return its capsule (which keeps
-    # *cb alive); for a Python backend, leave *cb NULL and return its bound execute_ragged.
+cdef object _resolve_backend(object backend, qualia_backend **cb, qualia_backend *store):
+    # RESOLVE for a decode round: for a C backend, copy its checked struct into *store, point
+    # *cb at the copy and return its capsule (which keeps the backend's context alive); for a
+    # Python backend, leave *cb NULL and return its bound execute_ragged.
     # Runs user code (properties, __getattr__), so it is called before the round owns anything.
     cb[0] = NULL
-    cap = _c_backend(backend, cb)
+    cap = _c_backend(backend, cb, store)
     if cap is not None:
         return cap
     fn = getattr(backend, "execute_ragged", None)
@@ -64,7 +68,8 @@ cdef object _resolve_backend(object backend, qualia_backend **cb):
     return fn
 
 
-cdef object _c_step_backend(object backend, qualia_step_backend **out):
+cdef object _c_step_backend(object backend, qualia_step_backend **out,
+                            qualia_step_backend *store):
     # A C step backend is a PyCapsule named QUALIA_STEP_CAPSULE_NAME, handed over directly or as
     # the backend's __qualia_step_backend__ attribute (or the result of calling it).  The same
     # checks as the decode-round interface: name, ABI version, struct size, function pointer.
@@ -97,16 +102,19 @@ cdef object _c_step_backend(object backend, qualia_step_backend **out):
                                     f"least {sizeof(qualia_step_backend)}")
     if b.execute_step == NULL:
         raise BackendAbiError(None, "step backend execute_step pointer is NULL")
-    out[0] = b
+    store[0] = b[0]     # the copy the core reads (as _c_backend's)
+    out[0] = store
     return cap
 
 
-cdef object _resolve_step_backend(object backend, qualia_step_backend **cb):
-    # RESOLVE for an engine step: for a C step backend, set *cb and return its capsule (which
-    # keeps *cb alive); for a Python backend, leave *cb NULL and return its bound execute_step.
+cdef object _resolve_step_backend(object backend, qualia_step_backend **cb,
+                                  qualia_step_backend *store):
+    # RESOLVE for an engine step: for a C step backend, copy its checked struct into *store,
+    # point *cb at the copy and return its capsule (which keeps the backend's context alive);
+    # for a Python backend, leave *cb NULL and return its bound execute_step.
     # Runs user code (properties, __getattr__), so it is called before a step owns anything.
     cb[0] = NULL
-    cap = _c_step_backend(backend, cb)
+    cap = _c_step_backend(backend, cb, store)
     if cap is not None:
         return cap
     fn = getattr(backend, "execute_step", None)
@@ -352,7 +360,8 @@ def _call_step_backend(backend, plan, sampled_out=None, logprobs_out=None, logpr
     left unwritten (each is set to 2**32-1, no token id, before the call) raises ``ValueError``.
     For tests and Python loops that drive C step backends; not a hot path."""
     cdef qualia_step_backend *cb = NULL
-    cap = _c_step_backend(backend, &cb)
+    cdef qualia_step_backend store
+    cap = _c_step_backend(backend, &cb, &store)
     if cap is None:
         raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule), "
                         f"not {type(backend).__name__}")

@@ -397,10 +397,11 @@ cdef class Scheduler:
         returned.  The read-only ``items``, ``block_table`` and ``copies`` views a Python
         backend gets are valid during the call."""
         cdef qualia_backend *cb = NULL
+        cdef qualia_backend store
         cdef int rc = Q_OK
         # RESOLVE the whole backend before anything is owned or read: its capsule or bound
         # methods (properties and __getattr__ run user code)
-        handle = _resolve_backend(backend, &cb)
+        handle = _resolve_backend(backend, &cb, &store)
         copy_fn = None
         if cb == NULL or cb.copy_pages == NULL:
             copy_fn = getattr(backend, "copy_pages", None)

@@ -492,11 +492,12 @@ cdef class RequestScheduler:
         cdef void *po = NULL
         cdef Py_ssize_t ni = 0, nt = 0, no = 0
         cdef qualia_backend *cb = NULL
+        cdef qualia_backend store
         cdef uint64_t tok
         cdef _Region ri, rt, ro
         # RESOLVE: the backend first (a wrong one fails every round, empty or not), then the
         # buffers; both can run user code
-        handle = _resolve_backend(backend, &cb)
+        handle = _resolve_backend(backend, &cb, &store)
         if cb == NULL:
             # a Python backend: each buffer is acquired and checked once, into a region that
             # keeps it alive and backs the views the backend gets

@@ -35,6 +35,18 @@ cdef object _schedule_error(StepState *st, int rc):
     return _error(E_STEP, rc)
 
 
+cdef bint _is_topk_triple(object out) except -1:
+    # a Python step backend returns the sampled ids (an array or a sequence of ints, a tuple of
+    # ints included) or (sampled, topk_ids, topk_logprobs): a tuple whose first item is not an
+    # integer, which must then be that triple
+    if type(out) is not tuple or not out or isinstance((<tuple>out)[0], (int, np.integer)):
+        return False
+    if len(<tuple>out) != 3:
+        raise ValueError("execute_step returns the sampled ids, or (sampled, topk_ids, "
+                         "topk_logprobs)")
+    return True
+
+
 # no tp_clear: __dealloc__ hands the pool back, so the cycle collector must not clear
 # self.pool first (a cycle through a scheduler is still broken at its other objects)
 @cython.no_gc_clear
@@ -596,6 +608,7 @@ cdef class StepScheduler:
         cdef object limit = None if max_steps is None else _u32(max_steps, "max_steps")
         cdef uint32_t ring_rows = _u32(stats_rows, "stats_rows")
         cdef qualia_step_backend *cb = NULL
+        cdef qualia_step_backend store
         cdef StepStat row
         cdef StepStat *ring
         cdef uint32_t head = 0
@@ -605,7 +618,7 @@ cdef class StepScheduler:
         cdef uint32_t token = 0
         cdef int rc = Q_OK
         cdef uint64_t tok
-        handle = _resolve_step_backend(backend, &cb)   # RESOLVE: may run user code
+        handle = _resolve_step_backend(backend, &cb, &store)   # RESOLVE: may run user code
         if limit is not None and <uint32_t>limit < ring_rows:
             ring_rows = <uint32_t>limit
         stats = np.empty(ring_rows, dtype=STEP_STATS)
@@ -624,10 +637,7 @@ cdef class StepScheduler:
                         # the backend and the conversion of its ids run while the scheduler
                         # is owned: a call back into it gets BusyError
                         out = handle(plan)
-                        if isinstance(out, tuple):
-                            if len(<tuple>out) != 3:
-                                raise ValueError("execute_step returns the sampled ids, or "
-                                                 "(sampled, topk_ids, topk_logprobs)")
+                        if _is_topk_triple(out):
                             ids, tk, tl = out
                         else:
                             ids, tk, tl = out, None, None
