@@ -399,6 +399,31 @@ def test_reclaims_between_hits_keep_the_reclaim_order(make):
     assert s.cache_stats().reclaims > 100
 
 
+def hits_on_the_oldest_then_a_miss(make, pages, old, new, every_hit=False):
+    # a pool of `pages` pages holding pages - 1 one-page chains, all reclaimable; `old` hits on
+    # the least recently used chain, then `new` on the most recently used one, the reclaim
+    # order checked (after every hit with every_hit); then a miss, which reclaims the oldest
+    # page still on the list.  Returns the scheduler and the order before the miss.
+    s = make(num_pages=pages, max_requests=2)
+    chains = [[t] * PT for t in range(10, 10 + pages)]
+    for i in range(pages - 1):
+        serve(s, i, chains[i] + [50])
+    order = s.reclaimable_pages().tolist()           # chains 0 .. pages - 2, oldest first
+    lru = list(range(pages - 1))
+    for h in range(old + new):
+        i = lru.pop(0) if h < old else lru[-1]
+        assert serve(s, 1000 + h, chains[i] + [60])[0].prefix_tokens == PT
+        if h < old:
+            lru.append(i)
+            order.append(order.pop(0))
+        if every_hit:
+            assert s.reclaimable_pages().tolist() == order, (old, new, h)
+    assert s.reclaimable_pages().tolist() == order, (old, new)
+    serve(s, 2000, chains[-1] + [70])                # a miss: the oldest page goes
+    assert s.reclaimable_pages().tolist()[:-1] == order[1:], (old, new)
+    return s, order
+
+
 def test_a_reclaim_after_hits_on_the_oldest_pages_takes_the_oldest_left(make):
     # hits on the least recently used page leave a run of dead entries at the head of the
     # ring, and hits on the most recently used one more dead entries behind; once the ring
@@ -406,21 +431,7 @@ def test_a_reclaim_after_hits_on_the_oldest_pages_takes_the_oldest_left(make):
     # A miss then reclaims the oldest page still on the list, whatever the two counts.
     for old in range(12):
         for new in range(20):
-            s = make(num_pages=8, max_requests=2)
-            chains = [[t] * PT for t in range(10, 18)]
-            for i in range(7):
-                serve(s, i, chains[i] + [50])
-            order = s.reclaimable_pages().tolist()           # chains 0..6, oldest first
-            lru = list(range(7))
-            for h in range(old + new):
-                i = lru.pop(0) if h < old else lru[-1]
-                assert serve(s, 100 + h, chains[i] + [60])[0].prefix_tokens == PT
-                if h < old:
-                    lru.append(i)
-                    order.append(order.pop(0))
-                assert s.reclaimable_pages().tolist() == order, (old, new, h)
-            serve(s, 200, chains[7] + [70])                  # a miss: the oldest page goes
-            assert s.reclaimable_pages().tolist()[:-1] == order[1:], (old, new)
+            hits_on_the_oldest_then_a_miss(make, 8, old, new, every_hit=True)
 
 
 def test_a_reclaim_after_a_long_run_of_hits_on_the_oldest_pages_takes_the_oldest_left(make):
@@ -429,22 +440,8 @@ def test_a_reclaim_after_a_long_run_of_hits_on_the_oldest_pages_takes_the_oldest
     # compaction
     for old in (31, 32, 33, 63, 64, 65, 96, 97, 130, 151, 170, 199, 230):
         for new in (0, 1, 9, 40):
-            s = make(num_pages=100, max_requests=2)
-            chains = [[t] * PT for t in range(10, 110)]
-            for i in range(99):
-                serve(s, i, chains[i] + [50])
-            order = s.reclaimable_pages().tolist()           # chains 0..98, oldest first
-            lru = list(range(99))
-            for h in range(old + new):
-                i = lru.pop(0) if h < old else lru[-1]
-                assert serve(s, 1000 + h, chains[i] + [60])[0].prefix_tokens == PT
-                if h < old:
-                    lru.append(i)
-                    order.append(order.pop(0))
-            assert s.reclaimable_pages().tolist() == order, (old, new)
-            serve(s, 2000, chains[99] + [70])                # a miss: the oldest page goes
-            assert s.reclaimable_pages().tolist()[:-1] == order[1:], (old, new)
-            serve(s, 2001, [5] * (3 * PT) + [70])            # three more: the next three
+            s, order = hits_on_the_oldest_then_a_miss(make, 100, old, new)
+            serve(s, 2001, [5] * (3 * PT) + [70])    # three more: the next three
             assert s.reclaimable_pages().tolist()[:-4] == order[4:], (old, new)
 
 
