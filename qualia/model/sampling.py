@@ -36,7 +36,9 @@ class SamplingParams:
     pure function of ``(seed, request_id, position)``, where ``position`` is the sequence
     position of the token being sampled.  So a request's tokens do not depend on batching,
     chunking, preemption or on the other requests, and forked children (distinct request ids)
-    draw independent streams from the same seed."""
+    draw independent streams from the same seed.  However small a positive temperature, the
+    draw is among the row's largest logits (whose weights, relative to those, do not
+    underflow)."""
 
     temperature: float = 0.0
     seed: int = 0
@@ -87,8 +89,11 @@ def sample_tokens(logits: np.ndarray, params: SamplingParams, request_ids, posit
     m, vocab = logits.shape
     if params.greedy or m == 0:
         return np.argmax(logits, axis=-1).astype(np.uint32) if m else np.zeros(0, np.uint32)
-    z = logits / params.temperature
-    z = z - z.max(axis=-1, keepdims=True)
+    # shifted before the division, so that a temperature however small gives weights in
+    # [0, 1] (the row's largest logits weigh 1, the others underflow towards 0), never
+    # inf - inf; the same distribution as softmax(logits / temperature)
+    with np.errstate(over="ignore"):
+        z = (logits - logits.max(axis=-1, keepdims=True)) / params.temperature
     p = np.exp(z)
     if 0 < params.top_k < vocab:
         kth = np.partition(z, vocab - params.top_k, axis=-1)[:, vocab - params.top_k]

@@ -247,6 +247,16 @@ def test_sampler_is_keyed_by_seed_request_and_position():
     assert (sample_tokens(logits, GREEDY, [0] * 4, [0] * 4) == logits.argmax(axis=1)).all()
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-308, 1e-310, 5e-324])
+def test_a_tiny_temperature_draws_among_the_largest_logits(temperature):
+    # logits / temperature overflows for every id: the draw is still among the row's maxima
+    logits = np.array([[1.0, 3.0, 2.0, -1.0], [5.0, 0.0, 5.0, 1.0]])
+    n = 64
+    ids = sample_tokens(np.repeat(logits, n, axis=0), SamplingParams(temperature, seed=5),
+                        np.arange(2 * n), np.zeros(2 * n))
+    assert set(ids[:n].tolist()) == {1} and set(ids[n:].tolist()) == {0, 2}
+
+
 def test_logprobs_and_topk(weights):
     pt = 4
     prompt = _prompt(8, 9)
