@@ -49,6 +49,7 @@ from qualia.twin.seed import (
     _RequestSlot,
     _u32,
     _u64,
+    backend_attr,
 )
 
 __all__ = ["Scheduler", "KV_EVENT", "KV_STORED", "KV_REMOVED", "KV_CLEARED", "NS_MAX_BYTES",
@@ -706,7 +707,7 @@ class Scheduler:
         try:
             copies = [(c.src, c.page) for _, _, c in log if c.kind == "copy"]
             if copies:
-                fn = getattr(backend, "copy_pages", None)
+                fn = backend_attr(backend, "copy_pages")
                 if fn is None:
                     raise TypeError(f"this round needs {len(copies)} page copies but backend "
                                     f"{type(backend).__name__} has no copy_pages")
@@ -730,7 +731,7 @@ class Scheduler:
         return receipt, outputs
 
     def _round(self, backend, decoding):
-        execute = getattr(backend, "execute_ragged", None)
+        execute = backend_attr(backend, "execute_ragged")
         if not callable(execute):
             raise TypeError(f"backend must have an execute_ragged(items, block_table, outputs) "
                             f"method, not {type(backend).__name__}")

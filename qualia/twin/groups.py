@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from qualia._types import FinishedGroup, RequestState
-from qualia.twin.seed import U32_MAX, exact_int
+from qualia.twin.seed import exact_int, token_limit
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from qualia.twin.step import StepScheduler, _Req
@@ -262,7 +262,7 @@ def check_topk(s: "StepScheduler", plan, topk_ids, topk_logprobs,
             or tlps.dtype.kind not in "fiu"):
         raise ValueError(f"topk_ids / topk_logprobs must be ({m}, {k}) integer / float "
                          f"arrays")
-    limit = U32_MAX if s.vocab_size is None else s.vocab_size - 1
+    limit = token_limit(s.vocab_size)
     if tids.size and (int(tids.min()) < 0 or int(tids.max()) > limit):
         raise ValueError(f"a topk token id is outside [0, {limit}]")
     tlps = tlps.astype(np.float64)

@@ -17,6 +17,7 @@ walk numpy records one at a time.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import operator
 from collections.abc import Sequence as _AbcSequence
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -71,6 +72,26 @@ _PAGE_TABLE = np.dtype("<u4")  # the block-table scratch: one u32 page id per en
 # ---------------------------------------------------------------------------------------------
 # Argument checking (DESIGN.md "Bad input")
 # ---------------------------------------------------------------------------------------------
+
+
+_ABSENT = object()
+
+
+def backend_attr(backend, name: str):
+    """``backend.name``, or None when the backend has no such attribute; an AttributeError
+    raised while getting one that it has (a property's) is raised, not taken for absence."""
+    try:
+        return getattr(backend, name)
+    except AttributeError:
+        if inspect.getattr_static(backend, name, _ABSENT) is _ABSENT:
+            return None
+        raise
+
+
+def token_limit(vocab_size: Optional[int]) -> int:
+    """The largest token id a step takes as sampled or as a candidate: below ``vocab_size``,
+    and never ``0xFFFFFFFF``, which is no token id."""
+    return U32_MAX - 1 if vocab_size is None else vocab_size - 1
 
 
 def exact_int(value, name: str) -> int:
@@ -698,7 +719,7 @@ class RequestScheduler:
 
     def execute_decode_round(self, backend, item_scratch, block_table_scratch,
                              output_scratch) -> RaggedBatchReceipt:  # DESIGN.md "Decode round"
-        execute = getattr(backend, "execute_ragged", None)
+        execute = backend_attr(backend, "execute_ragged")
         if not callable(execute):
             raise TypeError(
                 f"backend must have an execute_ragged(items, block_table, outputs) method "

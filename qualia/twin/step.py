@@ -74,7 +74,15 @@ from qualia.twin.groups import (
     resolve_topk,
     select,
 )
-from qualia.twin.seed import COPY_OP, U32_MAX, _namespace_bytes, _u32, _u64, exact_int
+from qualia.twin.seed import (
+    COPY_OP,
+    _namespace_bytes,
+    _u32,
+    _u64,
+    backend_attr,
+    exact_int,
+    token_limit,
+)
 
 __all__ = ["StepScheduler", "StepPlan", "MAX_STOP_TOKENS", "CHILD_BASE"]
 
@@ -842,7 +850,7 @@ class StepScheduler:
         m = len(self._plan.logits_indices)
         if len(values) != m:
             raise ValueError(f"the plan samples {m} rows, got {len(values)} token ids")
-        limit = U32_MAX if self.vocab_size is None else self.vocab_size - 1
+        limit = token_limit(self.vocab_size)
         for v in values:
             if not 0 <= v <= limit:
                 raise ValueError(f"sampled token id {v} is outside [0, {limit}]")
@@ -945,7 +953,7 @@ class StepScheduler:
         (they are no longer queued)."""
         limit = None if max_steps is None else _u32(max_steps, "max_steps")
         ring_rows = _u32(stats_rows, "stats_rows")
-        execute = getattr(backend, "execute_step", None)
+        execute = backend_attr(backend, "execute_step")
         if not callable(execute):
             raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule) "
                             f"or have an execute_step(plan) method, not {type(backend).__name__}")

@@ -593,12 +593,63 @@ def test_example_step_backends_write_candidates_only_inside_struct_size(
 
 
 def test_example_step_backend_returns_its_own_status(example_backend):
+    # a plan the lowering would refuse, handed to the C function directly: the example checks
+    # it too, and its status comes back as RaggedBackendError.Failed through a Python loop
     plan = mixed_plan()
     plan.slot_mapping[0] += 1  # inconsistent with the page of its position
     cap = example_backend.new_step(1000)
-    with pytest.raises(qualia.RaggedBackendError.Failed) as err:
-        _core._call_step_backend(cap, plan)
-    assert err.value.code == 19
+    iface = _iface_of(cap)
+    sampled = np.zeros(3, np.uint32)
+    assert EXECUTE_STEP(iface.execute_step)(iface.ctx, ctypes.byref(_hand_filled(plan)),
+                                            sampled.ctypes.data, None) == 19
+
+
+def _layout_breaks():
+    # (what is changed in mixed_plan(), the message it is refused with)
+    def count(plan):
+        plan.num_prefill_tokens += 1
+
+    def page_tokens(plan):
+        plan.page_tokens = 0
+
+    def position(plan):
+        plan.positions[0] += 1
+
+    def slot(plan):
+        plan.slot_mapping[0] += 1
+
+    def last_page(plan):
+        plan.kv_last_page_len[0] = -3
+
+    def kv_page(plan):
+        plan.kv_indices[0] += 1
+
+    def seq_len(plan):
+        plan.seq_lens[2] = 3       # its chunk is 8 tokens
+
+    def no_page(plan):
+        plan.block_table[plan.block_table_rows[0], 1] = -1
+
+    def missing(plan):
+        del plan.num_decode_tokens
+
+    return [(count, "num_prefill_tokens"), (page_tokens, "page_tokens"),
+            (position, "positions"), (slot, "slot_mapping"), (last_page, "kv_last_page_len"),
+            (kv_page, "kv_indices"), (seq_len, "seq_lens"), (no_page, "no page"),
+            (missing, "num_decode_tokens")]
+
+
+@pytest.mark.parametrize("brk,message", _layout_breaks(), ids=lambda v: getattr(v, "__name__", ""))
+def test_a_lowered_plan_is_held_to_the_layout_the_abi_states(brk, message):
+    # counts that add up to the tokens, positions that end each context, slots of the rows'
+    # pages, the CSR form of the pages covering seq_lens: refused before the backend runs
+    backend = qualia.HashBackend(1000)
+    plan = mixed_plan()
+    honest = backend.execute_step(plan).tolist()
+    brk(plan)
+    with pytest.raises((ValueError, TypeError), match=message):
+        backend.execute_step(plan)
+    assert backend.execute_step(mixed_plan()).tolist() == honest
 
 
 # -- property: any well-formed plan ----------------------------------------------------------

@@ -160,6 +160,7 @@ def test_plan_scalars_run_before_its_arrays_are_checked():
                  "kv_last_page_len", "copies"):
         setattr(plan, name, np.array(getattr(p, name)))
     plan.page_tokens = p.page_tokens
+    plan.num_prefill_tokens, plan.num_decode_tokens = p.num_prefill_tokens, p.num_decode_tokens
     backend = qualia.HashBackend(50)
     honest = backend.execute_step(plan).tolist()
 
@@ -206,6 +207,7 @@ def plan_and_backend():
     p = s.schedule()
     plan = types.SimpleNamespace(**{k: np.array(getattr(p, k)) for k in PLAN_ARRAYS})
     plan.page_tokens = p.page_tokens
+    plan.num_prefill_tokens, plan.num_decode_tokens = p.num_prefill_tokens, p.num_decode_tokens
     seen = {}
 
     @EXECUTE_STEP

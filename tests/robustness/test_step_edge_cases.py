@@ -698,3 +698,86 @@ def test_a_pool_outliving_its_step_scheduler_is_free():
     assert held[page] == 0 and pool.refcount(page) == 1 and pool.free_count == free - 1
     pool.release(page)
     assert pool.refcounts().tolist() == held and pool.free_count == free
+
+
+# -- 5. 0xFFFFFFFF is no token id, whichever way a sampled id comes ------------------------------
+
+@pytest.mark.parametrize("twin", [False, True], ids=["core", "twin"])
+def test_update_refuses_the_id_that_is_no_token_without_a_vocabulary(twin):
+    s = make(32, 4, 8, 4, twin=twin)
+    s.add_request(1, [1, 2, 3], max_new_tokens=4)
+    s.schedule()
+    before = state_snapshot(s)
+    for ids in ([2**32 - 1], np.array([2**32 - 1], np.uint32)):
+        with pytest.raises(ValueError, match=r"outside \[0, 4294967294\]"):
+            s.update(ids)
+        assert state_snapshot(s) == before
+    s.update([2**32 - 2])       # the largest token id
+    assert s.schedule().input_ids.tolist() == [2**32 - 2]
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["core", "twin"])
+def test_run_with_a_python_backend_refuses_the_id_that_is_no_token(twin):
+    s = make(32, 4, 8, 4, twin=twin)
+    s.add_request(1, [1, 2, 3], max_new_tokens=4)
+
+    class Backend:
+        def execute_step(self, plan):
+            return np.full(len(plan.logits_indices), 2**32 - 1, np.uint32)
+    with pytest.raises(ValueError, match="4294967294"):
+        s.run(Backend())
+    assert s.requests() == [1]
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["core", "twin"])
+def test_a_beam_candidate_that_is_no_token_is_refused(twin):
+    s = make(64, 4, 8, 8, twin=twin)
+    s.add_request(1, [1, 2, 3], max_new_tokens=4, beam_width=2)
+    plan = s.schedule()
+    m, k = len(plan.logits_indices), plan.num_topk
+    ids = np.tile(np.arange(k, dtype=np.uint32), (m, 1))
+    ids[0, 1] = 2**32 - 1
+    lps = np.tile(-np.arange(1, k + 1, dtype=np.float64), (m, 1))
+    with pytest.raises(ValueError, match="topk token id"):
+        s.update(ids[:, 0].copy(), ids, lps)
+
+
+# -- 6. a backend's attribute that raises AttributeError is an error, not an absence ------------
+
+class _Raises:
+    def __init__(self, boom):
+        self.boom = boom
+
+
+def _backend_raising_in(name):
+    def get(self):
+        raise AttributeError(self.boom)
+
+    def execute_step(self, plan):
+        return np.zeros(len(plan.logits_indices), np.uint32)
+    attrs = {"execute_step": execute_step, name: property(get)}
+    return type("Backend", (_Raises,), attrs)("the attribute's own error")
+
+
+@pytest.mark.parametrize("name, twin", [("__qualia_step_backend__", False),
+                                        ("execute_step", False), ("execute_step", True)])
+def test_a_backend_property_raising_attribute_error_is_raised_not_taken_for_absent(name, twin):
+    # (the twin takes Python backends only)
+    s = make(32, 4, 8, 4, twin=twin)
+    s.add_request(1, [1, 2, 3], max_new_tokens=2)
+    with pytest.raises(AttributeError, match="the attribute's own error"):
+        s.run(_backend_raising_in(name))
+    assert s.requests() == [1]
+
+
+def test_a_backend_whose_getattr_raises_attribute_error_has_no_such_attribute():
+    class Backend:
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+        def execute_step(self, plan):
+            return np.zeros(len(plan.logits_indices), np.uint32)
+    s = make(32, 4, 8, 4)
+    s.add_request(1, [1, 2, 3], max_new_tokens=2)
+    s.run(Backend())
+    assert s.requests() == []

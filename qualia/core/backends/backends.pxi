@@ -12,6 +12,23 @@ cdef object _receipt(list cache, uint32_t n):
 _ZERO_RECEIPT = RaggedBatchReceipt(0, 0)
 
 
+cdef object _ABSENT = object()
+
+
+cdef object backend_attr(object backend, str name):
+    # backend.name, or None when the backend has no such attribute.  An AttributeError raised
+    # while getting one that it has (a property's, a descriptor's) is raised, not taken for
+    # "absent": a C interface whose property fails is an error, never a silent fall back to
+    # the Python method.  (A __getattr__ that raises AttributeError means absent.)
+    try:
+        return getattr(backend, name)
+    except AttributeError:
+        import inspect
+        if inspect.getattr_static(backend, name, _ABSENT) is _ABSENT:
+            return None
+        raise
+
+
 cdef object _c_backend(object backend, qualia_backend **out, qualia_backend *store):
     # A C backend is a PyCapsule named QUALIA_BACKEND_CAPSULE_NAME, handed over directly or as
     # the backend's __qualia_backend__ attribute (or the result of calling it).
@@ -20,7 +37,7 @@ cdef object _c_backend(object backend, qualia_backend **out, qualia_backend *sto
     if PyCapsule_CheckExact(backend):
         cap = backend
     else:
-        cap = getattr(backend, "__qualia_backend__", None)
+        cap = backend_attr(backend, "__qualia_backend__")
         if cap is None:
             return None
         if not PyCapsule_CheckExact(cap) and callable(cap):
@@ -60,7 +77,7 @@ cdef object _resolve_backend(object backend, qualia_backend **cb, qualia_backend
     cap = _c_backend(backend, cb, store)
     if cap is not None:
         return cap
-    fn = getattr(backend, "execute_ragged", None)
+    fn = backend_attr(backend, "execute_ragged")
     if not callable(fn):
         raise TypeError(f"backend must be a C backend (__qualia_backend__ capsule) or have an "
                         f"execute_ragged(items, block_table, outputs) method, not "
@@ -78,7 +95,7 @@ cdef object _c_step_backend(object backend, qualia_step_backend **out,
     if PyCapsule_CheckExact(backend):
         cap = backend
     else:
-        cap = getattr(backend, "__qualia_step_backend__", None)
+        cap = backend_attr(backend, "__qualia_step_backend__")
         if cap is None:
             return None
         if not PyCapsule_CheckExact(cap) and callable(cap):
@@ -117,7 +134,7 @@ cdef object _resolve_step_backend(object backend, qualia_step_backend **cb,
     cap = _c_step_backend(backend, cb, store)
     if cap is not None:
         return cap
-    fn = getattr(backend, "execute_step", None)
+    fn = backend_attr(backend, "execute_step")
     if not callable(fn):
         raise TypeError(f"backend must be a C step backend (__qualia_step_backend__ capsule) or "
                         f"have an execute_step(plan) method, not {type(backend).__name__}")
@@ -128,8 +145,9 @@ cdef object _resolve_step_backend(object backend, qualia_step_backend **cb,
 
 cdef class _LoweredPlan:
     """A qualia_step_plan over the arrays of a Python plan object, with every buffer held (and
-    checked: dtype, 1-D, C-contiguous, lengths consistent, indices in range) for as long as this
-    object lives.  Lets Python-loop users (and tests) call C step code over any plan."""
+    checked: dtype, 1-D, C-contiguous, lengths consistent, indices in range, and each request's
+    positions, slots and CSR pages as the step ABI states them) for as long as this object
+    lives.  Lets Python-loop users (and tests) call C step code over any plan."""
     cdef qualia_step_plan plan
     cdef list held
     cdef Py_buffer table
@@ -170,6 +188,14 @@ cdef _Buffer _plan_array(object plan, str name, str kind):
                     QUALIA_ALIGN_COPY, False)
 
 
+cdef object _plan_count(object plan, str name):
+    # a count the plan must have (num_topk alone defaults to 0: no beam rows)
+    value = getattr(plan, name, None)
+    if value is None:
+        raise TypeError(f"plan has no {name!r}")
+    return value
+
+
 cdef int _check_prefix_sums(const int32_t *a, Py_ssize_t n1, int64_t total, str what) except -1:
     # a[0] == 0, non-decreasing, a[n1 - 1] == total
     cdef Py_ssize_t i
@@ -189,6 +215,62 @@ cdef int _check_indices(const int32_t *a, Py_ssize_t n, int64_t limit, str what)
     return 0
 
 
+cdef int _check_layout(const qualia_step_plan *p) except -1:
+    # what the step ABI states of each request (qualia.h), on the private copies: its chunk
+    # (at least one token) ends its context, so its positions run up to seq_lens - 1; each
+    # token's slot is its page's (from its block-table row) times page_tokens plus its offset;
+    # the CSR form lists the row's pages covering seq_lens, the last holding 1..page_tokens
+    cdef uint32_t i, k, pt = p.page_tokens
+    cdef int64_t t, q0, chunk, start, pos, want, npages, last
+    cdef const int32_t *row
+    if pt == 0:
+        raise ValueError("plan.page_tokens must be at least 1")
+    if <uint64_t>p.num_prefill_tokens + p.num_decode_tokens != p.num_tokens:
+        raise ValueError(f"plan.num_prefill_tokens ({p.num_prefill_tokens}) + "
+                         f"plan.num_decode_tokens ({p.num_decode_tokens}) must be the plan's "
+                         f"{p.num_tokens} tokens")
+    for i in range(p.num_requests):
+        q0 = p.query_start_loc[i]
+        chunk = p.query_start_loc[i + 1] - q0
+        start = <int64_t>p.seq_lens[i] - chunk
+        if chunk < 1 or start < 0:
+            raise ValueError(f"plan request {i} has seq_lens {p.seq_lens[i]} and a chunk of "
+                             f"{chunk} tokens: a chunk holds at least 1 token and ends the "
+                             f"request's context")
+        row = p.block_table + <size_t>p.block_table_rows[i] * p.block_table_row_stride
+        npages = (<int64_t>p.seq_lens[i] + pt - 1) // pt
+        if npages > p.block_table_num_cols:
+            raise ValueError(f"plan request {i}'s {p.seq_lens[i]} tokens take {npages} pages, "
+                             f"its block-table row has {p.block_table_num_cols}")
+        for k in range(<uint32_t>npages):
+            if row[k] < 0:
+                raise ValueError(f"plan request {i}'s block-table row has no page {k} (of "
+                                 f"the {npages} its {p.seq_lens[i]} tokens take)")
+        for t in range(q0, q0 + chunk):
+            pos = start + t - q0
+            if p.positions[t] != pos:
+                raise ValueError(f"plan.positions[{t}] = {p.positions[t]}, expected {pos}: "
+                                 f"request {i}'s chunk ends its context")
+            want = <int64_t>row[pos // pt] * pt + pos % pt
+            if p.slot_mapping[t] != want:
+                raise ValueError(f"plan.slot_mapping[{t}] = {p.slot_mapping[t]}, expected "
+                                 f"{want} (page {row[pos // pt]}, offset {pos % pt})")
+        if p.kv_indptr[i + 1] - p.kv_indptr[i] != npages:
+            raise ValueError(f"plan.kv_indptr gives request {i} "
+                             f"{p.kv_indptr[i + 1] - p.kv_indptr[i]} pages, its "
+                             f"{p.seq_lens[i]} tokens take {npages}")
+        for k in range(<uint32_t>npages):
+            if p.kv_indices[p.kv_indptr[i] + k] != row[k]:
+                raise ValueError(f"plan.kv_indices[{p.kv_indptr[i] + k}] = "
+                                 f"{p.kv_indices[p.kv_indptr[i] + k]}, request {i}'s page {k} "
+                                 f"is {row[k]}")
+        last = <int64_t>p.seq_lens[i] - (npages - 1) * pt
+        if p.kv_last_page_len[i] != last:
+            raise ValueError(f"plan.kv_last_page_len[{i}] = {p.kv_last_page_len[i]}, expected "
+                             f"{last} (1..{pt}: the tokens on request {i}'s last page)")
+    return 0
+
+
 cdef _LoweredPlan _lower_step_plan(object plan):
     # RESOLVE: read every array of `plan` (attributes named as StepPlan's), copy them into
     # private memory, check the copies and fill a qualia_step_plan pointing into them.  Runs
@@ -198,12 +280,12 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     cdef _Buffer b
     # the scalars first: their __index__ may write the plan's arrays, which are checked below
     # and must not change after (no user code runs from the first check on)
-    cdef uint32_t num_prefill = _u32(getattr(plan, "num_prefill_tokens", 0),
+    cdef uint32_t num_prefill = _u32(_plan_count(plan, "num_prefill_tokens"),
                                      "plan.num_prefill_tokens")
-    cdef uint32_t num_decode = _u32(getattr(plan, "num_decode_tokens", 0),
+    cdef uint32_t num_decode = _u32(_plan_count(plan, "num_decode_tokens"),
                                     "plan.num_decode_tokens")
     cdef uint32_t num_topk = _u32(getattr(plan, "num_topk", 0), "plan.num_topk")
-    cdef uint32_t pt = _u32(getattr(plan, "page_tokens", 0), "plan.page_tokens")
+    cdef uint32_t pt = _u32(_plan_count(plan, "page_tokens"), "plan.page_tokens")
     lp.held = []
     for name, kind in _PLAN_KINDS:
         b = _plan_array(plan, name, kind)
@@ -329,6 +411,7 @@ cdef _LoweredPlan _lower_step_plan(object plan):
     p.fork_parent_ids = <const uint64_t *>(<_Buffer>bufs["fork_parent_ids"]).ptr
     # beam rows: the caller points topk_ids_out / topk_logprobs_out at [m, num_topk] buffers
     p.num_topk = num_topk
+    _check_layout(p)
     return lp
 
 

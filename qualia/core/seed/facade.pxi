@@ -404,7 +404,7 @@ cdef class Scheduler:
         handle = _resolve_backend(backend, &cb, &store)
         copy_fn = None
         if cb == NULL or cb.copy_pages == NULL:
-            copy_fn = getattr(backend, "copy_pages", None)
+            copy_fn = backend_attr(backend, "copy_pages")
         cdef uint64_t tok = self._own()
         try:
             result = self._decode(cb, handle, copy_fn, &rc)

@@ -112,7 +112,7 @@ cdef int step_run(StepState *st, qualia_step_backend *cb, uint64_t max_steps,
     cdef size_t j
     cdef int rc = Q_OK
     cdef int32_t s
-    cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+    cdef uint64_t limit = token_limit(st)
     while st.ids.count and k < max_steps:
         rc = step_schedule(st)
         if rc:

@@ -674,7 +674,7 @@ cdef class StepScheduler:
                         raise _schedule_error(&self.step, rc)
                     if rc:
                         raise _error(E_STEP, rc, status, token,
-                                     self.step.lim.vocab - 1 if self.step.lim.vocab else U32_MAX)
+                                     token_limit(&self.step))
                     # between two steps, nothing pending: a signal handler that raises stops
                     # the call here (the steps so far stay applied)
                     PyErr_CheckSignals()

@@ -52,6 +52,13 @@ cdef inline uint32_t pt_div(StepState *st, uint64_t x) noexcept nogil:
     return <uint32_t>(x // st.lim.page_tokens)
 
 
+cdef inline uint64_t token_limit(StepState *st) noexcept nogil:
+    # the largest token id a step takes as sampled or as a candidate: below vocab_size, and
+    # never 0xFFFFFFFF, which is no token id (a C step backend's sampled ids are set to it
+    # before each call: qualia.h), whichever way the id comes
+    return st.lim.vocab - 1 if st.lim.vocab else U32_MAX - 1
+
+
 cdef int step_init(StepState *st, _StepBuffers bufs, Sched *s, Pool *p, PageCache *c,
                    Streams *ss, Undo *undo, qualia_copy_op *cow, uint64_t *copied,
                    uint64_t *allocated, int mode, uint32_t page_tokens, uint32_t budget,

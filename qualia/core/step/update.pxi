@@ -342,7 +342,7 @@ cdef int update_load_sampled(StepState *st, object values) except -1:
     # the check) or a private list of exact ints.
     cdef const uint32_t *p
     cdef Py_ssize_t n, i
-    cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+    cdef uint64_t limit = token_limit(st)
     if not st.plan.pending:
         raise StepError.NoPlan(None, "schedule() first")
     if type(values) is list:
@@ -375,7 +375,7 @@ cdef object update_load_topk(StepState *st, tuple topk):
     # beam row's first w ids distinct); returns them as private contiguous uint32 / float64
     # arrays, or None for a plan without beam rows
     cdef uint32_t k = st.plan.num_topk, m = st.plan.m, row = 0
-    cdef uint64_t limit = st.lim.vocab - 1 if st.lim.vocab else U32_MAX
+    cdef uint64_t limit = token_limit(st)
     cdef int why
     if k == 0:
         return None
