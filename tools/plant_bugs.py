@@ -88,6 +88,7 @@ AREAS: Dict[str, Tuple[str, ...]] = {
     "stop": ("test_step.py", "test_step_vs_twin.py"),
     "beam": ("test_beam_ties.py", "test_beam_search.py", "test_twin_forks_vs_dense.py",
              "test_forks_vs_twin.py"),
+    "abi": ("test_step_edge_cases.py", "test_step_backend_abi.py"),
 }
 
 C = "qualia/core/"
@@ -354,7 +355,31 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "update makes room for the ids of its sampled rows and running requests only: a parked "
         "beam a selection stops is dropped from the next plan's finished ids once aborts filled "
         "the list"),
+    # -- what a backend hands the step, and what it is handed ------------------------------------
+    Mutation(
+        "token_limit_takes_no_token_id", "abi", C + "step/state.pxi",
+        "    return st.lim.vocab - 1 if st.lim.vocab else U32_MAX - 1\n",
+        "    return st.lim.vocab - 1 if st.lim.vocab else U32_MAX\n",
+        "without a vocab_size, update() and a Python backend's run() take 0xFFFFFFFF, the id "
+        "that marks a row no C backend wrote"),
+    Mutation(
+        "backend_attr_swallows_its_errors", "abi", C + "backends/backends.pxi",
+        "        if inspect.getattr_static(backend, name, _ABSENT) is _ABSENT:\n"
+        "            return None\n        raise\n",
+        "        return None\n",
+        "a backend property that raises AttributeError is taken for an absent attribute: "
+        "run() falls back to execute_step without a word"),
+    Mutation(
+        "lowering_takes_any_slot", "abi", C + "backends/backends.pxi",
+        "            if p.slot_mapping[t] != want:\n",
+        "            if p.slot_mapping[t] != want and p.slot_mapping[t] < 0:\n",
+        "a Python plan lowered for a C backend may map a token to another page's slot"),
     # -- the twin (the executable spec) ----------------------------------------------------------
+    Mutation(
+        "twin_token_limit_takes_no_token_id", "abi", T + "seed.py",
+        "    return U32_MAX - 1 if vocab_size is None else vocab_size - 1\n",
+        "    return U32_MAX if vocab_size is None else vocab_size - 1\n",
+        "twin: without a vocab_size, update() takes 0xFFFFFFFF"),
     Mutation(
         "twin_cow_skipped_at_refcount_2", "table", T + "seed.py",
         "        if count == 1:\n            return CopyOnWrite.exclusive(src)",
