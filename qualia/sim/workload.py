@@ -109,23 +109,31 @@ class Arrivals:
         by_step, by_time = self._by_step, self._by_time
         return (by_step[0][0] if by_step else math.inf, by_time[0][0] if by_time else math.inf)
 
-    def due(self, step: int, now: float) -> List[Any]:
-        """The items of the requests due at engine step ``step`` and serving time ``now``."""
+    def _reach(self, step: int) -> None:
+        """Move the requests whose ``arrival_step`` engine step ``step`` reached to wait for
+        their time."""
         by_step, by_time = self._by_step, self._by_time
         while by_step and by_step[0][0] <= step:
             _, order, item, request = heapq.heappop(by_step)
             at = -math.inf if request.arrival_s is None else float(request.arrival_s)
             heapq.heappush(by_time, (at, order, item))
+
+    def due(self, step: int, now: float) -> List[Any]:
+        """The items of the requests due at engine step ``step`` and serving time ``now``."""
+        self._reach(step)
+        by_time = self._by_time
         out = []
         while by_time and by_time[0][0] <= now:
             out.append(heapq.heappop(by_time)[2])
         return out
 
     def next_event(self, step: int, now: float) -> Tuple[int, float]:
-        """Where an engine with nothing to do skips to: the serving time of the earliest
-        request at its step, or else the step of the earliest request by step (its time, if it
-        has one, is skipped to once that step is reached).  ``(step, now)`` when nothing
-        waits."""
+        """Where an engine with nothing to do at engine step ``step`` skips to: the serving
+        time of the earliest request whose ``arrival_step`` ``step`` reached (one pushed at a
+        step already reached counts, not only those :meth:`due` moved), or else the step of the
+        earliest request by step (its time, if it has one, is skipped to once that step is
+        reached).  ``(step, now)`` when nothing waits."""
+        self._reach(step)
         if self._by_time:
             return step, max(now, self._by_time[0][0])
         if self._by_step:

@@ -308,6 +308,28 @@ def test_the_cluster_reports_the_single_engines_figures():
                                                            rel=0.05)
 
 
+def test_a_cluster_of_one_replica_gives_the_single_engines_figures_for_later_turns():
+    """A later turn due at the step after its previous turn completed arrives then, not at the
+    next first turn's arrival time: one replica behind the router gives every request the
+    single engine's arrival and token times, with first turns still to come."""
+    from qualia.sim.adapters import DecodeRuleSteps
+    from qualia.sim.config import EngineConfig
+    from qualia.sim.engine import Engine
+
+    cfg = ReplicaConfig(num_pages=96, max_num_seqs=8, logical_pages=16)
+    w = Workload(requests=10, turns=2, arrival_rate=5.0, seed=0, vocab=32000)
+    res = Cluster(1, "round-robin", cfg, local=True).run(w, max_steps=5000)
+    engine = Engine(DecodeRuleSteps(32000), EngineConfig(
+        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)}))
+    engine.run(w)
+    assert_exactly_once(res)
+    assert res.outputs == engine.outputs
+    assert set(res.records) == set(engine.records) and len(res.records) == 20
+    for rid, rec in engine.records.items():
+        got = res.records[rid]
+        assert (got.arrival_s, got.token_times_s) == (rec.arrival_s, rec.token_times_s), rid
+
+
 def test_a_stuck_cluster_is_an_error_not_a_hang(monkeypatch):
     from qualia.cluster import make_scheduler
 
