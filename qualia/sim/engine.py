@@ -376,8 +376,10 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request for its arrival.  Raises :class:`UnservableRequest` (a
         ``ValueError``) for a request that needs more pages than the whole pool or more tokens
-        than a request's table holds (``logical_pages * page_tokens``), and ``ValueError`` for
-        an empty prompt, no tokens to generate, bad token ids or a duplicate request id."""
+        than a request's table holds (``logical_pages * page_tokens``), ``TypeError`` for a
+        field of the wrong type and ``ValueError`` for an empty prompt, no tokens to generate,
+        bad token ids, a negative or non-finite arrival or a duplicate request id
+        (:func:`~qualia.sim.workload.checked_request`)."""
         token = self.stopwatch.enter(SUBMISSION)
         try:
             self._submit(request)
@@ -387,30 +389,43 @@ class Engine:
     def submit_all(self, requests: Iterable[Request]) -> int:
         """Submit every request of ``requests`` (a :class:`~qualia.sim.workload.Workload` or
         :class:`~qualia.sim.trace.Trace` is generated first, charged to the workload row);
-        returns how many were submitted."""
-        n = 0
+        returns how many were submitted.  All or nothing: every request is checked as
+        :meth:`submit` checks it (a request id used twice in ``requests`` is a duplicate too)
+        before any is queued, so a call that raises leaves :attr:`pending` as it was."""
         token = self.stopwatch.enter(WORKLOAD)
         try:
+            next_turn = None
             if isinstance(requests, Workload):
                 if requests.turns > 1:
-                    self._next_turn = requests.next_turn
+                    next_turn = requests.next_turn
                 requests = requests.generate()
             elif isinstance(requests, Trace):
                 requests = requests.generate()
             self.stopwatch.switch(SUBMISSION)
+            checked: List[Request] = []
+            ids: set = set()
             for req in requests:
-                self._submit(req)
-                n += 1
+                req = self._checked(req)
+                if req.request_id in ids:
+                    raise ValueError(f"request {req.request_id}: duplicate request id")
+                ids.add(req.request_id)
+                checked.append(req)
+            if next_turn is not None:
+                self._next_turn = next_turn
+            for req in checked:
+                self._enqueue(req)
         finally:
             self.stopwatch.leave(token)
-        return n
+        return len(checked)
 
-    def _submit(self, request: Request) -> None:
-        if int(request.request_id) in self._requests:
-            raise ValueError(f"request {int(request.request_id)}: duplicate request id")
+    def _checked(self, request: Request) -> Request:
+        """``request`` checked for this engine (:func:`checked_request`, the beams' pages and
+        the ids already submitted)."""
         c = self.config
         request = checked_request(request, page_tokens=c.page_tokens, num_pages=c.num_pages,
                                   logical_pages=c.logical_pages, vocab=self._prompt_vocab)
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id}: duplicate request id")
         if c.beam_width is not None:
             def why_not(options: bool) -> Optional[str]:
                 return unservable_reason(
@@ -421,6 +436,13 @@ class Engine:
             why = why_not(False)
             if why is not None:
                 raise UnservableRequest(why, why_not(True))
+        return request
+
+    def _submit(self, request: Request) -> None:
+        self._enqueue(self._checked(request))
+
+    def _enqueue(self, request: Request) -> None:
+        """Queue a checked request for its arrival."""
         rid = request.request_id
         self._requests[rid] = request
         live = _Live(request)

@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import numbers
 import operator
 from dataclasses import asdict, dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
@@ -225,43 +226,88 @@ def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
+def _integer(what: str, name: str, value: Any, low: int = 0) -> int:
+    """``value`` as a plain ``int``: an integer (``int``, a numpy integer or an object with
+    ``__index__``; not a bool) of at least ``low``.  ``TypeError`` for any other type,
+    ``ValueError`` below ``low``; ``what`` ("request 7") and ``name`` make the message."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what}: {name} must be an integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what}: {name} must be an integer, got {value!r}") from None
+    if n < low:
+        raise ValueError(f"{what}: {name} must be an integer >= {low}, got {n}")
+    return n
+
+
+def _optional_integer(what: str, name: str, value: Any) -> Optional[int]:
+    return None if value is None else _integer(what, name, value)
+
+
 def checked_request(request: Request, *, page_tokens: int, num_pages: int, logical_pages: int,
                     vocab: Optional[int] = None) -> Request:
-    """``request`` with plain ``int`` fields and its prompt as a uint32 numpy array, once it is
-    known servable by a scheduler of ``num_pages`` pages of
+    """``request`` with plain ``int`` and ``float`` fields and its prompt as a uint32 numpy
+    array, once it is known servable by a scheduler of ``num_pages`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
     :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
-    either or more tokens than a request's table holds (:func:`unservable_reason`), and
-    ``ValueError`` for an empty prompt, no tokens to generate, a token id outside
-    ``[0, vocab)`` (u32 when ``vocab`` is None), a request id that is not a u64 or an arrival
-    time that is not a finite number >= 0."""
-    rid = int(request.request_id)
+    either or more tokens than a request's table holds (:func:`unservable_reason`).
+
+    Every field has its type, nothing is rounded or parsed: ``request_id``, ``tenant``,
+    ``shared_prefix_len``, ``max_new_tokens``, ``arrival_step`` and ``turn`` (and
+    ``system_prompt`` and ``conversation`` unless None) are integers (``int``, numpy integers,
+    objects with ``__index__``; not bools, floats or strings), ``arrival_s`` is None or a real
+    number (``int``, ``float``, numpy numbers; not a bool or a string), else ``TypeError``
+    naming the field.  ``ValueError`` for a request id that is not a u64, a negative
+    ``tenant``, ``arrival_step``, ``turn``, ``system_prompt`` or ``conversation``, an empty
+    prompt, no tokens to generate (``max_new_tokens`` < 1), ``shared_prefix_len`` outside
+    ``[0, len(prompt)]``, a token id outside ``[0, vocab)`` (u32 when ``vocab`` is None) or an
+    arrival time that is not a finite number >= 0 (NaN, inf)."""
+    value = request.request_id
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"request_id must be an integer, got {value!r}")
+    try:
+        rid = operator.index(value)
+    except TypeError:
+        raise TypeError(f"request_id must be an integer, got {value!r}") from None
     if not 0 <= rid <= 2**64 - 1:
         raise ValueError(f"request {rid}: request_id must be a u64")
-    prompt = _checked_prompt(rid, request.prompt, vocab)
-    if not len(prompt):
-        raise ValueError(f"request {rid}: the prompt is empty")
-    max_new = int(request.max_new_tokens)
-    if max_new < 1:
-        raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
-    if not 0 <= int(request.shared_prefix_len) <= len(prompt):
-        raise ValueError(f"request {rid}: shared_prefix_len must be in [0, len(prompt)]")
+    what = f"request {rid}"
+    tenant = _integer(what, "tenant", request.tenant)
+    max_new = _integer(what, "max_new_tokens", request.max_new_tokens, low=-(2**63))
+    shared = _integer(what, "shared_prefix_len", request.shared_prefix_len, low=-(2**63))
+    arrival_step = _integer(what, "arrival_step", request.arrival_step)
+    turn = _integer(what, "turn", request.turn)
+    system_prompt = _optional_integer(what, "system_prompt", request.system_prompt)
+    conversation = _optional_integer(what, "conversation", request.conversation)
     arrival_s = request.arrival_s
     if arrival_s is not None:
+        if isinstance(arrival_s, (bool, np.bool_)) or not isinstance(arrival_s, numbers.Real):
+            raise TypeError(f"{what}: arrival_s must be a number of seconds or None, "
+                            f"got {arrival_s!r}")
         arrival_s = float(arrival_s)
         if not 0.0 <= arrival_s < math.inf:
-            raise ValueError(f"request {rid}: arrival_s must be a finite number >= 0")
+            raise ValueError(f"{what}: arrival_s must be a finite number >= 0, got {arrival_s}")
+    prompt = _checked_prompt(rid, request.prompt, vocab)
+    if not len(prompt):
+        raise ValueError(f"{what}: the prompt is empty")
+    if max_new < 1:
+        raise ValueError(f"{what}: max_new_tokens must be >= 1")
+    if not 0 <= shared <= len(prompt):
+        raise ValueError(f"{what}: shared_prefix_len must be in [0, len(prompt)]")
+
     def why_not(options: bool) -> Optional[str]:
-        return unservable_reason(f"request {rid}", len(prompt), max_new, page_tokens=page_tokens,
+        return unservable_reason(what, len(prompt), max_new, page_tokens=page_tokens,
                                  num_pages=num_pages, logical_pages=logical_pages,
                                  options=options)
 
     why = why_not(False)
     if why is not None:
         raise UnservableRequest(why, why_not(True))
-    return dataclasses.replace(request, request_id=rid, prompt=prompt,
-                               shared_prefix_len=int(request.shared_prefix_len),
-                               max_new_tokens=max_new, arrival_step=int(request.arrival_step),
+    return dataclasses.replace(request, request_id=rid, tenant=tenant, prompt=prompt,
+                               shared_prefix_len=shared, max_new_tokens=max_new,
+                               arrival_step=arrival_step, turn=turn,
+                               system_prompt=system_prompt, conversation=conversation,
                                arrival_s=arrival_s)
 
 

@@ -460,6 +460,74 @@ def test_oversize_request_is_rejected_at_submission():
         Engine("c", step_seconds=-1.0)
 
 
+def _req(rid=1, **kw):
+    fields = dict(request_id=rid, tenant=0, prompt=[1, 2, 3, 4, 5], shared_prefix_len=0,
+                  max_new_tokens=3, arrival_s=0.0)
+    fields.update(kw)
+    return Request(**fields)
+
+
+class _Index:
+    def __init__(self, n):
+        self.n = n
+
+    def __index__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("field, value, exc, says", [
+    ("max_new_tokens", 1.7, TypeError, "max_new_tokens must be an integer"),
+    ("max_new_tokens", float("nan"), TypeError, "max_new_tokens must be an integer"),
+    ("max_new_tokens", True, TypeError, "max_new_tokens must be an integer"),
+    ("request_id", 1.5, TypeError, "request_id must be an integer"),
+    ("request_id", "7", TypeError, "request_id must be an integer"),
+    ("request_id", False, TypeError, "request_id must be an integer"),
+    ("shared_prefix_len", 1.0, TypeError, "shared_prefix_len must be an integer"),
+    ("arrival_s", "1", TypeError, "arrival_s must be a number"),
+    ("arrival_s", True, TypeError, "arrival_s must be a number"),
+    ("arrival_s", float("inf"), ValueError, "arrival_s must be a finite number"),
+    ("arrival_s", -1.0, ValueError, "arrival_s must be a finite number"),
+    ("arrival_step", -5, ValueError, "arrival_step must be an integer >= 0"),
+    ("arrival_step", 1.5, TypeError, "arrival_step must be an integer"),
+    ("tenant", -1, ValueError, "tenant must be an integer >= 0"),
+    ("tenant", "x", TypeError, "tenant must be an integer"),
+    ("turn", -1, ValueError, "turn must be an integer >= 0"),
+    ("conversation", 0.5, TypeError, "conversation must be an integer"),
+])
+def test_submit_takes_each_field_of_its_type_and_rounds_or_parses_nothing(field, value, exc,
+                                                                           says):
+    engine = Engine("c", num_pages=64, max_num_seqs=4, logical_pages=8)
+    with pytest.raises(exc, match=says):
+        engine.submit(_req(**{field: value}))
+    assert engine.pending == 0
+    # numpy numbers and objects with __index__ are numbers of their kind
+    engine.submit(_req(np.uint64(1), tenant=np.int32(2), max_new_tokens=_Index(3),
+                       arrival_step=np.int64(0), arrival_s=np.float32(0.5)))
+    engine.submit(_req(2, arrival_s=1))
+    result = engine.run()
+    assert {k: len(v) for k, v in result.outputs.items()} == {1: 3, 2: 3}
+    assert engine.records[1].arrival_s == 0.5 and engine.records[2].arrival_s == 1.0
+    assert type(engine._requests[1].request_id) is int
+
+
+def test_submit_all_queues_every_request_or_none():
+    engine = Engine("c", num_pages=64, max_num_seqs=4, logical_pages=8)
+    with pytest.raises(ValueError, match="request 2: the prompt is empty"):
+        engine.run([_req(1), _req(2, prompt=[])])
+    assert engine.pending == 0
+    with pytest.raises(ValueError, match="request 1: duplicate request id"):
+        engine.submit_all([_req(1), _req(3), _req(1)])
+    assert engine.pending == 0
+    engine.submit(_req(5))
+    with pytest.raises(ValueError, match="request 5: duplicate request id"):
+        engine.submit_all([_req(4), _req(5)])
+    assert engine.pending == 1
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        engine.run([_req(6), _req(7, max_new_tokens=2.0)])
+    assert engine.pending == 1
+    assert sorted(engine.run([_req(6)]).outputs) == [5, 6]
+
+
 class _OffByOne(HashSteps):
     """Deviates from the hash rule for request 3 only."""
 
