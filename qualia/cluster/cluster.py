@@ -13,6 +13,8 @@ rate (:func:`qualia.sim.figures.prefix_cache_hit_rate`) with the single engine's
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import os
 import time
 from collections import deque
@@ -22,12 +24,23 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 from ..sim.clock import serving_clock
 from ..sim.figures import RequestRecord, prefix_cache_hit_rate, serving_figures
 from ..sim.report import step_figures
-from ..sim.workload import Arrivals
+from ..sim.workload import Arrivals, UnservableRequest, checked_request
 from .metrics import ClusterMetrics
 from .replica import Replica, ReplicaConfig
-from .router import POLICIES, Router
+from .router import POLICIES, Router, checked_load_weight, is_real_number
 
 __all__ = ["Cluster", "ClusterResult", "init_local_ray", "compare_policies", "format_comparison"]
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as a plain int: an integer (not a bool, a float or a string), else
+    ``TypeError`` naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _ray():
@@ -175,6 +188,11 @@ class Cluster:
     replica dies is more likely killing them than unlucky, and resubmitting it forever would
     never end)."""
 
+    killed_at: Optional[int]
+    """The step the last run killed a replica at (None: none)."""
+    implementations: set
+    """The schedulers the replicas of the last run reported (``core``, ``twin``)."""
+
     def __init__(self, replicas: int, policy: str = "prefix",
                  config: Optional[ReplicaConfig] = None, *, local: bool = False,
                  load_weight: float = 0.25, metrics: Optional[ClusterMetrics] = None,
@@ -182,28 +200,36 @@ class Cluster:
                  max_resubmits: int = 3, clock: Any = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if not 1 <= int(replicas) <= 64:
-            raise ValueError(f"replicas must be in [1, 64], got {replicas}")
-        self.n = int(replicas)
+        n = _integer("replicas", replicas)
+        if not 1 <= n <= 64:
+            raise ValueError(f"replicas must be in [1, 64], got {n}")
+        self.n = n
         self.policy = policy
+        self.load_weight = checked_load_weight(load_weight)
+        if not is_real_number(step_timeout) or not 0.0 < float(step_timeout) < math.inf:
+            raise ValueError(f"step_timeout must be a finite number of seconds > 0, "
+                             f"got {step_timeout!r}")
+        self.step_timeout = float(step_timeout)
+        self.max_resubmits = _integer("max_resubmits", max_resubmits)
+        if self.max_resubmits < 0:
+            raise ValueError(f"max_resubmits must be at least 0, got {max_resubmits}")
         self.clock = serving_clock(clock)
         self.config = config if config is not None else ReplicaConfig()
         self.local = bool(local)
-        self.load_weight = float(load_weight)
         self.metrics = metrics
-        self.step_timeout = float(step_timeout)
-        self.max_resubmits = int(max_resubmits)
-        if self.max_resubmits < 0:
-            raise ValueError(f"max_resubmits must be at least 0, got {max_resubmits}")
         self.router = Router(self.n, policy, self.config, load_weight=self.load_weight,
                              index_capacity=index_capacity)
         self.index = self.router.index
         self.handles: List[Any] = [self._spawn(r) for r in range(self.n)]
         self.died_at: Dict[int, int] = {}
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        """Zero the figures of a run: each run reports only itself."""
         self.decisions = [0] * self.n
         self.deaths = 0
         self.rejoins = 0
-        self.killed_at: Optional[int] = None   # the step the last run killed a replica at
+        self.killed_at = None   # the step the last run killed a replica at
         self.conversations_cut = 0             # next turns of the last run no replica can serve
         self.idle_steps = 0                    # steps of the last run skipped: nothing to do
         self.resubmitted = 0
@@ -214,7 +240,9 @@ class Cluster:
         self.now = 0.0      # the serving clock of the last run, seconds
         self.busy_s = 0.0   # its time in steps (idle gaps skipped are not)
         self.idle_s = 0.0
-        self.implementations: set = set()   # the schedulers the replicas reported
+        self.implementations = set()   # the schedulers the replicas reported
+        for r in self.died_at:  # still down from an earlier run: found dead at its step 0
+            self.died_at[r] = 0
 
     @property
     def live(self) -> List[bool]:
@@ -307,9 +335,24 @@ class Cluster:
         (None: no limit) bounds the steps the replicas run; :data:`MAX_STALLED_STEPS` steps in
         a row without progress raise ``RuntimeError``.  A later turn that no replica could ever
         serve (it outgrew the pool or ``logical_pages``) ends its conversation
-        (``summary["conversations_cut"]``)."""
-        reqs = list(workload.generate() if hasattr(workload, "generate") else workload)
+        (``summary["conversations_cut"]``).
+
+        Before anything runs, the arguments and every request are checked as the engine checks
+        them (:func:`qualia.sim.workload.checked_request`; a request id used twice is a
+        duplicate): a mistake is a ``ValueError`` or ``TypeError`` and changes nothing.  Each
+        run reports only itself (its counters start at 0); the replicas keep their caches, and
+        a replica still down from an earlier run counts as found dead at step 0."""
+        victim = self._checked_run_arguments(kill_replica_at, kill_replica, rejoin_after,
+                                             max_steps)
+        reqs = [self._checked(q)
+                for q in (workload.generate() if hasattr(workload, "generate") else workload)]
+        seen: set = set()
+        for q in reqs:
+            if q.request_id in seen:
+                raise ValueError(f"request {q.request_id}: duplicate request id")
+            seen.add(q.request_id)
         next_turn = getattr(workload, "next_turn", None)
+        self._reset_run()
         arrivals = Arrivals()
         for q in reqs:
             arrivals.push(q)
@@ -318,11 +361,6 @@ class Cluster:
         completions: Dict[int, int] = {}
         records: Dict[int, RequestRecord] = {}
         queue: Deque[int] = deque()        # routed to nobody yet: new, refused, resubmitted
-        victim = self.n - 1 if kill_replica < 0 else kill_replica
-        self.killed_at = None
-        self.conversations_cut = 0
-        self.idle_steps = 0
-        self.now = self.busy_s = self.idle_s = 0.0
         unfinished = 0
         t0 = time.perf_counter()
         step = ran = stalled = 0
@@ -348,7 +386,7 @@ class Cluster:
                 raise RuntimeError(f"the cluster did not finish within {max_steps} steps")
             for q in arrivals.due(step, self.now):
                 if q.request_id in tracks:
-                    raise ValueError(f"duplicate request id {q.request_id}")
+                    raise ValueError(f"request {q.request_id}: duplicate request id")
                 at = self.now if q.arrival_s is None else float(q.arrival_s)
                 tracks[q.request_id] = _Track(q, step, at)
                 arrived[q.request_id] = step
@@ -368,7 +406,7 @@ class Cluster:
             while queue:
                 rid = queue.popleft()
                 t = tracks[rid]
-                prompt = list(t.req.prompt) + t.outputs
+                prompt = t.req.prompt.tolist() + t.outputs
                 r, pages = self.route(prompt, t.req.namespace)
                 if r < 0:
                     held.append(rid)
@@ -460,10 +498,11 @@ class Cluster:
                 self.metrics.completed.inc()
             if next_turn is not None:
                 nxt = next_turn(t.req, t.outputs, step, now)
-                if nxt is not None and self._unservable(nxt) is None:
-                    arrivals.push(nxt)
-                elif nxt is not None:   # the conversation outgrew the pool or logical_pages
-                    self.conversations_cut += 1
+                if nxt is not None:
+                    try:
+                        arrivals.push(self._checked(nxt))
+                    except UnservableRequest:   # it outgrew the pool or logical_pages
+                        self.conversations_cut += 1
         c = self._counters
         c["cached"] += rep["cached_tokens"]
         c["lookup"] += rep["lookup_tokens"]
@@ -488,14 +527,27 @@ class Cluster:
             m.hit_rate.labels(lab).set(prefix_cache_hit_rate(pr["cached"], pr["lookup"]))
             m.router_hit.set(prefix_cache_hit_rate(c["cached"], c["lookup"]))
 
-    def _unservable(self, req) -> Optional[str]:
-        """Why no replica can ever serve ``req`` (the engine's rule), or None."""
-        from ..sim.workload import unservable_reason
-
+    def _checked(self, req) -> Any:
+        """``req`` checked as the engine checks a submission
+        (:func:`~qualia.sim.workload.checked_request`: its fields, its token ids, below the
+        model's vocabulary for the model backend, and that a replica can ever serve it)."""
         c = self.config
-        return unservable_reason(f"request {req.request_id}", len(req.prompt),
-                                 int(req.max_new_tokens), page_tokens=c.page_tokens,
-                                 num_pages=c.num_pages, logical_pages=c.logical_pages)
+        return checked_request(req, page_tokens=c.page_tokens, num_pages=c.num_pages,
+                               logical_pages=c.logical_pages,
+                               vocab=c.vocab if c.backend == "model" else None)
+
+    def _checked_run_arguments(self, kill_replica_at, kill_replica, rejoin_after,
+                               max_steps) -> int:
+        """Check :meth:`run`'s fault-injection and step arguments; the replica to kill."""
+        for name, value in (("kill_replica_at", kill_replica_at),
+                            ("rejoin_after", rejoin_after), ("max_steps", max_steps)):
+            if value is not None and _integer(name, value) < 0:
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        victim = _integer("kill_replica", kill_replica)
+        if not -1 <= victim < self.n:
+            raise ValueError(f"kill_replica must be a replica in [0, {self.n - 1}] or -1 "
+                             f"(the last), got {kill_replica!r}")
+        return self.n - 1 if victim < 0 else victim
 
     def _summary(self, tracks: Dict[int, _Track], records: Dict[int, RequestRecord],
                  steps: int, wall: float) -> Dict[str, Any]:

@@ -9,7 +9,8 @@ less a load cost (``load_weight`` pages per request queued there); ``round-robin
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+import numbers
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -20,6 +21,23 @@ from .replica import ReplicaConfig
 __all__ = ["POLICIES", "Router"]
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
+
+
+def is_real_number(value: Any) -> bool:
+    """Whether ``value`` is a real number: an ``int``, a ``float`` or a numpy number, not a
+    bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def checked_load_weight(value: Any) -> float:
+    """``value`` as the prefix policy's ``load_weight``: a finite real number >= 0 (pages per
+    request queued), else ``ValueError`` (``TypeError`` for what is not a real number)."""
+    if not is_real_number(value):
+        raise TypeError(f"load_weight must be a number, got {value!r}")
+    weight = float(value)
+    if not 0.0 <= weight < math.inf:
+        raise ValueError(f"load_weight must be a finite number >= 0, got {value!r}")
+    return weight
 
 
 class Router:
@@ -34,7 +52,7 @@ class Router:
         self.n = int(replicas)
         self.policy = policy
         self.config = config
-        self.load_weight = float(load_weight)
+        self.load_weight = checked_load_weight(load_weight)
         self.index = qualia.PrefixRouterIndex(
             index_capacity if index_capacity is not None else 2 * self.n * config.num_pages + 64,
             self.n)

@@ -241,6 +241,11 @@ def _integer(what: str, name: str, value: Any, low: int = 0) -> int:
     return n
 
 
+def _is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (``int``, ``float``, numpy numbers; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _optional_integer(what: str, name: str, value: Any) -> Optional[int]:
     return None if value is None else _integer(what, name, value)
 
@@ -282,7 +287,7 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
     conversation = _optional_integer(what, "conversation", request.conversation)
     arrival_s = request.arrival_s
     if arrival_s is not None:
-        if isinstance(arrival_s, (bool, np.bool_)) or not isinstance(arrival_s, numbers.Real):
+        if not _is_real(arrival_s):
             raise TypeError(f"{what}: arrival_s must be a number of seconds or None, "
                             f"got {arrival_s!r}")
         arrival_s = float(arrival_s)

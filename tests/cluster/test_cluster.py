@@ -64,6 +64,92 @@ def test_bad_arguments():
         Cluster(2, "random", CFG, local=True)
 
 
+@pytest.mark.parametrize("kw, exc, says", [
+    (dict(load_weight=float("nan")), ValueError, "load_weight must be a finite number >= 0"),
+    (dict(load_weight=float("inf")), ValueError, "load_weight must be a finite number >= 0"),
+    (dict(load_weight=-0.5), ValueError, "load_weight must be a finite number >= 0"),
+    (dict(load_weight="1"), TypeError, "load_weight must be a number"),
+    (dict(step_timeout=0.0), ValueError, "step_timeout must be a finite number of seconds > 0"),
+    (dict(step_timeout=-1), ValueError, "step_timeout must be a finite number of seconds > 0"),
+    (dict(step_timeout=float("nan")), ValueError, "step_timeout must be a finite number"),
+    (dict(replicas=2.9), TypeError, "replicas must be an integer"),
+    (dict(replicas="2"), TypeError, "replicas must be an integer"),
+    (dict(max_resubmits=1.5), TypeError, "max_resubmits must be an integer"),
+])
+def test_a_cluster_is_built_only_from_arguments_in_range(kw, exc, says):
+    args = dict(replicas=2, policy="prefix", config=CFG, local=True)
+    args.update(kw)
+    with pytest.raises(exc, match=says):
+        Cluster(**args)
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(kill_replica_at=3, kill_replica=2), r"kill_replica must be a replica in \[0, 1\]"),
+    (dict(kill_replica_at=3, kill_replica=-2), r"kill_replica must be a replica in \[0, 1\]"),
+    (dict(kill_replica_at=-1), "kill_replica_at must be None or an integer >= 0"),
+    (dict(kill_replica_at=3, rejoin_after=-3), "rejoin_after must be None or an integer >= 0"),
+    (dict(max_steps=-1), "max_steps must be None or an integer >= 0"),
+])
+def test_a_run_refuses_fault_injection_outside_the_cluster_before_it_starts(kw, says):
+    cl = Cluster(2, "round-robin", CFG, local=True)
+    with pytest.raises(ValueError, match=says):
+        cl.run(workload(requests=4, turns=1), **kw)
+    assert cl.decisions == [0, 0] and all(h.obj.steps == 0 for h in cl.handles)
+
+
+def _request(rid, **kw):
+    from qualia.sim.workload import Request
+
+    fields = dict(request_id=rid, tenant=0, prompt=list(range(1, 40)), shared_prefix_len=0,
+                  max_new_tokens=3, arrival_s=0.0)
+    fields.update(kw)
+    return Request(**fields)
+
+
+@pytest.mark.parametrize("bad, exc, says", [
+    (dict(arrival_s=float("nan")), ValueError, "request 9: arrival_s must be a finite number"),
+    (dict(arrival_s=-1.0), ValueError, "request 9: arrival_s must be a finite number"),
+    (dict(arrival_s=5.0, prompt=[2**33]), ValueError, "request 9: prompt token ids must be u32"),
+    (dict(prompt=[-1, 3]), ValueError, "request 9: prompt token ids must be u32"),
+    (dict(prompt=[]), ValueError, "request 9: the prompt is empty"),
+    (dict(max_new_tokens=0), ValueError, "request 9: max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=2.5), TypeError, "request 9: max_new_tokens must be an integer"),
+    (dict(prompt=list(range(1000))), ValueError, "request 9 can never be served"),
+    (dict(request_id=1), ValueError, "request 1: duplicate request id"),
+])
+def test_a_run_checks_every_request_as_the_engine_does_before_anything_runs(bad, exc, says):
+    cl = Cluster(2, "prefix", CFG, local=True)
+    first = cl.run(workload(requests=4, turns=1), max_steps=2000)
+    state = (list(cl.decisions), dict(cl._counters), cl.now, [h.obj.steps for h in cl.handles])
+    with pytest.raises(exc, match=says):
+        cl.run([_request(1), _request(2, arrival_s=3.0), _request(9, **bad)], max_steps=2000)
+    assert (list(cl.decisions), dict(cl._counters), cl.now,
+            [h.obj.steps for h in cl.handles]) == state
+    assert sum(first.summary["decisions"]) == 4
+
+
+def test_a_second_run_of_a_cluster_reports_only_itself():
+    """Every counter of the summary starts at 0 in each run (the replicas keep their caches):
+    a run without a kill after one with a kill reports no death, and its decisions and token
+    counts are its own."""
+    cfg = ReplicaConfig(num_pages=96, max_num_seqs=8, logical_pages=16)
+
+    def w():
+        return Workload(requests=6, turns=1, system_prompts=0, arrival_rate=40.0, seed=0,
+                        vocab=32000)
+
+    cl = Cluster(2, "round-robin", cfg, local=True)
+    first = cl.run(w(), kill_replica_at=3, rejoin_after=1, max_steps=2000).summary
+    assert (first["deaths"], first["rejoins"], first["killed_at"]) == (1, 1, 3)
+    second = cl.run(w(), max_steps=2000).summary
+    fresh = Cluster(2, "round-robin", cfg, local=True).run(w(), max_steps=2000).summary
+    for key in ("deaths", "rejoins", "resubmitted", "duplicates_ignored", "killed_at",
+                "decisions", "requests", "completed", "tokens_decoded", "cache_lookup_tokens",
+                "preemptions", "idle_steps"):
+        assert second[key] == fresh[key], key
+    assert second["steps"] == fresh["steps"] and second["idle_s"] == fresh["idle_s"]
+
+
 def test_round_robin_cycles_and_least_loaded_picks_the_lightest():
     rr = Cluster(3, "round-robin", CFG, local=True)
     assert [rr.route([1, 2, 3])[0] for _ in range(4)] == [0, 1, 2, 0]
