@@ -293,13 +293,13 @@ def _peaks(rs: Sequence[RequestRecord], times: Optional[np.ndarray]) -> Dict[str
     departures before arrivals on a tie)."""
     out: Dict[str, Number] = {}
     if times is not None:
+        # only the seconds that hold a token are counted: memory in the tokens, not the span
         t0 = min(r.arrival_s for r in rs)
         end = max(r.finish_s for r in rs)
-        buckets = np.zeros(int(np.ceil(end - t0)) + 1, dtype=np.int64)
         idx = (times - t0).astype(np.int64)
-        idx = idx[(idx >= 0) & (idx < len(buckets))]
-        buckets += np.bincount(idx, minlength=len(buckets))
-        out["max_output_tokens_per_s"] = float(buckets.max())
+        idx = idx[(idx >= 0) & (idx <= int(np.ceil(end - t0)))]
+        _, counts = np.unique(idx, return_counts=True)
+        out["max_output_tokens_per_s"] = float(counts.max()) if len(counts) else 0.0
     # in time order, a departure before an arrival at the same time
     at = np.array([r.arrival_s for r in rs] + [r.finish_s for r in rs], dtype=np.float64)
     delta = np.repeat(np.array([1, -1], dtype=np.int64), len(rs))

@@ -90,6 +90,39 @@ def test_peak_concurrency_and_peak_tokens_per_second_by_hand():
     assert serving_figures(back_to_back)["max_concurrent_requests"] == 1  # half-open
 
 
+def _peak_tokens_per_s_by_buckets(records):
+    """max_output_tokens_per_s by its definition, bucket by bucket: one bucket per whole second
+    from the earliest arrival to the last finish, each token in the bucket of its second."""
+    t0 = min(r.arrival_s for r in records)
+    buckets = [0] * (math.ceil(max(r.finish_s for r in records) - t0) + 1)
+    for r in records:
+        for t in r.token_times_s:
+            buckets[int(t - t0)] += 1
+    return float(max(buckets))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_peak_tokens_per_second_is_the_fullest_whole_second_from_the_first_arrival(seed):
+    rng = np.random.default_rng([seed, 7])
+    records = []
+    for i in range(int(rng.integers(1, 30))):
+        arrival = float(rng.uniform(0.3, 20))
+        gaps = rng.exponential(float(rng.choice([0.01, 0.3, 2.0])), size=int(rng.integers(1, 40)))
+        records.append(RequestRecord.from_token_times(i, arrival, 5,
+                                                      (arrival + np.cumsum(gaps)).tolist()))
+    assert serving_figures(records)["max_output_tokens_per_s"] == \
+        _peak_tokens_per_s_by_buckets(records)
+    assert serving_figures(records, start_s=0.0)["max_output_tokens_per_s"] == \
+        _peak_tokens_per_s_by_buckets(records)
+
+
+def test_the_peak_tokens_per_second_takes_memory_in_the_tokens_not_the_span():
+    far = [RequestRecord.from_token_times(0, 0.0, 10, [0.01, 0.02]),
+           RequestRecord.from_token_times(1, 1e12, 10, [1e12 + 0.5, 1e12 + 0.6, 1e12 + 0.7])]
+    f = serving_figures(far)
+    assert f["max_output_tokens_per_s"] == 3.0 and f["max_concurrent_requests"] == 1
+
+
 def test_the_run_start_sets_the_duration():
     f = serving_figures([B, C], start_s=0.0)
     assert f["duration"] == approx(1.1)
