@@ -146,8 +146,8 @@ def _add_simulate_options(p: argparse.ArgumentParser, defaults: dict, sizes: dic
                         "scheduler for --trace: "
                         + ", ".join(preflight.PROFILE_NAMES) + " (default %(default)s)")
     c.add_argument("--step-ms", type=step_ms, default=None, metavar="MS",
-                   help="instead of a clock above: a fixed time per step in milliseconds, > 0 "
-                        "and at most an hour")
+                   help="instead of a clock above: a fixed time per step in milliseconds, from "
+                        "0.001 (a microsecond) to an hour")
     s = p.add_argument_group("scheduler (with --trace, what is not given comes from --profile)")
     add_option(s, "--num-pages", "--num-blocks", type=int_in(1, U32_MAX), default=None,
                metavar="N",

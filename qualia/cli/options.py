@@ -79,13 +79,19 @@ def path(text: str) -> str:
 MAX_STEP_MS = 3.6e6
 
 
+#: The shortest --step-ms: a microsecond (qualia.sim.clock.MIN_STEP_S), the shortest step that
+#: moves a serving clock at the latest arrival a run may have (1e9 s)
+MIN_STEP_MS = 1e-3
+
+
 def step_ms(text: str) -> float:
-    """--step-ms: a number of milliseconds > 0 (the clock must move, in seconds too: a
-    subnormal number of milliseconds is 0 seconds) and <= MAX_STEP_MS."""
+    """--step-ms: a number of milliseconds >= MIN_STEP_MS (the clock must move, up to the
+    latest arrival a run may have) and <= MAX_STEP_MS."""
     v = _number(text)
-    if not 0.0 < v <= MAX_STEP_MS or not v / 1e3 > 0.0:  # also nan
+    if not MIN_STEP_MS <= v <= MAX_STEP_MS:  # also nan
         raise argparse.ArgumentTypeError(
-            f"must be > 0 and <= {MAX_STEP_MS:.0f} (an hour), got {text!r}")
+            f"must be >= {MIN_STEP_MS:.3f} (a microsecond) and <= {MAX_STEP_MS:,.0f} "
+            f"(an hour), got {text!r}")
     return v
 
 

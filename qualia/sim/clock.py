@@ -133,7 +133,9 @@ __all__ = [
     "StepCost",
     "ModeledClock",
     "FixedClock",
+    "MIN_STEP_S",
     "MeasuredClock",
+    "plain_number",
     "serving_clock",
     "MODELS",
     "ACCELERATORS",
@@ -627,9 +629,9 @@ class ModeledClock:
         """One line naming the clock, for a run's summary."""
         p = self.profile
         return (f"modeled {p.model.name} on one {p.accelerator.name} (roofline: "
-                f"{p.accelerator.compute_efficiency:g} of peak FLOP/s, "
-                f"{p.accelerator.bandwidth_efficiency:g} of peak bandwidth, "
-                f"{p.accelerator.step_overhead_s * 1e3:g} ms per step)")
+                f"{plain_number(p.accelerator.compute_efficiency)} of peak FLOP/s, "
+                f"{plain_number(p.accelerator.bandwidth_efficiency)} of peak bandwidth, "
+                f"{plain_number(p.accelerator.step_overhead_s * 1e3)} ms per step)")
 
     def cost(self, work: StepWork) -> StepCost:
         """The modeled time of a step doing ``work``, by part."""
@@ -728,21 +730,40 @@ class ModeledClock:
 # --------------------------------------------------------------------------------------------
 
 
+def plain_number(x: float, digits: int = 12) -> str:
+    """``x`` to ``digits`` significant digits, with thousands separators and never in
+    scientific notation, trailing zeros dropped: ``3600000.0`` is ``3,600,000``, ``1e-12`` is
+    ``0.000000000001``."""
+    text = np.format_float_positional(float(x), precision=digits, unique=False,
+                                      fractional=False, trim="-")
+    whole, point, fraction = text.partition(".")
+    sign = "-" if whole.startswith("-") else ""
+    return f"{sign}{int(whole.lstrip('-')):,}{point}{fraction}"
+
+
+#: The shortest fixed step, in seconds (a microsecond): a workload's or a trace's arrivals come
+#: up to 1e9 s, where a float second count moves by about 0.12 microseconds, so a shorter step
+#: would leave a serving clock near the latest arrival where it is (or move it by a rounding).
+MIN_STEP_S = 1e-6
+
+
 class FixedClock:
     """A serving clock that charges every step the same ``seconds`` (``simulate --step-ms``):
-    reproducible, and blind to what a step computes."""
+    reproducible, and blind to what a step computes.  ``seconds``: a finite number of at least
+    :data:`MIN_STEP_S` (a microsecond), so that each step moves the clock up to the latest
+    arrival a run may have."""
 
     kind = "fixed"
 
     def __init__(self, seconds: float) -> None:
-        self.seconds = _float("seconds", seconds)  # > 0: the clock must move
+        self.seconds = _float("seconds", seconds, low=MIN_STEP_S, low_open=False)
 
     def __repr__(self) -> str:
         return f"FixedClock({self.seconds!r})"
 
     def describe(self) -> str:
         """One line naming the clock, for a run's summary."""
-        return f"fixed: {self.seconds * 1e3:g} ms per step"
+        return f"fixed: {plain_number(self.seconds * 1e3)} ms per step"
 
     def step_time(self, plan: Any, measured_s: float) -> float:
         """``seconds``, whatever the step computed."""

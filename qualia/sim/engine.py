@@ -45,7 +45,7 @@ from ..errors import StepError
 from .adapters import is_model, step_backend
 from .books import Books, TokenTimes
 from .check import CheckResult, check_groups, check_outputs, progress_reporter, verify_end_state
-from .clock import FixedClock, ModeledClock, serving_clock
+from .clock import MIN_STEP_S, FixedClock, ModeledClock, serving_clock
 from .config import EngineConfig, make_step_scheduler
 from .figures import RequestRecord, serving_figures
 from .report import Counters, EngineResult, GroupOutput, Timeline, backend_label, collect_stats
@@ -174,9 +174,10 @@ class Engine:
             if clock is not None:
                 raise ValueError("give clock or step_seconds, not both")
             if isinstance(step_seconds, bool) or not isinstance(step_seconds, (int, float)) \
-                    or not 0.0 < float(step_seconds) < float("inf"):
-                raise ValueError(f"step_seconds must be a finite number > 0 (the serving clock "
-                                 f"must move), got {step_seconds!r}")
+                    or not MIN_STEP_S <= float(step_seconds) < float("inf"):
+                raise ValueError(f"step_seconds must be a finite number >= {MIN_STEP_S:.6f} "
+                                 f"(a microsecond: the serving clock must move), "
+                                 f"got {step_seconds!r}")
             clock = float(step_seconds)
         #: the serving clock: how far each step moves the time requests are served at
         self.clock = serving_clock(clock)

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .check import CheckResult
+from .clock import plain_number
 from .figures import METRICS, RequestRecord, prefix_cache_hit_rate, request_rows
 from .timing import ROWS, percentile
 
@@ -514,10 +515,11 @@ def scheduler_lines(s: dict) -> List[str]:
         kv.append(("groups", [f"beam search, width {beam}" if beam is not None else
                               f"n = {n} samples per request",
                               *([] if beam is not None else
-                                [f"temperature {temp:g}" if temp else "greedy"]),
+                                [f"temperature {plain_number(temp)}" if temp
+                                 else "greedy"]),
                               f"{number(int(s['sequences_completed']))} sequences"]))
     elif s.get("temperature"):
-        kv.append(("sampling", [f"temperature {float(s['temperature']):g}"]))
+        kv.append(("sampling", [f"temperature {plain_number(float(s['temperature']))}"]))
     kv += [
         ("requests", [f"{number(int(s['requests_submitted']))} submitted",
                       *([f"{number(int(s['finished_stop']))} sequences stopped by the end "

@@ -661,7 +661,28 @@ def test_plot_and_json_into_one_file_are_refused(tmp_path, monkeypatch, capsys):
 def test_step_ms_moves_the_clock_by_at_most_an_hour(value, monkeypatch, capsys):
     _no_run(monkeypatch)
     rc, err = _refused(["--backend", "c", f"--step-ms={value}"], capsys)
-    assert rc == 2 and "argument --step-ms: must be > 0 and <= 3600000" in err
+    assert rc == 2 and "argument --step-ms: must be >= 0.001 (a microsecond) and <= 3,600,000" \
+        in err
+
+
+@pytest.mark.parametrize("value", ["1e-320", "1e-12", "0.0009"])
+def test_a_step_shorter_than_a_microsecond_is_refused_as_it_cannot_move_the_clock(
+        value, monkeypatch, capsys):
+    from qualia.sim.clock import FixedClock, serving_clock
+    from qualia.sim.engine import Engine
+
+    seconds = float(value) / 1e3
+    with pytest.raises(ValueError, match="seconds must be in"):
+        FixedClock(seconds)
+    with pytest.raises(ValueError, match="seconds must be in"):
+        serving_clock(seconds)
+    with pytest.raises(ValueError, match="step_seconds must be a finite number >= 0.000001"):
+        Engine("c", step_seconds=seconds)
+    # the shortest step still moves a clock at the latest arrival a run may have
+    assert 1e9 + FixedClock(1e-6).step_time(None, 0.0) > 1e9
+    _no_run(monkeypatch)
+    rc, err = _refused(["--backend", "c", f"--step-ms={value}"], capsys)
+    assert rc == 2 and "argument --step-ms: must be >= 0.001 (a microsecond)" in err
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -717,6 +738,21 @@ def test_the_summary_names_the_clock(argv, says, capsys):
     out = capsys.readouterr().out
     clock = next(line for line in out.splitlines() if line.startswith("clock "))
     assert says in clock
+
+
+@pytest.mark.parametrize("seconds, says", [
+    (3600.0, "fixed: 3,600,000 ms per step"), (1e-6, "fixed: 0.001 ms per step"),
+    (0.017, "fixed: 17 ms per step"), (12.3456789, "fixed: 12,345.6789 ms per step"),
+    (1e-5 / 3, "fixed: 0.00333333333333 ms per step")])
+def test_the_fixed_clock_is_described_without_scientific_notation(seconds, says, capsys):
+    from qualia.sim.clock import FixedClock, plain_number
+
+    assert FixedClock(seconds).describe() == says
+    assert plain_number(1e-12) == "0.000000000001" and plain_number(2.5e21) == \
+        "2,500,000,000,000,000,000,000"
+    if seconds == 3600.0:
+        assert main(["simulate", *SMALL_CLI, "--backend", "c", "--step-ms", "3600000"]) == 0
+        assert "fixed: 3,600,000 ms per step" in capsys.readouterr().out
 
 
 def test_a_faster_gpu_profile_serves_the_same_requests_sooner(capsys):
