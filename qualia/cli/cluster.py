@@ -16,7 +16,7 @@ from ..cluster.cluster import (
 )
 from ..cluster.metrics import ClusterMetrics
 from ..cluster.replica import ReplicaConfig, make_scheduler, model_weights
-from ..sim.config import wants_cluster
+from ..sim.config import DEFAULT_ROUTER, wants_cluster
 from .options import finite_non_negative, int_in
 
 __all__ = ["add_cluster_options", "wants_cluster", "simulate_cli"]
@@ -28,8 +28,9 @@ def add_cluster_options(p) -> None:
                              'the qualia checkout)')
     g.add_argument("--replicas", type=int_in(1, 64), default=None, metavar="N",
                    help="serve on N data-parallel replicas (Ray actors) behind a router")
-    g.add_argument("--router", choices=POLICIES, default="prefix",
-                   help="routing policy (default %(default)s)")
+    g.add_argument("--router", choices=POLICIES, default=None,
+                   help=f"routing policy (default {DEFAULT_ROUTER}; not with --compare, "
+                        f"which runs every policy)")
     g.add_argument("--compare", action="store_true",
                    help="run every policy and one replica with N times the pool, side by side")
     g.add_argument("--kill-replica", type=int_in(0, 2**31), default=None, metavar="STEP",

@@ -254,7 +254,14 @@ def _did_you_mean(close: Sequence[str]) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose "invalid choice" errors name the close matches."""
+    """An argument parser whose "invalid choice" errors name the close matches, and which
+    takes every negative number an option's value may be (``-1``, ``-.5``, ``-1e3``, ``-inf``,
+    ``-nan``) as that value, so its option's type reports it ("must be >= ..."), where argparse
+    takes the last three for options ("expected one argument")."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str):
         m = _INVALID_CHOICE.search(message)
@@ -263,6 +270,11 @@ class _Parser(argparse.ArgumentParser):
             close = _close(m.group(1), choices)
             message += _did_you_mean([repr(c) for c in close])
         super().error(message)
+
+
+#: what a negative number looks like to _Parser (argparse's own: -1 and -.5 only)
+_NEGATIVE_NUMBER = re.compile(r"^-(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+                              r"|inf|infinity|nan)$", re.ASCII | re.IGNORECASE)
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> List[str]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Tuple
 
+from ..sim.parse import parse_float, parse_int
+
 __all__ = ["add_option", "U32_MAX", "MIN_ARRIVAL_RATE", "MAX_STEP_MS", "int_in", "pair", "rate",
            "ratio", "path", "step_ms", "finite_non_negative", "profile"]
 
@@ -17,7 +19,7 @@ MIN_ARRIVAL_RATE = 1e-6
 def int_in(minimum: int, maximum: int):
     def parse(text: str) -> int:
         try:
-            v = int(text)
+            v = parse_int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if v < minimum:
@@ -34,9 +36,9 @@ def pair(text: str) -> Tuple[int, int]:
     parts = text.replace(":", ",").replace("-", ",").split(",")
     try:
         if len(parts) == 1:
-            lo = hi = int(parts[0])
+            lo = hi = parse_int(parts[0])
         elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
+            lo, hi = parse_int(parts[0]), parse_int(parts[1])
         else:
             raise ValueError
     except ValueError:
@@ -48,7 +50,7 @@ def pair(text: str) -> Tuple[int, int]:
 
 def _number(text: str) -> float:
     try:
-        return float(text)
+        return parse_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 

@@ -64,12 +64,16 @@ SYNTHETIC_SIZES: Dict[str, int] = dict(num_pages=96, max_num_seqs=24, page_token
 SIZE_OPTIONS = {"num_pages": "--num-pages", "max_num_seqs": "--max-num-seqs",
                 "page_tokens": "--page-tokens", "logical_pages": "--logical-pages",
                 "max_num_batched_tokens": "--max-num-batched-tokens"}
+#: the routing policy of ``--replicas`` without ``--router``
+DEFAULT_ROUTER = "prefix"
 #: seconds ``--ray-address`` has to accept a TCP connection before the run is refused
 CONNECT_TIMEOUT_S = 5.0
 
 _CLUSTER_ONLY = ("router", "compare", "kill_replica", "rejoin_after", "load_weight",
                  "metrics_port", "ray_address", "local")
-_CLUSTER_DEFAULTS: Dict[str, Any] = dict(replicas=None, router="prefix", compare=False,
+#: the command line's defaults of the cluster options (--router's is None until the checks
+#: pass, so that one given is told apart from none: then DEFAULT_ROUTER)
+_CLUSTER_DEFAULTS: Dict[str, Any] = dict(replicas=None, router=None, compare=False,
                                          kill_replica=None, rejoin_after=5, load_weight=0.25,
                                          metrics_port=None, ray_address=None, local=False)
 
@@ -519,7 +523,7 @@ def _cluster_option_problem(args) -> Optional[str]:
         return "argument --plot: not with --replicas (the plot draws one engine's timeline)"
     if args.local and args.ray_address is not None:
         return "argument --ray-address: not with --local (the replicas run in this process)"
-    if args.compare and args.router != "prefix":
+    if args.compare and args.router is not None:
         return "argument --router: not with --compare (which runs every policy)"
     if args.kill_replica is None and args.rejoin_after != _CLUSTER_DEFAULTS["rejoin_after"]:
         return ("argument --rejoin-after: only with --kill-replica (it is when the killed "
@@ -544,6 +548,8 @@ def check_simulate(args, stopwatch=None) -> Prepared:
     problem = _cluster_option_problem(args) or _clock_option_problem(args)
     if problem is not None:
         raise Refused(problem)
+    if getattr(args, "replicas", None) is not None and args.router is None:
+        args.router = DEFAULT_ROUTER
     vocab = VOCAB[args.backend]
     if args.eos_token_id is not None and args.eos_token_id >= vocab:
         raise Refused(f"argument --eos-token-id: must be < {vocab} (the vocabulary of --backend "

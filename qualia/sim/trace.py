@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from .parse import parse_float, parse_int
 from .workload import Request, unservable_reason
 
 __all__ = ["Trace", "TraceError", "parse_timestamp", "MAX_TRACE_SPAN_S"]
@@ -62,7 +63,7 @@ def parse_timestamp(text: str) -> float:
 
 def _count(text: str, column: str, minimum: int) -> int:
     try:
-        v = int(text.strip())
+        v = parse_int(text)
     except ValueError:
         raise ValueError(f"{column}: expected an integer, got {text!r}") from None
     if v < minimum:
@@ -189,7 +190,7 @@ class Trace:
                 else:
                     text = fields[i_arr].strip()
                     try:
-                        arrival = float(text)
+                        arrival = parse_float(text)
                     except ValueError:
                         raise ValueError(f"arrival_s: expected a number of seconds, got "
                                          f"{text!r}") from None

@@ -291,6 +291,7 @@ def _cli(argv, monkeypatch=None):
     (["--step-ms", "1", "--clock", "measured"], "argument --step-ms: not with --clock"),
     (["--ray-address", "127.0.0.1:1"], "argument --ray-address: not with --local"),
     (["--compare", "--router", "round-robin"], "argument --router: not with --compare"),
+    (["--compare", "--router", "prefix"], "argument --router: not with --compare"),
     (["--rejoin-after", "3"], "argument --rejoin-after: only with --kill-replica"),
 ])
 def test_replica_mistakes_are_refused_before_the_run(argv, says, monkeypatch):

@@ -239,6 +239,34 @@ def test_arrival_rate_bounds(rate, capsys):
     assert "argument --arrival-rate: must be >= 1e-06" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--arrival-rate", "-inf"], "argument --arrival-rate: must be >= 1e-06"),
+    (["--arrival-rate", "-1e5"], "argument --arrival-rate: must be >= 1e-06"),
+    (["--arrival-rate", "-NaN"], "argument --arrival-rate: must be >= 1e-06"),
+    (["--step-ms", "-1e-3"], "argument --step-ms: must be >= 0.001"),
+    (["--temperature", "-inf"], "argument --temperature: must be a finite number >= 0"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+])
+def test_a_negative_number_after_a_space_is_the_options_value(argv, says, capsys):
+    """``--option -inf`` reads as ``--option=-inf``: its type refuses it, not argparse as a
+    missing value."""
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--backend", "c", *argv])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--requests", "1_0"], "--requests"), (["--arrival-rate", "1_0"], "--arrival-rate"),
+    (["--output-len", "1_0,20"], "--output-len"), (["--seed", "\u0661"], "--seed"),
+])
+def test_numbers_on_the_command_line_are_plain_decimal_digits(argv, option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--backend", "c", *argv])
+    assert exc.value.code == 2
+    assert f"argument {option}: expected" in capsys.readouterr().err
+
+
 def test_smallest_arrival_rate_runs(capsys):
     assert main(["simulate", "--arrival-rate", "1e-6", "--requests", "3", "--backend", "c",
                  "--turns", "1", "--json", "-", "--no-progress"]) == 0

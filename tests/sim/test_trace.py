@@ -124,6 +124,22 @@ def test_malformed_files_name_the_file_and_the_line(tmp_path, text, line, match)
     assert isinstance(exc.value, ValueError)
 
 
+@pytest.mark.parametrize("row, column", [
+    ("1_0,5,1", "arrival_s"), ("0,1_0,1", "prompt_tokens"), ("0,5,1_0", "output_tokens"),
+    ("0,\u0665,1", "prompt_tokens"), ("0x1,5,1", "arrival_s"), ("1.5,5.0,1", "prompt_tokens"),
+])
+def test_a_traces_numbers_are_plain_decimal_digits(tmp_path, row, column):
+    """Nothing Python's int() and float() take besides: no digit-group underscores, no other
+    scripts' digits."""
+    path = write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n" + row + "\n")
+    with pytest.raises(TraceError, match=f"{column}: expected") as exc:
+        Trace(path)
+    assert exc.value.line == 2
+    ok = write(tmp_path, "arrival_s,prompt_tokens,output_tokens\n 1e-3 , +5 ,1\n.5,5,1\n",
+               name="ok.csv")
+    assert [r.arrival_s for r in Trace(ok).generate()] == [0.0, 0.5 - 0.001]  # from the first
+
+
 def test_unreadable_files(tmp_path):
     with pytest.raises(TraceError, match="No such file"):
         Trace(str(tmp_path / "missing.csv"))
