@@ -309,6 +309,17 @@ class Scheduler(_VllmScheduler):
                              f"{self.max_model_len}, {request.num_tokens} tokens)")
         return left
 
+    def _check_fits(self, request: Request, max_new: int) -> None:
+        # the core's rule: the K/V of prompt + max_new - 1 tokens must fit the pool (the last
+        # token is sampled, never computed); checked here on every path into the adapter, so
+        # that a request taken from the backlog later always enters the core
+        pages = -(-(request.num_tokens + max_new - 1) // self.block_size)
+        if pages > self._num_pages:
+            raise ValueError(
+                f"request {request.request_id!r} can never run: its {request.num_tokens} tokens "
+                f"and up to {max_new} more need {pages} KV blocks, the pool has "
+                f"{self._num_pages} (num_gpu_blocks - 1)")
+
     def _room(self) -> bool:
         c = self._core
         return c.num_waiting + c.num_running < c.max_queued
@@ -322,6 +333,7 @@ class Scheduler(_VllmScheduler):
             raise ValueError(f"duplicate request id {rid!r}")
         self._check_request(request)
         max_new = self._max_new(request)
+        self._check_fits(request, max_new)
         # qualia's own prefix cache decides hits: vLLM's per-block hashes are not needed
         request._block_hasher = None
         if self._backlog or not self._room() or self._holding():
@@ -338,11 +350,16 @@ class Scheduler(_VllmScheduler):
         return self._pause_state == PauseState.PAUSED_NEW
 
     def _drain_backlog(self) -> None:
+        """Move requests from the backlog into the core's queue while it has room (at the start
+        of ``schedule()`` only: it changes nothing else).  A request leaves the backlog only once
+        the core holds it."""
         if self._holding():
             return
-        while self._backlog and self._room():
-            request = self._backlog.popleft()
+        backlog = self._backlog
+        while backlog and self._room():
+            request = backlog[0]
             self._core_add(request, list(request.all_token_ids), self._max_new(request))
+            backlog.popleft()
 
     def _core_leave(self, request: Request) -> None:
         """Take ``request`` out of the core (it stays one of this scheduler's requests)."""
@@ -417,8 +434,7 @@ class Scheduler(_VllmScheduler):
             # vLLM's PAUSED_NEW admits nothing that waits: the core's queue moves to the
             # adapter until the pause ends
             self._backlog.extendleft(reversed(self._take_core_waiting()))
-        elif held and not self._holding():
-            self._drain_backlog()
+        # (when the pause ends, the next schedule() moves the backlog into the core)
 
     def _forget(self, request: Request) -> None:
         rid = request.request_id
@@ -467,7 +483,6 @@ class Scheduler(_VllmScheduler):
         if stopped_running:
             self.running = [r for r in self.running if r not in stopped_running]
             self._plan_dirty = self._pending
-        self._drain_backlog()
         return done
 
     # -- the step ----------------------------------------------------------------------------
@@ -479,6 +494,8 @@ class Scheduler(_VllmScheduler):
         if self._pending:
             raise RuntimeError("schedule() called twice without update_from_output(): "
                                "qualia.vllm.Scheduler keeps one step in flight")
+        if self._backlog:
+            self._drain_backlog()
         self.current_step += 1
         self._step += 1
         step = self._step
@@ -842,7 +859,6 @@ class Scheduler(_VllmScheduler):
             self.running = [r for r in self.running if r not in gone]
             for req in stopped:
                 self._forget(req)
-            self._drain_backlog()
 
     def _full_output(self, req: Request, row: int, tok: int, finished_qids: set,
                      index: Dict[str, int], logprobs: Any, masks: Any, prompt_lp: Any,

@@ -360,3 +360,38 @@ def test_a_runner_output_without_exactly_one_token_is_refused(model_dir, tokens)
     # nothing was applied: no token appended, and the core plans the same step again
     assert [a.num_output_tokens, b.num_output_tokens] == [1, 1]
     assert sched._core.schedule().request_ids.tolist() == [sched._qid["a"], sched._qid["b"]]
+
+
+def test_a_request_that_can_never_fit_is_refused_at_add_on_every_path(model_dir):
+    # 7 pages of 16 tokens: 100 prompt tokens and 28 more need 8.  The core's queue holds 4
+    # requests (max_num_seqs=1), so a fifth waits in the adapter; paused, every one does
+    sched = make_scheduler(model_dir, max_num_seqs=1, num_blocks=8, prefix_caching=False)
+
+    def big():
+        return request("big", list(range(3, 103)), max_tokens=28)
+
+    with pytest.raises(ValueError, match="can never run"):
+        sched.add_request(big())  # straight into the core
+    small = [request(f"s{i}", [5, 6, 7 + i], max_tokens=1) for i in range(5)]
+    for r in small[:4]:
+        sched.add_request(r)
+    assert sched._core.num_waiting == 4
+    with pytest.raises(ValueError, match="can never run"):
+        sched.add_request(big())  # into the backlog
+    sched.add_request(small[4])
+    assert "big" not in sched.requests and [r.request_id for r in sched.waiting] == [
+        r.request_id for r in small]
+    finished = []
+    steps = 0
+    while sched.has_requests():
+        out = sched.schedule()
+        for eco in sched.update_from_output(out, runner_output(out)).values():
+            finished += [o.request_id for o in eco.outputs if o.finish_reason is not None]
+        steps += 1
+        assert steps < 20
+    assert finished == [r.request_id for r in small] and all_pages_back(sched)
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    with pytest.raises(ValueError, match="can never run"):
+        sched.add_request(big())  # held while paused
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert not sched.has_requests() and not sched._backlog
