@@ -146,6 +146,23 @@ class _Waiting:
         for r in requests:
             self._reqs.pop(r.request_id, None)
 
+    def ids(self) -> Iterable[str]:
+        return self._reqs.keys()
+
+    def restore_order(self, order: List[str], back: Dict[str, Request]) -> None:
+        """Put the requests of ``back`` in again: the ids of ``order`` in that order (those still
+        waiting, and those of ``back``), then every other waiting request in its order."""
+        rest = self._reqs
+        reqs: Dict[str, Request] = {}
+        for rid in order:
+            r = back.get(rid) or rest.get(rid)
+            if r is not None:
+                reqs[rid] = r
+        for rid, r in rest.items():
+            if rid not in reqs:
+                reqs[rid] = r
+        self._reqs = reqs
+
     def peek_request(self) -> Request:
         if not self._reqs:
             raise IndexError("peek from an empty queue")
@@ -248,6 +265,11 @@ class Scheduler(_VllmScheduler):
         # num_scheduled_tokens when every request has one token (copied for each output)
         self._plan_cache: Optional[List[Any]] = None
         self._pending = False
+        # what the pending plan's schedule() changed, to be undone if its update fails:
+        # (step, row arrays before, finished and preempted ids handed out, the plan's requests,
+        # their computed tokens before, the admissions, the waiting order before them, the
+        # prefix-cache accumulator they were recorded in)
+        self._undo: Optional[Tuple[Any, ...]] = None
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -506,6 +528,8 @@ class Scheduler(_VllmScheduler):
         timestamp = time.monotonic() if log_stats else 0.0
         if self._pause_state == PauseState.PAUSED_ALL or core.num_waiting + core.num_running == 0:
             return self._empty_output()
+        sent_before = self._row_sent.copy()
+        last_before = self._row_last_step.copy()
         plan = core.schedule()
         self._pending = True
         by_qid = self._by_qid
@@ -566,7 +590,10 @@ class Scheduler(_VllmScheduler):
         new_blocks: List[Tuple[List[int], ...]] = []
         res_pos: List[int] = []
         resumed_blocks: List[Optional[Tuple[List[int], ...]]] = []
+        admitted: List[Tuple[Request, RequestStatus, int, bool]] = []
+        waiting_before: List[str] = []
         if k:
+            waiting_before = list(self.waiting.ids())
             qids = plan.request_ids[m:].tolist()
             arows = rows[m:].tolist()
             acomp = comp[m:].tolist()
@@ -593,6 +620,8 @@ class Scheduler(_VllmScheduler):
                 blocks = ((table[row, :aneed[j]] + 1).tolist(),)
                 hit = acomp[j]
                 req.num_computed_tokens = hit
+                admitted.append((req, req.status, len(req.events),
+                                 req.request_id not in self._in_runner))
                 if self.log_stats:
                     req.record_event(EngineCoreEventType.SCHEDULED, timestamp)
                 first = req.status == RequestStatus.WAITING
@@ -711,9 +740,68 @@ class Scheduler(_VllmScheduler):
             finished_req_ids=self.finished_req_ids,
             free_encoder_mm_hashes=[],
         )
+        self._undo = (step, sent_before, last_before, self.finished_req_ids,
+                      self.reset_preempted_req_ids, plan_reqs[:m], comp, admitted,
+                      waiting_before, kvm.prefix_cache_stats if log_stats else None)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out
+
+    def _undo_schedule(self) -> None:
+        """Undo what the pending plan's ``schedule()`` did, after the core discarded the plan:
+        the plan's requests are as they were before it (an admission waits again where it
+        waited, the running requests' computed tokens go back), the next output reports again
+        the finished and preempted ids this one reported, and the admissions' prefix-cache
+        records are taken back.  The core's preemptions of the step stand (the core keeps
+        them): those requests stay preempted, reported by the next output.  A request aborted
+        or preempted while the plan was pending stays so."""
+        undo = self._undo
+        self._undo = None
+        if undo is None:
+            return
+        (step, sent, last, finished, preempted, running, comp, admitted, waiting_before,
+         stats) = undo
+        self._step = step - 1
+        self.current_step -= 1
+        self._row_sent[:] = sent
+        self._row_last_step[:] = last
+        self._plan_cache = None
+        self.finished_req_ids |= finished
+        self.reset_preempted_req_ids |= preempted
+        requests = self.requests
+        for req, c in zip(running, comp.tolist()):
+            if requests.get(req.request_id) is req and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens = c
+        undone: Dict[str, Request] = {}
+        kvm = self.kv_cache_manager
+        if stats is not kvm.prefix_cache_stats:
+            stats = None  # already handed to make_stats(): it stands
+        hits = comp[len(running):].tolist()
+        for (req, status, n_events, new), hit in zip(admitted, hits):
+            rid = req.request_id
+            if new:
+                self._in_runner.discard(rid)
+            if requests.get(rid) is not req or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the plan was pending
+            if new and status == RequestStatus.WAITING:
+                self._hit_tokens.pop(rid, None)
+            req.status = status
+            req.num_computed_tokens = 0
+            del req.events[n_events:]
+            if stats is not None and kvm.prefix_cache_lookup_enabled(req):
+                # take back what record_prefix_cache_stats recorded at the admission
+                if req.num_preemptions > 0:
+                    stats.preempted_requests -= 1
+                    stats.preempted_queries -= req.num_tokens
+                    stats.preempted_hits -= hit
+                else:
+                    stats.requests -= 1
+                    stats.queries -= req.num_tokens
+                    stats.hits -= hit
+            undone[rid] = req
+        if undone:
+            self.running = [r for r in self.running if r.request_id not in undone]
+            self.waiting.restore_order(waiting_before, undone)
 
     def _empty_output(self) -> SchedulerOutput:
         out = SchedulerOutput.make_empty()
@@ -732,6 +820,7 @@ class Scheduler(_VllmScheduler):
         if self._pending:
             self._pending = False
             self._take_tokens(model_runner_output, result)
+        self._undo = None
         self._sampled_ids = []
         fin = self.finished_req_ids_dict
         if fin:
@@ -788,6 +877,7 @@ class Scheduler(_VllmScheduler):
             bad = True
         if bad:
             self._core.discard_plan()
+            self._undo_schedule()
             for rid, ok in zip(rids, live or [True] * len(rids)):
                 i = index.get(rid)
                 n = len(sampled[i]) if i is not None and 0 <= i < len(sampled) else 0
@@ -984,6 +1074,7 @@ class Scheduler(_VllmScheduler):
             # scheduled is requeued below and computes its tokens again
             self._core.discard_plan()
             self._pending = False
+            self._undo = None
             self._sampled_ids = []
         if reset_running_requests and self.running:
             # every running request waits again, at the head of the queue in its order, with

@@ -395,3 +395,41 @@ def test_a_request_that_can_never_fit_is_refused_at_add_on_every_path(model_dir)
         sched.add_request(big())  # held while paused
     sched.set_pause_state(PauseState.UNPAUSED)
     assert not sched.has_requests() and not sched._backlog
+
+
+def test_a_failed_update_leaves_every_request_as_before_the_discarded_schedule(model_dir):
+    # the runner's output lacks an admitted request: update_from_output raises, the core
+    # discards the plan, and the adapter is as it was before that schedule(); the next
+    # schedule() plans the same step again
+    sched = make_scheduler(model_dir)
+    a, b = request("a", list(range(3, 40)), max_tokens=4), request("b", list(range(5, 30)), 4)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(b)
+    stats = sched.kv_cache_manager.prefix_cache_stats
+
+    def state():
+        return ([r.request_id for r in sched.running], [r.request_id for r in sched.waiting],
+                a.status, b.status, a.num_computed_tokens, b.num_computed_tokens,
+                len(b.events), (stats.requests, stats.queries, stats.hits))
+
+    before = state()
+    out = sched.schedule()
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["b"]
+    bad = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[9]])
+    with pytest.raises(RuntimeError):
+        sched.update_from_output(out, bad)
+    assert state() == before
+    again = sched.schedule()
+    assert again.num_scheduled_tokens == out.num_scheduled_tokens
+    assert [n.req_id for n in again.scheduled_new_reqs] == ["b"]
+    assert again.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert again.scheduled_cached_reqs.req_ids == ["a"]
+    assert again.scheduled_cached_reqs.num_computed_tokens == [a.num_prompt_tokens]
+    assert not again.scheduled_cached_reqs.resumed_req_ids
+    assert [r.request_id for r in sched.running] == ["a", "b"]
+    assert (stats.requests, stats.queries) == (before[-1][0] + 1, before[-1][1] + b.num_tokens)
+    sched.update_from_output(again, runner_output(again))
+    while sched.has_requests():
+        step(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 4 and all_pages_back(sched)
