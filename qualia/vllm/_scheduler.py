@@ -914,12 +914,14 @@ class Scheduler(_VllmScheduler):
         # the outputs that carry more than the token: a stop, the first output (prefill
         # stats, events), trace headers, stop ids past the core's, and anything the runner
         # returned for some requests (logprobs, sampling masks, prompt logprobs, NaN counts)
-        logprobs = mro.logprobs
+        logprobs = mro.logprobs or None
         prompt_lp = mro.prompt_logprobs_dict or None
+        prompt_id_lp = mro.prompt_token_id_logprobs_dict or None
         nans = mro.num_nans_in_logits
         masks = mro.sampling_masks if self.return_sampling_mask else None
         finished_qids = {f.request_id for f in done}
-        if logprobs is not None or prompt_lp or nans is not None or masks is not None:
+        if (logprobs is not None or prompt_lp or prompt_id_lp or nans is not None
+                or masks is not None):
             special: Iterable[int] = range(len(rids))
         else:
             marked = self._row_special | self._row_watch
@@ -934,7 +936,7 @@ class Scheduler(_VllmScheduler):
             req = row_req[row]
             assert req is not None
             outs[i] = self._full_output(req, row, toks[i], finished_qids, index, logprobs,
-                                        masks, prompt_lp, nans, stopped)
+                                        masks, prompt_lp, prompt_id_lp, nans, stopped)
         clients = self._row_client[rows]
         if clients.min() == clients.max():
             result[int(clients[0])] = EngineCoreOutputs(outputs=outs)
@@ -952,7 +954,7 @@ class Scheduler(_VllmScheduler):
 
     def _full_output(self, req: Request, row: int, tok: int, finished_qids: set,
                      index: Dict[str, int], logprobs: Any, masks: Any, prompt_lp: Any,
-                     nans: Any, stopped: List[Request]) -> EngineCoreOutput:
+                     prompt_id_lp: Any, nans: Any, stopped: List[Request]) -> EngineCoreOutput:
         """The output of one request whose token was appended: stop, logprobs, stats."""
         rid = req.request_id
         finish = None
@@ -972,7 +974,8 @@ class Scheduler(_VllmScheduler):
             finish = req.get_finished_reason()
             stopped.append(req)
         new_logprobs = None
-        if logprobs is not None and getattr(req.sampling_params, "logprobs", None) is not None:
+        # vLLM's test: sample logprobs asked for by count or by token ids (num_logprobs)
+        if logprobs is not None and req.sampling_params.num_logprobs is not None:
             new_logprobs = logprobs.slice_request(index[rid], 1)
         new_mask = None
         if masks is not None:
@@ -996,6 +999,7 @@ class Scheduler(_VllmScheduler):
             new_logprobs=new_logprobs,
             new_sampling_mask=new_mask,
             new_prompt_logprobs_tensors=prompt_lp.get(rid) if prompt_lp else None,
+            prompt_token_id_logprobs=prompt_id_lp.get(rid) if prompt_id_lp else None,
             stop_reason=req.stop_reason,
             events=events,
             prefill_stats=prefill_stats,

@@ -433,3 +433,48 @@ def test_a_failed_update_leaves_every_request_as_before_the_discarded_schedule(m
     while sched.has_requests():
         step(sched)
     assert a.num_output_tokens == b.num_output_tokens == 4 and all_pages_back(sched)
+
+
+def test_logprobs_by_token_ids_and_prompt_token_id_logprobs_are_passed_on_as_vllm_does(model_dir):
+    # sample logprobs asked for with logprob_token_ids (logprobs unset) and the scores of
+    # prompt_logprob_token_ids: every output carries what vLLM's scheduler hands on
+    import numpy as np
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+    from vllm.v1.outputs import LogprobsLists
+
+    def run(cls):
+        sched = make_scheduler(model_dir, prefix_caching=False)
+        if cls is VllmScheduler:
+            sched = VllmScheduler(vllm_config=sched.vllm_config,
+                                  kv_cache_config=sched.kv_cache_config, block_size=BLOCK,
+                                  log_stats=True, structured_output_manager=StructuredOutputManager(
+                                      sched.vllm_config))
+        reqs = []
+        for rid, kw in (("ids", dict(logprob_token_ids=[5, 6],
+                                     prompt_logprob_token_ids=[[5, 6]] * 3)),
+                        ("count", dict(logprobs=2)), ("none", {})):
+            sp = SamplingParams(max_tokens=2, ignore_eos=True, **kw)
+            reqs.append(Request(request_id=rid, prompt_token_ids=[3, 4, 5, 6],
+                                sampling_params=sp, pooling_params=None))
+            sched.add_request(reqs[-1])
+        got = []
+        for _ in range(2):
+            out = sched.schedule()
+            ids = list(out.num_scheduled_tokens)
+            lp = LogprobsLists(np.array([[9, 5, 6]] * 3),
+                               np.array([[-0.1, -2.0, -3.0]] * 3, dtype=np.float32),
+                               np.array([1] * 3))
+            ptl = {"ids": torch.full((3, 2), -1.5)} if out.scheduled_new_reqs else {}
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=[[9]] * 3, logprobs=lp,
+                                    prompt_logprobs_dict={}, prompt_token_id_logprobs_dict=ptl)
+            for o in sched.update_from_output(out, mro)[0].outputs:
+                got.append((o.request_id, o.new_logprobs is not None and
+                            o.new_logprobs.logprob_token_ids.tolist(),
+                            None if o.prompt_token_id_logprobs is None
+                            else o.prompt_token_id_logprobs.tolist()))
+        return sorted(got, key=lambda g: g[0])
+
+    want = run(VllmScheduler)
+    assert run(qualia.vllm.Scheduler) == want
+    assert ("ids", [[9, 5, 6]], [[-1.5, -1.5]] * 3) in want
