@@ -17,10 +17,11 @@ request is given.  One KV-cache group only.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import numpy as np
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -169,6 +170,60 @@ class _Waiting:
         return next(iter(self._reqs.values()))
 
 
+class _Backlog:
+    """The requests waiting in the adapter, in queue order: under ``fcfs`` the order they came,
+    except that requests put back at the head come before them; under ``priority`` vLLM's
+    order of requests (priority, then arrival time, then id), wherever they came from."""
+
+    __slots__ = ("_heap", "_priority", "_back", "_front")
+
+    def __init__(self, priority: bool) -> None:
+        self._heap: List[Tuple[Any, Request]] = []
+        self._priority = priority
+        self._back = 0
+        self._front = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter([r for _, r in sorted(self._heap, key=lambda e: e[0])])
+
+    def _key(self, request: Request, seq: int) -> Any:
+        if self._priority:
+            return (request.priority, request.arrival_time, request.request_id, seq)
+        return seq
+
+    def push_back(self, request: Request) -> None:
+        self._back += 1
+        heapq.heappush(self._heap, (self._key(request, self._back), request))
+
+    def push_front(self, requests: List[Request]) -> None:
+        """Put ``requests`` at the head, in their order (under ``priority``: in their place)."""
+        for r in reversed(requests):
+            self._front -= 1
+            heapq.heappush(self._heap, (self._key(r, self._front), r))
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        heap = self._heap
+        for i, (_, r) in enumerate(heap):
+            if r is request:
+                heap[i] = heap[-1]
+                heap.pop()
+                heapq.heapify(heap)
+                return
+        raise ValueError(f"request {request.request_id!r} is not in the backlog")
+
+
 class Scheduler(_VllmScheduler):
     """vLLM's scheduler interface, decided by qualia's compiled engine step
     (``qualia.StepScheduler``): admission and its order, the token budget and prefill chunks,
@@ -230,7 +285,8 @@ class Scheduler(_VllmScheduler):
         self.waiting = _Waiting()  # type: ignore[assignment, unused-ignore]
         # waiting in the adapter: while the core's queue is full, and every waiting request
         # while admissions are held (PAUSED_NEW); in queue order
-        self._backlog: Deque[Request] = deque()
+        self._backlog = _Backlog(self._priority_policy)
+        self._backlog_arrivals = False  # (priority) a request came to the backlog since a drain
         self._qid: Dict[str, int] = {}  # vLLM request id -> core id
         self._by_qid: Dict[int, Request] = {}
         self._next_qid = 1
@@ -359,7 +415,8 @@ class Scheduler(_VllmScheduler):
         # qualia's own prefix cache decides hits: vLLM's per-block hashes are not needed
         request._block_hasher = None
         if self._backlog or not self._room() or self._holding():
-            self._backlog.append(request)
+            self._backlog.push_back(request)
+            self._backlog_arrivals = self._priority_policy
         else:
             self._core_add(request, list(request.all_token_ids), max_new)
         self.requests[rid] = request
@@ -378,10 +435,23 @@ class Scheduler(_VllmScheduler):
         if self._holding():
             return
         backlog = self._backlog
+        self._fill_core()
+        if backlog and self._backlog_arrivals:
+            # (priority) a request that came to the backlog goes ahead of those in the core's
+            # queue that it precedes in vLLM's order: the core's queue is put back into the
+            # backlog, which hands every request to the core in that order
+            self._backlog_arrivals = False
+            best = backlog.peek()
+            if any(best < r for r in self.waiting if r.request_id in self._qid):
+                backlog.push_front(self._take_core_waiting())
+                self._fill_core()
+
+    def _fill_core(self) -> None:
+        backlog = self._backlog
         while backlog and self._room():
-            request = backlog[0]
+            request = backlog.peek()
             self._core_add(request, list(request.all_token_ids), self._max_new(request))
-            backlog.popleft()
+            backlog.pop()
 
     def _core_leave(self, request: Request) -> None:
         """Take ``request`` out of the core (it stays one of this scheduler's requests)."""
@@ -407,7 +477,7 @@ class Scheduler(_VllmScheduler):
         as vLLM's scheduler puts preempted requests back: at the head of its queue (in the
         priority policy's order under that policy)."""
         if self._holding():
-            self._backlog.extendleft(reversed(requests))
+            self._backlog.push_front(requests)
             return
         # the core orders its queue by priority, then by the order requests were added: every
         # request waiting in it is added again behind these
@@ -420,7 +490,7 @@ class Scheduler(_VllmScheduler):
                 spill.append(r)
             else:
                 self._core_add(r, list(r.all_token_ids), self._max_new(r))
-        self._backlog.extendleft(reversed(spill))
+        self._backlog.push_front(spill)
 
     def _preempt_request(self, request: Request, timestamp: float,
                          drop_stale_output: bool = False) -> None:
@@ -455,7 +525,7 @@ class Scheduler(_VllmScheduler):
         if self._holding() and not held:
             # vLLM's PAUSED_NEW admits nothing that waits: the core's queue moves to the
             # adapter until the pause ends
-            self._backlog.extendleft(reversed(self._take_core_waiting()))
+            self._backlog.push_front(self._take_core_waiting())
         # (when the pause ends, the next schedule() moves the backlog into the core)
 
     def _forget(self, request: Request) -> None:
@@ -555,7 +625,7 @@ class Scheduler(_VllmScheduler):
             if self._holding():
                 for req in victims:
                     self._core_leave(req)
-                self._backlog.extendleft(victims)
+                self._backlog.push_front(victims[::-1])
 
         n = len(plan.request_ids)
         if n == 0:

@@ -478,3 +478,32 @@ def test_logprobs_by_token_ids_and_prompt_token_id_logprobs_are_passed_on_as_vll
     want = run(VllmScheduler)
     assert run(qualia.vllm.Scheduler) == want
     assert ("ids", [[9, 5, 6]], [[-1.5, -1.5]] * 3) in want
+
+
+def test_priority_order_holds_across_the_requests_waiting_in_the_adapter(model_dir):
+    # max_num_seqs=2: the core's queue holds 8 requests, the rest wait in the adapter.  A
+    # high-priority request that arrives last is admitted first, as vLLM's scheduler does
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    def admissions(cls):
+        sched = make_scheduler(model_dir, max_num_seqs=2, prefix_caching=False,
+                               policy="priority")
+        if cls is VllmScheduler:
+            sched = VllmScheduler(vllm_config=sched.vllm_config,
+                                  kv_cache_config=sched.kv_cache_config, block_size=BLOCK,
+                                  log_stats=True, structured_output_manager=StructuredOutputManager(
+                                      sched.vllm_config))
+        for i in range(10):
+            sched.add_request(request(f"low{i}", [3 + i] * 20, max_tokens=3, priority=5))
+        sched.add_request(request("high", [9] * 20, max_tokens=3, priority=0))
+        order = []
+        while sched.has_requests():
+            out = step(sched)
+            if not order:  # while the first two run
+                sched.add_request(request("mid", [8] * 20, max_tokens=3, priority=1))
+            order += [n.req_id for n in out.scheduled_new_reqs]
+        return order
+
+    order = admissions(qualia.vllm.Scheduler)
+    assert order == admissions(VllmScheduler)
+    assert order[:4] == ["high", "low0", "mid", "low1"]
