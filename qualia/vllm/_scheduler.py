@@ -77,6 +77,9 @@ def check_config(vllm_config: Any, kv_cache_config: Any, block_size: int) -> Non
         raise _refuse("encoder-decoder models")
     if getattr(mc, "is_diffusion", False):
         raise _refuse("diffusion models")
+    if float(getattr(sc, "watermark", 0.0) or 0.0) > 0.0:
+        raise _refuse(f"a KV-cache watermark (watermark={sc.watermark}; the core's admissions "
+                      "keep no blocks in reserve: pass watermark=0, the default)")
     if sc.async_scheduling:
         raise _refuse("async scheduling (pass async_scheduling=False, "
                       "--no-async-scheduling)")

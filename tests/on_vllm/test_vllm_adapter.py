@@ -39,12 +39,12 @@ def model_dir(tmp_path_factory):
 
 
 def make_scheduler(model_dir, *, max_num_seqs=16, num_blocks=1000, budget=2048,
-                   prefix_caching=True, policy="fcfs", aux_output=False):
+                   prefix_caching=True, policy="fcfs", aux_output=False, watermark=0.0):
     model_config = ModelConfig(model=model_dir, dtype="float32", seed=0,
                                skip_tokenizer_init=True, max_model_len=1024)
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                          max_model_len=1024, enable_chunked_prefill=True,
-                         async_scheduling=False, is_encoder_decoder=False, watermark=0.0,
+                         async_scheduling=False, is_encoder_decoder=False, watermark=watermark,
                          policy=policy)
     cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
                      enable_prefix_caching=prefix_caching)
@@ -228,6 +228,11 @@ def test_requests_the_core_preempts_while_paused_new_stay_queued(model_dir):
 def test_auxiliary_outputs_are_refused(model_dir):
     with pytest.raises(qualia.vllm.UnsupportedByQualia, match="auxiliary outputs"):
         make_scheduler(model_dir, aux_output=True)
+
+
+def test_a_kv_watermark_is_refused(model_dir):
+    with pytest.raises(qualia.vllm.UnsupportedByQualia, match="watermark=0.5"):
+        make_scheduler(model_dir, watermark=0.5)
 
 
 def scripted_run(sched, reqs, script, abort_in_flight=None):
