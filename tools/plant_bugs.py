@@ -364,9 +364,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "that marks a row no C backend wrote"),
     Mutation(
         "backend_attr_swallows_its_errors", "abi", C + "backends/backends.pxi",
-        "        if inspect.getattr_static(backend, name, _ABSENT) is _ABSENT:\n"
-        "            return None\n        raise\n",
-        "        return None\n",
+        "    if _declares(backend, name):\n        return getattr(backend, name)",
+        "    if False:\n        return getattr(backend, name)",
         "a backend property that raises AttributeError is taken for an absent attribute: "
         "run() falls back to execute_step without a word"),
     Mutation(
@@ -374,6 +373,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         "            if p.slot_mapping[t] != want:\n",
         "            if p.slot_mapping[t] != want and p.slot_mapping[t] < 0:\n",
         "a Python plan lowered for a C backend may map a token to another page's slot"),
+    Mutation(
+        "stop_id_past_the_limit_taken", "abi", C + "step/scheduler.pxi",
+        "    for x in stops:\n        if x > limit:\n",
+        "    for x in stops:\n        if x > limit + 1:\n",
+        "add_request takes a stop id one past the largest id a step can sample (vocab_size, or "
+        "0xFFFFFFFF): a stop condition that never holds"),
     # -- the twin (the executable spec) ----------------------------------------------------------
     Mutation(
         "twin_token_limit_takes_no_token_id", "abi", T + "seed.py",

@@ -80,12 +80,27 @@ _ABSENT = object()
 def backend_attr(backend, name: str):
     """``backend.name``, or None when the backend has no such attribute; an AttributeError
     raised while getting one that it has (a property's) is raised, not taken for absence."""
+    value = getattr(backend, name, _ABSENT)
+    if value is not _ABSENT:
+        return value
+    if _declares(backend, name):
+        return getattr(backend, name)      # the attribute's own error, raised again
+    return None
+
+
+def _declares(obj, name: str) -> bool:
+    """Whether ``obj`` has ``name`` where the lookup finds it without running ``obj``'s code:
+    a class dict of its type's MRO or its own ``__dict__`` (a class object: inspect's full
+    static lookup)."""
+    if isinstance(obj, type):
+        return inspect.getattr_static(obj, name, _ABSENT) is not _ABSENT
+    if any(name in klass.__dict__ for klass in type(obj).__mro__):
+        return True
     try:
-        return getattr(backend, name)
+        d = object.__getattribute__(obj, "__dict__")
     except AttributeError:
-        if inspect.getattr_static(backend, name, _ABSENT) is _ABSENT:
-            return None
-        raise
+        return False
+    return type(d) is dict and name in d
 
 
 def token_limit(vocab_size: Optional[int]) -> int:

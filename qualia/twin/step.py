@@ -434,6 +434,15 @@ class StepScheduler:
         stop = [_u32(t, "stop token id") for t in stop_token_ids]
         if len(stop) > MAX_STOP_TOKENS:
             raise ValueError(f"at most {MAX_STOP_TOKENS} stop token ids, got {len(stop)}")
+        limit = token_limit(self.vocab_size)
+        # an end or stop id is a token id a step can sample: another never matches
+        if eos is not None and eos > limit:
+            raise ValueError(f"eos_token_id {eos} is outside [0, {limit}]: no sampled token can "
+                             f"match it")
+        for x in stop:
+            if x > limit:
+                raise ValueError(f"stop token id {x} is outside [0, {limit}]: no sampled token "
+                                 f"can match it")
         ignore = bool(ignore_eos)
         ns = _namespace_bytes(namespace)
         if len(ns) > NS_MAX_BYTES:

@@ -781,3 +781,15 @@ def test_a_backend_whose_getattr_raises_attribute_error_has_no_such_attribute():
     s.add_request(1, [1, 2, 3], max_new_tokens=2)
     s.run(Backend())
     assert s.requests() == []
+
+
+@pytest.mark.parametrize("vocab, bad", [(None, 2**32 - 1), (100, 100)])
+@pytest.mark.parametrize("twin", [False, True], ids=["core", "twin"])
+def test_an_end_or_stop_id_no_sampled_token_can_match_is_refused(twin, vocab, bad):
+    s = make(32, 4, 8, 4, twin=twin, vocab_size=vocab)
+    for kw in ({"eos_token_id": bad}, {"stop_token_ids": [3, bad]}):
+        with pytest.raises(ValueError, match="no sampled token can match it"):
+            s.add_request(1, [1, 2, 3], max_new_tokens=2, **kw)
+        assert s.requests() == []
+    s.add_request(1, [1, 2, 3], max_new_tokens=2, eos_token_id=bad - 1, stop_token_ids=[bad - 1])
+    assert s.requests() == [1]

@@ -15,18 +15,36 @@ _ZERO_RECEIPT = RaggedBatchReceipt(0, 0)
 cdef object _ABSENT = object()
 
 
+cdef bint _declares(object obj, str name):
+    # whether obj has `name` where the lookup finds it without running obj's code: in a class
+    # dict of its type's MRO (where a property or any descriptor lives) or its own __dict__
+    # (a class object: inspect's full static lookup, its bases and metaclass included)
+    if isinstance(obj, type):
+        import inspect
+        return inspect.getattr_static(obj, name, _ABSENT) is not _ABSENT
+    for klass in type(obj).__mro__:
+        if name in (<type>klass).__dict__:
+            return True
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return False
+    return type(d) is dict and name in <dict>d
+
+
 cdef object backend_attr(object backend, str name):
     # backend.name, or None when the backend has no such attribute.  An AttributeError raised
     # while getting one that it has (a property's, a descriptor's) is raised, not taken for
     # "absent": a C interface whose property fails is an error, never a silent fall back to
-    # the Python method.  (A __getattr__ that raises AttributeError means absent.)
-    try:
-        return getattr(backend, name)
-    except AttributeError:
-        import inspect
-        if inspect.getattr_static(backend, name, _ABSENT) is _ABSENT:
-            return None
-        raise
+    # the Python method.  (A __getattr__ that raises AttributeError means absent.)  An absent
+    # attribute costs a lookup and a scan of the type's MRO dicts, as a decode round of a
+    # Python backend asks for two (__qualia_backend__, copy_pages) every call.
+    value = getattr(backend, name, _ABSENT)
+    if value is not _ABSENT:
+        return value
+    if _declares(backend, name):
+        return getattr(backend, name)      # the attribute's own error, raised again
+    return None
 
 
 cdef object _c_backend(object backend, qualia_backend **out, qualia_backend *store):

@@ -47,6 +47,18 @@ cdef bint _is_topk_triple(object out) except -1:
     return True
 
 
+cdef int _check_stops(uint64_t limit, object eos, list stops) except -1:
+    # an end or stop id is a token id a step can sample (token_limit): another never matches
+    if eos is not None and eos > limit:
+        raise ValueError(f"eos_token_id {eos} is outside [0, {limit}]: no sampled token can "
+                         f"match it")
+    for x in stops:
+        if x > limit:
+            raise ValueError(f"stop token id {x} is outside [0, {limit}]: no sampled token can "
+                             f"match it")
+    return 0
+
+
 # no tp_clear: __dealloc__ hands the pool back, so the cycle collector must not clear
 # self.pool first (a cycle through a scheduler is still broken at its other objects)
 @cython.no_gc_clear
@@ -303,6 +315,7 @@ cdef class StepScheduler:
         stops = [_u32(x, "stop token id") for x in stop_token_ids]
         if len(stops) > STOP_MAX:
             raise ValueError(f"at most {STOP_MAX} stop token ids, got {len(stops)}")
+        _check_stops(token_limit(&self.step), eos if has_eos else None, stops)
         for n_stop in range(len(stops)):
             stop[n_stop] = stops[n_stop]
         n_stop = len(stops)
