@@ -43,13 +43,13 @@ EXTRA_COLUMNS = ("prefix_group", "prefix_tokens", "tenant")
 
 _TIMESTAMP = re.compile(
     r"^(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,12}))?"
-    r"(Z|[+-]\d{2}:?\d{2})?$")
+    r"(Z|[+-]\d{2}:?\d{2})?$", re.ASCII)
 
 
 def parse_timestamp(text: str) -> float:
     """Seconds since the epoch of an ISO date-time such as ``2023-11-16 18:15:46.6805900`` (any
     number of fraction digits, up to 12; an optional ``Z`` or ``+hh:mm`` offset, UTC without
-    one).  Raises ``ValueError``."""
+    one), written in ASCII digits (not other scripts').  Raises ``ValueError``."""
     m = _TIMESTAMP.match(text.strip())
     if m is None:
         raise ValueError(f"expected a date-time like 2023-11-16 18:15:46.6805900, got {text!r}")

@@ -51,6 +51,21 @@ def test_timestamps():
             parse_timestamp(bad)
 
 
+@pytest.mark.parametrize("fraction", ["\u0665", "\uff15"])
+def test_a_timestamps_digits_are_ascii(tmp_path, fraction):
+    """An Azure date-time's digits are ASCII: another script's 5 in the fraction is refused,
+    by parse_timestamp and by the trace's line."""
+    with pytest.raises(ValueError, match="expected a date-time"):
+        parse_timestamp("2023-11-16 18:15:46." + fraction)
+    with pytest.raises(ValueError, match="expected a date-time"):
+        parse_timestamp("2023-11-16 18:15:4" + fraction)
+    path = write(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:15:46.5,5,1\n2023-11-16 18:15:46." + fraction + ",5,1\n")
+    with pytest.raises(TraceError, match="expected a date-time") as exc:
+        Trace(path)
+    assert exc.value.line == 3
+
+
 def test_plain_form_with_prefix_groups_and_tenants(tmp_path):
     text = ("arrival_s,prompt_tokens,output_tokens,prefix_group,prefix_tokens,tenant\n"
             "0.0,30,4,sys-a,20,0\n"
