@@ -169,7 +169,7 @@ def simulate_cli(args, out=None, err=None) -> int:
                 f"{res.summary['scheduler']}, backend: {backend})")
         if res.summary.get("conversations_cut"):
             line += (f"; {res.summary['conversations_cut']} conversations cut (a next turn "
-                     "outgrew the pool or --logical-pages)")
+                     "outgrew the pool or --logical-pages, or would arrive after 1e9 s)")
         ok &= once
         if args.check:
             chk = check_outputs(res.requests, res.outputs, eos_token_id=args.eos_token_id,

@@ -334,8 +334,8 @@ class Cluster:
         every replica down until the next rejoin (``summary["idle_steps"]``).  ``max_steps``
         (None: no limit) bounds the steps the replicas run; :data:`MAX_STALLED_STEPS` steps in
         a row without progress raise ``RuntimeError``.  A later turn that no replica could ever
-        serve (it outgrew the pool or ``logical_pages``) ends its conversation
-        (``summary["conversations_cut"]``).
+        serve (it outgrew the pool or ``logical_pages``, or it would arrive after the latest
+        arrival a run may have, 1e9 s) ends its conversation (``summary["conversations_cut"]``).
 
         Before anything runs, the arguments and every request are checked as the engine checks
         them (:func:`qualia.sim.workload.checked_request`; a request id used twice is a
@@ -501,7 +501,8 @@ class Cluster:
                 if nxt is not None:
                     try:
                         arrivals.push(self._checked(nxt))
-                    except UnservableRequest:   # it outgrew the pool or logical_pages
+                    except UnservableRequest:   # it outgrew the pool or logical_pages,
+                        # or it arrives after the latest arrival a run may have
                         self.conversations_cut += 1
         c = self._counters
         c["cached"] += rep["cached_tokens"]

@@ -377,7 +377,8 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue a request for its arrival.  Raises :class:`UnservableRequest` (a
         ``ValueError``) for a request that needs more pages than the whole pool or more tokens
-        than a request's table holds (``logical_pages * page_tokens``), ``TypeError`` for a
+        than a request's table holds (``logical_pages * page_tokens``) or that arrives after
+        :data:`~qualia.sim.workload.MAX_ARRIVAL_S` (1e9 s), ``TypeError`` for a
         field of the wrong type and ``ValueError`` for an empty prompt, no tokens to generate,
         bad token ids, a negative or non-finite arrival or a duplicate request id
         (:func:`~qualia.sim.workload.checked_request`)."""
@@ -771,7 +772,7 @@ class Engine:
         try:
             self._submit(nxt)
             self.counters.follow_up_turns += 1
-        except UnservableRequest:  # the conversation outgrew the pool or logical_pages
+        except UnservableRequest:  # it outgrew the pool or logical_pages, or arrives too late
             self.counters.conversations_cut += 1
         finally:
             self.stopwatch.switch(prev)

@@ -559,7 +559,7 @@ def scheduler_lines(s: dict) -> List[str]:
     if "follow_up_turns" in s:
         kv.append(("conversations", [f"{number(int(s['follow_up_turns']))} follow-up turns",
                                      f"{number(int(s['conversations_cut']))} cut (past the "
-                                     f"pool or --logical-pages)"]))
+                                     f"pool or --logical-pages, or arriving after 1e9 s)"]))
     if forking:
         kv.append(("forks", [f"{number(int(s['forks']))} children forked",
                              f"{number(int(s['fork_fallbacks']))} queued for want of a slot "

@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from .parse import parse_float, parse_int
-from .workload import Request, unservable_reason
+from .workload import MAX_ARRIVAL_S, Request, unservable_reason
 
 __all__ = ["Trace", "TraceError", "parse_timestamp", "MAX_TRACE_SPAN_S"]
 
@@ -30,10 +30,10 @@ class TraceError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-#: The longest span of a trace's arrivals, in seconds (about 31.7 years): past it, a float
-#: second count cannot add a step's microseconds (the serving clock would stop), so a trace
-#: spanning more is refused by the line of its latest row.
-MAX_TRACE_SPAN_S = 1e9
+#: The longest span of a trace's arrivals, in seconds (about 31.7 years): the latest arrival a
+#: request may have (:data:`qualia.sim.workload.MAX_ARRIVAL_S`; a trace's arrivals start at 0).
+#: A trace spanning more is refused by the line of its latest row.
+MAX_TRACE_SPAN_S = MAX_ARRIVAL_S
 
 #: The two trace forms, by their three required columns (arrival, prompt tokens, output tokens).
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

@@ -29,10 +29,11 @@ import numpy as np
 __all__ = ["Request", "Workload", "Arrivals", "UnservableRequest", "checked_request",
            "pages_needed", "unservable_reason", "MAX_ARRIVAL_S"]
 
-#: The latest arrival a workload may have, in seconds (about 31.7 years): past it, a float
-#: second count cannot add a step's microseconds (the serving clock would stop), so an arrival
-#: rate so small that the last arrival comes later is refused (``Workload.generate`` raises
-#: ``ValueError``).  The same bound as a trace's span.
+#: The latest arrival a request may have, in seconds (about 31.7 years): past it, a float
+#: second count cannot add a step's microseconds (the serving clock would stop).  An arrival
+#: rate so small that a workload's last arrival comes later is refused (``Workload.generate``
+#: raises ``ValueError``), a trace may span no more (its arrivals start at 0), and
+#: :func:`checked_request` refuses a later ``arrival_s``.
 MAX_ARRIVAL_S = 1e9
 
 
@@ -143,8 +144,9 @@ class Arrivals:
 
 
 class UnservableRequest(ValueError):
-    """A request that needs more pages than the whole pool or than ``logical_pages``;
-    ``option_message`` says so in the command line's option names."""
+    """A request that needs more pages than the whole pool or than ``logical_pages``, or that
+    arrives after :data:`MAX_ARRIVAL_S`; ``option_message`` says so in the command line's
+    option names."""
 
     def __init__(self, message: str, option_message: Optional[str] = None) -> None:
         super().__init__(message)
@@ -256,7 +258,8 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
     array, once it is known servable by a scheduler of ``num_pages`` pages of
     ``page_tokens`` tokens and ``logical_pages`` pages per request.  Raises
     :class:`UnservableRequest` (a ``ValueError``) for a request that needs more pages than
-    either or more tokens than a request's table holds (:func:`unservable_reason`).
+    either or more tokens than a request's table holds (:func:`unservable_reason`), or whose
+    ``arrival_s`` comes after :data:`MAX_ARRIVAL_S` (the latest arrival a run may have).
 
     Every field has its type, nothing is rounded or parsed: ``request_id``, ``tenant``,
     ``shared_prefix_len``, ``max_new_tokens``, ``arrival_step`` and ``turn`` (and
@@ -293,6 +296,9 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
         arrival_s = float(arrival_s)
         if not 0.0 <= arrival_s < math.inf:
             raise ValueError(f"{what}: arrival_s must be a finite number >= 0, got {arrival_s}")
+        if arrival_s > MAX_ARRIVAL_S:
+            raise UnservableRequest(f"{what}: arrival_s must be at most {MAX_ARRIVAL_S:g} s "
+                                    f"(the latest arrival a run may have), got {arrival_s:g}")
     prompt = _checked_prompt(rid, request.prompt, vocab)
     if not len(prompt):
         raise ValueError(f"{what}: the prompt is empty")

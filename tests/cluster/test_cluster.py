@@ -343,6 +343,21 @@ def test_a_conversation_that_outgrows_a_replica_is_cut_not_an_error():
     assert rc == 0 and "conversations cut" in out, err
 
 
+def test_a_later_turn_after_the_latest_arrival_a_run_may_have_ends_its_conversation():
+    """A later turn arrives when its previous turn completed; one that would arrive after
+    1e9 s (MAX_ARRIVAL_S) is refused as a submission would be, and its conversation is cut."""
+    class Late:
+        def generate(self):
+            return [_request(1, arrival_s=1e9)]
+
+        def next_turn(self, req, outputs, step, now):
+            assert now > 1e9
+            return _request(2, arrival_s=now, arrival_step=step + 1)
+
+    res = Cluster(2, "round-robin", CFG, local=True).run(Late(), max_steps=2000)
+    assert set(res.completions) == {1} and res.summary["conversations_cut"] == 1
+
+
 def test_every_request_arrives_at_its_arrival_time():
     """First turns at their drawn times, every later turn when its previous turn completed,
     even while first turns of later conversations are still to come."""

@@ -460,6 +460,25 @@ def test_oversize_request_is_rejected_at_submission():
         Engine("c", step_seconds=-1.0)
 
 
+def test_an_arrival_after_the_latest_a_run_may_have_is_refused():
+    """arrival_s is at most MAX_ARRIVAL_S (1e9 s, a trace's longest span too): the shortest
+    step moves the serving clock up to there, so every token of a request has a time of its
+    own.  A later arrival is an UnservableRequest (a ValueError) naming the field."""
+    from qualia.sim.trace import MAX_TRACE_SPAN_S
+    from qualia.sim.workload import MAX_ARRIVAL_S
+
+    assert MAX_ARRIVAL_S == MAX_TRACE_SPAN_S == 1e9
+    engine = Engine("c", num_pages=64, max_num_seqs=4, logical_pages=8, step_seconds=1e-6)
+    for late in (np.nextafter(MAX_ARRIVAL_S, np.inf), 1e15):
+        with pytest.raises(UnservableRequest, match="request 1: arrival_s must be at most 1e"):
+            engine.submit(_req(arrival_s=late, max_new_tokens=8))
+    assert engine.pending == 0
+    engine.submit(_req(arrival_s=MAX_ARRIVAL_S, max_new_tokens=8))
+    engine.run()
+    times = engine.records[1].token_times_s
+    assert len(times) == 8 and all(b > a for a, b in zip(times, times[1:]))
+
+
 def _req(rid=1, **kw):
     fields = dict(request_id=rid, tenant=0, prompt=[1, 2, 3, 4, 5], shared_prefix_len=0,
                   max_new_tokens=3, arrival_s=0.0)
