@@ -378,9 +378,10 @@ class Engine:
         """Queue a request for its arrival.  Raises :class:`UnservableRequest` (a
         ``ValueError``) for a request that needs more pages than the whole pool or more tokens
         than a request's table holds (``logical_pages * page_tokens``) or that arrives after
-        :data:`~qualia.sim.workload.MAX_ARRIVAL_S` (1e9 s), ``TypeError`` for a
-        field of the wrong type and ``ValueError`` for an empty prompt, no tokens to generate,
-        bad token ids, a negative or non-finite arrival or a duplicate request id
+        :data:`~qualia.sim.workload.MAX_ARRIVAL_S` (1e9 s), ``TypeError`` for a field of the
+        wrong type (a prompt that is not a 1-D sequence of integers) and ``ValueError`` for an
+        empty prompt, no tokens to generate, bad token ids, a negative or non-finite arrival or
+        a duplicate request id
         (:func:`~qualia.sim.workload.checked_request`)."""
         token = self.stopwatch.enter(SUBMISSION)
         try:

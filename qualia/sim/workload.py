@@ -207,38 +207,62 @@ def unservable_reason(what: str, prompt_len: int, max_new_tokens: int, *, page_t
     return None
 
 
+def _is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (``int``, a numpy integer, an object with
+    ``__index__``; not a bool)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
     """A request's prompt as a uint32 numpy array, checked without a Python loop over its
-    tokens (a list of ints goes through one conversion)."""
+    tokens (a list of ints goes through one conversion): ``TypeError`` for what is not a 1-D
+    sequence of integers, ``ValueError`` for an integer outside the token ids."""
     limit = 2**32 if vocab is None else min(int(vocab), 2**32)
+    what = "u32" if vocab is None else f"in [0, {vocab})"
+    not_ids = TypeError(f"request {rid}: prompt token ids must be a 1-D sequence of integers, "
+                        f"got {type(prompt).__name__}")
     if isinstance(prompt, np.ndarray):
         arr = prompt
     else:
+        if isinstance(prompt, (str, bytes, dict)):
+            raise not_ids
         try:
             arr = np.array(prompt if isinstance(prompt, (list, tuple)) else list(prompt))
-        except (OverflowError, TypeError, ValueError):
-            raise ValueError(f"request {rid}: prompt token ids must be u32") from None
-        if arr.dtype == object:  # ints past int64 or mixed objects
-            raise ValueError(f"request {rid}: prompt token ids must be u32")
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "ui"):
-        raise ValueError(f"request {rid}: prompt token ids must be a 1-D sequence of integers")
+        except OverflowError:
+            raise ValueError(f"request {rid}: prompt token ids must be {what}") from None
+        except (TypeError, ValueError):  # not iterable, or ragged
+            raise not_ids from None
+    if arr.ndim != 1:
+        raise not_ids
+    if arr.dtype == object:  # ints past int64, or objects that are not all integers
+        if not all(_is_integer(v) for v in arr):
+            raise not_ids
+        raise ValueError(f"request {rid}: prompt token ids must be {what}")
+    if arr.size and arr.dtype.kind not in "ui":
+        raise not_ids
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
-        what = "u32" if vocab is None else f"in [0, {vocab})"
         raise ValueError(f"request {rid}: prompt token ids must be {what}")
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
-def _integer(what: str, name: str, value: Any, low: int = 0) -> int:
+def _integer(what: str, name: str, value: Any, low: Optional[int] = 0) -> int:
     """``value`` as a plain ``int``: an integer (``int``, a numpy integer or an object with
-    ``__index__``; not a bool) of at least ``low``.  ``TypeError`` for any other type,
-    ``ValueError`` below ``low``; ``what`` ("request 7") and ``name`` make the message."""
+    ``__index__``; not a bool) of at least ``low`` (None: any; the caller checks its range).
+    ``TypeError`` for any other type, ``ValueError`` below ``low``; ``what`` ("request 7") and
+    ``name`` make the message."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{what}: {name} must be an integer, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
         raise TypeError(f"{what}: {name} must be an integer, got {value!r}") from None
-    if n < low:
+    if low is not None and n < low:
         raise ValueError(f"{what}: {name} must be an integer >= {low}, got {n}")
     return n
 
@@ -265,8 +289,9 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
     ``shared_prefix_len``, ``max_new_tokens``, ``arrival_step`` and ``turn`` (and
     ``system_prompt`` and ``conversation`` unless None) are integers (``int``, numpy integers,
     objects with ``__index__``; not bools, floats or strings), ``arrival_s`` is None or a real
-    number (``int``, ``float``, numpy numbers; not a bool or a string), else ``TypeError``
-    naming the field.  ``ValueError`` for a request id that is not a u64, a negative
+    number (``int``, ``float``, numpy numbers; not a bool or a string), and the prompt a 1-D
+    sequence of integers (not floats, a string, None or rows), else ``TypeError`` naming the
+    field.  ``ValueError`` for a request id that is not a u64, a negative
     ``tenant``, ``arrival_step``, ``turn``, ``system_prompt`` or ``conversation``, an empty
     prompt, no tokens to generate (``max_new_tokens`` < 1), ``shared_prefix_len`` outside
     ``[0, len(prompt)]``, a token id outside ``[0, vocab)`` (u32 when ``vocab`` is None) or an
@@ -282,8 +307,8 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
         raise ValueError(f"request {rid}: request_id must be a u64")
     what = f"request {rid}"
     tenant = _integer(what, "tenant", request.tenant)
-    max_new = _integer(what, "max_new_tokens", request.max_new_tokens, low=-(2**63))
-    shared = _integer(what, "shared_prefix_len", request.shared_prefix_len, low=-(2**63))
+    max_new = _integer(what, "max_new_tokens", request.max_new_tokens, low=None)
+    shared = _integer(what, "shared_prefix_len", request.shared_prefix_len, low=None)
     arrival_step = _integer(what, "arrival_step", request.arrival_step)
     turn = _integer(what, "turn", request.turn)
     system_prompt = _optional_integer(what, "system_prompt", request.system_prompt)
@@ -303,9 +328,10 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
     if not len(prompt):
         raise ValueError(f"{what}: the prompt is empty")
     if max_new < 1:
-        raise ValueError(f"{what}: max_new_tokens must be >= 1")
+        raise ValueError(f"{what}: max_new_tokens must be >= 1, got {max_new}")
     if not 0 <= shared <= len(prompt):
-        raise ValueError(f"{what}: shared_prefix_len must be in [0, len(prompt)]")
+        raise ValueError(f"{what}: shared_prefix_len must be in [0, len(prompt)] "
+                         f"= [0, {len(prompt)}], got {shared}")
 
     def why_not(options: bool) -> Optional[str]:
         return unservable_reason(what, len(prompt), max_new, page_tokens=page_tokens,

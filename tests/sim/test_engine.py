@@ -444,7 +444,7 @@ def test_oversize_request_is_rejected_at_submission():
         engine.submit(Request(4, 0, [1], 0, 0))
     with pytest.raises(ValueError, match="arrival_s"):
         engine.submit(Request(5, 0, [1], 0, 1, arrival_s=float("nan")))
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(TypeError, match="token ids"):
         engine.submit(Request(6, 0, np.array([1.5]), 0, 1))
     result = engine.run()  # the accepted request is still served
     assert result.stats["requests_completed"] == 1
@@ -527,6 +527,40 @@ def test_submit_takes_each_field_of_its_type_and_rounds_or_parses_nothing(field,
     assert {k: len(v) for k, v in result.outputs.items()} == {1: 3, 2: 3}
     assert engine.records[1].arrival_s == 0.5 and engine.records[2].arrival_s == 1.0
     assert type(engine._requests[1].request_id) is int
+
+
+@pytest.mark.parametrize("prompt", [
+    [1.5, 2.0], np.array([1.0, 2.0]), None, "abc", b"ab", [[1, 2]], np.array([[1, 2]]),
+    [1, None], [True, False], 7,
+])
+def test_a_prompt_of_the_wrong_type_is_a_type_error(prompt):
+    """A prompt that is not a 1-D sequence of integers is a TypeError naming the prompt; an
+    empty prompt and integers outside the token ids are ValueErrors."""
+    engine = Engine("c", num_pages=64, max_num_seqs=4, logical_pages=8)
+    with pytest.raises(TypeError, match="request 1: prompt token ids must be a 1-D sequence"):
+        engine.submit(_req(prompt=prompt))
+    for empty_or_out_of_range in ([], np.zeros(0), [2**32], [2**70], [-1], [-(2**70)]):
+        with pytest.raises(ValueError) as exc:
+            engine.submit(_req(prompt=empty_or_out_of_range))
+        assert not isinstance(exc.value, TypeError)
+        assert "request 1: " in str(exc.value)
+    assert engine.pending == 0
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("max_new_tokens", -(2**64), "max_new_tokens must be >= 1, got -18446744073709551616"),
+    ("max_new_tokens", -(2**63) - 1, "max_new_tokens must be >= 1, got"),
+    ("max_new_tokens", 0, "max_new_tokens must be >= 1, got 0"),
+    ("shared_prefix_len", -(2**64), r"shared_prefix_len must be in \[0, len\(prompt\)\]"),
+    ("shared_prefix_len", 6, r"shared_prefix_len must be in \[0, len\(prompt\)\] = \[0, 5\]"),
+])
+def test_a_fields_range_message_states_its_range(field, value, says):
+    """A value out of its field's range is refused with the field's range: never a bound the
+    check uses inside."""
+    engine = Engine("c", num_pages=64, max_num_seqs=4, logical_pages=8)
+    with pytest.raises(ValueError, match=says) as exc:
+        engine.submit(_req(**{field: value}))
+    assert str(2**63) not in str(exc.value)
 
 
 def test_submit_all_queues_every_request_or_none():
