@@ -13,7 +13,6 @@ rate (:func:`qualia.sim.figures.prefix_cache_hit_rate`) with the single engine's
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 import os
 import time
@@ -27,7 +26,7 @@ from ..sim.report import step_figures
 from ..sim.workload import Arrivals, UnservableRequest, checked_request
 from .metrics import ClusterMetrics
 from .replica import Replica, ReplicaConfig
-from .router import POLICIES, Router, checked_load_weight, is_real_number
+from .router import POLICIES, Router, checked_load_weight, checked_step_timeout
 
 __all__ = ["Cluster", "ClusterResult", "init_local_ray", "compare_policies", "format_comparison"]
 
@@ -181,8 +180,11 @@ class Cluster:
     ``policy``: one of :data:`POLICIES`.  ``local=True`` runs the replicas in this process
     (no Ray).  ``clock``: the serving clock (:func:`qualia.sim.clock.serving_clock`: None, the
     modeled time on the default profile).  ``load_weight``: the prefix policy's cost, in pages,
-    of one request queued on a replica.  ``metrics``: a :class:`ClusterMetrics` to update.
-    ``step_timeout``: seconds a replica's step may take before it is declared dead.
+    of one request queued on a replica (a finite real number >= 0).  ``metrics``: a
+    :class:`ClusterMetrics` to update.
+    ``step_timeout``: seconds a replica's step may take before it is declared dead (a finite
+    real number > 0).  Both take any real number (``Fraction`` and ``Decimal`` included,
+    converted with ``float``); anything else is a ``TypeError``.
     ``max_resubmits``: how many replica
     deaths one request may go through; one more raises ``RuntimeError`` (a request whose every
     replica dies is more likely killing them than unlucky, and resubmitting it forever would
@@ -206,10 +208,7 @@ class Cluster:
         self.n = n
         self.policy = policy
         self.load_weight = checked_load_weight(load_weight)
-        if not is_real_number(step_timeout) or not 0.0 < float(step_timeout) < math.inf:
-            raise ValueError(f"step_timeout must be a finite number of seconds > 0, "
-                             f"got {step_timeout!r}")
-        self.step_timeout = float(step_timeout)
+        self.step_timeout = checked_step_timeout(step_timeout)
         self.max_resubmits = _integer("max_resubmits", max_resubmits)
         if self.max_resubmits < 0:
             raise ValueError(f"max_resubmits must be at least 0, got {max_resubmits}")

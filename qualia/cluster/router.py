@@ -8,6 +8,7 @@ less a load cost (``load_weight`` pages per request queued there); ``round-robin
 
 from __future__ import annotations
 
+import decimal
 import math
 import numbers
 from typing import Any, List, Optional, Sequence, Tuple
@@ -24,20 +25,44 @@ POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
 def is_real_number(value: Any) -> bool:
-    """Whether ``value`` is a real number: an ``int``, a ``float`` or a numpy number, not a
-    bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    """Whether ``value`` is a real number: an ``int``, a ``float``, a numpy number, a
+    ``fractions.Fraction`` or a ``decimal.Decimal``; not a bool."""
+    return (isinstance(value, (numbers.Real, decimal.Decimal))
+            and not isinstance(value, (bool, np.bool_)))
+
+
+def real_number(name: str, value: Any) -> float:
+    """``value`` as a ``float``: a real number (:func:`is_real_number`), else ``TypeError``
+    naming ``name`` (a string, a bool, None ...).  One too large for a float is ``inf`` and a
+    signaling NaN is ``nan``: the caller's range check refuses them."""
+    if not is_real_number(value):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    except ValueError:   # decimal.Decimal("sNaN")
+        return math.nan
 
 
 def checked_load_weight(value: Any) -> float:
     """``value`` as the prefix policy's ``load_weight``: a finite real number >= 0 (pages per
-    request queued), else ``ValueError`` (``TypeError`` for what is not a real number)."""
-    if not is_real_number(value):
-        raise TypeError(f"load_weight must be a number, got {value!r}")
-    weight = float(value)
+    request queued; any real number, converted with ``float``), else ``ValueError``
+    (``TypeError`` for what is not a real number)."""
+    weight = real_number("load_weight", value)
     if not 0.0 <= weight < math.inf:
         raise ValueError(f"load_weight must be a finite number >= 0, got {value!r}")
     return weight
+
+
+def checked_step_timeout(value: Any) -> float:
+    """``value`` as a cluster's ``step_timeout``: a finite real number of seconds > 0 (any
+    real number, converted with ``float``), else ``ValueError`` (``TypeError`` for what is not
+    a real number)."""
+    seconds = real_number("step_timeout", value)
+    if not 0.0 < seconds < math.inf:
+        raise ValueError(f"step_timeout must be a finite number of seconds > 0, got {value!r}")
+    return seconds
 
 
 class Router:

@@ -83,6 +83,36 @@ def test_a_cluster_is_built_only_from_arguments_in_range(kw, exc, says):
         Cluster(**args)
 
 
+def test_load_weight_and_step_timeout_take_any_real_number():
+    """Cluster's load_weight and step_timeout, and Router's load_weight, take any real number
+    (converted with float: Decimal and Fraction too); a string, a bool or None is a TypeError,
+    a number out of range a ValueError, each naming its argument."""
+    import decimal
+    import fractions
+
+    from qualia.cluster.router import Router
+
+    for number, value in ((decimal.Decimal("0.25"), 0.25), (fractions.Fraction(1, 4), 0.25),
+                          (np.float32(0.25), 0.25), (2, 2.0)):
+        cl = Cluster(2, "prefix", CFG, local=True, load_weight=number, step_timeout=number)
+        assert (cl.load_weight, cl.step_timeout, cl.router.load_weight) == (value,) * 3
+        assert type(cl.load_weight) is float and type(cl.step_timeout) is float
+        assert Router(2, "prefix", CFG, load_weight=number).load_weight == value
+    for name in ("load_weight", "step_timeout"):
+        for wrong in ("1", "60", True, np.bool_(False), None, 1j, b"1"):
+            with pytest.raises(TypeError, match=f"{name} must be a number, got"):
+                Cluster(2, "prefix", CFG, local=True, **{name: wrong})
+        for out in (decimal.Decimal("NaN"), decimal.Decimal("sNaN"), decimal.Decimal("-1"),
+                    decimal.Decimal("Infinity"), fractions.Fraction(-1, 3), 10**400, -(10**400),
+                    fractions.Fraction(10**400, 3)):
+            with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+                Cluster(2, "prefix", CFG, local=True, **{name: out})
+    with pytest.raises(TypeError, match="load_weight must be a number"):
+        Router(2, "prefix", CFG, load_weight=None)
+    with pytest.raises(ValueError, match="load_weight must be a finite number >= 0"):
+        Router(2, "prefix", CFG, load_weight=decimal.Decimal("-0.5"))
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(kill_replica_at=3, kill_replica=2), r"kill_replica must be a replica in \[0, 1\]"),
     (dict(kill_replica_at=3, kill_replica=-2), r"kill_replica must be a replica in \[0, 1\]"),
