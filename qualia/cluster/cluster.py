@@ -341,8 +341,8 @@ class Cluster:
         duplicate): a mistake is a ``ValueError`` or ``TypeError`` and changes nothing.  Each
         run reports only itself (its counters start at 0); the replicas keep their caches, and
         a replica still down from an earlier run counts as found dead at step 0."""
-        victim = self._checked_run_arguments(kill_replica_at, kill_replica, rejoin_after,
-                                             max_steps)
+        kill_replica_at, victim, rejoin_after, max_steps = self._checked_run_arguments(
+            kill_replica_at, kill_replica, rejoin_after, max_steps, on_step)
         reqs = [self._checked(q)
                 for q in (workload.generate() if hasattr(workload, "generate") else workload)]
         seen: set = set()
@@ -536,18 +536,26 @@ class Cluster:
                                logical_pages=c.logical_pages,
                                vocab=c.vocab if c.backend == "model" else None)
 
-    def _checked_run_arguments(self, kill_replica_at, kill_replica, rejoin_after,
-                               max_steps) -> int:
-        """Check :meth:`run`'s fault-injection and step arguments; the replica to kill."""
+    def _checked_run_arguments(self, kill_replica_at, kill_replica, rejoin_after, max_steps,
+                               on_step) -> Tuple[Optional[int], int, Optional[int],
+                                                 Optional[int]]:
+        """Check :meth:`run`'s fault-injection, step and callback arguments; the values the
+        run uses: ``kill_replica_at``, the replica to kill, ``rejoin_after`` and ``max_steps``
+        as plain ints (or None)."""
+        steps: List[Optional[int]] = []
         for name, value in (("kill_replica_at", kill_replica_at),
                             ("rejoin_after", rejoin_after), ("max_steps", max_steps)):
-            if value is not None and _integer(name, value) < 0:
+            n = None if value is None else _integer(name, value)
+            if n is not None and n < 0:
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            steps.append(n)
         victim = _integer("kill_replica", kill_replica)
         if not -1 <= victim < self.n:
             raise ValueError(f"kill_replica must be a replica in [0, {self.n - 1}] or -1 "
                              f"(the last), got {kill_replica!r}")
-        return self.n - 1 if victim < 0 else victim
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be None or a callable, got {on_step!r}")
+        return steps[0], self.n - 1 if victim < 0 else victim, steps[1], steps[2]
 
     def _summary(self, tracks: Dict[int, _Track], records: Dict[int, RequestRecord],
                  steps: int, wall: float) -> Dict[str, Any]:

@@ -127,6 +127,42 @@ def test_a_run_refuses_fault_injection_outside_the_cluster_before_it_starts(kw, 
     assert cl.decisions == [0, 0] and all(h.obj.steps == 0 for h in cl.handles)
 
 
+class _Index:
+    def __init__(self, n):
+        self.n = n
+
+    def __index__(self):
+        return self.n
+
+
+def test_a_runs_integer_arguments_are_used_as_the_ints_they_convert_to():
+    """kill_replica_at, kill_replica, rejoin_after and max_steps may be any integer (objects
+    with __index__ too): the run uses the ints they convert to, and gives what plain ints give.
+    A refused argument (on_step that cannot be called too) changes nothing: no counter zeroed,
+    no replica killed."""
+    def w():
+        return workload(requests=4, turns=1)
+
+    plain = Cluster(2, "round-robin", CFG, local=True).run(
+        w(), kill_replica_at=3, kill_replica=0, rejoin_after=1, max_steps=2000).summary
+    cl = Cluster(2, "round-robin", CFG, local=True)
+    idx = cl.run(w(), kill_replica_at=_Index(3), kill_replica=_Index(0),
+                 rejoin_after=_Index(1), max_steps=_Index(2000)).summary
+    for key in ("deaths", "rejoins", "killed_at", "decisions", "completed", "tokens_decoded",
+                "steps"):
+        assert idx[key] == plain[key], key
+    assert idx["killed_at"] == 3 and idx["rejoins"] == 1
+    state = (list(cl.decisions), cl.deaths, cl.rejoins, cl.killed_at, list(cl.live),
+             [h.obj is not None for h in cl.handles], [h.obj.steps for h in cl.handles])
+    for bad in (dict(on_step=5), dict(kill_replica_at=2, rejoin_after=1, on_step="x"),
+                dict(kill_replica_at=2, rejoin_after=_Index(-1))):
+        with pytest.raises((TypeError, ValueError)):
+            cl.run(w(), max_steps=2000, **bad)
+        assert (list(cl.decisions), cl.deaths, cl.rejoins, cl.killed_at, list(cl.live),
+                [h.obj is not None for h in cl.handles],
+                [h.obj.steps for h in cl.handles]) == state
+
+
 def _request(rid, **kw):
     from qualia.sim.workload import Request
 
