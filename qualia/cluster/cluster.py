@@ -150,6 +150,11 @@ class _LocalHandle:
             raise fut
         return fut
 
+    def drain(self, timeout):
+        if self.obj is None:
+            raise RuntimeError("replica killed")
+        return self.obj.drain()
+
     def kill(self) -> None:
         self.obj = None
 
@@ -169,6 +174,9 @@ class _RayHandle:
 
     def result(self, fut, timeout):
         return _ray().get(fut, timeout=timeout)
+
+    def drain(self, timeout):
+        return _ray().get(self.actor.drain.remote(), timeout=timeout)
 
     def kill(self) -> None:
         _ray().kill(self.actor, no_restart=True)
@@ -242,6 +250,25 @@ class Cluster:
         self.implementations = set()   # the schedulers the replicas reported
         for r in self.died_at:  # still down from an earlier run: found dead at its step 0
             self.died_at[r] = 0
+
+    def _drain_replicas(self) -> List[int]:
+        """Before a run: every live replica aborts the requests an earlier run left it (a run
+        that raised leaves its unfinished requests on the replicas) and keeps its cache; the
+        index applies its events, and its load is 0.  Returns the replicas that could not be
+        drained (killed, or no answer within ``step_timeout``): the run finds them dead at its
+        step 0, before it routes anything."""
+        dead = []
+        for r in range(self.n):
+            if not self.live[r]:
+                continue
+            try:
+                events = self.handles[r].drain(self.step_timeout)
+            except Exception:
+                dead.append(r)
+                continue
+            self.index.apply_events(r, events)
+            self.load[r] = 0
+        return dead
 
     @property
     def live(self) -> List[bool]:
@@ -339,8 +366,11 @@ class Cluster:
         Before anything runs, the arguments and every request are checked as the engine checks
         them (:func:`qualia.sim.workload.checked_request`; a request id used twice is a
         duplicate): a mistake is a ``ValueError`` or ``TypeError`` and changes nothing.  Each
-        run reports only itself (its counters start at 0); the replicas keep their caches, and
-        a replica still down from an earlier run counts as found dead at step 0."""
+        run reports only itself (its counters start at 0) and serves only its own requests:
+        each live replica first aborts what an earlier run left it (a run that raised leaves
+        its unfinished requests there); the replicas keep their caches, and a replica still
+        down from an earlier run, or one that cannot be drained, counts as found dead at step
+        0."""
         kill_replica_at, victim, rejoin_after, max_steps = self._checked_run_arguments(
             kill_replica_at, kill_replica, rejoin_after, max_steps, on_step)
         reqs = [self._checked(q)
@@ -351,7 +381,10 @@ class Cluster:
                 raise ValueError(f"request {q.request_id}: duplicate request id")
             seen.add(q.request_id)
         next_turn = getattr(workload, "next_turn", None)
+        undrained = self._drain_replicas()
         self._reset_run()
+        for r in undrained:   # found dead at step 0: nothing of this run is lost with it
+            self._on_death(r, 0, {}, deque())
         arrivals = Arrivals()
         for q in reqs:
             arrivals.push(q)

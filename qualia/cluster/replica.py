@@ -99,6 +99,21 @@ class Replica:
         return dict(replica=self.replica_id, implementation=self.implementation,
                     backend=type(self.backend).__name__)
 
+    def drain(self) -> Any:
+        """Abort every request the replica holds (those of a run that ended before they
+        finished), so that the next run starts with none; its cache stays.  Returns the KV
+        events since its last step (for the router's index).  ``RuntimeError`` when requests
+        are left (the router then kills the replica)."""
+        for rid in list(self.sched.requests()):
+            try:
+                self.sched.abort(int(rid))
+            except StepError.UnknownRequest:   # a group member, aborted with its parent
+                pass
+        if self.sched.has_unfinished():
+            raise RuntimeError(f"replica {self.replica_id}: requests left after aborting "
+                               "every one")
+        return self.facade.drain_events()
+
     def _hit_tokens(self) -> int:
         # prompt tokens the cache has served so far (for a plan that does not count them)
         return int(self.facade.cache_stats().hit_tokens)

@@ -216,6 +216,53 @@ def test_a_second_run_of_a_cluster_reports_only_itself():
     assert second["steps"] == fresh["steps"] and second["idle_s"] == fresh["idle_s"]
 
 
+@pytest.mark.parametrize("kind", ["core", "twin"])
+def test_a_run_after_a_run_that_raised_is_its_own(kind):
+    """A run that raised (max_steps) leaves its unfinished requests on the replicas; the next
+    run aborts them first, so it serves its own requests only: the same ids again give a
+    fresh cluster's figures, and new ids are served, each request once.  A replica killed in
+    the run that raised, and not yet found dead, is found dead at the next run's step 0,
+    before anything is routed to it."""
+    cfg = ReplicaConfig(num_pages=96, max_num_seqs=8, logical_pages=16, scheduler=kind)
+
+    def w():
+        return Workload(requests=6, turns=1, system_prompts=0, arrival_rate=40.0, seed=0,
+                        vocab=32000)
+
+    fresh = Cluster(2, "round-robin", cfg, local=True).run(w(), max_steps=2000)
+    keys = ("decisions", "completed", "tokens_decoded", "duplicates_ignored", "deaths",
+            "resubmitted")
+    cl = Cluster(2, "round-robin", cfg, local=True)
+    with pytest.raises(RuntimeError, match="did not finish within 3 steps"):
+        cl.run(w(), max_steps=3)
+    again = cl.run(w(), max_steps=2000)
+    assert_exactly_once(again)
+    assert again.outputs == fresh.outputs
+    assert {k: again.summary[k] for k in keys} == {k: fresh.summary[k] for k in keys}
+    with pytest.raises(RuntimeError, match="did not finish within 3 steps"):
+        cl.run(w(), max_steps=3)
+    new_ids = [dataclasses.replace(q, request_id=q.request_id + 100) for q in w().generate()]
+    other = cl.run(new_ids, max_steps=2000)
+    assert_exactly_once(other)
+    assert set(other.completions) == {q.request_id for q in new_ids}
+    assert other.summary["duplicates_ignored"] == 0
+
+    def kill_after_step_2(step, cluster):
+        if step == 2:
+            cluster.kill(0)
+
+    with pytest.raises(RuntimeError, match="did not finish within 3 steps"):
+        cl.run(w(), max_steps=3, on_step=kill_after_step_2)
+    assert cl.live == [True, True]   # killed, not yet found dead
+    last = cl.run(w(), max_steps=2000)
+    assert_exactly_once(last)
+    assert last.outputs == fresh.outputs
+    s = last.summary
+    assert (s["deaths"], s["resubmitted"], s["decisions"], s["duplicates_ignored"]) == \
+        (1, 0, [0, 6], 0)
+    assert not cl.handles[1].obj.sched.has_unfinished()
+
+
 def test_round_robin_cycles_and_least_loaded_picks_the_lightest():
     rr = Cluster(3, "round-robin", CFG, local=True)
     assert [rr.route([1, 2, 3])[0] for _ in range(4)] == [0, 1, 2, 0]
@@ -616,6 +663,32 @@ def test_ray_fault_one_replica_killed_every_request_once(ray_cluster):
     assert_exactly_once(res)
     assert res.summary["deaths"] == 1 and res.summary["resubmitted"] >= 1
     assert res.summary["rejoins"] == 1
+
+
+def test_ray_a_run_after_a_run_that_raised_is_its_own(ray_cluster):
+    """The replicas' actors abort what a run that raised left them before the next run, and a
+    killed actor is found dead at its step 0."""
+    cfg = ReplicaConfig(num_pages=96, max_num_seqs=8, logical_pages=16)
+
+    def w():
+        return Workload(requests=6, turns=1, system_prompts=0, arrival_rate=40.0, seed=0,
+                        vocab=32000)
+
+    cl = Cluster(2, "round-robin", cfg, step_timeout=60)
+    try:
+        with pytest.raises(RuntimeError, match="did not finish within 3 steps"):
+            cl.run(w(), max_steps=3)
+        again = cl.run(w(), max_steps=2000)
+        with pytest.raises(RuntimeError, match="did not finish within 3 steps"):
+            cl.run(w(), max_steps=3, on_step=lambda step, c: c.kill(0) if step == 2 else None)
+        last = cl.run(w(), max_steps=2000)
+    finally:
+        cl.close()
+    assert_exactly_once(again)
+    assert (again.summary["duplicates_ignored"], again.summary["deaths"]) == (0, 0)
+    assert_exactly_once(last)
+    assert (last.summary["deaths"], last.summary["resubmitted"],
+            last.summary["decisions"]) == (1, 0, [0, 6])
 
 
 def test_ray_metrics_endpoint_is_scraped(ray_cluster):
