@@ -16,7 +16,7 @@ from ..cluster.cluster import (
 )
 from ..cluster.metrics import ClusterMetrics
 from ..cluster.replica import ReplicaConfig, make_scheduler, model_weights
-from ..sim.config import DEFAULT_ROUTER, wants_cluster
+from ..sim.config import DEFAULT_LOAD_WEIGHT, DEFAULT_REJOIN_AFTER, DEFAULT_ROUTER, wants_cluster
 from .options import finite_non_negative, int_in
 
 __all__ = ["add_cluster_options", "wants_cluster", "simulate_cli"]
@@ -35,12 +35,12 @@ def add_cluster_options(p) -> None:
                    help="run every policy and one replica with N times the pool, side by side")
     g.add_argument("--kill-replica", type=int_in(0, 2**31), default=None, metavar="STEP",
                    help="kill the last replica's actor at this step (fault injection)")
-    g.add_argument("--rejoin-after", type=int_in(0, 2**31), default=5, metavar="STEPS",
-                   help="restart a dead replica this many steps after its death was found "
-                        "(default %(default)s)")
-    g.add_argument("--load-weight", type=finite_non_negative, default=0.25, metavar="PAGES",
+    g.add_argument("--rejoin-after", type=int_in(0, 2**31), default=None, metavar="STEPS",
+                   help="with --kill-replica: restart a dead replica this many steps after its "
+                        f"death was found (default {DEFAULT_REJOIN_AFTER})")
+    g.add_argument("--load-weight", type=finite_non_negative, default=None, metavar="PAGES",
                    help="prefix router: pages of cached prefix one queued request is worth "
-                        "(default %(default)s)")
+                        f"(default {DEFAULT_LOAD_WEIGHT})")
     g.add_argument("--metrics-port", type=int_in(0, 65535), default=None, metavar="P",
                    help="serve Prometheus metrics on 127.0.0.1:P during the run")
     g.add_argument("--ray-address", default=None, metavar="ADDR",

@@ -66,15 +66,20 @@ SIZE_OPTIONS = {"num_pages": "--num-pages", "max_num_seqs": "--max-num-seqs",
                 "max_num_batched_tokens": "--max-num-batched-tokens"}
 #: the routing policy of ``--replicas`` without ``--router``
 DEFAULT_ROUTER = "prefix"
+#: the steps after its death was found that a killed replica restarts, without ``--rejoin-after``
+DEFAULT_REJOIN_AFTER = 5
+#: the prefix router's pages per queued request, without ``--load-weight``
+DEFAULT_LOAD_WEIGHT = 0.25
 #: seconds ``--ray-address`` has to accept a TCP connection before the run is refused
 CONNECT_TIMEOUT_S = 5.0
 
 _CLUSTER_ONLY = ("router", "compare", "kill_replica", "rejoin_after", "load_weight",
                  "metrics_port", "ray_address", "local")
-#: the command line's defaults of the cluster options (--router's is None until the checks
-#: pass, so that one given is told apart from none: then DEFAULT_ROUTER)
+#: the command line's defaults of the cluster options (--router's, --rejoin-after's and
+#: --load-weight's are None until the checks pass, so that one given is told apart from none,
+#: whatever its value: then DEFAULT_ROUTER, DEFAULT_REJOIN_AFTER and DEFAULT_LOAD_WEIGHT)
 _CLUSTER_DEFAULTS: Dict[str, Any] = dict(replicas=None, router=None, compare=False,
-                                         kill_replica=None, rejoin_after=5, load_weight=0.25,
+                                         kill_replica=None, rejoin_after=None, load_weight=None,
                                          metrics_port=None, ray_address=None, local=False)
 
 
@@ -525,7 +530,7 @@ def _cluster_option_problem(args) -> Optional[str]:
         return "argument --ray-address: not with --local (the replicas run in this process)"
     if args.compare and args.router is not None:
         return "argument --router: not with --compare (which runs every policy)"
-    if args.kill_replica is None and args.rejoin_after != _CLUSTER_DEFAULTS["rejoin_after"]:
+    if args.kill_replica is None and args.rejoin_after is not None:
         return ("argument --rejoin-after: only with --kill-replica (it is when the killed "
                 "replica restarts)")
     return None
@@ -548,8 +553,11 @@ def check_simulate(args, stopwatch=None) -> Prepared:
     problem = _cluster_option_problem(args) or _clock_option_problem(args)
     if problem is not None:
         raise Refused(problem)
-    if getattr(args, "replicas", None) is not None and args.router is None:
-        args.router = DEFAULT_ROUTER
+    if getattr(args, "replicas", None) is not None:
+        for name, default in (("router", DEFAULT_ROUTER), ("rejoin_after", DEFAULT_REJOIN_AFTER),
+                              ("load_weight", DEFAULT_LOAD_WEIGHT)):
+            if getattr(args, name) is None:
+                setattr(args, name, default)
     vocab = VOCAB[args.backend]
     if args.eos_token_id is not None and args.eos_token_id >= vocab:
         raise Refused(f"argument --eos-token-id: must be < {vocab} (the vocabulary of --backend "

@@ -397,6 +397,29 @@ def _cli(argv, monkeypatch=None):
     return rc, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.parametrize("option", [["--router", "prefix"], ["--load-weight", "0.25"],
+                                    ["--load-weight", "0.3"], ["--rejoin-after", "5"],
+                                    ["--rejoin-after", "6"]])
+def test_a_cluster_option_given_is_refused_without_its_companion_whatever_its_value(
+        option, monkeypatch):
+    """An option given is told apart from one left out, a value equal to its default too:
+    without --replicas every cluster option is refused, and --rejoin-after without
+    --kill-replica; left out, each takes its default once the checks pass."""
+    rc, out, err = _cli(option, monkeypatch)
+    assert rc == 2 and out == "" and "need --replicas N" in err, err
+    if option[0] == "--rejoin-after":
+        rc, out, err = _cli(["--replicas", "2", "--local", *option], monkeypatch)
+        assert rc == 2 and out == "" and "argument --rejoin-after: only with --kill-replica" in err
+    from qualia.cli.main import build_parser
+    from qualia.sim import config as preflight
+    args = build_parser().parse_args(["simulate", "--replicas", "2", "--local", "--backend", "c",
+                                      "--requests", "4"])
+    vars(args).pop("subparser", None)
+    preflight.check_simulate(args)
+    assert (args.router, args.load_weight, args.rejoin_after) == (
+        preflight.DEFAULT_ROUTER, preflight.DEFAULT_LOAD_WEIGHT, preflight.DEFAULT_REJOIN_AFTER)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: directory"),
     (["--num-pages", "1"], "can never be served"),
