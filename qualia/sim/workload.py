@@ -254,16 +254,17 @@ def _checked_prompt(rid: int, prompt, vocab: Optional[int]) -> np.ndarray:
 def _integer(what: str, name: str, value: Any, low: Optional[int] = 0) -> int:
     """``value`` as a plain ``int``: an integer (``int``, a numpy integer or an object with
     ``__index__``; not a bool) of at least ``low`` (None: any; the caller checks its range).
-    ``TypeError`` for any other type, ``ValueError`` below ``low``; ``what`` ("request 7") and
-    ``name`` make the message."""
+    ``TypeError`` for any other type, ``ValueError`` below ``low``; ``what`` ("request 7", or
+    "" before the request's id is known) and ``name`` make the message."""
+    field = f"{what}: {name}" if what else name
     if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what}: {name} must be an integer, got {value!r}")
+        raise TypeError(f"{field} must be an integer, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise TypeError(f"{what}: {name} must be an integer, got {value!r}") from None
+        raise TypeError(f"{field} must be an integer, got {value!r}") from None
     if low is not None and n < low:
-        raise ValueError(f"{what}: {name} must be an integer >= {low}, got {n}")
+        raise ValueError(f"{field} must be an integer >= {low}, got {n}")
     return n
 
 
@@ -296,13 +297,7 @@ def checked_request(request: Request, *, page_tokens: int, num_pages: int, logic
     prompt, no tokens to generate (``max_new_tokens`` < 1), ``shared_prefix_len`` outside
     ``[0, len(prompt)]``, a token id outside ``[0, vocab)`` (u32 when ``vocab`` is None) or an
     arrival time that is not a finite number >= 0 (NaN, inf)."""
-    value = request.request_id
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"request_id must be an integer, got {value!r}")
-    try:
-        rid = operator.index(value)
-    except TypeError:
-        raise TypeError(f"request_id must be an integer, got {value!r}") from None
+    rid = _integer("", "request_id", request.request_id, low=None)
     if not 0 <= rid <= 2**64 - 1:
         raise ValueError(f"request {rid}: request_id must be a u64")
     what = f"request {rid}"

@@ -39,7 +39,9 @@ def model_dir(tmp_path_factory):
 
 
 def make_scheduler(model_dir, *, max_num_seqs=16, num_blocks=1000, budget=2048,
-                   prefix_caching=True, policy="fcfs", aux_output=False, watermark=0.0):
+                   prefix_caching=True, policy="fcfs", aux_output=False, watermark=0.0,
+                   stock=False):
+    """qualia's scheduler over a vLLM config of these sizes (stock=True: vLLM's own)."""
     model_config = ModelConfig(model=model_dir, dtype="float32", seed=0,
                                skip_tokenizer_init=True, max_model_len=1024)
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -56,9 +58,13 @@ def make_scheduler(model_dir, *, max_num_seqs=16, num_blocks=1000, budget=2048,
                                                       head_size=1, dtype=torch.float32))])
     cc.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(cfg)
-    return qualia.vllm.Scheduler(vllm_config=cfg, kv_cache_config=kv, block_size=BLOCK,
-                                 log_stats=True,
-                                 structured_output_manager=StructuredOutputManager(cfg))
+    if stock:
+        from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+        cls = VllmScheduler
+    else:
+        cls = qualia.vllm.Scheduler
+    return cls(vllm_config=cfg, kv_cache_config=kv, block_size=BLOCK, log_stats=True,
+               structured_output_manager=StructuredOutputManager(cfg))
 
 
 def request(rid, prompt, max_tokens=50, priority=0):
@@ -306,12 +312,7 @@ def test_outputs_equal_vllms_field_by_field(model_dir):
 
     got = {}
     for name, cls in (("vllm", VllmScheduler), ("qualia", qualia.vllm.Scheduler)):
-        sched = make_scheduler(model_dir, prefix_caching=False)
-        if cls is VllmScheduler:
-            sched = VllmScheduler(vllm_config=sched.vllm_config,
-                                  kv_cache_config=sched.kv_cache_config, block_size=BLOCK,
-                                  log_stats=True, structured_output_manager=StructuredOutputManager(
-                                      sched.vllm_config))
+        sched = make_scheduler(model_dir, prefix_caching=False, stock=cls is VllmScheduler)
         got[name] = scripted_run(sched, make_reqs(), script, abort_in_flight=(2, "x"))
         if cls is not VllmScheduler:
             assert all_pages_back(sched)
@@ -448,12 +449,7 @@ def test_logprobs_by_token_ids_and_prompt_token_id_logprobs_are_passed_on_as_vll
     from vllm.v1.outputs import LogprobsLists
 
     def run(cls):
-        sched = make_scheduler(model_dir, prefix_caching=False)
-        if cls is VllmScheduler:
-            sched = VllmScheduler(vllm_config=sched.vllm_config,
-                                  kv_cache_config=sched.kv_cache_config, block_size=BLOCK,
-                                  log_stats=True, structured_output_manager=StructuredOutputManager(
-                                      sched.vllm_config))
+        sched = make_scheduler(model_dir, prefix_caching=False, stock=cls is VllmScheduler)
         reqs = []
         for rid, kw in (("ids", dict(logprob_token_ids=[5, 6],
                                      prompt_logprob_token_ids=[[5, 6]] * 3)),
@@ -492,12 +488,7 @@ def test_priority_order_holds_across_the_requests_waiting_in_the_adapter(model_d
 
     def admissions(cls):
         sched = make_scheduler(model_dir, max_num_seqs=2, prefix_caching=False,
-                               policy="priority")
-        if cls is VllmScheduler:
-            sched = VllmScheduler(vllm_config=sched.vllm_config,
-                                  kv_cache_config=sched.kv_cache_config, block_size=BLOCK,
-                                  log_stats=True, structured_output_manager=StructuredOutputManager(
-                                      sched.vllm_config))
+                               policy="priority", stock=cls is VllmScheduler)
         for i in range(10):
             sched.add_request(request(f"low{i}", [3 + i] * 20, max_tokens=3, priority=5))
         sched.add_request(request("high", [9] * 20, max_tokens=3, priority=0))
